@@ -1,0 +1,1 @@
+"""memgas.kernels package."""

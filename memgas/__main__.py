@@ -1,0 +1,3 @@
+from memgas.jobs.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""memgas.pipeline.models package."""

@@ -1,0 +1,224 @@
+"""Every Arrow schema of a memory bank, in one place.
+
+A bank is a directory of Parquet tables (see :mod:`memgas.pipeline.bank`). Texts are stored once, by
+content hash, in ``texts``; every other table refers to them by ``text_hash``. This is what makes
+LongMemEval haystacks cheap: a session shared by many questions is stored, summarised and embedded once.
+
+Keys (a re-run of a stage overwrites rows with the same key instead of adding duplicates):
+
+===============  ============================================  ==========================================
+table            key                                           what a row is
+===============  ============================================  ==========================================
+histories        history_id                                    one user's memory (LME: one question)
+sessions         history_id, session_id                        a session referenced by a history
+texts            text_hash                                     a unique text (session, turn pair, ...)
+turns            session_hash, turn_index                      one utterance of a unique session
+pairs            session_hash, pair_index                      a retrieval "turn": two utterances
+queries          query_id                                      a question with its evidence
+generations      text_hash, kind, model, prompt_version        an LLM (or LLM-free) summary / keywords
+embeddings       text_hash, encoder                            one vector
+nodes            history_id, session_id, granularity           which text a memory node is embedded from
+edges            history_id, src, dst, mode                    an undirected association edge (src > dst)
+rankings         method, query_id, rank                        a ranked session
+answers          method, query_id                              filtered context and hypothesis
+===============  ============================================  ==========================================
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+#: Bump when a table's columns change; banks of another version are refused with a clear error.
+SCHEMA_VERSION = 1
+
+#: Granularities of a memory node, in the node order of DESIGN.md §3 (node id = 4 * position + index).
+GRANULARITIES: tuple[str, ...] = ("session", "turn", "summary", "keyword")
+
+#: Generation kinds stored in ``generations``.
+GENERATION_KINDS: tuple[str, ...] = ("summary", "keywords")
+
+HISTORIES = pa.schema(
+    [
+        pa.field("history_id", pa.string(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("speakers", pa.list_(pa.string())),
+        pa.field("n_sessions", pa.int32(), nullable=False),
+    ]
+)
+
+SESSIONS = pa.schema(
+    [
+        pa.field("history_id", pa.string(), nullable=False),
+        pa.field("session_id", pa.string(), nullable=False),
+        pa.field("position", pa.int32(), nullable=False),  # 0-based order within the history
+        pa.field("date_raw", pa.string()),  # the date string as given
+        pa.field("date", pa.timestamp("s")),  # parsed, null when unparseable
+        pa.field("text_hash", pa.string(), nullable=False),  # hash of the session text
+        pa.field("n_turns", pa.int32(), nullable=False),
+        pa.field("dataset_summary", pa.string()),  # e.g. LoCoMo's GPT session_summary
+    ]
+)
+
+TEXTS = pa.schema(
+    [
+        pa.field("text_hash", pa.string(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+    ]
+)
+
+TURNS = pa.schema(
+    [
+        pa.field("session_hash", pa.string(), nullable=False),
+        pa.field("turn_index", pa.int32(), nullable=False),
+        pa.field("role", pa.string(), nullable=False),  # user/assistant (LME) or the speaker's name
+        pa.field("content", pa.string(), nullable=False),
+        pa.field("has_answer", pa.bool_()),  # LongMemEval turn-level evidence mark
+        pa.field("dia_id", pa.string()),  # LoCoMo dialog id, e.g. "D3:5"
+    ]
+)
+
+PAIRS = pa.schema(
+    [
+        pa.field("session_hash", pa.string(), nullable=False),
+        pa.field("pair_index", pa.int32(), nullable=False),
+        pa.field("text_hash", pa.string(), nullable=False),
+        pa.field("has_answer", pa.bool_()),  # any of its utterances carries has_answer
+        pa.field("dia_ids", pa.list_(pa.string())),
+    ]
+)
+
+QUERIES = pa.schema(
+    [
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("history_id", pa.string(), nullable=False),
+        pa.field("question", pa.string(), nullable=False),
+        pa.field("question_date_raw", pa.string()),
+        pa.field("question_date", pa.timestamp("s")),
+        pa.field("answer", pa.string()),
+        pa.field("question_type", pa.string(), nullable=False),
+        pa.field("category", pa.int32()),  # LoCoMo category number, null elsewhere
+        pa.field("evidence_session_ids", pa.list_(pa.string())),
+        pa.field("evidence_turn_ids", pa.list_(pa.string())),  # "session_id:pair_index"
+        pa.field("is_abstention", pa.bool_(), nullable=False),
+    ]
+)
+
+GENERATIONS = pa.schema(
+    [
+        pa.field("text_hash", pa.string(), nullable=False),  # hash of the *session* text
+        pa.field("kind", pa.string(), nullable=False),  # summary | keywords
+        pa.field("model", pa.string(), nullable=False),
+        pa.field("prompt_version", pa.string(), nullable=False),
+        pa.field("output", pa.string(), nullable=False),  # cleaned text ("a; b; c" for keywords)
+        pa.field("raw_output", pa.string()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("input_truncated", pa.bool_()),
+        pa.field("fallback", pa.string()),  # set when the LLM output was unusable and a fallback was used
+        pa.field("error", pa.string()),
+    ]
+)
+
+
+def embeddings_schema(dim: int) -> pa.Schema:
+    """Vectors are fixed-size lists so a column converts to a [n, dim] array without copying."""
+    return pa.schema(
+        [
+            pa.field("text_hash", pa.string(), nullable=False),
+            pa.field("encoder", pa.string(), nullable=False),
+            pa.field("vector", pa.list_(pa.float32(), dim), nullable=False),
+            pa.field("truncated", pa.bool_()),
+        ]
+    )
+
+
+NODES = pa.schema(
+    [
+        pa.field("history_id", pa.string(), nullable=False),
+        pa.field("session_id", pa.string(), nullable=False),
+        pa.field("position", pa.int32(), nullable=False),
+        pa.field("granularity", pa.string(), nullable=False),
+        # hash of the embedded text; for "turn" the session hash (its vector = mean of its pairs)
+        pa.field("text_hash", pa.string(), nullable=False),
+    ]
+)
+
+EDGES = pa.schema(
+    [
+        pa.field("history_id", pa.string(), nullable=False),
+        pa.field("src", pa.int32(), nullable=False),  # node id = 4 * position + granularity index
+        pa.field("dst", pa.int32(), nullable=False),
+        pa.field("similarity", pa.float32(), nullable=False),
+        pa.field("mode", pa.string(), nullable=False),  # gmm | topk
+    ]
+)
+
+RANKINGS = pa.schema(
+    [
+        pa.field("method", pa.string(), nullable=False),
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),
+        pa.field("session_id", pa.string(), nullable=False),
+        pa.field("score", pa.float64(), nullable=False),
+    ]
+)
+
+ANSWERS = pa.schema(
+    [
+        pa.field("method", pa.string(), nullable=False),
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("retrieved_session_ids", pa.list_(pa.string())),
+        pa.field("filtered_context", pa.string()),
+        pa.field("hypothesis", pa.string()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("error", pa.string()),
+    ]
+)
+
+#: Static schemas by table name (``embeddings`` depends on the encoder's dimension).
+TABLES: dict[str, pa.Schema] = {
+    "histories": HISTORIES,
+    "sessions": SESSIONS,
+    "texts": TEXTS,
+    "turns": TURNS,
+    "pairs": PAIRS,
+    "queries": QUERIES,
+    "generations": GENERATIONS,
+    "nodes": NODES,
+    "edges": EDGES,
+    "rankings": RANKINGS,
+    "answers": ANSWERS,
+}
+
+#: Key columns per table: rows sharing a key are one row (the last written wins on merge).
+KEYS: dict[str, tuple[str, ...]] = {
+    "histories": ("history_id",),
+    "sessions": ("history_id", "session_id"),
+    "texts": ("text_hash",),
+    "turns": ("session_hash", "turn_index"),
+    "pairs": ("session_hash", "pair_index"),
+    "queries": ("query_id",),
+    "generations": ("text_hash", "kind", "model", "prompt_version"),
+    "embeddings": ("text_hash", "encoder"),
+    "nodes": ("history_id", "session_id", "granularity"),
+    "edges": ("history_id", "src", "dst", "mode"),
+    "rankings": ("method", "query_id", "rank"),
+    "answers": ("method", "query_id"),
+}
+
+
+def schema_for(name: str, dim: int | None = None) -> pa.Schema:
+    """The schema of table ``name``; ``dim`` is required for ``embeddings``."""
+    if name == "embeddings":
+        if dim is None:
+            raise ValueError("embeddings_schema needs the encoder dimension")
+        return embeddings_schema(dim)
+    try:
+        return TABLES[name]
+    except KeyError:
+        raise ValueError(f"unknown table {name!r}; known: {sorted([*TABLES, 'embeddings'])}") from None
+
+
+def empty_table(name: str, dim: int | None = None) -> pa.Table:
+    return schema_for(name, dim).empty_table()
