@@ -1,0 +1,29 @@
+# Two commands for a fresh machine (Python 3.11, gcc, package registries):
+#   make demo   set up .venv if needed, then run the main job on the bundled sample (CPU, local Ray)
+#   make test   set up/refresh .venv, then run the whole test suite
+VENV  := .venv
+STAMP := $(VENV)/.memgas-setup-stamp
+export RAY_AUTH_MODE ?= disabled
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+
+.PHONY: demo test setup bench clean-demo
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/memgas run configs/demo.yaml
+
+test: $(STAMP)
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do echo "== $$b"; $(VENV)/bin/python $$b || exit 1; done
+
+clean-demo:
+	rm -rf runs/demo

@@ -1,0 +1,51 @@
+"""Work plans: the split of a stage into units, fixed on first run and reused on resume.
+
+Why: a resumed run must produce byte-identical tables. Model outputs can depend (in the last bits) on
+which texts share a padded batch, so the batches themselves must not change when half of them are done.
+The plan is written once (atomically) and removed when the stage completes and its parts are compacted.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from memgas.pipeline.bank import Bank, atomic_write_json
+from memgas.pipeline.schema import KEYS
+
+
+def load_or_make_plan(bank: Bank, stage: str, make: Callable[[], list[Any]]) -> list[Any]:
+    path = bank.path / "_plans" / f"{stage}.json"
+    if path.exists():
+        return json.loads(path.read_text())["units"]
+    units = make()
+    atomic_write_json(path, {"stage": stage, "units": units})
+    return units
+
+
+def finish_plan(bank: Bank, stage: str) -> None:
+    (bank.path / "_plans" / f"{stage}.json").unlink(missing_ok=True)
+
+
+def compact(bank: Bank, name: str, *, dim: int | None = None) -> int:
+    """Merge all parts of ``name`` into one part sorted by the table's key (deterministic bytes)."""
+    parts = bank.parts(name)
+    if not parts or parts == ["all"]:
+        return bank.count(name)
+    table = bank.read(name)
+    keys = KEYS[name]
+    table = table.sort_by([(k, "ascending") for k in keys])
+    bank.write(name, table, dim=dim)
+    return table.num_rows
+
+
+def chunk(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), size)]
+
+
+def table_dim(table: pa.Table, column: str = "vector") -> int | None:
+    t = table.schema.field(column).type
+    return getattr(t, "list_size", None)

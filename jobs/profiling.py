@@ -1,0 +1,138 @@
+"""Per-stage measurements: wall and CPU time, peak RSS of the whole process tree, items and tokens.
+
+CPU time and RSS are summed over this process and all its descendants (Ray's raylet and workers are
+started by the driver, so they are descendants in local mode). On a cluster only the driver's node is
+seen; the report says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import numpy as np
+import psutil
+
+log = logging.getLogger(__name__)
+
+
+def _tree() -> list[psutil.Process]:
+    me = psutil.Process(os.getpid())
+    try:
+        return [me, *me.children(recursive=True)]
+    except psutil.Error:
+        return [me]
+
+
+def tree_cpu_seconds() -> float:
+    total = 0.0
+    for p in _tree():
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.Error:
+            pass
+    return total
+
+
+def tree_rss_bytes() -> int:
+    total = 0
+    for p in _tree():
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def gpu_peak_bytes() -> int | None:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.max_memory_allocated())
+    except Exception:  # torch missing or no CUDA: not an error
+        return None
+    return None
+
+
+@dataclass
+class StageStats:
+    name: str
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    peak_rss_mb: float = 0.0
+    items: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    gpu_peak_mb: float | None = None
+    latencies_ms: dict[str, float] = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def items_per_s(self) -> float:
+        return self.items / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["items_per_s"] = round(self.items_per_s, 3)
+        d["tokens_per_s"] = round((self.tokens + self.prompt_tokens + self.completion_tokens) / self.wall_s, 3) if self.wall_s > 0 else 0.0
+        return d
+
+
+class _RssSampler(threading.Thread):
+    def __init__(self, interval: float = 0.25) -> None:
+        super().__init__(daemon=True)
+        self.interval, self.peak, self._stop_evt = interval, tree_rss_bytes(), threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_evt.wait(self.interval):
+            self.peak = max(self.peak, tree_rss_bytes())
+
+    def stop(self) -> int:
+        self._stop_evt.set()
+        self.join(timeout=2)
+        return max(self.peak, tree_rss_bytes())
+
+
+class Profiler:
+    """Collects :class:`StageStats` for the stages of one job, in order."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, StageStats] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[StageStats]:
+        stats = self.stages.setdefault(name, StageStats(name))
+        sampler = _RssSampler()
+        sampler.start()
+        t0, c0 = time.perf_counter(), tree_cpu_seconds()
+        log.info("stage %s: start", name)
+        try:
+            yield stats
+        finally:
+            stats.wall_s += time.perf_counter() - t0
+            stats.cpu_s += max(0.0, tree_cpu_seconds() - c0)
+            stats.peak_rss_mb = max(stats.peak_rss_mb, sampler.stop() / 2**20)
+            gpu = gpu_peak_bytes()
+            if gpu is not None:
+                stats.gpu_peak_mb = gpu / 2**20
+            log.info("stage %s: %.1fs, %d items", name, stats.wall_s, stats.items)
+
+    def to_dict(self) -> dict[str, dict]:
+        return {k: v.to_dict() for k, v in self.stages.items()}
+
+
+def percentiles_ms(samples_s: list[float]) -> dict[str, float]:
+    """p50/p95/mean of latencies given in seconds, in milliseconds."""
+    if not samples_s:
+        return {}
+    a = np.asarray(samples_s) * 1000.0
+    return {"p50_ms": float(np.percentile(a, 50)), "p95_ms": float(np.percentile(a, 95)), "mean_ms": float(a.mean()), "n": int(a.size)}
