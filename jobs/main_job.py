@@ -1,0 +1,383 @@
+"""The main job: ingest -> index -> answer -> evaluate -> report, checkpointed and resumable.
+
+``index`` fills the bank (shared caches: generations, texts, embeddings; per history: nodes, edges).
+``answer`` writes rankings/answers into ``<run_dir>/results`` (a bank too) and the reports.
+Every unit of work is a bank part with a completion marker; see :mod:`memgas.jobs.executor`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from memgas import __version__
+from memgas.jobs.executor import WorkUnit, init_ray, run_actor_units, run_tasks, shutdown_ray
+from memgas.jobs.plan import chunk, compact, finish_plan, load_or_make_plan
+from memgas.jobs.profiling import Profiler
+from memgas.pipeline.bank import Bank, atomic_write_json
+from memgas.pipeline.config import MemgasConfig
+from memgas.pipeline.errors import BankError
+from memgas.pipeline.hashing import file_sha256, text_hash
+
+log = logging.getLogger(__name__)
+
+GEN_BATCH_PER_UNIT = 4  # LLM batches per checkpointed unit
+ENCODE_UNIT = 512  # texts per checkpointed encoding unit
+
+
+# -- helpers --------------------------------------------------------------------------------------
+def _fingerprint(obj: Any) -> str:
+    return hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=6).hexdigest()
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def generator_identity(cfg: MemgasConfig) -> tuple[str, str]:
+    """(model, prompt_version) under which generations are cached."""
+    from memgas.pipeline.generate import generator_key
+
+    return generator_key(cfg.generation, cfg.llm)
+
+
+def encoder_name(cfg: MemgasConfig) -> str:
+    from memgas.pipeline.models.factory import encoder_identity
+
+    return encoder_identity(cfg.encoder)
+
+
+def dataset_info(bank: Bank) -> dict[str, Any]:
+    ds = bank.manifest.get("datasets") or []
+    return ds[-1] if ds else {}
+
+
+# -- ingest ---------------------------------------------------------------------------------------
+def ensure_ingested(cfg: MemgasConfig, prof: Profiler | None = None) -> Bank:
+    """Ingest the config's dataset unless the bank already holds exactly that file (same sha256)."""
+    from memgas.pipeline.ingest import ingest
+
+    path = cfg.bank_path
+    want = {"sha256": file_sha256(cfg.data.path), "format": cfg.data.format, "limit": cfg.data.limit}
+    try:
+        bank = Bank(path)
+        have = dataset_info(bank)
+        if all(have.get(k) == v for k, v in want.items()) and bank.exists("sessions"):
+            log.info("bank %s already holds %s; skipping ingest", path, cfg.data.path)
+            return bank
+    except BankError:
+        pass
+    summary = ingest(cfg.data.path, cfg.data.format, path, strict=cfg.data.strict, limit=cfg.data.limit, progress=True)
+    bank = Bank(path)
+    ds = dataset_info(bank)
+    if ds.get("limit") != cfg.data.limit:  # record the limit so a later run knows what this bank holds
+        bank.update_manifest(datasets=[{**ds, "limit": cfg.data.limit}])
+    if prof is not None:
+        prof.stages["ingest"].items = int(summary.get("counts", {}).get("sessions", 0)) if isinstance(summary, dict) else 0
+    return bank
+
+
+# -- index ----------------------------------------------------------------------------------------
+def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = None, use_ray: bool = True) -> dict:
+    prof = prof or Profiler()
+    own_ray = use_ray and _start_ray(cfg)
+    try:
+        bank = Bank(bank_path)
+        stats = {
+            "generate": _generate(cfg, bank, prof, use_ray),
+            "nodes": _nodes(cfg, bank, prof),
+            "encode": _encode(cfg, bank, prof, use_ray),
+            "associate": _associate(cfg, bank, prof, use_ray),
+        }
+        bank.update_manifest(
+            index={"config": cfg.model_dump(mode="json"), "stages": prof.to_dict(), "units": stats,
+                   "encoder": encoder_name(cfg), "generator": list(generator_identity(cfg))}
+        )
+        return stats
+    finally:
+        if own_ray:
+            shutdown_ray()
+
+
+def _start_ray(cfg: MemgasConfig) -> bool:
+    import ray
+
+    if ray.is_initialized():
+        return False
+    mode = init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    log.info("ray: %s", mode)
+    return True
+
+
+def _dialogue_kind(bank: Bank) -> str:
+    from memgas.pipeline.prompts import dialogue_kind_for
+
+    return dialogue_kind_for(dataset_info(bank).get("format"))
+
+
+def _generate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
+    from memgas.pipeline.generate import missing_generation_items
+
+    model, pv = generator_identity(cfg)
+    with prof.stage("generate") as st:
+        def make() -> list[dict]:
+            items = missing_generation_items(bank, cfg.generation, model=model, prompt_version=pv)
+            size = max(1, cfg.llm.batch_size * GEN_BATCH_PER_UNIT)
+            return [{"part": f"gen-{i:05d}", "items": b} for i, b in enumerate(chunk(items, size))]
+
+        plan = load_or_make_plan(bank, f"generate-{_fingerprint([model, pv])}", make)
+        units = [WorkUnit(u["part"], {"items": u["items"], "dialogue_kind": _dialogue_kind(bank)}, len(u["items"])) for u in plan]
+        counts = run_actor_units(
+            bank, lambda r: r, units, "memgas.jobs.workers:make_generation_worker",
+            {"generation": cfg.generation.model_dump(), "llm": cfg.llm.model_dump(), "encoder": cfg.encoder.model_dump(),
+             "threads": cfg.llm.threads},
+            "generate", desc="generate summaries+keywords", check_table="generations",
+            n_actors=cfg.ray.model_actors, num_gpus=cfg.ray.num_gpus_per_model_actor, use_ray=use_ray,
+        )
+        compact(bank, "generations")
+        compact(bank, "texts")
+        finish_plan(bank, f"generate-{_fingerprint([model, pv])}")
+        gens = bank.read("generations", columns=["prompt_tokens", "completion_tokens", "model", "prompt_version"])
+        st.items, st.skipped = counts["items"], counts["skipped"]
+        if counts["items"]:
+            mine = gens.filter(pc.and_(pc.equal(gens["model"], model), pc.equal(gens["prompt_version"], pv)))
+            st.prompt_tokens = int(pc.sum(mine["prompt_tokens"]).as_py() or 0)
+            st.completion_tokens = int(pc.sum(mine["completion_tokens"]).as_py() or 0)
+    return counts
+
+
+def _nodes(cfg: MemgasConfig, bank: Bank, prof: Profiler) -> dict:
+    from memgas.pipeline.granularity import build_nodes
+
+    model, pv = generator_identity(cfg)
+    with prof.stage("nodes") as st:
+        nodes = build_nodes(bank, generator_model=model, prompt_version=pv, summary_source=cfg.generation.summary_source)
+        bank.write("nodes", nodes)
+        st.items = nodes.num_rows
+    return {"rows": nodes.num_rows}
+
+
+def _encode(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
+    from memgas.pipeline.encode import texts_to_encode
+
+    enc = encoder_name(cfg)
+    with prof.stage("encode") as st:
+        def make() -> list[dict]:
+            hashes = texts_to_encode(bank, enc)
+            return [{"part": f"enc-{i:05d}", "hashes": b} for i, b in enumerate(chunk(hashes, ENCODE_UNIT))]
+
+        stage = f"encode-{_fingerprint(enc)}"
+        plan = load_or_make_plan(bank, stage, make)
+        texts = _texts_by_hash(bank, [h for u in plan for h in u["hashes"]])
+        units = [WorkUnit(u["part"], {"hashes": u["hashes"], "texts": [texts[h] for h in u["hashes"]]}, len(u["hashes"])) for u in plan]
+        counts = run_actor_units(
+            bank, lambda t: {"embeddings": t}, units, "memgas.jobs.workers:make_encode_worker",
+            {"encoder": cfg.encoder.model_dump(), "threads": cfg.llm.threads}, "encode",
+            desc="encode", check_table="embeddings", n_actors=cfg.ray.model_actors,
+            num_gpus=cfg.ray.num_gpus_per_model_actor, dims={"embeddings": None}, use_ray=use_ray,
+        )
+        if bank.exists("embeddings"):
+            compact(bank, "embeddings", dim=_emb_dim(bank))
+        finish_plan(bank, stage)
+        st.items, st.skipped = counts["items"], counts["skipped"]
+        st.tokens = sum(len(texts[h]) // 4 for u in plan for h in u["hashes"]) if counts["items"] else 0
+        st.extra["tokens_estimated"] = "chars/4"
+    return counts
+
+
+def _emb_dim(bank: Bank) -> int:
+    import pyarrow.parquet as pq
+
+    part = bank.parts("embeddings")[0]
+    return pq.read_schema(bank.path / "embeddings" / f"{part}.parquet").field("vector").type.list_size
+
+
+def _texts_by_hash(bank: Bank, hashes: list[str]) -> dict[str, str]:
+    if not hashes:
+        return {}
+    t = bank.read("texts", filter=pc.field("text_hash").isin(sorted(set(hashes))))
+    return dict(zip(t["text_hash"].to_pylist(), t["text"].to_pylist()))
+
+
+def _history_shards(bank: Bank, size: int) -> list[list[str]]:
+    ids = sorted(set(bank.read("histories", columns=["history_id"])["history_id"].to_pylist()))
+    return chunk(ids, max(1, size))
+
+
+def _associate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
+    enc = encoder_name(cfg)
+    fp = _fingerprint([enc, cfg.association.model_dump(), generator_identity(cfg), cfg.generation.summary_source])
+    with prof.stage("associate") as st:
+        # edges depend on the encoder, generator and association parameters: parts carry their fingerprint,
+        # and parts of another fingerprint are stale.
+        for part in bank.parts("edges"):
+            if not part.startswith(f"assoc-{fp}-"):
+                bank.drop_part("edges", part)
+        shards = _history_shards(bank, cfg.ray.shard_size)
+        units = [WorkUnit(f"assoc-{fp}-{i:05d}", ids, len(ids)) for i, ids in enumerate(shards)]
+        ctx = {"bank": str(bank.path), "encoder": enc, "association": cfg.association.model_dump(),
+               "device": cfg.retrieval.device}
+        counts = run_tasks(bank, "edges", units, "memgas.jobs.steps:associate_shard", ctx,
+                           desc="associate", use_ray=use_ray)
+        st.items, st.skipped = counts["items"], counts["skipped"]
+        st.extra["edges"] = bank.count("edges")
+    return counts
+
+
+# -- answer ---------------------------------------------------------------------------------------
+def answer(
+    cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | None = None, prof: Profiler | None = None,
+    use_ray: bool = True, profile: bool = False, started: float | None = None,
+) -> Path:
+    prof = prof or Profiler()
+    run_dir = Path(run_dir or cfg.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = started or time.time()
+    own_ray = use_ray and _start_ray(cfg)
+    try:
+        bank = Bank(bank_path)
+        results = Bank.create(run_dir / "results")
+        _rank(cfg, bank, results, prof, use_ray)
+        answered = _read(cfg, bank, results, prof, use_ray) if cfg.reading.enabled else 0
+        from memgas.jobs.evaluate_run import evaluate_run
+
+        with prof.stage("evaluate") as st:
+            metrics = evaluate_run(cfg, bank, results, use_ray=use_ray)
+            st.items = metrics.get("n_queries", 0)
+        latency = _latency_probe(cfg, bank, profile)
+    finally:
+        if own_ray:
+            shutdown_ray()
+    return _write_outputs(cfg, bank, run_dir, metrics, prof, latency, started, answered)
+
+
+def _rank(cfg: MemgasConfig, bank: Bank, results: Bank, prof: Profiler, use_ray: bool) -> None:
+    enc = encoder_name(cfg)
+    key = [enc, cfg.retrieval.model_dump(), cfg.association.model_dump(), generator_identity(cfg),
+           cfg.generation.summary_source, dataset_info(bank).get("sha256")]
+    fp = _fingerprint(key)
+    with prof.stage("rank") as st:
+        for part in results.parts("rankings"):
+            if not part.startswith(f"rank-{fp}-"):
+                results.drop_part("rankings", part)
+        shards = _history_shards(bank, cfg.ray.shard_size)
+        units = [WorkUnit(f"rank-{fp}-{i:05d}", ids, len(ids)) for i, ids in enumerate(shards)]
+        ctx = {"bank": str(bank.path), "encoder": enc, "retrieval": cfg.retrieval.model_dump(),
+               "association": cfg.association.model_dump()}
+        counts = run_tasks(results, "rankings", units, "memgas.jobs.steps:rank_shard", ctx, desc="rank", use_ray=use_ray)
+        st.items, st.skipped = counts["items"], counts["skipped"]
+        st.extra["queries"] = bank.count("queries")
+
+
+def _read(cfg: MemgasConfig, bank: Bank, results: Bank, prof: Profiler, use_ray: bool) -> int:
+    from memgas.jobs.steps import reading_payloads
+
+    methods = [m for m in cfg.reading.methods if m in cfg.retrieval.methods]
+    fp = _fingerprint([cfg.reading.model_dump(), cfg.llm.model_dump(), cfg.retrieval.model_dump(),
+                       generator_identity(cfg), encoder_name(cfg), dataset_info(bank).get("sha256")])
+    with prof.stage("read") as st:
+        for part in results.parts("answers"):
+            if not part.startswith(f"ans-{fp}-"):
+                results.drop_part("answers", part)
+        units: list[WorkUnit] = []
+        for method in methods:
+            payload = reading_payloads(bank, results, method, cfg)
+            for i, batch in enumerate(chunk(payload, max(1, cfg.llm.batch_size * 2))):
+                units.append(WorkUnit(f"ans-{fp}-{method}-{i:05d}", {"queries": batch, "method": method}, len(batch)))
+        counts = run_actor_units(
+            results, lambda t: {"answers": t}, units, "memgas.jobs.workers:make_read_worker",
+            {"llm": cfg.llm.model_dump(), "reading": cfg.reading.model_dump(), "threads": cfg.llm.threads},
+            "answer", desc="read+answer", check_table="answers", n_actors=cfg.ray.model_actors,
+            num_gpus=cfg.ray.num_gpus_per_model_actor, use_ray=use_ray,
+        )
+        if results.exists("answers"):
+            ans = results.read("answers", columns=["prompt_tokens", "completion_tokens"])
+            st.prompt_tokens = int(pc.sum(ans["prompt_tokens"]).as_py() or 0)
+            st.completion_tokens = int(pc.sum(ans["completion_tokens"]).as_py() or 0)
+        st.items, st.skipped = counts["items"], counts["skipped"]
+    return counts["items"] + counts["skipped"]
+
+
+def _latency_probe(cfg: MemgasConfig, bank: Bank, profile: bool) -> dict[str, Any]:
+    """Per-query ranking latency (one query at a time, MemGAS method), p50/p95."""
+    from memgas.jobs.steps import ranking_latency
+
+    n = 200 if profile else 30
+    try:
+        return {"ranking (memgas, 1 query)": ranking_latency(bank, cfg, n_queries=n)}
+    except Exception as exc:  # the probe is informative only; never fail a run over it
+        log.warning("latency probe failed: %s", exc)
+        return {}
+
+
+def _write_outputs(cfg, bank, run_dir, metrics, prof, latency, started, answered) -> Path:
+    from memgas.jobs.report import write_report
+
+    ended = time.time()
+    ds = dataset_info(bank)
+    model, pv = generator_identity(cfg)
+    run_info = {
+        "name": cfg.name, "version": __version__, "git_commit": _git_commit(), "encoder": encoder_name(cfg),
+        "generator": f"{cfg.generation.generator} ({model}, {pv}; summary_source={cfg.generation.summary_source})",
+        "llm": f"{cfg.llm.backend}:{cfg.llm.model}", "router": cfg.retrieval.router,
+        "wall_s": ended - started, "answered": answered,
+    }
+    metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(), "latency": latency}
+    atomic_write_json(run_dir / "metrics.json", metrics)
+    (run_dir / "config.yaml").write_text(cfg.dump_yaml())
+    manifest = {
+        "config": cfg.model_dump(mode="json"), "memgas_version": __version__, "git_commit": run_info["git_commit"],
+        "dataset": ds, "models": _model_manifest(cfg), "host": {"hostname": socket.gethostname(),
+        "platform": platform.platform(), "python": platform.python_version()},
+        "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "end": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ended)), "wall_s": ended - started,
+        "stage_wall_s": {k: v["wall_s"] for k, v in prof.to_dict().items()}, "bank": str(bank.path),
+    }
+    atomic_write_json(run_dir / "manifest.json", manifest)
+    return write_report(run_dir).parent
+
+
+def _model_manifest(cfg: MemgasConfig) -> dict[str, Any]:
+    from memgas.pipeline.models.factory import model_files
+
+    try:
+        return model_files(cfg.encoder, cfg.llm)
+    except Exception as exc:
+        return {"error": str(exc)}
+
+
+# -- run ------------------------------------------------------------------------------------------
+def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ray: bool = True) -> Path:
+    out = Path(cfg.output_dir)
+    if fresh and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.yaml").write_text(cfg.dump_yaml())
+    started = time.time()
+    prof = Profiler()
+    own_ray = use_ray and _start_ray(cfg)
+    try:
+        with prof.stage("ingest"):
+            bank = ensure_ingested(cfg, prof)
+        index(cfg, bank.path, prof=prof, use_ray=use_ray)
+        return answer(cfg, bank.path, run_dir=out, prof=prof, use_ray=use_ray, profile=profile, started=started)
+    finally:
+        if own_ray:
+            shutdown_ray()
