@@ -107,7 +107,7 @@ class ReadWorker:
 
         from memgas.pipeline.evaluate.judge import run_judge
 
-        df = run_judge(pd.DataFrame(payload["rows"]), self.llm)
+        df = run_judge(self.llm, pd.DataFrame(payload["rows"]))
         return pa.Table.from_pandas(df, preserve_index=False)
 
 

@@ -1,1 +1,95 @@
-"""memgas.pipeline.evaluate package."""
+"""memgas.pipeline.evaluate: retrieval metrics, lexical QA metrics, LLM judge, question categories.
+
+See DESIGN.md section 4. Retrieval follows LongMemEval's ``eval_utils.py``; the judge follows
+LongMemEval's ``evaluate_qa.py``; LoCoMo's category table lives in :mod:`.categories`.
+"""
+
+from memgas.pipeline.evaluate.categories import (
+    ADVERSARIAL,
+    ADVERSARIAL_CATEGORY,
+    LOCOMO_CATEGORIES,
+    LONGMEMEVAL_TYPES,
+    adversarial_correct,
+    is_adversarial,
+    is_longmemeval_abstention,
+    locomo_category_name,
+    says_not_answerable,
+)
+from memgas.pipeline.evaluate.judge import (
+    DEFAULT_JUDGE_PARAMS,
+    JUDGE_PROMPT_VERSION,
+    JUDGE_TEMPLATES,
+    aggregate_judge,
+    judge_prompt,
+    parse_yes_no,
+    run_judge,
+    template_key,
+)
+from memgas.pipeline.evaluate.qa import (
+    QAScores,
+    aggregate_qa,
+    bertscore_f1,
+    bleu4,
+    corpus_bleu4,
+    exact_match,
+    normalize_answer,
+    rouge_f,
+    score_qa,
+    token_f1,
+)
+from memgas.pipeline.evaluate.retrieval import (
+    DEFAULT_KS,
+    aggregate_retrieval,
+    dcg_at_k,
+    dcg_discounts,
+    evaluate_retrieval,
+    ideal_dcg_at_k,
+    ndcg_at_k,
+    ranx_ndcg,
+    recall_all_at_k,
+    recall_any_at_k,
+    relevance_matrix,
+    score_retrieval,
+)
+
+__all__ = [
+    "ADVERSARIAL",
+    "ADVERSARIAL_CATEGORY",
+    "DEFAULT_JUDGE_PARAMS",
+    "DEFAULT_KS",
+    "JUDGE_PROMPT_VERSION",
+    "JUDGE_TEMPLATES",
+    "LOCOMO_CATEGORIES",
+    "LONGMEMEVAL_TYPES",
+    "QAScores",
+    "adversarial_correct",
+    "aggregate_judge",
+    "aggregate_qa",
+    "aggregate_retrieval",
+    "bertscore_f1",
+    "bleu4",
+    "corpus_bleu4",
+    "dcg_at_k",
+    "dcg_discounts",
+    "evaluate_retrieval",
+    "exact_match",
+    "ideal_dcg_at_k",
+    "is_adversarial",
+    "is_longmemeval_abstention",
+    "judge_prompt",
+    "locomo_category_name",
+    "ndcg_at_k",
+    "normalize_answer",
+    "parse_yes_no",
+    "ranx_ndcg",
+    "recall_all_at_k",
+    "recall_any_at_k",
+    "relevance_matrix",
+    "rouge_f",
+    "run_judge",
+    "says_not_answerable",
+    "score_qa",
+    "score_retrieval",
+    "template_key",
+    "token_f1",
+]

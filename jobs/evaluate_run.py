@@ -1,0 +1,117 @@
+"""Evaluation of a run: retrieval metrics per method (session and turn level), QA metrics, LLM judge.
+
+Joins the run's ``rankings``/``answers`` (results bank) with the bank's ``queries`` and hands records to
+:mod:`memgas.pipeline.evaluate`. Returns the ``retrieval``/``qa`` sections of metrics.json.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import pandas as pd
+
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.config import MemgasConfig
+from memgas.pipeline.evaluate.qa import score_qa
+from memgas.pipeline.evaluate.retrieval import aggregate_retrieval, score_retrieval
+
+log = logging.getLogger(__name__)
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    if hasattr(v, "item"):
+        return _clean(v.item())
+    return v
+
+
+def _agg_to_dict(agg: pd.DataFrame) -> dict[str, Any]:
+    """aggregate_* output (index overall + types) -> {"overall": {...}, "by_type": {t: {...}}}."""
+    rows = {str(idx): {k: _clean(v) for k, v in row.items()} for idx, row in agg.iterrows()}
+    overall = rows.pop("overall", {})
+    return {"overall": overall, "by_type": rows}
+
+
+def ranked_lists(results: Bank, method: str) -> dict[str, list[str]]:
+    t = results.read("rankings").to_pandas()
+    t = t[t["method"] == method].sort_values(["query_id", "rank"], kind="stable")
+    return {q: g["session_id"].tolist() for q, g in t.groupby("query_id", sort=False)}
+
+
+def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *, use_ray: bool = True) -> dict[str, Any]:
+    queries = bank.read("queries").to_pandas()
+    rankings = results.read("rankings").to_pandas() if results.exists("rankings") else pd.DataFrame(
+        columns=["method", "query_id", "rank", "session_id", "score"])
+    out: dict[str, Any] = {"n_queries": int(len(queries)), "retrieval": {"session": {}, "turn": {}}, "qa": {}}
+    qinfo = queries.set_index("query_id")
+    for method in cfg.retrieval.methods:
+        r = rankings[rankings["method"] == method].sort_values(["query_id", "rank"], kind="stable")
+        ranked = {q: g["session_id"].tolist() for q, g in r.groupby("query_id", sort=False)}
+        records = [
+            {
+                "query_id": q,
+                "ranked_ids": ranked.get(q, []),
+                "evidence_ids": list(row.evidence_session_ids) if row.evidence_session_ids is not None else [],
+                "is_abstention": bool(row.is_abstention),
+                "question_type": row.question_type,
+            }
+            for q, row in qinfo.iterrows()
+        ]
+        per_q, skipped = score_retrieval(records, cfg.evaluation.ks)
+        agg = _agg_to_dict(aggregate_retrieval(per_q))
+        out["retrieval"]["session"][method] = {**agg, "n_evaluated": int(len(per_q)), "skipped": skipped}
+        turn = _turn_level(qinfo, ranked, bank, cfg)
+        if turn is not None:
+            out["retrieval"]["turn"][method] = turn
+    if not out["retrieval"]["turn"]:
+        out["retrieval"].pop("turn")
+
+    if results.exists("answers"):
+        answers = results.read("answers").to_pandas()
+        for method, g in answers.groupby("method", sort=True):
+            df = g.merge(queries[["query_id", "question", "answer", "question_type", "is_abstention"]], on="query_id")
+            df["hypothesis"] = df["hypothesis"].fillna("")
+            scores = score_qa(df, bertscore=cfg.evaluation.bertscore)
+            entry = {**_agg_to_dict(scores.by_type), "n": int(len(df)), "notes": list(scores.notes),
+                     "errors": int(g["error"].notna().sum())}
+            if cfg.evaluation.judge:
+                entry.update(_judge(cfg, df, use_ray))
+            out["qa"][method] = entry
+    return out
+
+
+def _turn_level(qinfo: pd.DataFrame, ranked_sessions: dict[str, list[str]], bank: Bank, cfg: MemgasConfig) -> dict | None:
+    """Turn-level evidence (session_id:pair_index) scored against the turn pairs of ranked sessions.
+
+    Sessions are ranked, not pairs; the turn ranking expands each ranked session into its pairs in order
+    (the pairs of the best session first). This measures how much evidence text the top-K sessions cover.
+    """
+    has_turn = qinfo["evidence_turn_ids"].map(lambda v: v is not None and len(v) > 0)
+    if not has_turn.any():
+        return None
+    sessions = bank.read("sessions", columns=["history_id", "session_id", "text_hash"]).to_pandas()
+    pairs = bank.read("pairs", columns=["session_hash", "pair_index"]).to_pandas()
+    n_pairs = pairs.groupby("session_hash")["pair_index"].max().add(1).to_dict()
+    sess_hash = {(h, s): th for h, s, th in sessions.itertuples(index=False)}
+    records = []
+    for q, row in qinfo[has_turn].iterrows():
+        turns: list[str] = []
+        for s in ranked_sessions.get(q, [])[: max(cfg.evaluation.ks)]:
+            turns += [f"{s}:{i}" for i in range(n_pairs.get(sess_hash.get((row.history_id, s)), 0))]
+        records.append({"query_id": q, "ranked_ids": turns, "evidence_ids": list(row.evidence_turn_ids),
+                        "is_abstention": bool(row.is_abstention), "question_type": row.question_type})
+    per_q, skipped = score_retrieval(records, cfg.evaluation.ks, level="turn")
+    return {**_agg_to_dict(aggregate_retrieval(per_q)), "n_evaluated": int(len(per_q)), "skipped": skipped}
+
+
+def _judge(cfg: MemgasConfig, df: pd.DataFrame, use_ray: bool) -> dict[str, Any]:
+    from memgas.pipeline.evaluate.judge import aggregate_judge, run_judge
+    from memgas.pipeline.models.factory import make_llm
+
+    judged = run_judge(make_llm(cfg.llm), df)
+    agg = aggregate_judge(judged)
+    d = _agg_to_dict(agg)
+    return {"judge": d, "judge_outputs": judged[["query_id", "judge_output", "label", "error"]].astype(str).to_dict("records")}

@@ -1,0 +1,427 @@
+"""What every loader shares: the canonical record, rendering, date parsing, warnings and safe JSON streaming.
+
+A loader turns one dataset file into a stream of :class:`HistoryRecord` (one user's memory with its
+questions). The rows it holds already follow :mod:`memgas.pipeline.schema`; :func:`memgas.pipeline.ingest.ingest`
+only deduplicates them and writes them to a bank in bounded chunks.
+
+Rendering follows the MemGAS authors' preprocessing (``data/dataprocess.py`` of their repository): an
+utterance is ``"[role]: content"``, a retrieval "turn" (pair) is two consecutive utterances joined by
+``"\\n"`` (an odd last utterance is a pair by itself), and a session text is its pairs joined by ``"\\n"``.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import IO, Any, Callable
+
+import ijson
+
+from memgas.pipeline.errors import DataError
+from memgas.pipeline.hashing import text_hash
+
+log = logging.getLogger(__name__)
+
+#: How many examples of each warning kind are logged and kept in the ingest summary.
+MAX_EXAMPLES = 5
+
+
+# --------------------------------------------------------------------------------------------------
+# canonical record
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class Utterance:
+    """One utterance as given by the dataset (before rendering)."""
+
+    role: str
+    content: str
+    has_answer: bool | None = None
+    dia_id: str | None = None
+
+
+@dataclass
+class HistoryRecord:
+    """All rows of one history, one list per bank table (rows are dicts keyed by schema column)."""
+
+    history_id: str
+    dataset: str
+    index: int = -1  # position of the record in its file (for error messages)
+    speakers: list[str] = field(default_factory=list)
+    sessions: list[dict[str, Any]] = field(default_factory=list)
+    texts: dict[str, str] = field(default_factory=dict)  # text_hash -> text (session and pair texts)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    pairs: list[dict[str, Any]] = field(default_factory=list)
+    queries: list[dict[str, Any]] = field(default_factory=list)
+
+    def history_row(self) -> dict[str, Any]:
+        return {
+            "history_id": self.history_id,
+            "dataset": self.dataset,
+            "speakers": list(self.speakers),
+            "n_sessions": len(self.sessions),
+        }
+
+    def add_session(
+        self,
+        session_id: str,
+        utterances: list[Utterance],
+        *,
+        date_raw: str | None,
+        date: datetime | None,
+        dataset_summary: str | None = None,
+    ) -> list[int]:
+        """Render a session, add its rows; returns the pair index of every utterance (for evidence)."""
+        rendered = [render_utterance(u.role, u.content) for u in utterances]
+        pair_texts = pair_up(rendered)
+        session_text = "\n".join(pair_texts)
+        s_hash = text_hash(session_text)
+        self.texts[s_hash] = session_text
+        self.sessions.append(
+            {
+                "history_id": self.history_id,
+                "session_id": session_id,
+                "position": len(self.sessions),
+                "date_raw": date_raw,
+                "date": date,
+                "text_hash": s_hash,
+                "n_turns": len(utterances),
+                "dataset_summary": dataset_summary,
+            }
+        )
+        for i, u in enumerate(utterances):
+            self.turns.append(
+                {
+                    "session_hash": s_hash,
+                    "turn_index": i,
+                    "role": u.role,
+                    "content": u.content,
+                    "has_answer": u.has_answer,
+                    "dia_id": u.dia_id,
+                }
+            )
+        for p, ptext in enumerate(pair_texts):
+            members = utterances[2 * p : 2 * p + 2]
+            marks = [u.has_answer for u in members if u.has_answer is not None]
+            p_hash = text_hash(ptext)
+            self.texts[p_hash] = ptext
+            self.pairs.append(
+                {
+                    "session_hash": s_hash,
+                    "pair_index": p,
+                    "text_hash": p_hash,
+                    "has_answer": any(marks) if marks else None,
+                    "dia_ids": [u.dia_id for u in members if u.dia_id is not None] or None,
+                }
+            )
+        return [i // 2 for i in range(len(utterances))]
+
+
+def render_utterance(role: str, content: str) -> str:
+    return f"[{role}]: {content}"
+
+
+def pair_up(rendered: list[str]) -> list[str]:
+    """Two consecutive utterances form a retrieval turn; an odd last one stands alone (authors' code)."""
+    return ["\n".join(rendered[i : i + 2]) for i in range(0, len(rendered), 2)]
+
+
+def query_row(
+    *,
+    query_id: str,
+    history_id: str,
+    question: str,
+    answer: Any,
+    question_type: str,
+    question_date_raw: str | None = None,
+    question_date: datetime | None = None,
+    category: int | None = None,
+    evidence_session_ids: list[str] | None = None,
+    evidence_turn_ids: list[str] | None = None,
+    is_abstention: bool = False,
+) -> dict[str, Any]:
+    return {
+        "query_id": query_id,
+        "history_id": history_id,
+        "question": question,
+        "question_date_raw": question_date_raw,
+        "question_date": question_date,
+        # answers may be ints (LongMemEval, LoCoMo years): stored as text so the column has one type
+        "answer": None if answer is None else str(answer),
+        "question_type": question_type,
+        "category": category,
+        "evidence_session_ids": list(evidence_session_ids or []),
+        "evidence_turn_ids": list(evidence_turn_ids or []),
+        "is_abstention": is_abstention,
+    }
+
+
+def check_evidence(
+    rec: HistoryRecord, evidence: list[str], warnings: Warnings, *, field: str, query_id: str
+) -> list[str]:
+    """Keep the evidence session ids that exist in the history; warn about (and drop) the others."""
+    present = {s["session_id"] for s in rec.sessions}
+    kept: list[str] = []
+    for sid in evidence:
+        if sid in present:
+            if sid not in kept:
+                kept.append(sid)
+        else:
+            warnings.warn(
+                "missing_evidence",
+                f"question {query_id}: evidence session {sid!r} is not in the history (dropped)",
+                index=rec.index,
+                record_id=rec.history_id,
+                field=field,
+            )
+    return kept
+
+
+# --------------------------------------------------------------------------------------------------
+# dates
+# --------------------------------------------------------------------------------------------------
+_DATE_FORMATS = (
+    "%Y/%m/%d (%a) %H:%M",  # LongMemEval: 2023/05/20 (Sat) 02:21
+    "%I:%M %p on %d %B, %Y",  # LoCoMo: 1:56 pm on 8 May, 2023
+    "%I:%M %p on %d %b, %Y",
+    "%Y-%m-%dT%H:%M:%S",
+    "%Y-%m-%d %H:%M:%S",
+    "%Y-%m-%dT%H:%M",
+    "%Y-%m-%d %H:%M",
+    "%Y-%m-%d",
+    "%Y/%m/%d %H:%M",
+    "%Y/%m/%d",
+)
+
+
+def parse_date(raw: str | None) -> datetime | None:
+    """Parse the date formats of the supported datasets (and ISO 8601); None when unparseable."""
+    if raw is None:
+        return None
+    s = raw.strip()
+    if not s:
+        return None
+    for fmt in _DATE_FORMATS:
+        try:
+            return datetime.strptime(s, fmt)
+        except ValueError:
+            continue
+    try:  # ISO 8601 with a zone: stored as naive UTC-less wall time (schema is timestamp("s") without tz)
+        return datetime.fromisoformat(s).replace(tzinfo=None)
+    except ValueError:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# warnings
+# --------------------------------------------------------------------------------------------------
+class Warnings:
+    """Collects data warnings by kind: logs the first few, counts all; ``strict`` turns them into errors.
+
+    Kinds whose name is in ``once`` are logged only the first time (e.g. unparseable dates, which in a bad
+    file would otherwise flood the log), but still counted and exemplified in the summary.
+    """
+
+    def __init__(self, file: str, *, strict: bool = False, once: tuple[str, ...] = ("unparseable_date",)) -> None:
+        self.file = file
+        self.strict = strict
+        self.once = set(once)
+        self.counts: dict[str, int] = {}
+        self.examples: dict[str, list[str]] = {}
+
+    def warn(
+        self,
+        kind: str,
+        message: str,
+        *,
+        index: int | None = None,
+        record_id: str | None = None,
+        field: str | None = None,
+    ) -> None:
+        err = DataError(self.file, message, index=index, record_id=record_id, field=field)
+        if self.strict:
+            raise DataError(self.file, f"{message} [{kind}; strict mode]", index=index, record_id=record_id, field=field)
+        n = self.counts.get(kind, 0) + 1
+        self.counts[kind] = n
+        if n <= MAX_EXAMPLES:
+            self.examples.setdefault(kind, []).append(str(err))
+        if n == 1 or (kind not in self.once and n <= MAX_EXAMPLES):
+            log.warning("%s", err)
+        elif n == MAX_EXAMPLES + 1 or (kind in self.once and n == 2):
+            log.warning("more %r warnings in %s: counted in the ingest summary, not logged", kind, self.file)
+
+    def summary(self) -> dict[str, Any]:
+        return {k: {"count": c, "examples": self.examples.get(k, [])} for k, c in sorted(self.counts.items())}
+
+
+# --------------------------------------------------------------------------------------------------
+# field checks (every failure is a one-line DataError naming file, record, field, expectation)
+# --------------------------------------------------------------------------------------------------
+class Ctx:
+    """Where a check happens: the file and the record (index, id)."""
+
+    def __init__(self, file: str, index: int | None = None, record_id: str | None = None) -> None:
+        self.file, self.index, self.record_id = file, index, record_id
+
+    def error(self, message: str, field: str | None = None) -> DataError:
+        return DataError(self.file, message, index=self.index, record_id=self.record_id, field=field)
+
+    def get(self, obj: dict[str, Any], key: str, types: type | tuple[type, ...], *, where: str = "", required: bool = True) -> Any:
+        name = f"{where}{key}"
+        if key not in obj or obj[key] is None:
+            if required:
+                raise self.error(f"missing required field (expected {_tname(types)})", name)
+            return None
+        value = obj[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
+            raise self.error(f"expected {_tname(types)}, got {type(value).__name__}", name)
+        return value
+
+
+def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
+    return t if isinstance(t, tuple) else (t,)
+
+
+def _tname(t: type | tuple[type, ...]) -> str:
+    names = {dict: "object", list: "array", str: "string", int: "integer", float: "number", bool: "boolean"}
+    return " or ".join(names.get(x, x.__name__) for x in _tuple(t))
+
+
+def expect_dict(ctx: Ctx, value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ctx.error(f"expected an object, got {_json_type(value)}", what)
+    return value
+
+
+def _json_type(v: Any) -> str:
+    if isinstance(v, dict):
+        return "an object"
+    if isinstance(v, list):
+        return "an array"
+    if isinstance(v, str):
+        return "a string"
+    if isinstance(v, bool):
+        return "a boolean"
+    if v is None:
+        return "null"
+    return "a number"
+
+
+def id_str(ctx: Ctx, value: Any, field: str) -> str:
+    """Ids may be given as numbers in hand-made files; they are keys, so always strings."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ctx.error(f"expected a string id, got {_json_type(value)}", field)
+    s = str(value)
+    if not s:
+        raise ctx.error("expected a non-empty id", field)
+    return s
+
+
+# --------------------------------------------------------------------------------------------------
+# streaming JSON
+# --------------------------------------------------------------------------------------------------
+class CountingReader(io.RawIOBase):
+    """A binary reader that counts bytes (for progress bars and error offsets)."""
+
+    def __init__(self, f: IO[bytes], on_read: Callable[[int], None] | None = None) -> None:
+        self.f = f
+        self.pos = 0
+        self.on_read = on_read
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.f.read(size)
+        self.pos += len(data)
+        if self.on_read is not None and data:
+            self.on_read(len(data))
+        return data
+
+    def readinto(self, b: Any) -> int:
+        data = self.read(len(b))
+        b[: len(data)] = data
+        return len(data)
+
+
+def first_invalid_utf8(path: str | Path, chunk: int = 1 << 22) -> int | None:
+    """Byte offset of the first invalid UTF-8 sequence in the file, or None (streamed, constant memory)."""
+    dec = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(chunk)
+            final = not block
+            # the decoder may hold up to 3 bytes of the previous block; exc.start counts from them
+            pending = len(dec.getstate()[0])
+            try:
+                dec.decode(block, final)
+            except UnicodeDecodeError as exc:
+                return offset - pending + exc.start
+            if final:
+                return None
+            offset += len(block)
+
+
+def _first_byte(path: Path) -> tuple[bytes, int]:
+    with open(path, "rb") as f:
+        head = f.read(1 << 16)
+    i = 3 if head.startswith(codecs.BOM_UTF8) else 0
+    while i < len(head) and head[i : i + 1] in (b" ", b"\t", b"\r", b"\n"):
+        i += 1
+    return head[i : i + 1], i
+
+
+def iter_json_array(path: str | Path, on_read: Callable[[int], None] | None = None) -> Iterator[tuple[int, Any]]:
+    """Stream the items of a top-level JSON array with ijson: memory bounded by one item.
+
+    Turns every parse failure into a one-line :class:`DataError`: wrong top-level type, truncated or
+    malformed JSON (with the approximate byte offset) and non-UTF-8 bytes (with the exact offset).
+    """
+    p = Path(path)
+    file = str(p)
+    if not p.is_file():
+        raise DataError(file, "no such file")
+    first, _ = _first_byte(p)
+    if first == b"":
+        raise DataError(file, "empty file; expected a JSON array of records")
+    if first != b"[":
+        kind = {b"{": "an object"}.get(first, f"{first!r}")
+        raise DataError(file, f"expected a JSON array of records at the top level, found {kind}")
+    with open(p, "rb") as raw:
+        if raw.read(3) != codecs.BOM_UTF8:
+            raw.seek(0)
+        reader = CountingReader(raw, on_read)
+        index = 0
+        try:
+            for item in ijson.items(io.BufferedReader(reader, 1 << 16), "item", use_float=True):
+                yield index, item
+                index += 1
+        except ijson.common.IncompleteJSONError as exc:
+            raise _parse_error(p, exc, reader.pos, index) from None
+        except UnicodeDecodeError:
+            raise _utf8_error(p, index) from None
+        except ijson.common.JSONError as exc:
+            raise _parse_error(p, exc, reader.pos, index) from None
+
+
+def _utf8_error(p: Path, index: int) -> DataError:
+    off = first_invalid_utf8(p)
+    where = f"byte offset {off}" if off is not None else "an unknown offset"
+    return DataError(str(p), f"not valid UTF-8: invalid byte sequence at {where}; re-encode the file as UTF-8", index=index)
+
+
+def _parse_error(p: Path, exc: Exception, pos: int, index: int) -> DataError:
+    off = first_invalid_utf8(p)
+    if off is not None:
+        return _utf8_error(p, index)
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    size = p.stat().st_size
+    if "incomplete" in msg.lower() or "premature" in msg.lower() or pos >= size:
+        return DataError(str(p), f"truncated JSON: the file ends inside a record (read {pos} of {size} bytes): {msg}", index=index)
+    return DataError(str(p), f"malformed JSON near byte {pos}: {msg}", index=index)
+
