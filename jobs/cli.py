@@ -207,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     except MemgasError as exc:
         print(f"memgas {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `memgas stats BANK | head`
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"memgas {args.command}: interrupted; completed units are kept, re-run to resume", file=sys.stderr)
         return 130

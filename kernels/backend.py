@@ -76,5 +76,5 @@ def to_host(a: Any) -> Any:
 def to_device(a: Any, xp: ModuleType) -> Any:
     """Put a host (or device) array on ``xp``'s device."""
     if xp is np:
-        return to_host(np.asarray(a) if not type(a).__module__.startswith("cupy") else a)
+        return np.asarray(to_host(a))
     return xp.asarray(a)

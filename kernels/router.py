@@ -1,0 +1,80 @@
+"""Entropy router: per-query weights over granularities from the peakedness of their similarities.
+
+For granularity g with similarities s_g [Q, N_g]: p = softmax(s_g / temp), H_g = -sum p log p.
+
+- ``rule="paper"``: w_g = (1/H_g) / sum_g' (1/H_g')  (low entropy = confident = more weight).
+- ``rule="reference"`` (the authors' released code): w_g = (1 - H_g) / sum_g' (1 - H_g'). With more than
+  ~3 nodes H_g > 1, so the numerators turn negative and higher-entropy granularities get *more* weight:
+  reproduced on purpose, it is what the published numbers ran.
+
+Guards (documented behaviour):
+- H_g = 0 (a granularity with one node, or a one-hot softmax): the paper rule uses max(H, 1e-12), so a
+  zero-entropy granularity takes (almost) all the weight, and if every H is 0 the weights are equal.
+- reference rule: if |sum (1 - H)| < 1e-12 the weights are equal (1/G).
+- masked / empty granularities (mask all False for a row): H = 0 treatment does not apply; they get
+  weight 0 and the remaining weights are renormalised over the granularities that have nodes.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from memgas.kernels.backend import get_xp, to_device
+
+_EPS = 1e-12
+
+
+def _entropy(xp: Any, s: Any, mask: Any, temp: float) -> Any:
+    z = xp.where(mask, s / temp, -xp.inf)
+    zmax = z.max(axis=-1, keepdims=True)
+    zmax = xp.where(xp.isfinite(zmax), zmax, 0.0)
+    e = xp.where(mask, xp.exp(z - zmax), 0.0)
+    tot = e.sum(axis=-1, keepdims=True)
+    p = e / xp.where(tot == 0, 1.0, tot)
+    logp = xp.where(mask & (p > 0), xp.log(xp.where(p > 0, p, 1.0)), 0.0)
+    return -(p * logp).sum(axis=-1)
+
+
+def entropy_router(
+    sims: Sequence[Any] | Any,
+    mask: Any | None = None,
+    temp: float = 0.2,
+    rule: str = "paper",
+    device: str = "cpu",
+) -> tuple[Any, Any]:
+    """Router weights and entropies, both float64 [Q, G].
+
+    ``sims`` is either a list of G arrays [Q, N_g] (N_g may differ) or one array [G, Q, N] with an
+    optional bool ``mask`` [G, Q, N] or [G, N] marking real nodes.
+    """
+    if rule not in ("paper", "reference"):
+        raise ValueError(f"rule must be 'paper' or 'reference', got {rule!r}")
+    xp, _ = get_xp(device)
+    if isinstance(sims, (list, tuple)):
+        ents, has = [], []
+        for s in sims:
+            a = to_device(s, xp).astype(xp.float64)
+            m = xp.ones(a.shape, dtype=bool)
+            ents.append(_entropy(xp, a, m, temp))
+            has.append(xp.full(a.shape[0], a.shape[1] > 0))
+        H = xp.stack(ents, axis=1)
+        present = xp.stack(has, axis=1)
+    else:
+        a = to_device(sims, xp).astype(xp.float64)
+        if mask is None:
+            m = xp.ones(a.shape, dtype=bool)
+        else:
+            m = to_device(mask, xp).astype(bool)
+            if m.ndim == 2:
+                m = xp.broadcast_to(m[:, None, :], a.shape)
+        H = _entropy(xp, a, m, temp).T  # [Q, G]
+        present = m.any(axis=-1).T
+    if rule == "paper":
+        num = xp.where(present, 1.0 / xp.maximum(H, _EPS), 0.0)
+    else:
+        num = xp.where(present, 1.0 - H, 0.0)
+    den = num.sum(axis=1, keepdims=True)
+    n_present = xp.maximum(present.sum(axis=1, keepdims=True), 1)
+    equal = xp.where(present, 1.0 / n_present, 0.0)
+    bad = xp.abs(den) < _EPS
+    w = xp.where(bad, equal, num / xp.where(bad, 1.0, den))
+    return w, H

@@ -1,0 +1,167 @@
+"""Session ranking: single-granularity baselines, hybrid, MemGAS and its ablations (all queries batched).
+
+MemGAS (``method="memgas"``), per query q of one history with S sessions (4*S nodes, node = 4*s + g):
+
+1. sims = q . node embeddings (dot product); router weights w [Q, 4] from the per-granularity entropies
+   (``memgas.kernels.router``; ``router="paper"`` or ``"reference"``).
+2. node score = w_g * sim; keep the ``num_seeds`` best node scores *and every score equal to the
+   num_seeds-th* (the authors' threshold test ``score >= kth``), zero the rest, clip negatives to 0.
+3. Personalized PageRank (``damping`` = follow-edge probability) on the association graph with that
+   reset vector (``memgas.kernels.ppr``), all queries at once.
+4. session score = sum of its 4 nodes' PPR values; order = descending, ties by lower session index.
+
+Ablations: ``memgas-no-gmm`` (association keeps top-k edges, see ``association.associate``),
+``memgas-no-ppr`` (session score = sum over its 4 nodes of w_g * sim, no seeds, no graph),
+``memgas-no-router`` (w_g = 1/4), ``memgas-no-association`` (PPR on a graph without edges, which returns
+the normalised reset: session score = its share of the clipped seed scores).
+
+A query whose reset vector is all zero (every top node score <= 0) gets PPR scores 0 for every session,
+so its order is the session order (documented tie rule).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from memgas.kernels.backend import get_xp, to_device, to_host
+from memgas.kernels.ppr import build_csr, personalized_pagerank
+from memgas.kernels.router import entropy_router
+from memgas.kernels.segment import segment_sum_contiguous
+from memgas.kernels.topk import stable_argsort_desc
+from memgas.pipeline.association import N_GRAN, associate
+
+log = logging.getLogger(__name__)
+
+GRANULARITIES = ("session", "turn", "summary", "keyword")
+METHODS = (
+    "session", "turn", "summary", "keyword", "hybrid", "memgas", "memgas-no-gmm", "memgas-no-ppr",
+    "memgas-no-router", "memgas-no-association",
+)
+_GRAPH_METHODS = ("memgas", "memgas-no-gmm", "memgas-no-router", "memgas-no-association")
+
+
+def stack_nodes(session_emb: Any, turn_emb: Any, summary_emb: Any, keyword_emb: Any) -> np.ndarray:
+    """[S, d] x 4 -> node matrix [4*S, d] float32 in node order (node = 4*s + g)."""
+    parts = [np.asarray(a, dtype=np.float32) for a in (session_emb, turn_emb, summary_emb, keyword_emb)]
+    shapes = {p.shape for p in parts}
+    if len(shapes) != 1 or parts[0].ndim != 2:
+        raise ValueError(f"the four granularity embeddings must share one [S, d] shape, got {shapes}")
+    return np.ascontiguousarray(np.stack(parts, axis=1).reshape(-1, parts[0].shape[1]))
+
+
+def seed_reset(node_scores: Any, num_seeds: int) -> Any:
+    """Keep the top ``num_seeds`` scores per row plus ties with the num_seeds-th; zero the rest; clip < 0."""
+    xp = get_xp("cuda")[0] if type(node_scores).__module__.startswith("cupy") else np
+    n = node_scores.shape[1]
+    if num_seeds < n:
+        kth = -xp.partition(-node_scores, num_seeds - 1, axis=1)[:, num_seeds - 1 : num_seeds]
+        node_scores = xp.where(node_scores >= kth, node_scores, 0.0)
+    return xp.maximum(node_scores, 0.0)
+
+
+def score_with_edges(
+    node_emb: Any,
+    query_emb: Any,
+    src: Any,
+    dst: Any,
+    *,
+    method: str = "memgas",
+    num_seeds: int = 15,
+    damping: float = 0.1,
+    temp: float = 0.2,
+    router: str = "paper",
+    device: str = "cpu",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rank sessions of one history given a precomputed association edge list.
+
+    ``node_emb`` [4*S, d] (node order), ``query_emb`` [Q, d], ``src``/``dst`` undirected edges (node ids).
+    Methods: memgas, memgas-no-gmm (pass the top-k edges), memgas-no-ppr, memgas-no-router,
+    memgas-no-association (edges ignored). Returns (order int64 [Q, S], session scores float64 [Q, S]).
+    """
+    xp, _ = get_xp(device)
+    E = to_device(np.asarray(node_emb, dtype=np.float32), xp)
+    q = to_device(np.asarray(query_emb, dtype=np.float32), xp)
+    n = E.shape[0]
+    if n % N_GRAN:
+        raise ValueError(f"node_emb must have 4*S rows, got {n}")
+    S = n // N_GRAN
+    # float64 similarities: near-equal session scores then order the same as a float64 reference
+    sims = q.astype(xp.float64) @ E.astype(xp.float64).T  # [Q, 4S]
+    if method == "memgas-no-router":
+        w = xp.full((q.shape[0], N_GRAN), 1.0 / N_GRAN)
+    elif method in _GRAPH_METHODS or method == "memgas-no-ppr":
+        w, _ = entropy_router([sims[:, g::N_GRAN] for g in range(N_GRAN)], temp=temp, rule=router, device=device)
+    else:
+        raise ValueError(f"score_with_edges handles the MemGAS methods, not {method!r}")
+    node_scores = sims * xp.tile(w, (1, S))  # w_g * sim, node = 4*s + g
+    if method == "memgas-no-ppr":
+        scores = segment_sum_contiguous(node_scores, N_GRAN)
+    else:
+        reset = seed_reset(node_scores, num_seeds)
+        if method == "memgas-no-association":
+            src, dst = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        adj = build_csr(to_host(src), to_host(dst), n)
+        ppr = personalized_pagerank(adj, reset, damping, device=device)
+        scores = segment_sum_contiguous(ppr, N_GRAN)
+    order = stable_argsort_desc(scores)
+    return to_host(order).astype(np.int64), to_host(scores).astype(np.float64)
+
+
+def rank_sessions(
+    session_emb: Any,
+    turn_emb: Any,
+    summary_emb: Any,
+    keyword_emb: Any,
+    query_emb: Any,
+    method: str = "memgas",
+    mem_threshold: int = 30,
+    min_prior_nodes: int = 20,
+    num_seeds: int = 15,
+    damping: float = 0.1,
+    temp: float = 0.2,
+    router: str = "paper",
+    device: str = "cpu",
+    *,
+    hybrid_emb: Any | None = None,
+    topk_edges: int | None = None,
+    return_scores: bool = False,
+) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
+    """Session indices per query, best first (int64 [Q, S]); ties broken by the lower session index.
+
+    See the module docstring for the methods. ``hybrid`` needs ``hybrid_emb`` [S, d] (one embedding of
+    "summary keywords session" per session). ``return_scores=True`` also returns the scores [Q, S].
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    if router not in ("paper", "reference"):
+        raise ValueError(f"router must be 'paper' or 'reference', got {router!r}")
+    nodes = stack_nodes(session_emb, turn_emb, summary_emb, keyword_emb)
+    q = np.asarray(query_emb, dtype=np.float32)
+    if q.ndim != 2 or q.shape[1] != nodes.shape[1]:
+        raise ValueError(f"query_emb must be [Q, {nodes.shape[1]}], got {q.shape}")
+    if method in GRANULARITIES or method == "hybrid":
+        xp, _ = get_xp(device)
+        if method == "hybrid":
+            if hybrid_emb is None:
+                raise ValueError("method='hybrid' needs hybrid_emb=[S, d] (embeddings of 'summary keywords session')")
+            H = np.asarray(hybrid_emb, dtype=np.float32)
+            if H.shape != (nodes.shape[0] // N_GRAN, nodes.shape[1]):
+                raise ValueError(f"hybrid_emb must be [S, d] = {(nodes.shape[0] // N_GRAN, nodes.shape[1])}, got {H.shape}")
+        else:
+            H = nodes[GRANULARITIES.index(method) :: N_GRAN]
+        scores = to_device(q, xp) @ to_device(H, xp).T
+        order = to_host(stable_argsort_desc(scores)).astype(np.int64)
+        scores = to_host(scores).astype(np.float64)
+    else:
+        if method in ("memgas", "memgas-no-router", "memgas-no-gmm"):
+            e = associate(nodes, mem_threshold=mem_threshold, min_prior_nodes=min_prior_nodes,
+                          mode="topk" if method == "memgas-no-gmm" else "gmm", topk_edges=topk_edges,
+                          device=device)
+            src, dst = e.src, e.dst
+        else:
+            src, dst = np.zeros(0, np.int64), np.zeros(0, np.int64)
+        order, scores = score_with_edges(nodes, q, src, dst, method=method, num_seeds=num_seeds,
+                                         damping=damping, temp=temp, router=router, device=device)
+    return (order, scores) if return_scores else order
