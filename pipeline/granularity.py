@@ -1,0 +1,266 @@
+"""Memory nodes per session and their embedding matrices (DESIGN.md §3.1-3.2).
+
+Per (history, session) five node rows:
+
+=========  ===============================================  ======================================
+granular.  text_hash                                        vector
+=========  ===============================================  ======================================
+session    the session text                                 its embedding
+turn       the session text (key into ``pairs``)            mean of the session's pair embeddings
+summary    hash of the summary output                       its embedding
+keyword    hash of the keywords output ("a; b; c")          its embedding
+hybrid     hash of "summary keywords session"               its embedding (hybrid baseline only)
+=========  ===============================================  ======================================
+
+The first four are MemGAS's memory nodes (``schema.GRANULARITIES``); ``hybrid`` is stored as a fifth row
+because the hybrid baseline reads from the same tables.
+
+:class:`MatrixLoader` reads the embeddings table once (only the rows the nodes need), computes each unique
+session's turn vector once, and serves per-history [S, d] matrices by indexing; LongMemEval-S (500
+histories x ~50 sessions, heavily shared) then costs one Parquet scan plus fancy indexing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.errors import BankError
+from memgas.pipeline.generate import hybrid_text
+from memgas.pipeline.hashing import text_hash
+from memgas.pipeline.schema import NODES
+
+log = logging.getLogger(__name__)
+
+#: Node rows per session: the four MemGAS granularities plus the hybrid baseline's text.
+NODE_GRANULARITIES: tuple[str, ...] = ("session", "turn", "summary", "keyword", "hybrid")
+_KIND_OF = {"summary": "summary", "keyword": "keywords"}
+
+
+def build_nodes(
+    bank: Bank,
+    *,
+    generator_model: str,
+    prompt_version: str,
+    history_ids: Sequence[str] | None = None,
+    write: bool = False,
+) -> pa.Table:
+    """The ``nodes`` table for the bank's sessions, from the generations under (model, prompt_version).
+
+    Raises :class:`BankError` naming the first sessions whose summary or keywords are missing. Rows with
+    an ``error`` (an empty output) still make a node (the embedding of "" = "no information"), logged.
+    ``write=True`` also replaces the bank's ``nodes`` table.
+    """
+    sessions = bank.read("sessions", ["history_id", "session_id", "position", "text_hash"])
+    if history_ids is not None:
+        sessions = sessions.filter(pc.field("history_id").isin(list(history_ids)))
+    sessions = sessions.sort_by([("history_id", "ascending"), ("position", "ascending")])
+    uniq = sorted(set(sessions.column("text_hash").to_pylist()))
+    gen = bank.read(
+        "generations",
+        ["text_hash", "kind", "output", "error"],
+        filter=(pc.field("model") == generator_model)
+        & (pc.field("prompt_version") == prompt_version)
+        & pc.field("text_hash").isin(uniq),
+    )
+    out: dict[str, dict[str, str]] = {}
+    n_err = 0
+    for h, k, o, e in zip(
+        gen.column("text_hash").to_pylist(),
+        gen.column("kind").to_pylist(),
+        gen.column("output").to_pylist(),
+        gen.column("error").to_pylist(),
+    ):
+        out.setdefault(h, {})[k] = o or ""
+        n_err += e is not None
+    if n_err:
+        log.warning("nodes: %d generations carry an error (empty output) for %s / %s", n_err, generator_model, prompt_version)
+
+    hist = sessions.column("history_id").to_pylist()
+    sids = sessions.column("session_id").to_pylist()
+    pos = sessions.column("position").to_pylist()
+    hashes = sessions.column("text_hash").to_pylist()
+    missing = [
+        (hid, sid, h, k)
+        for hid, sid, h in zip(hist, sids, hashes)
+        for k in ("summary", "keywords")
+        if k not in out.get(h, {})
+    ]
+    if missing:
+        hid, sid, h, k = missing[0]
+        raise BankError(
+            f"{bank.path}: {len(missing)} generations missing for model {generator_model!r}, prompt_version "
+            f"{prompt_version!r} (first: history {hid} session {sid}, text_hash {h}, kind {k}); run the "
+            "generation stage with the same generator/prompt settings first"
+        )
+    texts = _session_texts(bank, uniq)
+    rows: dict[str, list] = {n: [] for n in NODES.names}
+    for hid, sid, p, h in zip(hist, sids, pos, hashes):
+        s, kw = out[h]["summary"], out[h]["keywords"]
+        node_hash = {
+            "session": h,
+            "turn": h,
+            "summary": text_hash(s),
+            "keyword": text_hash(kw),
+            "hybrid": text_hash(hybrid_text(s, kw, texts.get(h, ""))),
+        }
+        for g in NODE_GRANULARITIES:
+            rows["history_id"].append(hid)
+            rows["session_id"].append(sid)
+            rows["position"].append(p)
+            rows["granularity"].append(g)
+            rows["text_hash"].append(node_hash[g])
+    table = pa.Table.from_pydict(rows, schema=NODES)
+    if write:
+        bank.write("nodes", table, info={"generator_model": generator_model, "prompt_version": prompt_version})
+    return table
+
+
+def _session_texts(bank: Bank, hashes: Sequence[str]) -> dict[str, str]:
+    t = bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(list(hashes)))
+    got = dict(zip(t.column("text_hash").to_pylist(), t.column("text").to_pylist()))
+    absent = [h for h in hashes if h not in got]
+    if absent:
+        raise BankError(f"{bank.path}: {len(absent)} session texts missing from 'texts' (first text_hash {absent[0]})")
+    return got
+
+
+def _vectors(table: pa.Table) -> np.ndarray:
+    """[n, d] float32 view of a fixed-size-list vector column (no per-row Python)."""
+    col = table.column("vector").combine_chunks()
+    if len(col) == 0:
+        return np.zeros((0, 0), np.float32)
+    d = col.type.list_size
+    return col.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, d)
+
+
+class MatrixLoader:
+    """Per-history node matrices from one read of ``nodes``, ``pairs`` and ``embeddings``."""
+
+    def __init__(
+        self,
+        bank: Bank,
+        encoder_name: str,
+        *,
+        history_ids: Sequence[str] | None = None,
+        nodes: pa.Table | None = None,
+    ) -> None:
+        self.bank = bank
+        self.encoder_name = encoder_name
+        if nodes is None:
+            nodes = bank.read("nodes")
+            if nodes.num_rows == 0:
+                raise BankError(f"{bank.path}: table 'nodes' is empty; run the granularity stage (build_nodes) first")
+        if history_ids is not None:
+            nodes = nodes.filter(pc.field("history_id").isin(list(history_ids)))
+        nodes = nodes.sort_by([("history_id", "ascending"), ("position", "ascending")])
+        self.nodes = nodes
+
+        sess_hashes = sorted(
+            set(nodes.filter(pc.field("granularity") == "session").column("text_hash").to_pylist())
+        )
+        pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"], filter=pc.field("session_hash").isin(sess_hashes))
+        pairs = pairs.sort_by([("session_hash", "ascending"), ("pair_index", "ascending")])
+        need = set(nodes.filter(pc.field("granularity") != "turn").column("text_hash").to_pylist())
+        need.update(pairs.column("text_hash").to_pylist())
+        emb = bank.read(
+            "embeddings",
+            ["text_hash", "encoder", "vector"],
+            filter=(pc.field("encoder") == encoder_name) & pc.field("text_hash").isin(sorted(need)),
+        )
+        self.vectors = _vectors(emb)
+        self.row: dict[str, int] = {h: i for i, h in enumerate(emb.column("text_hash").to_pylist())}
+        self.dim = self.vectors.shape[1] if self.vectors.size else 0
+        absent = sorted(need - self.row.keys())
+        if absent:
+            raise BankError(
+                f"{bank.path}: {len(absent)} texts have no '{encoder_name}' embedding (first text_hash {absent[0]}); "
+                "run the encoding stage with this encoder"
+            )
+
+        # turn vector per unique session: mean of its pair vectors, one reduceat over all pairs
+        self.turn_row: dict[str, int] = {}
+        sh = pairs.column("session_hash").to_pylist()
+        if sh:
+            idx = np.fromiter((self.row[h] for h in pairs.column("text_hash").to_pylist()), np.int64, len(sh))
+            starts = [0] + [i for i in range(1, len(sh)) if sh[i] != sh[i - 1]]
+            counts = np.diff(np.array([*starts, len(sh)]))
+            sums = np.add.reduceat(self.vectors[idx], starts, axis=0)
+            self.turn_vectors = (sums / counts[:, None]).astype(np.float32)
+            self.turn_row = {sh[s]: j for j, s in enumerate(starts)}
+        else:
+            self.turn_vectors = np.zeros((0, self.dim), np.float32)
+        no_pairs = [h for h in sess_hashes if h not in self.turn_row]
+        if no_pairs:
+            # a session without pairs (empty, or one utterance): its turn node is its session vector
+            log.warning("%d sessions have no turn pairs; their turn vector is the session vector", len(no_pairs))
+
+        # per-history row ranges into the sorted nodes table
+        hid = nodes.column("history_id").to_pylist()
+        self._ranges: dict[str, tuple[int, int]] = {}
+        for i, h in enumerate(hid):
+            a, _ = self._ranges.get(h, (i, i))
+            self._ranges[h] = (a, i + 1)
+        self._gran = nodes.column("granularity").to_pylist()
+        self._hash = nodes.column("text_hash").to_pylist()
+        self._sid = nodes.column("session_id").to_pylist()
+
+    @property
+    def history_ids(self) -> list[str]:
+        return list(self._ranges)
+
+    def get(self, history_id: str) -> dict[str, Any]:
+        """``{"session_ids": [...], "session": [S,d], "turn": ..., "summary": ..., "keyword": ..., "hybrid": ...}``."""
+        if history_id not in self._ranges:
+            raise BankError(f"{self.bank.path}: history {history_id!r} has no nodes")
+        a, b = self._ranges[history_id]
+        per: dict[str, list[str]] = {g: [] for g in NODE_GRANULARITIES}
+        session_ids: list[str] = []
+        for i in range(a, b):
+            g = self._gran[i]
+            if g in per:
+                per[g].append(self._hash[i])
+            if g == "session":
+                session_ids.append(self._sid[i])
+        out: dict[str, Any] = {"session_ids": session_ids}
+        for g, hs in per.items():
+            if not hs:
+                continue
+            if g == "turn":
+                mat = np.empty((len(hs), self.dim), np.float32)
+                for j, h in enumerate(hs):
+                    r = self.turn_row.get(h)
+                    mat[j] = self.turn_vectors[r] if r is not None else self.vectors[self.row[h]]
+                out[g] = mat
+            else:
+                out[g] = self.vectors[np.fromiter((self.row[h] for h in hs), np.int64, len(hs))]
+            if len(hs) != len(session_ids):
+                raise BankError(
+                    f"{self.bank.path}: history {history_id!r}: {len(hs)} {g} nodes for {len(session_ids)} sessions"
+                )
+        return out
+
+
+def history_matrices(
+    bank: Bank,
+    history_ids: str | Sequence[str],
+    encoder_name: str,
+    *,
+    nodes: pa.Table | None = None,
+) -> dict[str, Any]:
+    """Node matrices of one history (``str``: its dict) or several (list: ``{history_id: dict}``).
+
+    For many calls over one bank, build a :class:`MatrixLoader` once and call ``get`` per history.
+    """
+    single = isinstance(history_ids, str)
+    ids = [history_ids] if single else list(history_ids)
+    loader = MatrixLoader(bank, encoder_name, history_ids=ids, nodes=nodes)
+    if single:
+        return loader.get(ids[0])
+    return {h: loader.get(h) for h in ids}

@@ -1,0 +1,222 @@
+"""Reading stage: filter the retrieved sessions, then answer (DESIGN.md §3.6).
+
+Per query: the top-K retrieved sessions (with dates, summaries and keywords) go through the authors'
+filter prompt once, then the answer prompt gets the filtered text once (the authors' code pastes it once
+per retrieved session; we do not). Both steps are batched across queries.
+
+Token budget: each prompt + its ``max_tokens`` must fit ``min(cfg.context_tokens, llm.context_tokens)``.
+When the context does not fit, the lowest-ranked sessions are dropped first; if the top session alone
+does not fit, its text is cut (head kept). Cuts are logged and counted (``context_cut`` in the ledger).
+
+Failures never sink the batch: a filter error/empty output falls back to the unfiltered context (noted in
+``error``), an answer error or empty answer is recorded in ``error`` with an empty hypothesis.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from memgas.pipeline.accounting import TokenLedger
+from memgas.pipeline.config import ReadingConfig
+from memgas.pipeline.models.base import LLM, GenerationResult, SamplingParams
+from memgas.pipeline.prompts import answer_prompt, filter_prompt, session_block
+from memgas.pipeline.schema import ANSWERS
+
+log = logging.getLogger(__name__)
+
+#: Tokens reserved for the chat template and tokenizer differences.
+_MARGIN = 32
+#: Output budget of the filter step: it copies original tokens, so it needs more room than an answer.
+DEFAULT_FILTER_MAX_TOKENS = 512
+
+# the authors' get_answer(): cut the answer where the model starts a new speaker/question
+_CUT_MARKERS = ("\n[human]:", "\nQuestion:", "\nQ:", "\nHistory Dialogs:")
+_STRIP_PREFIXES = ("Answer:", "[bot]:", "Assistant:")
+
+
+def clean_answer(text: str) -> str:
+    ans = (text or "").strip()
+    for m in _CUT_MARKERS:
+        if m in ans:
+            ans = ans.split(m)[0]
+    changed = True
+    while changed:
+        changed = False
+        for p in _STRIP_PREFIXES:
+            if ans.startswith(p):
+                ans = ans[len(p) :].strip()
+                changed = True
+    return ans.strip()
+
+
+def _usable(text: str) -> bool:
+    t = text.strip()
+    if not t:
+        return False
+    chars = [c for c in t if not c.isspace()]
+    # digits count: "42" or "2023-05-08" are fine answers
+    return sum(c.isalnum() for c in chars) / len(chars) >= 0.4
+
+
+def _cut_head(llm: LLM, text: str, max_tokens: int) -> str:
+    if max_tokens <= 0:
+        return ""
+    n = llm.count_tokens(text)
+    while n > max_tokens and text:
+        text = text[: max(int(len(text) * max_tokens / n * 0.95), 0)]
+        n = llm.count_tokens(text)
+    return text
+
+
+def build_context(
+    llm: LLM,
+    sessions: Sequence[dict[str, Any]],
+    *,
+    top_k: int,
+    budget: int,
+    multigran: bool,
+) -> tuple[str, int, bool]:
+    """The retrieved-sessions text within ``budget`` tokens: ``(text, sessions kept, cut?)``."""
+    chosen = list(sessions[:top_k])
+    blocks = [
+        session_block(
+            s.get("date"),
+            s.get("text") or "",
+            (s.get("summary") or "") if multigran else None,
+            (s.get("keywords") or "") if multigran else None,
+        )
+        for s in chosen
+    ]
+    cut = False
+    while blocks:
+        text = "".join(blocks)
+        if llm.count_tokens(text) <= budget:
+            return text, len(blocks), cut
+        cut = True
+        if len(blocks) == 1:
+            return _cut_head(llm, text, budget), 1, True
+        blocks.pop()  # lowest-ranked first
+    return "", 0, cut
+
+
+def _generate(llm: LLM, prompts: list, params: SamplingParams, ledger: TokenLedger | None, stage: str) -> list[GenerationResult]:
+    if not prompts:
+        return []
+    t0 = time.perf_counter()
+    try:
+        res = llm.generate(prompts, params)
+    except Exception as exc:  # one failed backend call is recorded per item, not raised
+        log.error("reading: LLM batch of %d failed: %s", len(prompts), exc)
+        res = [GenerationResult(error=f"llm: {type(exc).__name__}: {exc}") for _ in prompts]
+    if len(res) != len(prompts):
+        res = [GenerationResult(error="llm: result count mismatch") for _ in prompts]
+    if ledger is not None:
+        ledger.record(stage, res, time.perf_counter() - t0)
+    return res
+
+
+def read_and_answer(
+    queries: Sequence[dict[str, Any]],
+    llm: LLM,
+    cfg: ReadingConfig,
+    method: str,
+    *,
+    ledger: TokenLedger | None = None,
+    filter_max_tokens: int = DEFAULT_FILTER_MAX_TOKENS,
+) -> pa.Table:
+    """Answer ``queries``: dicts with ``query_id``, ``question``, ``question_date`` and ``sessions`` = the
+    retrieved sessions in rank order, each ``{session_id, date, text, summary, keywords}``.
+
+    Returns an ``ANSWERS`` table (one row per query, input order).
+    """
+    window = min(cfg.context_tokens, llm.context_tokens)
+    n = len(queries)
+    rows: list[dict[str, Any]] = [
+        {
+            "method": method,
+            "query_id": str(q["query_id"]),
+            "retrieved_session_ids": [str(s.get("session_id")) for s in (q.get("sessions") or [])[: cfg.top_k]],
+            "filtered_context": None,
+            "hypothesis": None,
+            "prompt_tokens": 0,
+            "completion_tokens": 0,
+            "error": None,
+        }
+        for q in queries
+    ]
+    errors: list[list[str]] = [[] for _ in range(n)]
+    n_cut = 0
+
+    def budget_for(template_prompt: list, max_new: int) -> int:
+        return window - max_new - _MARGIN - llm.count_tokens(template_prompt[0]["content"])
+
+    # 1. context per query (with summaries/keywords for the filter step, plain sessions otherwise)
+    contexts: list[str] = []
+    for i, q in enumerate(queries):
+        tmpl = (filter_prompt if cfg.filter else answer_prompt)("", q["question"], q.get("question_date"))
+        max_new = filter_max_tokens if cfg.filter else cfg.max_new_tokens
+        text, kept, cut = build_context(
+            llm, q.get("sessions") or [], top_k=cfg.top_k, budget=budget_for(tmpl, max_new), multigran=cfg.filter
+        )
+        if cut:
+            n_cut += 1
+            log.info("reading: query %s context cut to %d sessions to fit %d tokens", q["query_id"], kept, window)
+            errors[i].append(f"context cut to {kept} session(s)")  # noted, not a failure
+        contexts.append(text)
+
+    # 2. filter (batched across queries)
+    answer_ctx = list(contexts)
+    if cfg.filter:
+        prompts = [filter_prompt(contexts[i], q["question"], q.get("question_date")) for i, q in enumerate(queries)]
+        res = _generate(llm, prompts, SamplingParams(max_tokens=filter_max_tokens), ledger, "reading-filter")
+        for i, r in enumerate(res):
+            rows[i]["prompt_tokens"] += r.prompt_tokens
+            rows[i]["completion_tokens"] += r.completion_tokens
+            out = clean_answer(r.text) if r.error is None else ""
+            if r.error is not None:
+                errors[i].append(f"filter failed ({r.error}); unfiltered context used")
+            elif not _usable(out):
+                errors[i].append("filter output unusable; unfiltered context used")
+            else:
+                answer_ctx[i] = out
+
+    # 3. answer (batched); re-fit the context: the answer template differs from the filter's
+    prompts = []
+    for i, q in enumerate(queries):
+        tmpl = answer_prompt("", q["question"], q.get("question_date"))
+        budget = budget_for(tmpl, cfg.max_new_tokens)
+        if llm.count_tokens(answer_ctx[i]) > budget:
+            answer_ctx[i] = _cut_head(llm, answer_ctx[i], budget)
+            n_cut += 1
+            errors[i].append("answer context cut")
+        rows[i]["filtered_context"] = answer_ctx[i]
+        prompts.append(answer_prompt(answer_ctx[i], q["question"], q.get("question_date")))
+    res = _generate(llm, prompts, SamplingParams(max_tokens=cfg.max_new_tokens), ledger, "reading-answer")
+    n_fail = 0
+    for i, r in enumerate(res):
+        rows[i]["prompt_tokens"] += r.prompt_tokens
+        rows[i]["completion_tokens"] += r.completion_tokens
+        if r.error is not None:
+            errors[i].append(f"answer failed: {r.error}")
+            rows[i]["hypothesis"] = ""
+            n_fail += 1
+            continue
+        ans = clean_answer(r.text)
+        if not _usable(ans):
+            errors[i].append(f"answer unusable: {r.text[:80]!r}")
+            rows[i]["hypothesis"] = ""
+            n_fail += 1
+        else:
+            rows[i]["hypothesis"] = ans
+    for i in range(n):
+        rows[i]["error"] = "; ".join(errors[i]) if errors[i] else None
+    if ledger is not None:
+        ledger.count("reading-answer", "context_cut", n_cut)
+        ledger.count("reading-answer", "unanswered", n_fail)
+    log.info("reading: %d queries answered, %d failed, %d contexts cut", n - n_fail, n_fail, n_cut)
+    return pa.Table.from_pylist(rows, schema=ANSWERS)

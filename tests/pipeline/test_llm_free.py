@@ -1,0 +1,59 @@
+"""LLM-free generator: YAKE keywords and centroid extractive summaries, deterministic."""
+
+from __future__ import annotations
+
+import pytest
+
+from memgas.pipeline.llm_free import LLMFreeGenerator, split_units, strip_speakers
+
+SESSION = (
+    "Caroline: I went to an LGBTQ support group yesterday and it was so powerful.\n"
+    "Melanie: Wow, that sounds great! I painted a lake sunrise last year.\n"
+    "Caroline: Ok!\n"
+    "Caroline: I want to study counseling and work in mental health.\n"
+    "Melanie: Counseling would suit you. Painting helps me relax after work with the kids.\n"
+)
+
+
+def test_split_units_merges_fragments_and_bounds_count() -> None:
+    units = split_units(SESSION)
+    assert all(len(u) >= 12 for u in units)
+    assert any("Ok!" in u for u in units)  # merged into the previous sentence, never alone
+    assert len(split_units("A sentence here. " * 2000, max_units=50)) <= 50
+    assert strip_speakers("[Caroline]: hi\nuser: yo") == "hi\nyo"
+
+
+def test_keywords_without_encoder_are_deterministic_and_clean() -> None:
+    g = LLMFreeGenerator(None, top_keywords=6)
+    k1 = g.keywords([SESSION, "", "   "])
+    assert k1 == g.keywords([SESSION, "", "   "])
+    kws = k1[0].split("; ")
+    assert 1 <= len(kws) <= 6 and all(k == k.lower() and k.strip() for k in kws)
+    assert k1[1] == "" and k1[2] == ""
+    assert g.summaries([""]) == [""]
+    lead = g.summaries([SESSION])[0]
+    assert lead.startswith("Caroline: I went to an LGBTQ")
+
+
+def test_keywords_non_english_and_emoji() -> None:
+    g = LLMFreeGenerator(None)
+    out = g.keywords(["user: Je suis allé à Paris 🎉 avec mon chien.\nassistant: 東京は大きい都市です。 Très bien!"])[0]
+    assert out and "\ufffd" not in out
+
+
+@pytest.fixture(scope="module")
+def encoder():
+    from memgas.pipeline.models.encoders import SentenceTransformerEncoder
+
+    return SentenceTransformerEncoder("minilm", device="cpu")
+
+
+@pytest.mark.slow
+def test_centroid_summary_keeps_order_and_cap(encoder) -> None:
+    g = LLMFreeGenerator(encoder, summary_sentences=2, max_summary_chars=150)
+    s1 = g.summaries([SESSION, "Only one sentence here, short."])
+    assert s1 == g.summaries([SESSION, "Only one sentence here, short."])  # deterministic
+    assert len(s1[0]) <= 150 and s1[0]
+    picked = [u for u in split_units(SESSION) if u[:20] in s1[0]]
+    assert [SESSION.index(u) for u in picked] == sorted(SESSION.index(u) for u in picked)  # original order
+    assert s1[1] == "Only one sentence here, short."

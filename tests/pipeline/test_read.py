@@ -1,0 +1,96 @@
+"""Reading stage: filter once per query, answer once, token budget cuts, per-item failures recorded."""
+
+from __future__ import annotations
+
+import pytest
+
+from memgas.pipeline.accounting import TokenLedger
+from memgas.pipeline.config import ReadingConfig
+from memgas.pipeline.models.base import GenerationResult
+from memgas.pipeline.read import clean_answer, read_and_answer
+from memgas.pipeline.schema import ANSWERS
+
+
+def test_clean_answer() -> None:
+    assert clean_answer("Answer: Miso\nQuestion: next?") == "Miso"
+    assert clean_answer("  [bot]: Lisbon ") == "Lisbon"
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    from memgas.pipeline.models.llms import TransformersLLM
+
+    return TransformersLLM("smollm2", context_tokens=2048, dtype="float32")
+
+
+class Recorder:
+    def __init__(self, llm, corrupt=None) -> None:
+        self.llm, self.corrupt = llm, corrupt
+        self.name, self.context_tokens = llm.name, llm.context_tokens
+        self.batches: list[list[str]] = []
+
+    def count_tokens(self, text: str) -> int:
+        return self.llm.count_tokens(text)
+
+    def generate(self, prompts, params):
+        contents = [p[-1]["content"] for p in prompts]
+        self.batches.append(contents)
+        res = self.llm.generate(prompts, params)
+        if self.corrupt:
+            res = [self.corrupt(c, r) for c, r in zip(contents, res)]
+        return res
+
+
+def _q(qid: str, question: str, n_sessions: int = 3, long: bool = False) -> dict:
+    body = "Melanie: I painted a lake sunrise. " * (300 if long else 1)
+    return {
+        "query_id": qid,
+        "question": question,
+        "question_date": "2023/06/01",
+        "sessions": [
+            {"session_id": f"{qid}-s{i}", "date": f"2023/05/0{i + 1}", "text": f"Caroline: fact {i}. {body}",
+             "summary": f"summary {i}", "keywords": f"kw{i}; lake"}
+            for i in range(n_sessions)
+        ],
+    }
+
+
+@pytest.mark.slow
+def test_filter_then_answer_with_budget_and_faults(smollm) -> None:
+    def corrupt(content: str, r: GenerationResult) -> GenerationResult:
+        if content.startswith("You are an intelligent dialog bot. You will be shown History Dialogs. Please"):
+            if "Q-empty" in content:
+                return GenerationResult(text="   ", prompt_tokens=r.prompt_tokens)
+            if "Q-error" in content:
+                return GenerationResult(error="timeout")
+        if "Q-empty" in content and "Filter" in content:
+            return GenerationResult(text="@@@@ ####")
+        return r
+
+    llm = Recorder(smollm, corrupt)
+    cfg = ReadingConfig(top_k=3, context_tokens=400, max_new_tokens=8)
+    queries = [_q("a", "What did Melanie paint?", long=True), _q("b", "Q-empty?"), _q("c", "Q-error?")]
+    ledger = TokenLedger()
+    t = read_and_answer(queries, llm, cfg, "memgas", ledger=ledger, filter_max_tokens=24)
+    assert t.schema == ANSWERS and t.num_rows == 3
+    assert len(llm.batches) == 2 and all(len(b) == 3 for b in llm.batches)  # filter batch, answer batch
+    for prompt in llm.batches[1]:
+        assert smollm.count_tokens(prompt) + 8 <= 400
+    rows = {r["query_id"]: r for r in t.to_pylist()}
+    assert "context cut" in rows["a"]["error"] and rows["a"]["retrieved_session_ids"] == ["a-s0", "a-s1", "a-s2"]
+    assert rows["b"]["hypothesis"] == "" and "answer unusable" in rows["b"]["error"]
+    assert rows["c"]["hypothesis"] == "" and "timeout" in rows["c"]["error"]
+    assert "filter output unusable" in rows["b"]["error"] and "Session Date" in rows["b"]["filtered_context"]
+    assert ledger.stages["reading-filter"].requests == 3 and ledger.stages["reading-answer"].failures == 1
+    assert ledger.stages["reading-answer"].counters["context_cut"] >= 1
+
+
+@pytest.mark.slow
+def test_no_filter_answers_once_with_dates(smollm) -> None:
+    llm = Recorder(smollm)
+    t = read_and_answer([_q("x", "When did Caroline state fact 1?", n_sessions=5)], llm,
+                        ReadingConfig(top_k=2, filter=False, max_new_tokens=8), "session")
+    assert len(llm.batches) == 1
+    p = llm.batches[0][0]
+    assert p.count("### Session Date") == 2 and "Session Summary" not in p and "Question Date: 2023/06/01" in p
+    assert t.column("retrieved_session_ids").to_pylist() == [["x-s0", "x-s1"]]
