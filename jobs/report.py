@@ -59,7 +59,7 @@ def _type_n(level: dict[str, Any], t: str) -> Any:
     for m in level.values():
         n = m.get("by_type", {}).get(t, {}).get("n")
         if n is not None:
-            return n
+            return int(n)
     return "?"
 
 

@@ -36,12 +36,12 @@ class EncodeWorker:
         self.encoder = make_encoder(EncoderConfig(**config["encoder"]))
 
     def encode(self, payload: dict[str, Any]) -> pa.Table:
+        from memgas.pipeline.encode import encode_texts
+
         hashes, texts = payload["hashes"], payload["texts"]
         t0 = time.perf_counter()
-        vecs = np.ascontiguousarray(self.encoder.encode(texts), dtype=np.float32)
-        truncated = getattr(self.encoder, "last_truncated", None)
-        if truncated is None or len(truncated) != len(texts):
-            truncated = np.zeros(len(texts), dtype=bool)
+        vecs, truncated = encode_texts(self.encoder, texts)
+        vecs = np.ascontiguousarray(vecs, dtype=np.float32)
         dim = vecs.shape[1]
         flat = pa.array(vecs.reshape(-1), pa.float32())
         table = pa.table(
@@ -76,11 +76,12 @@ class GenerationWorker:
         self.encoder = make_encoder(EncoderConfig(**config["encoder"])) if self.gen_cfg.generator != "llm" else None
 
     def generate(self, payload: dict[str, Any]) -> dict[str, pa.Table]:
-        from memgas.pipeline.generate import generate_for_sessions
+        from memgas.pipeline.generate import derived_texts, generate_for_sessions
 
-        return generate_for_sessions(
-            payload["items"], self.llm, self.gen_cfg, encoder=self.encoder, dialogue_kind=payload["dialogue_kind"]
-        )
+        items = [tuple(i) for i in payload["items"]]
+        gens = generate_for_sessions(items, self.llm, self.gen_cfg, encoder=self.encoder)
+        # summaries, keywords and the hybrid text become texts of their own, to be encoded
+        return {"generations": gens, "texts": derived_texts(gens, {i[0]: i[1] for i in items})}
 
 
 def make_generation_worker(config: dict[str, Any]) -> GenerationWorker:

@@ -53,8 +53,8 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = True) -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n").encode())
 
 
 def atomic_write_parquet(path: Path, table: pa.Table) -> None:
@@ -174,6 +174,8 @@ class Bank:
         """Write one part atomically, then its completion marker. Replaces a part of the same name."""
         if not part or "/" in part or part.startswith((".", "_")):
             raise ValueError(f"bad part name {part!r}")
+        if name == "embeddings" and dim is None:  # the vectors' fixed size is the dimension
+            dim = getattr(table.schema.field("vector").type, "list_size", None)
         table = conform(table, schema_for(name, dim), name)
         path = self._dir(name) / f"{part}.parquet"
         marker = self._dir(name) / "_done" / f"{part}.json"

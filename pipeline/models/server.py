@@ -1,0 +1,256 @@
+"""A small OpenAI-compatible chat-completions server over any memgas LLM backend.
+
+Endpoints: ``POST /v1/chat/completions`` (model, messages, max_tokens / max_completion_tokens,
+temperature, top_p, stop, seed, response_format), ``GET /v1/models``, ``GET /health``.
+One request at a time reaches the model (a lock; batch size 1): this is for tests, demos and sharing one
+CPU model between processes, not for throughput (use ``vllm serve`` for that).
+
+Fault injection, for testing clients: ``delay_s`` before answering, the next N requests answer 500 / 429,
+or the next N answer malformed JSON. Knobs are on ``server.faults`` and can be changed while it runs.
+
+    python -m memgas.pipeline.models.server --port 8011                  # SmolLM2 (CPU default)
+    python -m memgas.pipeline.models.server --port 8011 --backend echo --fail-500 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from memgas.pipeline.models.base import LLM, ChatPrompt, GenerationResult, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EchoLLM:
+    """Tiny deterministic LLM for tests: answers with the last message's words, cut to ``max_tokens``
+    words (one word = one token). ``context_tokens`` bounds the prompt like a real model's."""
+
+    def __init__(self, name: str = "echo", context_tokens: int = 4096) -> None:
+        self.name = name
+        self.context_tokens = context_tokens
+
+    def count_tokens(self, text: str) -> int:
+        return len(text.split())
+
+    def generate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
+        out = []
+        for p in prompts:
+            if not p:
+                out.append(GenerationResult(error="empty prompt"))
+                continue
+            words = str(p[-1].get("content", "")).split()
+            text = " ".join(words[: params.max_tokens])
+            stopped = False
+            for s in params.stop:
+                if s and s in text:
+                    text, stopped = text[: text.index(s)], True
+            n_prompt = sum(self.count_tokens(str(m.get("content", ""))) for m in p)
+            out.append(
+                GenerationResult(
+                    text=text,
+                    prompt_tokens=n_prompt,
+                    completion_tokens=min(len(words), params.max_tokens),
+                    finish_reason="length" if len(words) > params.max_tokens and not stopped else "stop",
+                )
+            )
+        return out
+
+
+@dataclass
+class Faults:
+    """Fault-injection knobs. Counters decrease as faults fire; ``delay_s`` applies to every request."""
+
+    delay_s: float = 0.0
+    fail_500: int = 0
+    fail_429: int = 0
+    malformed: int = 0
+    retry_after_s: float | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def take(self) -> str | None:
+        """The fault to inject into this request, if any (500 first, then 429, then malformed)."""
+        with self._lock:
+            for attr in ("fail_500", "fail_429", "malformed"):
+                if getattr(self, attr) > 0:
+                    setattr(self, attr, getattr(self, attr) - 1)
+                    return attr
+        return None
+
+
+class ChatServer(ThreadingHTTPServer):
+    """``ThreadingHTTPServer`` holding the LLM, its lock, the fault knobs and simple counters."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, addr: tuple[str, int], llm: LLM, faults: Faults | None = None) -> None:
+        super().__init__(addr, _Handler)
+        self.llm = llm
+        self.faults = faults or Faults()
+        self.model_lock = threading.Lock()
+        self.requests = 0
+        #: whether the last chat request carried an ``Authorization`` header (tests check the client)
+        self.last_authorization: str | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: ChatServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, never headers
+        logger.debug("%s %s", self.address_string(), fmt % args)
+
+    def _send(self, code: int, payload: Any = None, raw: bytes | None = None,
+              headers: dict[str, str] | None = None) -> None:
+        body = raw if raw is not None else json.dumps(payload).encode("utf-8")
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _error(self, code: int, message: str, etype: str = "invalid_request_error",
+               headers: dict[str, str] | None = None) -> None:
+        self._send(code, {"error": {"message": message, "type": etype, "code": code}}, headers=headers)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path.rstrip("/") == "/health":
+            self._send(200, {"status": "ok"})
+        elif self.path.rstrip("/") == "/v1/models":
+            self._send(200, {"object": "list", "data": [
+                {"id": self.server.llm.name, "object": "model", "owned_by": "memgas",
+                 "context_length": self.server.llm.context_tokens}]})
+        else:
+            self._error(404, f"no route {self.path}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        if self.path.rstrip("/") != "/v1/chat/completions":
+            self._error(404, f"no route {self.path}")
+            return
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        srv = self.server
+        srv.requests += 1
+        srv.last_authorization = self.headers.get("Authorization")
+        faults = srv.faults
+        if faults.delay_s > 0:
+            time.sleep(faults.delay_s)
+        fault = faults.take()
+        if fault == "fail_500":
+            self._error(500, "injected failure", "server_error")
+            return
+        if fault == "fail_429":
+            hdr = {"Retry-After": str(faults.retry_after_s)} if faults.retry_after_s is not None else None
+            self._error(429, "injected rate limit", "rate_limit_error", headers=hdr)
+            return
+        try:
+            req = json.loads(raw or b"{}")
+            messages = req["messages"]
+            if not isinstance(messages, list):
+                raise TypeError("messages must be a list")
+            stop = req.get("stop") or ()
+            stop = (stop,) if isinstance(stop, str) else tuple(stop)
+            schema = None
+            rf = req.get("response_format") or {}
+            if rf.get("type") == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+            params = SamplingParams(
+                max_tokens=int(req.get("max_completion_tokens") or req.get("max_tokens") or 256),
+                temperature=float(req.get("temperature") or 0.0),
+                top_p=float(req.get("top_p") if req.get("top_p") is not None else 1.0),
+                stop=stop,
+                seed=int(req.get("seed") or 0),
+                json_schema=schema,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            self._error(400, f"bad request: {type(exc).__name__}: {exc}")
+            return
+        with srv.model_lock:
+            result = srv.llm.generate([messages], params)[0]
+        if fault == "malformed":
+            self._send(200, raw=b'{"choices": [{"message": {"content": "trunc')
+            return
+        if result.error:
+            self._error(500, result.error, "server_error")
+            return
+        self._send(200, {
+            "id": f"chatcmpl-{srv.requests}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": srv.llm.name,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": result.text},
+                "finish_reason": result.finish_reason or "stop",
+            }],
+            "usage": {
+                "prompt_tokens": result.prompt_tokens,
+                "completion_tokens": result.completion_tokens,
+                "total_tokens": result.prompt_tokens + result.completion_tokens,
+            },
+            "memgas": {"truncated": bool(result.extra.get("truncated", False))},
+        })
+
+
+def serve_in_thread(llm: LLM, host: str = "127.0.0.1", port: int = 0,
+                    faults: Faults | None = None) -> tuple[ChatServer, threading.Thread]:
+    """Start a server in a daemon thread (port 0 = a free port; read it from ``server.url``).
+    Stop it with ``server.shutdown(); server.server_close()``."""
+    srv = ChatServer((host, port), llm, faults)
+    t = threading.Thread(target=srv.serve_forever, name=f"chat-server-{srv.server_address[1]}", daemon=True)
+    t.start()
+    return srv, t
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="OpenAI-compatible chat-completions server over a memgas LLM")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8011)
+    ap.add_argument("--backend", default="transformers-gguf",
+                    help="echo | transformers-gguf | llama-cpp | vllm | hf (see LLMConfig)")
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--context-tokens", type=int, default=8192)
+    ap.add_argument("--delay-s", type=float, default=0.0, help="sleep before every answer")
+    ap.add_argument("--fail-500", type=int, default=0, help="answer the next N requests with HTTP 500")
+    ap.add_argument("--fail-429", type=int, default=0, help="answer the next N requests with HTTP 429")
+    ap.add_argument("--malformed", type=int, default=0, help="answer the next N requests with broken JSON")
+    ap.add_argument("--verbose", action="store_true")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    llm: LLM
+    if a.backend == "echo":
+        llm = EchoLLM(context_tokens=a.context_tokens)
+    else:
+        from memgas.pipeline.config import LLMConfig
+        from memgas.pipeline.models.factory import make_llm
+
+        llm = make_llm(LLMConfig(backend=a.backend, model=a.model, context_tokens=a.context_tokens))
+    faults = Faults(delay_s=a.delay_s, fail_500=a.fail_500, fail_429=a.fail_429, malformed=a.malformed)
+    srv = ChatServer((a.host, a.port), llm, faults)
+    logger.info("serving %s at %s", llm.name, srv.url)
+    try:
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        srv.server_close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,141 @@
+"""HTTP backend against the real server (started here on a free localhost port), with injected faults."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from memgas.pipeline.config import LLMConfig
+from memgas.pipeline.models.base import LLM, SamplingParams
+from memgas.pipeline.models.factory import make_llm
+from memgas.pipeline.models.openai_http import OpenAIHTTPLLM
+from memgas.pipeline.models.server import ChatServer, EchoLLM, Faults, serve_in_thread
+
+P = SamplingParams(max_tokens=5)
+
+
+def _q(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+@pytest.fixture()
+def echo_server() -> Iterator[ChatServer]:
+    srv, _ = serve_in_thread(EchoLLM())
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def _client(srv: ChatServer, **kw: object) -> OpenAIHTTPLLM:
+    kw.setdefault("backoff_base_s", 0.01)
+    kw.setdefault("max_retries", 3)
+    return OpenAIHTTPLLM(srv.url, "echo", **kw)  # type: ignore[arg-type]
+
+
+def test_roundtrip_order_and_usage(echo_server: ChatServer) -> None:
+    llm = _client(echo_server, concurrency=4)
+    assert isinstance(llm, LLM)
+    prompts = [_q(f"item {i} a b c d e f") for i in range(10)] + [[]]
+    res = llm.generate(prompts, P)
+    assert [r.text for r in res[:10]] == [f"item {i} a b c" for i in range(10)]
+    assert all(r.retries == 0 and r.finish_reason == "length" and r.completion_tokens == 5 for r in res[:10])
+    assert res[10].error  # invalid prompt: its own error, never sent
+    r = httpx.get(echo_server.url + "/models")
+    assert r.json()["data"][0]["id"] == "echo"
+    assert httpx.get(echo_server.url.replace("/v1", "/health")).json() == {"status": "ok"}
+
+
+def test_500_then_success_counts_retries(echo_server: ChatServer) -> None:
+    echo_server.faults.fail_500 = 2
+    r = _client(echo_server).generate([_q("hello there")], P)[0]
+    assert r.ok and r.text == "hello there" and r.retries == 2
+
+
+def test_429_retry_and_exhaustion(echo_server: ChatServer) -> None:
+    echo_server.faults.fail_429 = 1
+    r = _client(echo_server).generate([_q("x")], P)[0]
+    assert r.ok and r.retries == 1
+    echo_server.faults.fail_429 = 10
+    r = _client(echo_server, max_retries=2).generate([_q("x")], P)[0]
+    assert not r.ok and "429" in (r.error or "") and r.retries == 2
+
+
+def test_malformed_json_is_a_per_item_error(echo_server: ChatServer) -> None:
+    echo_server.faults.malformed = 1
+    res = _client(echo_server, concurrency=1).generate([_q("a"), _q("b")], P)
+    assert not res[0].ok and "malformed" in (res[0].error or "")
+    assert res[1].ok and res[1].text == "b"
+
+
+def test_timeout_is_retried_then_reported(echo_server: ChatServer) -> None:
+    echo_server.faults.delay_s = 0.6
+    r = _client(echo_server, timeout_s=0.2, max_retries=1).generate([_q("slow")], P)[0]
+    assert not r.ok and "Timeout" in (r.error or "") and r.retries == 1
+
+
+def test_connection_refused() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    llm = OpenAIHTTPLLM(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_base_s=0.01)
+    res = llm.generate([_q("a"), _q("b")], P)
+    assert all(not r.ok and "Connect" in (r.error or "") and r.retries == 1 for r in res)
+
+
+def test_api_key_sent_but_never_shown(
+    echo_server: ChatServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    secret = "sk-test-DO-NOT-LEAK-1234"
+    monkeypatch.setenv("MEMGAS_TEST_KEY", secret)
+    caplog.set_level(logging.DEBUG)
+    echo_server.faults.fail_500 = 1  # exercise the retry log lines too
+    llm = make_llm(LLMConfig(backend="openai", base_url=echo_server.url, model="echo",
+                             api_key_env="MEMGAS_TEST_KEY", max_retries=2))
+    assert isinstance(llm, OpenAIHTTPLLM)
+    llm.backoff_base_s = 0.01
+    r = llm.generate([_q("hi")], P)[0]
+    assert r.ok and r.retries == 1
+    assert echo_server.last_authorization == f"Bearer {secret}"
+    assert secret not in repr(llm) and secret not in str(vars(llm))
+    assert secret not in caplog.text
+
+
+def test_generate_inside_running_loop_and_thread(echo_server: ChatServer) -> None:
+    llm = _client(echo_server)
+
+    async def inside() -> str:
+        return llm.generate([_q("from a loop")], P)[0].text
+
+    assert asyncio.run(inside()) == "from a loop"
+    box: list[str] = []
+    t = threading.Thread(target=lambda: box.append(llm.generate([_q("from a thread")], P)[0].text))
+    t.start()
+    t.join()
+    assert box == ["from a thread"]
+
+
+def test_client_side_truncation_flag(echo_server: ChatServer) -> None:
+    llm = _client(echo_server, context_tokens=64)
+    r = llm.generate([_q("word " * 400 + "END")], P)[0]
+    assert r.ok and r.extra.get("truncated") is True
+
+
+@pytest.mark.slow
+def test_real_model_behind_server() -> None:
+    smol = make_llm(LLMConfig(context_tokens=256))  # same cached weights as test_llms.py
+    srv, _ = serve_in_thread(smol, faults=Faults())
+    try:
+        llm = OpenAIHTTPLLM(srv.url, smol.name)
+        direct = smol.generate([_q("What is the capital of France?")], SamplingParams(max_tokens=6))[0]
+        via = llm.generate([_q("What is the capital of France?")], SamplingParams(max_tokens=6))[0]
+        assert via.ok and via.text == direct.text
+        assert via.prompt_tokens == direct.prompt_tokens and via.completion_tokens == direct.completion_tokens
+    finally:
+        srv.shutdown()
+        srv.server_close()
