@@ -32,8 +32,6 @@ from memgas.pipeline.hashing import file_sha256, text_hash
 
 log = logging.getLogger(__name__)
 
-GEN_BATCH_PER_UNIT = 4  # LLM batches per checkpointed unit
-ENCODE_UNIT = 512  # texts per checkpointed encoding unit
 
 
 # -- helpers --------------------------------------------------------------------------------------
@@ -176,7 +174,7 @@ def _generate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> d
     with prof.stage("generate") as st:
         def make() -> list[dict]:
             items = missing_generation_items(bank, cfg, model, pv)
-            size = max(1, cfg.llm.batch_size * GEN_BATCH_PER_UNIT)
+            size = max(1, cfg.ray.generate_unit)
             return [{"part": f"gen-{i:05d}", "items": b} for i, b in enumerate(chunk(items, size))]
 
         plan = load_or_make_plan(bank, stage, make)
@@ -222,7 +220,7 @@ def _encode(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dic
                 have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == enc)
                            .column("text_hash").to_pylist())
             hashes = [h for h in needed_hashes(bank) if h not in have]
-            return [{"part": f"enc-{i:05d}", "hashes": b} for i, b in enumerate(chunk(hashes, ENCODE_UNIT))]
+            return [{"part": f"enc-{i:05d}", "hashes": b} for i, b in enumerate(chunk(hashes, max(1, cfg.ray.encode_unit)))]
 
         stage = f"encode-{_fingerprint(enc)}"
         plan = load_or_make_plan(bank, stage, make)
@@ -236,6 +234,7 @@ def _encode(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dic
         )
         if bank.exists("embeddings"):
             compact(bank, "embeddings", dim=_emb_dim(bank))
+        compact(bank, "texts")  # the encoding plan added the questions' texts
         finish_plan(bank, stage)
         st.items, st.skipped = counts["items"], counts["skipped"]
         st.tokens = sum(len(texts[h]) // 4 for u in plan for h in u["hashes"]) if counts["items"] else 0

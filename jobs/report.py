@@ -29,6 +29,10 @@ def _fmt(v: Any, scale: float = 100.0) -> str:
     return "–"
 
 
+def _n(v: Any) -> str:
+    return str(int(v)) if isinstance(v, (int, float)) else "?"
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -66,7 +70,7 @@ def _type_n(level: dict[str, Any], t: str) -> Any:
 def qa_table(qa: dict[str, Any]) -> str:
     metrics = ["f1", "exact_match", "bleu4", "rouge1", "rouge2", "rougeL", "judge_accuracy", "bertscore_f1"]
     present = [k for k in metrics if any(k in m.get("overall", {}) for m in qa.values())]
-    rows = [[method, str(m.get("n", "?"))] + [_fmt(m.get("overall", {}).get(k)) for k in present] for method, m in qa.items()]
+    rows = [[method, _n(m.get("n"))] + [_fmt(m.get("overall", {}).get(k)) for k in present] for method, m in qa.items()]
     return _md_table(["method", "n"] + present, rows)
 
 
@@ -192,7 +196,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
                     f"### {method}: F1 by type",
                     "",
                     _md_table(["type", "n", "F1"] + (["judge"] if any("judge_accuracy" in m["by_type"][t] for t in types) else []),
-                              [[t, str(m["by_type"][t].get("n", "?")), _fmt(m["by_type"][t].get("f1"))]
+                              [[t, _n(m["by_type"][t].get("n")), _fmt(m["by_type"][t].get("f1"))]
                                + ([_fmt(m["by_type"][t].get("judge_accuracy"))] if "judge_accuracy" in m["by_type"][t] else [])
                                for t in types]),
                 ]

@@ -134,6 +134,9 @@ class RayConfig(_Strict):
     model_actors: int = 1
     #: histories per CPU task
     shard_size: int = 16
+    #: sessions per checkpointed generation unit, texts per checkpointed encoding unit
+    generate_unit: int = 32
+    encode_unit: int = 512
 
 
 class MemgasConfig(_Strict):

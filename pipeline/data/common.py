@@ -389,6 +389,9 @@ def iter_json_array(path: str | Path, on_read: Callable[[int], None] | None = No
     first, _ = _first_byte(p)
     if first == b"":
         raise DataError(file, "empty file; expected a JSON array of records")
+    if first and first[0] >= 0x80:  # no JSON text starts with a non-ASCII byte: most likely not UTF-8
+        raise _utf8_error(p, 0) if first_invalid_utf8(p) is not None else DataError(
+            file, f"expected a JSON array of records at the top level, found byte {first!r}")
     if first != b"[":
         kind = {b"{": "an object"}.get(first, f"{first!r}")
         raise DataError(file, f"expected a JSON array of records at the top level, found {kind}")
