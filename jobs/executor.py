@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -161,7 +162,7 @@ def run_actor_units(
     is written last, so it doubles as the unit's completion marker.
     """
     todo = [u for u in units if not bank.has_part(check_table, u.part)]
-    counts = {"done": 0, "skipped": len(units) - len(todo), "items": 0}
+    counts: dict[str, Any] = {"done": 0, "skipped": len(units) - len(todo), "items": 0, "unit_seconds": []}
     if not todo:
         return counts
     dims = dims or {}
@@ -180,7 +181,10 @@ def run_actor_units(
         if not use_ray:
             host = _ActorHost(factory_path, config)
             for u in todo:
-                write(u, host.call(method, u.payload))
+                t0 = time.perf_counter()
+                result = host.call(method, u.payload)
+                counts["unit_seconds"].append((u.size, time.perf_counter() - t0))
+                write(u, result)
                 bar.update(u.size)
             return counts
         import ray
@@ -194,9 +198,11 @@ def run_actor_units(
             while queue or pending:
                 while queue and free:
                     actor, unit = free.pop(), queue.pop(0)
-                    pending[actor.call.remote(method, unit.payload)] = (unit, actor)
+                    pending[actor.call.remote(method, unit.payload)] = (unit, actor, time.perf_counter())
                 ready, _ = ray.wait(list(pending), num_returns=1)
-                unit, actor = pending.pop(ready[0])
+                unit, actor, t0 = pending.pop(ready[0])
+                # submit-to-result time of one unit on one actor (includes the first unit's model load)
+                counts["unit_seconds"].append((unit.size, time.perf_counter() - t0))
                 try:
                     result = ray.get(ready[0])
                 except Exception as exc:

@@ -24,7 +24,7 @@ import pyarrow.compute as pc
 from memgas import __version__
 from memgas.jobs.executor import WorkUnit, init_ray, run_actor_units, run_tasks, shutdown_ray
 from memgas.jobs.plan import chunk, compact, finish_plan, load_or_make_plan
-from memgas.jobs.profiling import Profiler
+from memgas.jobs.profiling import Profiler, percentiles_ms
 from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError
@@ -121,6 +121,8 @@ def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = N
             "encode": _encode(cfg, bank, prof, use_ray),
             "associate": _associate(cfg, bank, prof, use_ray),
         }
+        for counts in stats.values():
+            counts.pop("unit_seconds", None)
         bank.update_manifest(
             index={"config": cfg.model_dump(mode="json"), "stages": prof.to_dict(), "units": stats,
                    "encoder": encoder_name(cfg), "generator": list(generator_identity(cfg))}
@@ -190,11 +192,19 @@ def _generate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> d
         compact(bank, "texts")
         finish_plan(bank, stage)
         st.items, st.skipped = counts["items"], counts["skipped"]
-        if counts["items"]:
-            gens = bank.read("generations", columns=["prompt_tokens", "completion_tokens", "model", "prompt_version"])
+        if bank.exists("generations"):
+            # token accounting of this generator's cache (what this bank's generations cost in all)
+            gens = bank.read("generations", columns=["prompt_tokens", "completion_tokens", "model", "prompt_version",
+                                                     "error", "fallback"])
             mine = gens.filter(pc.and_(pc.equal(gens["model"], model), pc.equal(gens["prompt_version"], pv)))
-            st.prompt_tokens = int(pc.sum(mine["prompt_tokens"]).as_py() or 0)
-            st.completion_tokens = int(pc.sum(mine["completion_tokens"]).as_py() or 0)
+            st.prompt_tokens = int(pc.sum(mine["prompt_tokens"]).as_py() or 0) if counts["items"] else 0
+            st.completion_tokens = int(pc.sum(mine["completion_tokens"]).as_py() or 0) if counts["items"] else 0
+            st.extra.update(
+                cached_rows=mine.num_rows,
+                llm_requests=int(pc.sum(pc.greater(pc.fill_null(mine["prompt_tokens"], 0), 0)).as_py() or 0),
+                failures=int(pc.sum(pc.is_valid(mine["error"])).as_py() or 0),
+                fallbacks=int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0),
+            )
     return counts
 
 
@@ -302,6 +312,9 @@ def answer(
             metrics = evaluate_run(cfg, bank, results, use_ray=use_ray)
             st.items = metrics.get("n_queries", 0)
         latency = _latency_probe(cfg, bank, profile)
+        read_lat = prof.stages["read"].extra.pop("latency_per_query_s", []) if "read" in prof.stages else []
+        if read_lat:
+            latency[f"reading (filter+answer, {cfg.llm.batch_size} query/batch)"] = percentiles_ms(read_lat)
     finally:
         if own_ray:
             shutdown_ray()
@@ -339,7 +352,7 @@ def _read(cfg: MemgasConfig, bank: Bank, results: Bank, prof: Profiler, use_ray:
         units: list[WorkUnit] = []
         for method in methods:
             payload = reading_payloads(bank, results, method, cfg)
-            for i, batch in enumerate(chunk(payload, max(1, cfg.llm.batch_size * 2))):
+            for i, batch in enumerate(chunk(payload, max(1, cfg.llm.batch_size))):
                 units.append(WorkUnit(f"ans-{fp}-{method}-{i:05d}", {"queries": batch, "method": method}, len(batch)))
         counts = run_actor_units(
             results, lambda t: {"answers": t}, units, "memgas.jobs.workers:make_read_worker",
@@ -348,10 +361,16 @@ def _read(cfg: MemgasConfig, bank: Bank, results: Bank, prof: Profiler, use_ray:
             num_gpus=cfg.ray.num_gpus_per_model_actor, use_ray=use_ray,
         )
         if results.exists("answers"):
-            ans = results.read("answers", columns=["prompt_tokens", "completion_tokens"])
+            ans = results.read("answers", columns=["prompt_tokens", "completion_tokens", "error", "hypothesis"])
             st.prompt_tokens = int(pc.sum(ans["prompt_tokens"]).as_py() or 0)
             st.completion_tokens = int(pc.sum(ans["completion_tokens"]).as_py() or 0)
+            st.extra.update(answers=ans.num_rows, llm_requests=2 * ans.num_rows if cfg.reading.filter else ans.num_rows,
+                            notes_or_errors=int(pc.sum(pc.is_valid(ans["error"])).as_py() or 0),
+                            empty_answers=int(pc.sum(pc.equal(pc.fill_null(ans["hypothesis"], ""), "")).as_py() or 0))
         st.items, st.skipped = counts["items"], counts["skipped"]
+        # per-query reading latency (filter + answer), from unit times; the first unit also loads the model
+        per_query = [sec / n for n, sec in counts["unit_seconds"][1:] if n]
+        st.extra["latency_per_query_s"] = per_query
     return counts["items"] + counts["skipped"]
 
 
