@@ -277,9 +277,27 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command in ("run", "profile"):
         out = main_job.run(cfg, fresh=args.fresh, profile=args.command == "profile", use_ray=use_ray)
+        if not args.quiet:
+            from memgas.pipeline.bank import Bank
+            from memgas.pipeline.stats import compute_stats, format_stats
+
+            print(format_stats(compute_stats(Bank(cfg.bank_path))))
+            print(_headline(out))
         print(f"report: {out}/report.md")
         return 0
     raise MemgasError(f"unknown command {args.command}")
+
+
+def _headline(run_dir) -> str:
+    """One line per method: Recall_all@5 and NDCG@10 (session level), from the run's metrics.json."""
+    from pathlib import Path
+
+    m = json.loads((Path(run_dir) / "metrics.json").read_text())
+    lines = ["method                    R_all@5  NDCG@10   (session level, %)"]
+    for method, r in m.get("retrieval", {}).get("session", {}).items():
+        o = r.get("overall", {})
+        lines.append(f"{method:25} {100 * (o.get('recall_all@5') or 0):7.1f}  {100 * (o.get('ndcg_any@10') or 0):7.1f}")
+    return "\n".join(lines)
 
 
 def _ingest_line(summary: dict, out: str) -> str:
