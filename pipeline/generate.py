@@ -41,7 +41,15 @@ from memgas.pipeline.errors import BankError
 from memgas.pipeline.hashing import text_hash
 from memgas.pipeline.llm_free import LLM_FREE_NAME, LLM_FREE_VERSION, LLMFreeGenerator
 from memgas.pipeline.models.base import LLM, ChatPrompt, Encoder, GenerationResult, SamplingParams
-from memgas.pipeline.prompts import PromptSet, dialogue_kind_for, get_prompt_set
+from memgas.pipeline.prompts import (
+    PROMPT_SETS,
+    USER_ASSISTANT,
+    USER_USER,
+    PromptSet,
+    _subject,
+    dialogue_kind_for,
+    get_prompt_set,
+)
 from memgas.pipeline.schema import GENERATIONS, TEXTS
 
 log = logging.getLogger(__name__)
@@ -101,6 +109,16 @@ _SPEAKER_LINE_RE = re.compile(r"^\s*\[?[^\]\n:]{1,40}\]?:\s+\S")
 # Lines that start a re-echo of the prompt: cut the output there.
 _PROMPT_ECHO_MARKERS = ("Below is an ", "<dialogue>", "</dialogue>", "Your answer:")
 
+# Keyword items that are markup or delimiters (``<<user-user dialogue>>``, ``<|im_end|>``, ``{...}``, ``[x]``).
+_KEYWORD_MARKUP_RE = re.compile(r"[<>{}\[\]|\\`]|&[a-z]+;")
+# Single-word items that only echo the prompt's cues.
+_KEYWORD_CUE_WORDS = frozenset(
+    {"your answer", "answer", "keywords", "keyword", "key words", "summary", "dialogue", "json", "output",
+     "none", "n/a", "semicolon", "semicolons"}
+)
+_NON_ALNUM_RE = re.compile(r"[\W_]+", re.UNICODE)
+_prompt_wording_cache: tuple[str, ...] | None = None
+
 MAX_SUMMARY_CHARS = 2000
 MAX_KEYWORDS = 20
 MAX_KEYWORD_WORDS = 6
@@ -154,6 +172,39 @@ def clean_summary(raw: str, session_text: str = "") -> tuple[str, str | None]:
     return text, None
 
 
+def _norm_words(text: str) -> str:
+    """Lower-case words only (punctuation and markup become spaces), padded with spaces for phrase search."""
+    return f" {' '.join(_NON_ALNUM_RE.sub(' ', text.lower()).split())} "
+
+
+def _prompt_wording() -> tuple[str, ...]:
+    """Every generation instruction and cue (both dialogue kinds), as ``_norm_words`` strings."""
+    global _prompt_wording_cache
+    if _prompt_wording_cache is None:
+        texts: list[str] = []
+        for ps in PROMPT_SETS.values():
+            for instr in (ps.summary_instruction, ps.keywords_instruction, ps.joint_instruction):
+                for kind in (USER_ASSISTANT, USER_USER):
+                    texts.append(instr.format(subject=_subject(kind)))
+            texts += [ps.summary_cue, ps.keywords_cue, ps.joint_cue]
+        _prompt_wording_cache = tuple(_norm_words(t) for t in texts)
+    return _prompt_wording_cache
+
+
+def is_prompt_echo_keyword(item: str) -> bool:
+    """True for a keyword that is markup/a delimiter or only repeats the prompt's wording
+    ("<<user-user dialogue>>", "Your answer:", "dialogue memory", "most relevant keywords")."""
+    if _KEYWORD_MARKUP_RE.search(item):
+        return True
+    words = _norm_words(item)
+    if not words.strip():
+        return True
+    if words.strip() in _KEYWORD_CUE_WORDS:
+        return True
+    # a phrase of two or more words lifted from an instruction or cue
+    return len(words.split()) >= 2 and any(words in w for w in _prompt_wording())
+
+
 def split_keywords(raw: str) -> list[str]:
     """Split a keyword answer on ';' (the asked separator), else newlines, else commas; clean each item."""
     text = strip_echo(raw)
@@ -168,10 +219,10 @@ def split_keywords(raw: str) -> list[str]:
     for it in items:
         it = _BULLET_RE.sub("", it)
         it = _ECHO_PREFIX_RE.sub("", it)
-        it = _norm_ws(it).strip(" \t\"'`.,:;!?()[]{}").lower()
+        it = _norm_ws(it).strip(" \t\"'`.,:;!?()[]{}").strip("*_~").lstrip("#").strip().lower()
         if not it or it in seen:
             continue
-        if it in {"your answer", "answer", "keywords", "keyword", "none", "n/a"}:
+        if is_prompt_echo_keyword(it):
             continue
         if len(it) > MAX_KEYWORD_CHARS or len(it.split()) > MAX_KEYWORD_WORDS:
             continue

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
 from memgas.pipeline.encode import query_hash, run_encoding
-
-_here = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("_gran_helpers", _here / "test_granularity.py")
-_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_mod)  # reuse the small-bank builder of test_granularity
-make_bank = _mod.make_bank
 
 
 class Counting:
@@ -34,15 +25,8 @@ class Counting:
         return self.enc.encode(texts)
 
 
-@pytest.fixture(scope="module")
-def encoder():
-    from memgas.pipeline.models.encoders import SentenceTransformerEncoder
-
-    return SentenceTransformerEncoder("minilm", device="cpu")
-
-
 @pytest.mark.slow
-def test_encode_once_with_queries_and_truncation(tmp_path, encoder) -> None:
+def test_encode_once_with_queries_and_truncation(tmp_path, encoder, make_bank) -> None:
     bank = make_bank(tmp_path)
     long_text = "user: " + "tomato " * 2000
     texts = bank.read("texts")

@@ -44,7 +44,26 @@ def test_keyword_cleaning_on_messy_outputs() -> None:
     assert split_keywords(f"cat; {long}; @@@; ") == ["cat"]
     assert clean_keywords("Your answer:") == ("", "empty")
     assert clean_keywords("Your answer: ; ;")[1] is not None
-    assert clean_keywords("**Miso**; `cat`")[0] == "**miso; cat" or clean_keywords("Miso; cat")[0] == "miso; cat"
+    assert clean_keywords("Miso; cat") == ("miso; cat", None)
+    assert clean_keywords("**Miso**; `cat`") == ("miso; cat", None)  # markdown emphasis and code marks removed
+
+
+def test_keywords_reject_markup_and_prompt_echoes() -> None:
+    # markup / delimiters
+    assert split_keywords("<<user-user dialogue>>; cat; miso") == ["cat", "miso"]
+    assert split_keywords("cat; <|im_end|>; {keywords}; [INST] miso") == ["cat"]
+    assert split_keywords("Keywords:\n## Keywords\n- wedding\n- <b>lisbon</b>") == ["wedding"]
+    # the prompt's own wording (instructions and answer cue), in any case or punctuation
+    assert split_keywords("cat; your answer; YOUR ANSWER:; Dialogue Memory; miso") == ["cat", "miso"]
+    assert split_keywords("user-AI assistant dialogue; most relevant keywords; short key phrases; adoption") == [
+        "adoption"]
+    assert split_keywords("user-user; Wedding; summary; separated by semicolons") == ["wedding"]
+    # nothing but echoes: unusable, so the caller falls back
+    assert clean_keywords("<<user-user dialogue>>; Your answer:") == ("", "no usable keyword")
+    assert clean_keywords("<<user-user dialogue>>") == ("", "no usable keyword")
+    # real keywords that merely share a word with the prompt are kept
+    kept = ["dialogue coach", "key lime pie", "cat memory"]
+    assert split_keywords("dialogue coach; key lime pie; cat memory") == kept
 
 
 def test_summary_validation() -> None:
@@ -80,23 +99,13 @@ def test_generation_key_variants() -> None:
 # -- real models ------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    from memgas.pipeline.models.llms import TransformersLLM
-
-    # float32: the GGUF kernels compute in float32 anyway; bf16 only adds casts on CPU
-    return TransformersLLM("smollm2", context_tokens=2048, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def encoder():
-    from memgas.pipeline.models.encoders import SentenceTransformerEncoder
-
-    return SentenceTransformerEncoder("minilm", device="cpu")
-
-
 class Wrapped:
-    """The real LLM, counting calls, with an optional fault injector ``corrupt(prompt_text, result)``."""
+    """The real LLM, counting calls, with an optional fault injector ``corrupt(prompt_text)``.
+
+    ``corrupt`` returns the result to report for that prompt instead of the model's, or None to keep the
+    model's. Only prompts it does not replace reach the real model (a replaced answer is never looked at,
+    so generating it would only cost time).
+    """
 
     def __init__(self, llm, corrupt=None) -> None:
         self.llm, self.corrupt = llm, corrupt
@@ -110,9 +119,13 @@ class Wrapped:
     def generate(self, prompts, params):
         self.calls += 1
         self.prompts += len(prompts)
-        res = self.llm.generate(prompts, params)
-        if self.corrupt is not None:
-            res = [self.corrupt(p[-1]["content"], r) for p, r in zip(prompts, res)]
+        if self.corrupt is None:
+            return self.llm.generate(prompts, params)
+        res = [self.corrupt(p[-1]["content"]) for p in prompts]
+        real = [i for i, r in enumerate(res) if r is None]
+        if real:
+            for i, r in zip(real, self.llm.generate([prompts[i] for i in real], params)):
+                res[i] = r
         return res
 
 
@@ -138,14 +151,14 @@ def _bank(tmp_path, sessions: list[str], dataset_summaries: list[str | None] | N
 
 @pytest.mark.slow
 def test_fallback_and_error_on_corrupted_outputs(smollm, encoder) -> None:
-    def corrupt(prompt: str, r: GenerationResult) -> GenerationResult:
+    def corrupt(prompt: str) -> GenerationResult | None:
         if "Miso" in prompt:
-            return GenerationResult(text="Your answer:", prompt_tokens=r.prompt_tokens)
+            return GenerationResult(text="Your answer:", prompt_tokens=smollm.count_tokens(prompt))
         if "Lisbon" in prompt:
             return GenerationResult(text="", error="backend exploded")
         if "tomatoes" in prompt:
             return GenerationResult(text="@@@ ### !!! ~~~", completion_tokens=4)
-        return r
+        return None  # the real model's answer
 
     items = [(text_hash(t), t, "longmemeval") for t in (S1, S2, INJECT, EMOJI)]
     ledger = TokenLedger()
@@ -205,7 +218,7 @@ def test_run_generation_bank_truncation_injection_and_rerun(tmp_path, smollm, en
 
 @pytest.mark.slow
 def test_single_call_json_and_dataset_summaries(tmp_path, smollm, encoder) -> None:
-    def as_json(prompt: str, r: GenerationResult) -> GenerationResult:
+    def as_json(prompt: str) -> GenerationResult:
         if "Miso" in prompt:
             return GenerationResult(text='{"summary": "The user adopted Miso the cat.", "keywords": ["cat", "Miso"]}')
         return GenerationResult(text="not json at all")

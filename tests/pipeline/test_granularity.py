@@ -3,62 +3,23 @@
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
-from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import GenerationConfig
 from memgas.pipeline.encode import run_encoding
 from memgas.pipeline.errors import BankError
 from memgas.pipeline.generate import generation_key, run_generation
 from memgas.pipeline.granularity import MatrixLoader, build_nodes, history_matrices
-from memgas.pipeline.hashing import text_hash
-
-SESS = {
-    "a": ["user: I adopted a cat.", "assistant: Nice!", "user: Her name is Miso.", "assistant: Lovely name."],
-    "b": ["user: Wedding in Lisbon.", "assistant: In June?"],
-    "c": ["user: Only one utterance here."],
-}
 
 
-def make_bank(tmp_path) -> Bank:
-    """h1 = sessions a, b; h2 = b, c (b shared: stored, generated and embedded once)."""
-    bank = Bank.create(tmp_path / "bank")
-    texts, pairs, sessions = {}, [], []
-    for key, utt in SESS.items():
-        st = "\n".join(utt)
-        texts[text_hash(st)] = st
-        for j in range(0, len(utt), 2):
-            pt = "\n".join(utt[j : j + 2])
-            texts[text_hash(pt)] = pt
-            pairs.append({"session_hash": text_hash(st), "pair_index": j // 2, "text_hash": text_hash(pt),
-                          "has_answer": None, "dia_ids": None})
-    for hid, keys in (("h1", "ab"), ("h2", "bc")):
-        for pos, k in enumerate(keys):
-            sessions.append({"history_id": hid, "session_id": f"{hid}-{k}", "position": pos, "date_raw": None,
-                             "date": None, "text_hash": text_hash("\n".join(SESS[k])), "n_turns": len(SESS[k]),
-                             "dataset_summary": None})
-    bank.write("sessions", pa.Table.from_pylist(sessions))
-    bank.write("texts", pa.Table.from_pylist([{"text_hash": h, "text": t} for h, t in sorted(texts.items())]))
-    bank.write("pairs", pa.Table.from_pylist(pairs))
-    return bank
-
-
-@pytest.fixture(scope="module")
-def encoder():
-    from memgas.pipeline.models.encoders import SentenceTransformerEncoder
-
-    return SentenceTransformerEncoder("minilm", device="cpu")
-
-
-def test_missing_generations_name_the_session(tmp_path) -> None:
+def test_missing_generations_name_the_session(tmp_path, make_bank) -> None:
     bank = make_bank(tmp_path)
     with pytest.raises(BankError, match=r"history h1 session h1-a"):
         build_nodes(bank, generator_model="x", prompt_version="paper-v1")
 
 
 @pytest.mark.slow
-def test_nodes_and_matrices(tmp_path, encoder) -> None:
+def test_nodes_and_matrices(tmp_path, encoder, make_bank) -> None:
     bank = make_bank(tmp_path)
     cfg = GenerationConfig(generator="llm-free")
     run_generation(bank, None, encoder, cfg, dataset_kind="longmemeval")

@@ -41,13 +41,6 @@ def test_keywords_non_english_and_emoji() -> None:
     assert out and "\ufffd" not in out
 
 
-@pytest.fixture(scope="module")
-def encoder():
-    from memgas.pipeline.models.encoders import SentenceTransformerEncoder
-
-    return SentenceTransformerEncoder("minilm", device="cpu")
-
-
 @pytest.mark.slow
 def test_centroid_summary_keeps_order_and_cap(encoder) -> None:
     g = LLMFreeGenerator(encoder, summary_sentences=2, max_summary_chars=150)

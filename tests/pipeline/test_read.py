@@ -16,14 +16,11 @@ def test_clean_answer() -> None:
     assert clean_answer("  [bot]: Lisbon ") == "Lisbon"
 
 
-@pytest.fixture(scope="module")
-def smollm():
-    from memgas.pipeline.models.llms import TransformersLLM
-
-    return TransformersLLM("smollm2", context_tokens=2048, dtype="float32")
-
-
 class Recorder:
+    """The real LLM, recording each batch's prompt texts, with an optional fault injector ``corrupt(content)``
+    that returns the result to report instead of the model's (or None to keep the model's). Replaced
+    prompts do not reach the real model: their answers would be thrown away."""
+
     def __init__(self, llm, corrupt=None) -> None:
         self.llm, self.corrupt = llm, corrupt
         self.name, self.context_tokens = llm.name, llm.context_tokens
@@ -35,9 +32,13 @@ class Recorder:
     def generate(self, prompts, params):
         contents = [p[-1]["content"] for p in prompts]
         self.batches.append(contents)
-        res = self.llm.generate(prompts, params)
-        if self.corrupt:
-            res = [self.corrupt(c, r) for c, r in zip(contents, res)]
+        if not self.corrupt:
+            return self.llm.generate(prompts, params)
+        res = [self.corrupt(c) for c in contents]
+        real = [i for i, r in enumerate(res) if r is None]
+        if real:
+            for i, r in zip(real, self.llm.generate([prompts[i] for i in real], params)):
+                res[i] = r
         return res
 
 
@@ -57,15 +58,15 @@ def _q(qid: str, question: str, n_sessions: int = 3, long: bool = False) -> dict
 
 @pytest.mark.slow
 def test_filter_then_answer_with_budget_and_faults(smollm) -> None:
-    def corrupt(content: str, r: GenerationResult) -> GenerationResult:
+    def corrupt(content: str) -> GenerationResult | None:
         if content.startswith("You are an intelligent dialog bot. You will be shown History Dialogs. Please"):
             if "Q-empty" in content:
-                return GenerationResult(text="   ", prompt_tokens=r.prompt_tokens)
+                return GenerationResult(text="   ", prompt_tokens=smollm.count_tokens(content))
             if "Q-error" in content:
                 return GenerationResult(error="timeout")
         if "Q-empty" in content and "Filter" in content:
             return GenerationResult(text="@@@@ ####")
-        return r
+        return None  # the real model's answer
 
     llm = Recorder(smollm, corrupt)
     cfg = ReadingConfig(top_k=3, context_tokens=400, max_new_tokens=8)

@@ -66,9 +66,9 @@ def test_truncation_is_counted(st_enc: SentenceTransformerEncoder) -> None:
     assert st_enc.count_tokens([LONG])[0] > 256
 
 
-def test_mean_windows() -> None:
+def test_mean_windows(encoder: SentenceTransformerEncoder) -> None:
     enc = SentenceTransformerEncoder("minilm", device="cpu", long_text="mean-windows")
-    trunc = SentenceTransformerEncoder("minilm", device="cpu")
+    trunc = encoder  # the shared default MiniLM (truncate), same as SentenceTransformerEncoder("minilm", device="cpu")
     texts = ["short text", LONG]
     w, t = enc.encode(texts), trunc.encode(texts)
     assert enc.last_truncated.tolist() == [False, True]
