@@ -132,11 +132,13 @@ def rank_shard(history_ids: list[str], ctx: dict[str, Any]) -> pa.Table:
     all_edges = _edges_of(bank, history_ids)
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     qdf = queries.to_pandas()
+    # one read of the shard's query vectors (not one scan of the embeddings table per history)
+    all_qv = _query_vectors(bank, qdf["question"].tolist(), ctx["encoder"])
     for h, g in qdf.groupby("history_id", sort=True):
         if h not in loader.history_ids:
             continue
         m = loader.get(h)
-        qv = _query_vectors(bank, g["question"].tolist(), ctx["encoder"])
+        qv = all_qv[g.index.to_numpy()]
         edges = {mode: all_edges.get((h, mode), empty) for mode in ("gmm", "topk")}
         ranked = rank_history(m, qv, edges, r["methods"], r, device)
         sids = np.asarray(m["session_ids"], dtype=object)
