@@ -78,7 +78,12 @@ def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *, use_ray: bool 
             entry = {**_agg_to_dict(scores.by_type), "n": int(len(df)), "notes": list(scores.notes),
                      "errors": int(g["error"].notna().sum())}
             if cfg.evaluation.judge:
-                entry.update(_judge(cfg, df, use_ray))
+                judged = _judge(cfg, df, use_ray)
+                entry.update(judged)
+                # headline numbers next to F1 in the report tables
+                entry["overall"]["judge_accuracy"] = judged["judge"]["overall"].get("accuracy")
+                for t, row in judged["judge"]["by_type"].items():
+                    entry["by_type"].setdefault(t, {})["judge_accuracy"] = row.get("accuracy")
             out["qa"][method] = entry
     return out
 
