@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import pyarrow.compute as pc
 
 from memgas import __version__
@@ -28,7 +27,7 @@ from memgas.jobs.profiling import Profiler, percentiles_ms
 from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.hashing import file_sha256, text_hash
+from memgas.pipeline.hashing import file_sha256
 
 log = logging.getLogger(__name__)
 

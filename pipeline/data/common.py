@@ -428,3 +428,19 @@ def _parse_error(p: Path, exc: Exception, pos: int, index: int) -> DataError:
         return DataError(str(p), f"truncated JSON: the file ends inside a record (read {pos} of {size} bytes): {msg}", index=index)
     return DataError(str(p), f"malformed JSON near byte {pos}: {msg}", index=index)
 
+
+
+def stream_records(
+    path: str | Path,
+    warnings: Warnings,
+    parse: Callable[[int, Any, str, Warnings], HistoryRecord | None],
+    *,
+    on_read: Callable[[int], None] | None = None,
+    items: Callable[..., Iterator[tuple[int, Any]]] | None = None,
+) -> Iterator[HistoryRecord]:
+    """The loop every loader shares: stream raw items, parse each, skip the ones ``parse`` drops (None)."""
+    file = str(path)
+    for index, item in (items or iter_json_array)(path, on_read):
+        rec = parse(index, item, file, warnings)
+        if rec is not None:
+            yield rec

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memgas.pipeline.data.common import (
+    stream_records,
     Ctx,
     HistoryRecord,
     Warnings,
@@ -137,8 +138,4 @@ def load(
     path: str | Path, warnings: Warnings, *, on_read: Callable[[int], None] | None = None
 ) -> Iterator[HistoryRecord]:
     """Stream one :class:`HistoryRecord` per line."""
-    file = str(path)
-    for index, item in iter_lines(path, on_read):
-        rec = parse_history(index, item, file, warnings)
-        if rec is not None:
-            yield rec
+    return stream_records(path, warnings, parse_history, on_read=on_read, items=iter_lines)

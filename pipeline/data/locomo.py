@@ -20,13 +20,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memgas.pipeline.data.common import (
+    stream_records,
     Ctx,
     HistoryRecord,
     Utterance,
     Warnings,
     expect_dict,
     id_str,
-    iter_json_array,
     parse_date,
     query_row,
 )
@@ -166,8 +166,4 @@ def load(
     path: str | Path, warnings: Warnings, *, on_read: Callable[[int], None] | None = None
 ) -> Iterator[HistoryRecord]:
     """Stream one :class:`HistoryRecord` per conversation (history_id = sample_id)."""
-    file = str(path)
-    for index, item in iter_json_array(path, on_read):
-        rec = parse_conversation(index, item, file, warnings)
-        if rec is not None:
-            yield rec
+    return stream_records(path, warnings, parse_conversation, on_read=on_read)

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memgas.pipeline.data.common import (
+    stream_records,
     Ctx,
     HistoryRecord,
     Utterance,
@@ -22,7 +23,6 @@ from memgas.pipeline.data.common import (
     check_evidence,
     expect_dict,
     id_str,
-    iter_json_array,
     parse_date,
     query_row,
 )
@@ -135,8 +135,4 @@ def load(
     path: str | Path, warnings: Warnings, *, on_read: Callable[[int], None] | None = None
 ) -> Iterator[HistoryRecord]:
     """Stream one :class:`HistoryRecord` per question (history_id = question_id)."""
-    file = str(path)
-    for index, item in iter_json_array(path, on_read):
-        rec = parse_question(index, item, file, warnings)
-        if rec is not None:
-            yield rec
+    return stream_records(path, warnings, parse_question, on_read=on_read)

@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
-from memgas.pipeline.data.common import Ctx, HistoryRecord, Warnings, expect_dict, id_str, iter_json_array, query_row
+from memgas.pipeline.data.common import (
+    Ctx, HistoryRecord, Warnings, expect_dict, id_str, query_row, stream_records,
+)
 from memgas.pipeline.data.longmemeval import add_chat_session, parse_turns
 
 DATASET = "longmtbench"
@@ -53,8 +55,4 @@ def load(
     path: str | Path, warnings: Warnings, *, on_read: Callable[[int], None] | None = None
 ) -> Iterator[HistoryRecord]:
     """Stream one :class:`HistoryRecord` per conversation (history_id = conversation_id)."""
-    file = str(path)
-    for index, item in iter_json_array(path, on_read):
-        rec = parse_conversation(index, item, file, warnings)
-        if rec is not None:
-            yield rec
+    return stream_records(path, warnings, parse_conversation, on_read=on_read)
