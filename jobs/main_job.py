@@ -265,6 +265,14 @@ def _texts_by_hash(bank: Bank, hashes: list[str]) -> dict[str, str]:
     return dict(zip(t["text_hash"].to_pylist(), t["text"].to_pylist()))
 
 
+def _drop_stale(bank: Bank, table: str, prefix: str) -> None:
+    """Parts of config-dependent tables carry a fingerprint of their inputs (encoder, generator, parameters,
+    dataset); parts of another fingerprint were computed from other inputs and are dropped."""
+    for part in bank.parts(table):
+        if not part.startswith(prefix):
+            bank.drop_part(table, part)
+
+
 def _history_shards(bank: Bank, size: int) -> list[list[str]]:
     ids = sorted(set(bank.read("histories", columns=["history_id"])["history_id"].to_pylist()))
     return chunk(ids, max(1, size))
@@ -272,13 +280,10 @@ def _history_shards(bank: Bank, size: int) -> list[list[str]]:
 
 def _associate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
     enc = encoder_name(cfg)
-    fp = _fingerprint([enc, cfg.association.model_dump(), generator_identity(cfg), cfg.generation.summary_source])
+    fp = _fingerprint([enc, cfg.association.model_dump(), generator_identity(cfg), cfg.generation.summary_source,
+                       dataset_info(bank).get("sha256")])
     with prof.stage("associate") as st:
-        # edges depend on the encoder, generator and association parameters: parts carry their fingerprint,
-        # and parts of another fingerprint are stale.
-        for part in bank.parts("edges"):
-            if not part.startswith(f"assoc-{fp}-"):
-                bank.drop_part("edges", part)
+        _drop_stale(bank, "edges", f"assoc-{fp}-")
         shards = _history_shards(bank, cfg.ray.shard_size)
         units = [WorkUnit(f"assoc-{fp}-{i:05d}", ids, len(ids)) for i, ids in enumerate(shards)]
         ctx = {"bank": str(bank.path), "encoder": enc, "association": cfg.association.model_dump(),
@@ -326,9 +331,7 @@ def _rank(cfg: MemgasConfig, bank: Bank, results: Bank, prof: Profiler, use_ray:
            cfg.generation.summary_source, dataset_info(bank).get("sha256")]
     fp = _fingerprint(key)
     with prof.stage("rank") as st:
-        for part in results.parts("rankings"):
-            if not part.startswith(f"rank-{fp}-"):
-                results.drop_part("rankings", part)
+        _drop_stale(results, "rankings", f"rank-{fp}-")
         shards = _history_shards(bank, cfg.ray.shard_size)
         units = [WorkUnit(f"rank-{fp}-{i:05d}", ids, len(ids)) for i, ids in enumerate(shards)]
         ctx = {"bank": str(bank.path), "encoder": enc, "retrieval": cfg.retrieval.model_dump(),
@@ -345,9 +348,7 @@ def _read(cfg: MemgasConfig, bank: Bank, results: Bank, prof: Profiler, use_ray:
     fp = _fingerprint([cfg.reading.model_dump(), cfg.llm.model_dump(), cfg.retrieval.model_dump(),
                        generator_identity(cfg), encoder_name(cfg), dataset_info(bank).get("sha256")])
     with prof.stage("read") as st:
-        for part in results.parts("answers"):
-            if not part.startswith(f"ans-{fp}-"):
-                results.drop_part("answers", part)
+        _drop_stale(results, "answers", f"ans-{fp}-")
         units: list[WorkUnit] = []
         for method in methods:
             payload = reading_payloads(bank, results, method, cfg)
