@@ -29,27 +29,6 @@ def _tree() -> list[psutil.Process]:
         return [me]
 
 
-def tree_cpu_seconds() -> float:
-    total = 0.0
-    for p in _tree():
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.Error:
-            pass
-    return total
-
-
-def tree_rss_bytes() -> int:
-    total = 0
-    for p in _tree():
-        try:
-            total += p.memory_info().rss
-        except psutil.Error:
-            pass
-    return total
-
-
 def gpu_peak_bytes() -> int | None:
     try:
         import torch
@@ -87,19 +66,48 @@ class StageStats:
         return d
 
 
-class _RssSampler(threading.Thread):
+def _tree_snapshot() -> tuple[int, dict[int, float]]:
+    """(RSS of the process tree, CPU seconds per pid)."""
+    rss, cpu = 0, {}
+    for p in _tree():
+        try:
+            with p.oneshot():
+                rss += p.memory_info().rss
+                t = p.cpu_times()
+                cpu[p.pid] = t.user + t.system
+        except psutil.Error:
+            pass
+    return rss, cpu
+
+
+class _TreeSampler(threading.Thread):
+    """Samples the process tree: peak RSS, and CPU time per pid as last seen.
+
+    Why per pid: a model actor started and killed within a stage is gone when the stage ends; its CPU
+    time counts up to the last sample (every ``interval`` seconds) instead of vanishing.
+    """
+
     def __init__(self, interval: float = 0.25) -> None:
         super().__init__(daemon=True)
-        self.interval, self.peak, self._stop_evt = interval, tree_rss_bytes(), threading.Event()
+        self.interval, self._stop_evt = interval, threading.Event()
+        self.peak, self.start_cpu = _tree_snapshot()
+        self.last_cpu = dict(self.start_cpu)
+
+    def _sample(self) -> None:
+        rss, cpu = _tree_snapshot()
+        self.peak = max(self.peak, rss)
+        self.last_cpu.update(cpu)
 
     def run(self) -> None:
         while not self._stop_evt.wait(self.interval):
-            self.peak = max(self.peak, tree_rss_bytes())
+            self._sample()
 
-    def stop(self) -> int:
+    def stop(self) -> tuple[int, float]:
         self._stop_evt.set()
         self.join(timeout=2)
-        return max(self.peak, tree_rss_bytes())
+        self._sample()
+        cpu = sum(max(0.0, t - self.start_cpu.get(pid, 0.0)) for pid, t in self.last_cpu.items())
+        return self.peak, cpu
 
 
 class Profiler:
@@ -111,16 +119,17 @@ class Profiler:
     @contextmanager
     def stage(self, name: str) -> Iterator[StageStats]:
         stats = self.stages.setdefault(name, StageStats(name))
-        sampler = _RssSampler()
+        sampler = _TreeSampler()
         sampler.start()
-        t0, c0 = time.perf_counter(), tree_cpu_seconds()
+        t0 = time.perf_counter()
         log.info("stage %s: start", name)
         try:
             yield stats
         finally:
             stats.wall_s += time.perf_counter() - t0
-            stats.cpu_s += max(0.0, tree_cpu_seconds() - c0)
-            stats.peak_rss_mb = max(stats.peak_rss_mb, sampler.stop() / 2**20)
+            peak, cpu = sampler.stop()
+            stats.cpu_s += cpu
+            stats.peak_rss_mb = max(stats.peak_rss_mb, peak / 2**20)
             gpu = gpu_peak_bytes()
             if gpu is not None:
                 stats.gpu_peak_mb = gpu / 2**20
