@@ -70,12 +70,10 @@ def generator_identity(cfg: MemgasConfig) -> tuple[str, str]:
 
 def encoder_name(cfg: MemgasConfig) -> str:
     """The encoder's cache key, as the encoder classes name themselves (see models/encoders.py)."""
-    from memgas.pipeline.models.encoders import MINILM_ALIAS, MINILM_NAME, _suffix
+    from memgas.pipeline.models.encoders import encoder_name as name_of
 
     e = cfg.encoder
-    base = MINILM_NAME if e.model == MINILM_ALIAS else e.model
-    prefix = "hf-mean:" if e.backend == "hf" else ""
-    return f"{prefix}{base}{_suffix(e.max_tokens, e.long_text)}"
+    return name_of(e.backend, e.model, e.max_tokens, e.long_text)
 
 
 def dataset_info(bank: Bank) -> dict[str, Any]:

@@ -230,6 +230,18 @@ class _BucketedEncoder:
         )
 
 
+def model_path(model: str) -> str:
+    """Where to load ``model`` from: the wheel's MiniLM folder for the alias, else the name/path as given."""
+    return minilm_path() if model == MINILM_ALIAS else model
+
+
+def encoder_name(backend: str, model: str, max_tokens: int | None = None, long_text: str = "truncate") -> str:
+    """The name an encoder gives itself, which keys the embeddings cache; known without loading the model."""
+    base = MINILM_NAME if model == MINILM_ALIAS else model
+    prefix = "hf-mean:" if backend == "hf" else ""
+    return f"{prefix}{base}{_suffix(max_tokens, long_text)}"
+
+
 def _suffix(max_tokens: int | None, long_text: str) -> str:
     """Options that change the vectors go into the encoder name, which keys the embeddings cache."""
     s = ""
@@ -258,7 +270,7 @@ class HFMeanPoolingEncoder(_BucketedEncoder):
         super().__init__(batch_size, long_text)
         from transformers import AutoModel, AutoTokenizer
 
-        path = minilm_path() if model == MINILM_ALIAS else model
+        path = model_path(model)
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, self._device)
         t0 = time.perf_counter()
@@ -271,8 +283,7 @@ class HFMeanPoolingEncoder(_BucketedEncoder):
         self.max_tokens = _clamp_max_tokens(max_tokens, limit, model)
         self.dim = int(self._model.config.hidden_size)
         self.normalize = False
-        base = MINILM_NAME if model == MINILM_ALIAS else model
-        self.name = f"hf-mean:{base}{_suffix(max_tokens, long_text)}"
+        self.name = encoder_name("hf", model, max_tokens, long_text)
         logger.info("loaded %s on %s/%s in %.1fs", self.name, self._device, self._dtype, time.perf_counter() - t0)
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -303,7 +314,7 @@ class SentenceTransformerEncoder(_BucketedEncoder):
         from sentence_transformers import SentenceTransformer
         from sentence_transformers.models import Normalize
 
-        path = minilm_path() if model == MINILM_ALIAS else model
+        path = model_path(model)
         self._device = resolve_device(device)
         self._dtype = resolve_dtype(dtype, self._device)
         t0 = time.perf_counter()
@@ -320,8 +331,7 @@ class SentenceTransformerEncoder(_BucketedEncoder):
             raise ValueError(f"encoder {model!r}: sentence-transformers reports no embedding dimension")
         self.dim = int(dim)
         self.normalize = any(isinstance(m, Normalize) for m in self._st.modules())
-        base = MINILM_NAME if model == MINILM_ALIAS else model
-        self.name = f"{base}{_suffix(max_tokens, long_text)}"
+        self.name = encoder_name("sentence-transformers", model, max_tokens, long_text)
         logger.info("loaded %s on %s/%s in %.1fs", self.name, self._device, self._dtype, time.perf_counter() - t0)
 
     @property
