@@ -123,13 +123,38 @@ def _validate(prompt: Any) -> str | None:
 
 # -- transformers (GGUF or any causal LM) -----------------------------------------------------------------
 
-_MODEL_CACHE: dict[tuple[str, str | None, str], tuple[Any, Any]] = {}
+_MODEL_CACHE: dict[tuple[str, str | None, str, str], tuple[Any, Any]] = {}
 _MODEL_CACHE_LOCK = threading.Lock()
 
 
-def _load_transformers(path: str, gguf_file: str | None, dtype_name: str) -> tuple[Any, Any]:
-    """One model per (path, file, dtype) per process: a GGUF de-quantisation takes ~20 s on 2 cores."""
-    key = (path, gguf_file, dtype_name)
+def resolve_llm_dtype(dtype: str, device: str, bf16_supported: bool | None = None) -> str:
+    """``auto`` -> bfloat16 on CUDA (float16 where bf16 is unsupported), float32 on CPU; names pass through.
+
+    float32 stays the CPU default: transformers' GGUF path computes in float32 and bf16 made batched and
+    one-by-one greedy outputs diverge (docs/models.md). On CUDA a 7B model in float32 needs twice the memory
+    and runs far slower, so bf16 is the default there. ``bf16_supported`` defaults to asking torch.
+    """
+    allowed = ("auto", "float32", "bfloat16", "float16")
+    if dtype not in allowed:
+        raise ValueError(f"llm dtype must be one of {allowed}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    if not str(device).startswith("cuda"):
+        return "float32"
+    if bf16_supported is None:
+        import torch
+
+        bf16_supported = bool(torch.cuda.is_bf16_supported())
+    return "bfloat16" if bf16_supported else "float16"
+
+
+def _load_transformers(path: str, gguf_file: str | None, dtype_name: str, device: str = "cpu") -> tuple[Any, Any]:
+    """One model per (path, file, dtype, device) per process: a GGUF de-quantisation takes ~20 s on 2 cores.
+
+    On CUDA the weights are loaded straight onto the device (``device_map``) in ``dtype_name``, never
+    materialised in float32 on the host first.
+    """
+    key = (path, gguf_file, dtype_name, device)
     with _MODEL_CACHE_LOCK:
         if key not in _MODEL_CACHE:
             import torch
@@ -138,10 +163,13 @@ def _load_transformers(path: str, gguf_file: str | None, dtype_name: str) -> tup
             t0 = time.perf_counter()
             kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
             tok = AutoTokenizer.from_pretrained(path, **kw)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name), **kw)
+            load_kw = dict(kw)
+            if device.startswith("cuda"):
+                load_kw["device_map"] = {"": device}
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name), **load_kw)
             model.eval()
-            logger.info("loaded %s%s (%s) in %.1fs", path, f"/{gguf_file}" if gguf_file else "", dtype_name,
-                        time.perf_counter() - t0)
+            logger.info("loaded %s%s (%s, %s) in %.1fs", path, f"/{gguf_file}" if gguf_file else "", dtype_name,
+                        device, time.perf_counter() - t0)
             _MODEL_CACHE[key] = (model, tok)
         return _MODEL_CACHE[key]
 
@@ -149,8 +177,10 @@ def _load_transformers(path: str, gguf_file: str | None, dtype_name: str) -> tup
 class TransformersLLM:
     """Causal LM through transformers on CPU (or CUDA): GGUF files (the CPU default) or any HF model.
 
-    Left-padded batches of ``batch_size`` prompts sorted by length, greedy at temperature 0. JSON schemas
-    are not enforced by this backend (``extra["json_schema"] = "unsupported"``); callers validate.
+    ``dtype="auto"`` (default): float32 on CPU, bfloat16 on CUDA (float16 without bf16 support); see
+    :func:`resolve_llm_dtype`. Left-padded batches of ``batch_size`` prompts sorted by length, greedy at
+    temperature 0. JSON schemas are not enforced by this backend (``extra["json_schema"] = "unsupported"``);
+    callers validate.
     """
 
     def __init__(
@@ -158,7 +188,7 @@ class TransformersLLM:
         model: str = SMOLLM2_ALIAS,
         context_tokens: int = 8192,
         batch_size: int = 8,
-        dtype: str = "float32",
+        dtype: str = "auto",
         threads: int | None = None,
         device: str = "auto",
         name: str | None = None,
@@ -167,11 +197,12 @@ class TransformersLLM:
 
         if threads:
             torch.set_num_threads(threads)
-        path, gguf_file = resolve_gguf(model)
-        self._model, self._tok = _load_transformers(path, gguf_file, dtype)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self._model.device.type != device:
+        self.dtype = resolve_llm_dtype(dtype, device)
+        path, gguf_file = resolve_gguf(model)
+        self._model, self._tok = _load_transformers(path, gguf_file, self.dtype, device)
+        if self._model.device.type != torch.device(device).type:
             self._model.to(device)
         self._device = device
         self._torch = torch
@@ -393,9 +424,35 @@ class LlamaCppLLM:
 # -- vLLM offline -----------------------------------------------------------------------------------------
 
 
-def _vllm_sampling_params(vllm: Any, params: SamplingParams, max_new: int) -> Any:
-    """vLLM ``SamplingParams``; JSON schemas go through ``StructuredOutputsParams(json=...)`` (vLLM >= 0.11;
-    the older ``guided_decoding=GuidedDecodingParams(json=...)`` was removed in 0.12)."""
+#: keyword arguments of every ``LLM.chat`` call (tests check them against the pinned vLLM's signature)
+VLLM_CHAT_KWARGS: dict[str, Any] = {"use_tqdm": False}
+
+
+def vllm_engine_kwargs(
+    model: str,
+    context_tokens: int = 8192,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.85,
+    seed: int = 0,
+    **engine_kwargs: Any,
+) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM(...)``: named ``LLM.__init__`` parameters plus ``EngineArgs`` fields
+    (``LLM`` forwards its ``**kwargs`` to ``EngineArgs``). Pure: tests check the names against the pinned
+    vLLM release, and build a real ``EngineArgs`` from them where vLLM is installed."""
+    return {
+        "model": model,
+        "tensor_parallel_size": tensor_parallel_size,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "enable_prefix_caching": True,  # summary/keyword/filter prompts share long instruction prefixes
+        "max_model_len": context_tokens,
+        "seed": seed,
+        **engine_kwargs,
+    }
+
+
+def vllm_sampling_kwargs(params: SamplingParams, max_new: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(``vllm.SamplingParams`` kwargs without the structured-output object, ``StructuredOutputsParams``
+    kwargs or None). Pure, so the names can be checked against the pinned vLLM without importing it."""
     kw: dict[str, Any] = {
         "max_tokens": max_new,
         "temperature": params.temperature,
@@ -404,12 +461,20 @@ def _vllm_sampling_params(vllm: Any, params: SamplingParams, max_new: int) -> An
     }
     if params.stop:
         kw["stop"] = list(params.stop)
-    if params.json_schema is not None:
+    structured = {"json": params.json_schema} if params.json_schema is not None else None
+    return kw, structured
+
+
+def _vllm_sampling_params(vllm: Any, params: SamplingParams, max_new: int) -> Any:
+    """vLLM ``SamplingParams``; JSON schemas go through ``StructuredOutputsParams(json=...)`` (vLLM >= 0.11;
+    the older ``guided_decoding=GuidedDecodingParams(json=...)`` was removed in 0.12)."""
+    kw, structured = vllm_sampling_kwargs(params, max_new)
+    if structured is not None:
         sp_mod = importlib.import_module("vllm.sampling_params")
         if hasattr(sp_mod, "StructuredOutputsParams"):
-            kw["structured_outputs"] = sp_mod.StructuredOutputsParams(json=params.json_schema)
+            kw["structured_outputs"] = sp_mod.StructuredOutputsParams(**structured)
         elif hasattr(sp_mod, "GuidedDecodingParams"):
-            kw["guided_decoding"] = sp_mod.GuidedDecodingParams(json=params.json_schema)
+            kw["guided_decoding"] = sp_mod.GuidedDecodingParams(**structured)
         else:
             raise ImportError("this vLLM has neither StructuredOutputsParams nor GuidedDecodingParams")
     return vllm.SamplingParams(**kw)
@@ -418,7 +483,9 @@ def _vllm_sampling_params(vllm: Any, params: SamplingParams, max_new: int) -> An
 class VLLMOfflineLLM:
     """vLLM's offline engine on GPU: the whole batch in one ``LLM.chat`` call, prefix caching on.
 
-    GPU-only; not exercised on the CPU CI (a unit test checks the call shapes against a fake module).
+    GPU-only; not exercised on the CPU CI. Tests check every keyword we pass against the parameters of the
+    pinned vLLM release (tests/fixtures/vllm_api.json) through a strict fake module, and build the real
+    ``EngineArgs``/``SamplingParams`` where vLLM is installed; ``benchmarks/gpu_check.sh`` runs the engine.
     """
 
     def __init__(
@@ -433,13 +500,8 @@ class VLLMOfflineLLM:
     ) -> None:
         self._vllm = _lazy_import("vllm", "pip install 'memgas[gpu]' (vllm needs a CUDA torch build)")
         self._llm = self._vllm.LLM(
-            model=model,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=True,  # summary/keyword/filter prompts share long instruction prefixes
-            max_model_len=context_tokens,
-            seed=seed,
-            **engine_kwargs,
+            **vllm_engine_kwargs(model, context_tokens, tensor_parallel_size, gpu_memory_utilization, seed,
+                                 **engine_kwargs)
         )
         self._tok = self._llm.get_tokenizer()
         self.context_tokens = context_tokens
@@ -485,14 +547,14 @@ class VLLMOfflineLLM:
         if not convs:
             return results
         try:
-            outs = self._llm.chat(convs, sp, use_tqdm=False)
+            outs = self._llm.chat(convs, sp, **VLLM_CHAT_KWARGS)
             pairs = list(zip(todo, outs))
         except Exception as exc:  # one bad conversation can fail the batch: isolate it
             logger.warning("%s: batch of %d failed (%s); retrying one by one", self.name, len(convs), exc)
             pairs = []
             for i, c in zip(todo, convs):
                 try:
-                    pairs.append((i, self._llm.chat([c], sp, use_tqdm=False)[0]))
+                    pairs.append((i, self._llm.chat([c], sp, **VLLM_CHAT_KWARGS)[0]))
                 except Exception as exc1:
                     results[i].error = f"{type(exc1).__name__}: {exc1}"
         for i, out in pairs:

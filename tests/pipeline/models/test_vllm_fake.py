@@ -1,16 +1,30 @@
 """vLLM offline backend: call shapes checked against a fake ``vllm`` module (vLLM is GPU-only and not
-installed on CPU CI; this does not prove the real engine works, only that we call it as documented)."""
+installed on CPU CI; this does not prove the real engine works, only that we call it as documented).
+
+The fake is strict: its ``LLM``, ``LLM.chat``, ``SamplingParams`` and ``StructuredOutputsParams`` accept exactly
+the parameters of the vLLM release the ``gpu`` extra pins (``tests/fixtures/vllm_api.json``, read from that
+release's sources; see test_vllm_contract.py), so a renamed or removed argument fails here too."""
 
 from __future__ import annotations
 
+import json
 import sys
 import types
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from memgas.pipeline.models.base import SamplingParams
+
+API = json.loads((Path(__file__).resolve().parents[2] / "fixtures" / "vllm_api.json").read_text())
+
+
+def _check(what: str, given: Any, allowed: set[str]) -> None:
+    unknown = set(given) - allowed
+    if unknown:
+        raise TypeError(f"vllm {API['vllm_version']} {what} got unexpected keyword(s) {sorted(unknown)}")
 
 
 @dataclass
@@ -40,8 +54,11 @@ class _Tok:
 class _FakeLLM:
     instances: list["_FakeLLM"] = []
 
-    def __init__(self, **kw: Any) -> None:
-        self.kw = kw
+    def __init__(self, model: str, **kw: Any) -> None:
+        init = API["LLM.__init__"]
+        # LLM forwards its **kwargs to EngineArgs: those fields are accepted too
+        _check("LLM()", kw, set(init["params"]) | (set(API["EngineArgs"]) if init["var_keyword"] else set()))
+        self.kw = {"model": model, **kw}
         self.calls: list[tuple[Any, Any, dict]] = []
         _FakeLLM.instances.append(self)
 
@@ -49,17 +66,24 @@ class _FakeLLM:
         return _Tok()
 
     def chat(self, convs: Any, sp: Any, **kw: Any) -> list[_Out]:
+        assert API["LLM.chat"]["params"][:2] == ["messages", "sampling_params"]
+        _check("LLM.chat()", kw, set(API["LLM.chat"]["params"][2:]))
+        assert isinstance(sp, _FakeSP)
         self.calls.append((convs, sp, kw))
         return [_Out([0] * 7, [_Comp(f"answer {len(c)}", [1, 2, 3])]) for c in convs]
 
 
 class _FakeSP:
     def __init__(self, **kw: Any) -> None:
+        _check("SamplingParams()", kw, set(API["SamplingParams"]))
+        if "structured_outputs" in kw:
+            assert isinstance(kw["structured_outputs"], _FakeSO)
         self.kw = kw
 
 
 class _FakeSO:
     def __init__(self, **kw: Any) -> None:
+        _check("StructuredOutputsParams()", kw, set(API["StructuredOutputsParams"]))
         self.kw = kw
 
 
@@ -94,3 +118,14 @@ def test_vllm_call_shapes(fake_vllm: types.ModuleType) -> None:
     assert res[0].ok and res[0].text == "answer 1" and res[0].prompt_tokens == 7 and res[0].completion_tokens == 3
     assert res[1].error  # the empty prompt failed alone
     assert res[2].ok and res[2].extra.get("truncated") is True
+
+
+def test_fake_is_strict(fake_vllm: types.ModuleType) -> None:
+    """A keyword the pinned vLLM does not have fails, as the real class would."""
+    with pytest.raises(TypeError, match="guided_decoding"):
+        fake_vllm.SamplingParams(max_tokens=8, guided_decoding=object())
+    with pytest.raises(TypeError, match="max_model_length"):
+        fake_vllm.LLM(model="m", max_model_length=64)
+    with pytest.raises(TypeError, match="show_progress"):
+        fake_vllm.LLM(model="m").chat([], fake_vllm.SamplingParams(), show_progress=False)
+    fake_vllm.LLM(model="m", max_model_len=64, enable_prefix_caching=True)  # EngineArgs fields pass
