@@ -72,6 +72,26 @@ def test_build_csr_dedup_and_selfloops() -> None:
         build_csr([0], [3], 3)
 
 
+@pytest.mark.parametrize("check_every", [2, 7, 16])
+def test_blocked_convergence_check_is_exact(monkeypatch: pytest.MonkeyPatch, check_every: int) -> None:
+    """Reading the convergence test every k iterations (the CUDA path) returns exactly the per-iteration result:
+    X is frozen from the first converged iteration. Dangling nodes, an all-zero row and non-convergence too."""
+    from memgas.kernels import ppr
+
+    rng = np.random.default_rng(check_every)
+    n = 120
+    s, t = random_graph(rng, n, 200, n_isolated=10)
+    A = build_csr(s, t, n)
+    R = rng.random((9, n)) * (rng.random((9, n)) < 0.4)
+    R[0] = 0.0
+    R[1, -2:] = 1.0
+    cases = [dict(damping=d) for d in (0.1, 0.85)] + [dict(damping=0.85, max_iter=5)]
+    ref = [personalized_pagerank(A, R, **kw) for kw in cases]
+    monkeypatch.setitem(ppr.CHECK_EVERY, "cpu", check_every)
+    for kw, r in zip(cases, ref):
+        np.testing.assert_array_equal(personalized_pagerank(A, R, **kw), r)
+
+
 @pytest.mark.gpu
 def test_ppr_gpu_matches_cpu() -> None:
     from memgas.kernels.backend import cuda_available, to_host
@@ -84,3 +104,13 @@ def test_ppr_gpu_matches_cpu() -> None:
     R = rng.random((64, 500))
     np.testing.assert_allclose(to_host(personalized_pagerank(A, R, 0.1, device="cuda")),
                                personalized_pagerank(A, R, 0.1), atol=1e-9)
+    # the device path reads the convergence test every CHECK_EVERY["cuda"] iterations: same result as every one
+    from memgas.kernels import ppr
+
+    blocked = to_host(personalized_pagerank(A, R, 0.85, device="cuda"))
+    old = ppr.CHECK_EVERY["cuda"]
+    ppr.CHECK_EVERY["cuda"] = 1
+    try:
+        np.testing.assert_array_equal(to_host(personalized_pagerank(A, R, 0.85, device="cuda")), blocked)
+    finally:
+        ppr.CHECK_EVERY["cuda"] = old
