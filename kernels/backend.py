@@ -78,3 +78,36 @@ def to_device(a: Any, xp: ModuleType) -> Any:
     if xp is np:
         return np.asarray(to_host(a))
     return xp.asarray(a)
+
+
+# -- CPU/GPU agreement -------------------------------------------------------------------------------------
+
+
+def same_up_to_ties(order: Any, ref_order: Any, ref_scores: Any, tol: float = 0.0, k: int | None = None) -> np.ndarray:
+    """Per row, bool: the ranking ``order`` equals ``ref_order`` up to ties.
+
+    ``order``/``ref_order``: int [Q, K] indices into the last axis of ``ref_scores`` [Q, N], best first (only the
+    first ``k`` ranks are compared when given). A row agrees when at every rank both pick items whose
+    *reference* scores are equal within ``tol``, i.e. the rankings differ only by reordering tied items.
+    ``tol=0`` means exact ties. When the two rankings come from differently rounded arithmetic (cuBLAS vs
+    OpenBLAS, a float32 matmul: ~1e-6 on unit vectors), pass that rounding error as ``tol``; ties are then
+    judged on the reference's scores, so a real difference in ranking is still caught. ``tol`` may also be a
+    per-row array [Q, 1] (e.g. relative to each row's largest score).
+    """
+    o, r, s = (np.asarray(to_host(a)) for a in (order, ref_order, ref_scores))
+    if k is not None:
+        o, r = o[..., :k], r[..., :k]
+    if o.shape != r.shape:
+        raise ValueError(f"rankings differ in shape: {o.shape} vs {r.shape}")
+    return scores_up_to_ties(np.take_along_axis(s, o, -1), np.take_along_axis(s, r, -1), tol) | (o == r).all(-1)
+
+
+def scores_up_to_ties(scores: Any, ref_scores: Any, tol: float = 0.0) -> np.ndarray:
+    """Per row, bool: two rank-ordered score lists (the reference scores of what each side picked, best first)
+    are equal within ``tol`` at every rank; the companion of :func:`same_up_to_ties` when the scores were
+    gathered already (e.g. candidate lists rescored in float64)."""
+    a, b = np.asarray(to_host(scores)), np.asarray(to_host(ref_scores))
+    if a.shape != b.shape:
+        raise ValueError(f"score lists differ in shape: {a.shape} vs {b.shape}")
+    same = (a == b) | (np.abs(a - b) <= tol)  # == first: equal infinities (masked entries) are ties too
+    return same.all(-1) if same.ndim else np.asarray(bool(same))
