@@ -35,16 +35,25 @@ def _agg_to_dict(agg: pd.DataFrame) -> dict[str, Any]:
     return {"overall": overall, "by_type": rows}
 
 
-def ranked_lists(results: Bank, method: str) -> dict[str, list[str]]:
-    t = results.read("rankings").to_pandas()
-    t = t[t["method"] == method].sort_values(["query_id", "rank"], kind="stable")
-    return {q: g["session_id"].tolist() for q, g in t.groupby("query_id", sort=False)}
+def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *,
+                 parts: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """The ``retrieval`` and ``qa`` sections of metrics.json.
 
+    ``parts``: per results table, the parts of the current run's fingerprints (other parts are stale);
+    None reads every part. Answers whose LLM call failed are not scored: they are counted in ``failed``.
+    """
+    from memgas.pipeline.read import is_failed_answer
 
-def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *, use_ray: bool = True) -> dict[str, Any]:
+    def read(name: str) -> pd.DataFrame | None:
+        chosen = None if parts is None else parts.get(name, [])
+        if chosen == [] or not results.exists(name):
+            return None
+        return results.read(name, parts=chosen).to_pandas()
+
     queries = bank.read("queries").to_pandas()
-    rankings = results.read("rankings").to_pandas() if results.exists("rankings") else pd.DataFrame(
-        columns=["method", "query_id", "rank", "session_id", "score"])
+    rankings = read("rankings")
+    if rankings is None:
+        rankings = pd.DataFrame(columns=["method", "query_id", "rank", "session_id", "score"])
     out: dict[str, Any] = {"n_queries": int(len(queries)), "retrieval": {"session": {}, "turn": {}}, "qa": {}}
     qinfo = queries.set_index("query_id")
     for method in cfg.retrieval.methods:
@@ -68,17 +77,26 @@ def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *, use_ray: bool 
             out["retrieval"]["turn"][method] = turn
     if not out["retrieval"]["turn"]:
         out["retrieval"].pop("turn")
+    else:
+        out["notes"] = {"turn_level": TURN_NOTE}
 
-    if results.exists("answers"):
-        answers = results.read("answers").to_pandas()
+    answers = read("answers")
+    judgments = read("judgments")
+    if answers is not None:
         for method, g in answers.groupby("method", sort=True):
-            df = g.merge(queries[["query_id", "question", "answer", "question_type", "is_abstention"]], on="query_id")
+            failed = g["error"].map(is_failed_answer)
+            scored = g[~failed]
+            df = scored.merge(queries[["query_id", "question", "answer", "question_type", "is_abstention"]], on="query_id")
             df["hypothesis"] = df["hypothesis"].fillna("")
-            scores = score_qa(df, bertscore=cfg.evaluation.bertscore)
-            entry = {**_agg_to_dict(scores.by_type), "n": int(len(df)), "notes": list(scores.notes),
-                     "errors": int(g["error"].notna().sum())}
-            if cfg.evaluation.judge:
-                judged = _judge(cfg, df, use_ray)
+            entry: dict[str, Any] = {"n": int(len(df)), "failed": int(failed.sum()), "notes": [],
+                                     "errors": int(g["error"].notna().sum())}
+            if len(df):
+                scores = score_qa(df, bertscore=cfg.evaluation.bertscore)
+                entry.update(_agg_to_dict(scores.by_type), notes=list(scores.notes))
+            else:
+                entry.update(overall={}, by_type={})
+            if judgments is not None:
+                judged = _judge_summary(judgments[judgments["method"] == method], df)
                 entry.update(judged)
                 # headline numbers next to F1 in the report tables
                 entry["overall"]["judge_accuracy"] = judged["judge"]["overall"].get("accuracy")
@@ -86,6 +104,22 @@ def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *, use_ray: bool 
                     entry["by_type"].setdefault(t, {})["judge_accuracy"] = row.get("accuracy")
             out["qa"][method] = entry
     return out
+
+
+#: How the turn-level table is computed (said in the report next to the table).
+TURN_NOTE = ("turn level: sessions are ranked, then each ranked session is expanded into its turn pairs in order; "
+             "this measures how much turn-level evidence the top sessions cover, not a ranking of turn pairs")
+
+
+def _judge_summary(j: pd.DataFrame, answered: pd.DataFrame) -> dict[str, Any]:
+    """Judge accuracy overall and per question type, from the run's judgments table."""
+    from memgas.pipeline.evaluate.judge import aggregate_judge
+
+    j = j[j["query_id"].isin(answered["query_id"])].copy()
+    j["label"] = pd.Series([None if v is None or (isinstance(v, float) and math.isnan(v)) else bool(v)
+                            for v in j["label"]], index=j.index, dtype=object)
+    d = _agg_to_dict(aggregate_judge(j)) if len(j) else {"overall": {}, "by_type": {}}
+    return {"judge": d, "judge_outputs": j[["query_id", "judge_output", "label", "error"]].astype(str).to_dict("records")}
 
 
 def _turn_level(qinfo: pd.DataFrame, ranked_sessions: dict[str, list[str]], bank: Bank, cfg: MemgasConfig) -> dict | None:
@@ -110,13 +144,3 @@ def _turn_level(qinfo: pd.DataFrame, ranked_sessions: dict[str, list[str]], bank
                         "is_abstention": bool(row.is_abstention), "question_type": row.question_type})
     per_q, skipped = score_retrieval(records, cfg.evaluation.ks, level="turn")
     return {**_agg_to_dict(aggregate_retrieval(per_q)), "n_evaluated": int(len(per_q)), "skipped": skipped}
-
-
-def _judge(cfg: MemgasConfig, df: pd.DataFrame, use_ray: bool) -> dict[str, Any]:
-    from memgas.pipeline.evaluate.judge import aggregate_judge, run_judge
-    from memgas.pipeline.models.factory import make_llm
-
-    judged = run_judge(make_llm(cfg.llm), df)
-    agg = aggregate_judge(judged)
-    d = _agg_to_dict(agg)
-    return {"judge": d, "judge_outputs": judged[["query_id", "judge_output", "label", "error"]].astype(str).to_dict("records")}

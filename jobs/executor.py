@@ -1,10 +1,15 @@
-"""Ray execution: sharded CPU tasks and model actors, both checkpointed as bank parts.
+"""Execution of a stage's units: Ray tasks, Ray actors holding a model, or in-process; all checkpointed.
 
-Steps are plain functions (datatrove's step/executor split): ``fn(payload) -> pa.Table``. The executor
-decides where they run. Every unit of work has a deterministic part name; a unit whose part is already
-complete in the bank is skipped, so a killed job resumes where it stopped. Results come back to the driver
-as Arrow tables and the driver writes them (one writer per bank: no locking needed, and workers on a
-cluster need no access to the bank's filesystem).
+Every unit has a deterministic part name; a unit whose ``check_table`` part is already complete is
+skipped, so a killed job resumes where it stopped. The driver reads each unit's inputs from the bank
+(``stage.inputs``), ships them with the call (Ray puts large arguments in the object store) and writes the
+returned Arrow tables itself: workers never open the bank, so a cluster needs no shared filesystem, and
+there is one writer per bank. Inputs are materialised just before submission, with a bounded number of
+units in flight, so the driver's memory does not grow with the split.
+
+Failures: a task that raises fails the stage with one line (completed units are kept). A model actor that
+dies (Ray's OOM killer, a segfault in a native library) is replaced and its unit re-run, at most
+``ACTOR_RETRIES`` times; an exception raised by the stage's own code is not retried (it would fail again).
 """
 
 from __future__ import annotations
@@ -12,27 +17,66 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import socket
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
 from tqdm.auto import tqdm
 
+from memgas.jobs.stage import Stage, StageContext, short_hash
+from memgas.pipeline import faults
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import MemgasError
 
 log = logging.getLogger(__name__)
 
+#: How often a unit is re-run on a fresh actor after its actor died.
+ACTOR_RETRIES = 2
+#: Seconds to wait for a cluster's GCS port before giving up (a wrong --address must not hang).
+CONNECT_TIMEOUT_S = 10.0
 
-@dataclass(frozen=True)
-class WorkUnit:
-    """One checkpointed unit: its output part name and the payload its function receives."""
 
-    part: str
-    payload: Any
-    size: int = 1  # items, for progress bars
+class EnvironmentFailure(MemgasError):
+    """The environment, not the input, is wrong (cluster unreachable, disk full): exit code 3."""
+
+    exit_code = 3
+
+
+def resolve(path: str) -> Any:
+    """``"package.module:name"`` -> the object (so Ray ships a name, not a closure)."""
+    module, _, name = path.partition(":")
+    obj: Any = importlib.import_module(module)
+    for attr in name.split("."):
+        obj = getattr(obj, attr)
+    return obj
+
+
+def _check_reachable(address: str) -> None:
+    """Fail fast with one line when a ``host:port`` cluster address does not answer."""
+    if address == "auto" or address.startswith("ray://"):
+        if address.startswith("ray://"):
+            try:
+                importlib.import_module("ray.util.client")
+                importlib.import_module("grpc")
+            except ImportError:
+                raise EnvironmentFailure(
+                    f"ray address {address}: ray:// needs Ray's client extra: pip install 'ray[client]'"
+                ) from None
+            hostport = address[len("ray://"):]
+        else:
+            return
+    else:
+        hostport = address
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise MemgasError(f"ray address {address!r}: expected host:port, ray://host:port or auto")
+    try:
+        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise EnvironmentFailure(f"ray address {address}: cannot connect ({exc}); is the cluster running?") from None
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
@@ -44,6 +88,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         return "already-initialized"
     address = address or os.environ.get("RAY_ADDRESS") or None
     if address:
+        _check_reachable(address)
         ray.init(address=address, log_to_driver=True)
         return f"cluster:{address}"
     ray.init(
@@ -51,8 +96,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,
-        # children inherit the driver's environment (offline HF flags, thread caps)
-        runtime_env={"env_vars": {k: v for k, v in os.environ.items() if k.startswith(("HF_", "TRANSFORMERS_", "OMP_", "MKL_", "TOKENIZERS_"))}},
+        # children inherit the driver's environment (offline HF flags, thread caps, fault injection)
+        runtime_env={"env_vars": {k: v for k, v in os.environ.items()
+                                  if k.startswith(("HF_", "TRANSFORMERS_", "OMP_", "MKL_", "TOKENIZERS_", "MEMGAS_"))}},
     )
     return f"local:{ray.available_resources().get('CPU', 0):.0f}cpu"
 
@@ -64,158 +110,253 @@ def shutdown_ray() -> None:
         ray.shutdown()
 
 
-def resolve(path: str) -> Callable[..., Any]:
-    """``"package.module:function"`` -> the function (so Ray ships a name, not a closure)."""
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _call(fn_path: str, payload: Any, context: dict) -> pa.Table:
-    return resolve(fn_path)(payload, context)
-
-
-def run_tasks(
-    bank: Bank,
-    table: str,
-    units: Sequence[WorkUnit],
-    fn_path: str,
-    context: dict,
-    *,
-    desc: str,
-    dim: int | None = None,
-    num_cpus: float = 1,
-    max_retries: int = 2,
-    use_ray: bool = True,
-) -> dict[str, int]:
-    """Run ``fn(payload, context) -> Arrow table`` for every unit not yet complete in ``bank``.
-
-    Returns counts: done (this run), skipped (already complete), items.
-    """
-    todo = [u for u in units if not bank.has_part(table, u.part)]
-    counts = {"done": 0, "skipped": len(units) - len(todo), "items": 0}
-    if not todo:
-        return counts
-    bar = tqdm(total=sum(u.size for u in todo), desc=desc, unit="item", leave=False)
+def cluster_gpus() -> float:
+    """GPUs the connected Ray cluster declares (0 without Ray)."""
     try:
-        if not use_ray:
-            for u in todo:
-                bank.write_part(table, u.part, _call(fn_path, u.payload, context), dim=dim)
-                counts["done"] += 1
-                counts["items"] += u.size
-                bar.update(u.size)
-            return counts
         import ray
 
-        remote = ray.remote(_call).options(num_cpus=num_cpus, max_retries=max_retries)
-        ctx_ref = ray.put(context)
-        pending = {remote.remote(fn_path, u.payload, ctx_ref): u for u in todo}
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1)
-            unit = pending.pop(ready[0])
+        return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+    except Exception:  # informative: no cluster, no GPUs
+        return 0.0
+
+
+# -- model hosts ------------------------------------------------------------------------------------
+class ModelHost:
+    """Holds one loaded model (built by ``factory(kind, config)``) inside a Ray actor or in-process."""
+
+    def __init__(self, factory_path: str, kind: str, config: dict) -> None:
+        self.model = resolve(factory_path)(kind, config)
+
+    def call(self, fn_path: str, payload: Any, params: dict) -> dict[str, pa.Table]:
+        return resolve(fn_path)(self.model, payload, params)
+
+    def gpu_peak_mb(self, reset: bool = True) -> float | None:
+        """Peak GPU memory of this process since the last reset: torch's allocator plus CuPy's pool."""
+        total, seen = 0.0, False
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                total += torch.cuda.max_memory_allocated() / 2**20
+                seen = True
+                if reset:
+                    torch.cuda.reset_peak_memory_stats()
+        except ImportError:
+            pass
+        try:
+            import cupy
+
+            total += cupy.get_default_memory_pool().total_bytes() / 2**20
+            seen = True
+        except Exception:  # CuPy absent or no device
+            pass
+        return total if seen else None
+
+
+def _task(fn_path: str, payload: Any, params: dict) -> dict[str, pa.Table]:
+    return resolve(fn_path)(None, payload, params)
+
+
+#: In-process hosts by (kind, config): repeated in-process runs (tests, --no-ray) load a model once.
+_LOCAL_HOSTS: dict[str, ModelHost] = {}
+
+
+def _local_host(factory: str, kind: str, config: dict) -> ModelHost:
+    key = short_hash([factory, kind, config], 12)
+    if key not in _LOCAL_HOSTS:
+        while len(_LOCAL_HOSTS) >= 2:  # bound memory: at most two models (e.g. encoder + reader)
+            _LOCAL_HOSTS.pop(next(iter(_LOCAL_HOSTS)))
+        _LOCAL_HOSTS[key] = ModelHost(factory, kind, config)
+    return _LOCAL_HOSTS[key]
+
+
+class ActorPool:
+    """Ray actors holding one model config; reused by consecutive stages with the same model (the judge
+    reuses the reader's engine) and killed when the runner moves on to another model or ends."""
+
+    def __init__(self, factory: str, kind: str, config: dict, n: int, num_cpus: float, num_gpus: float) -> None:
+        import ray
+
+        self.key = short_hash([factory, kind, config, num_gpus], 12)
+        self._cls = ray.remote(ModelHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
+        self._args = (factory, kind, config)
+        self.actors = [self._cls.remote(*self._args) for _ in range(max(1, n))]
+
+    def replace(self, dead: Any) -> Any:
+        import ray
+
+        try:
+            ray.kill(dead)
+        except Exception:  # already gone
+            pass
+        fresh = self._cls.remote(*self._args)
+        self.actors = [fresh if a is dead else a for a in self.actors]
+        return fresh
+
+    def gpu_peak_mb(self) -> float | None:
+        import ray
+
+        vals = [v for v in ray.get([a.gpu_peak_mb.remote() for a in self.actors]) if v is not None]
+        return max(vals) if vals else None
+
+    def close(self) -> None:
+        import ray
+
+        for a in self.actors:
             try:
-                result = ray.get(ready[0])
-            except Exception as exc:  # a crashed worker after its retries, or an error in the step
-                for ref in pending:
-                    ray.cancel(ref, force=True)
-                raise MemgasError(
-                    f"{desc}: unit {unit.part} failed after {max_retries} retries: {type(exc).__name__}: "
-                    f"{str(exc).splitlines()[-1] if str(exc) else ''}. Completed units are kept; re-run to resume."
-                ) from exc
-            bank.write_part(table, unit.part, result, dim=dim)
-            counts["done"] += 1
-            counts["items"] += unit.size
-            bar.update(unit.size)
-        return counts
-    finally:
-        bar.close()
+                ray.kill(a)
+            except Exception:  # already gone
+                pass
+        self.actors = []
 
 
-class _ActorHost:
-    """Holds one worker object (a model loaded once) inside a Ray actor or in-process."""
+# -- the executor -------------------------------------------------------------------------------------
+def _write(store: Bank, stage: Stage, part: str, tables: dict[str, pa.Table]) -> None:
+    """Write a unit's tables; the check table's part last, so it doubles as the completion marker."""
+    check = stage.check_table
+    if check not in tables:
+        raise MemgasError(f"{stage.name}: unit {part} returned no {check!r} table")
+    for name, t in tables.items():
+        if name != check:
+            store.write_part(name, part, t)
+    store.write_part(check, part, tables[check])
+    faults.hit(f"{stage.name}:unit-done")
 
-    def __init__(self, factory_path: str, config: dict) -> None:
-        self.worker = resolve(factory_path)(config)
 
-    def call(self, method: str, payload: Any) -> Any:
-        return getattr(self.worker, method)(payload)
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
-def run_actor_units(
-    bank: Bank,
-    outputs: Callable[[Any], dict[str, pa.Table]],
-    units: Sequence[WorkUnit],
-    factory_path: str,
-    config: dict,
-    method: str,
-    *,
-    desc: str,
-    check_table: str,
-    n_actors: int = 1,
-    num_cpus: float = 1,
-    num_gpus: float = 0,
-    dims: dict[str, int] | None = None,
-    use_ray: bool = True,
-) -> dict[str, int]:
-    """Send each unit not yet complete (judged by ``check_table``'s part) to a model actor.
+def execute_units(
+    stage: Stage, ctx: StageContext, units: Sequence[dict[str, Any]], *, factory: str,
+    pools: dict[str, ActorPool], desc: str | None = None,
+) -> dict[str, Any]:
+    """Run every unit of ``units`` not yet complete in the stage's store.
 
-    The actor's result is split by ``outputs(result) -> {table: arrow_table}``; the ``check_table`` part
-    is written last, so it doubles as the unit's completion marker.
+    Returns counts: ``done`` (this run), ``skipped`` (complete before), ``items``, ``unit_seconds``
+    (per unit: (items, seconds) as submitted to result) and ``retries`` (units re-run on a fresh actor).
     """
-    todo = [u for u in units if not bank.has_part(check_table, u.part)]
-    counts: dict[str, Any] = {"done": 0, "skipped": len(units) - len(todo), "items": 0, "unit_seconds": []}
+    store = ctx.store(stage)
+    todo = [u for u in units if not store.has_part(stage.check_table, u["part"])]
+    counts: dict[str, Any] = {"done": 0, "skipped": len(units) - len(todo), "items": 0, "unit_seconds": [],
+                              "retries": 0, "gpu_peak_mb": None}
     if not todo:
         return counts
-    dims = dims or {}
-
-    def write(unit: WorkUnit, result: Any) -> None:
-        tables = outputs(result)
-        for name, t in tables.items():
-            if name != check_table:
-                bank.write_part(name, unit.part, t, dim=dims.get(name))
-        bank.write_part(check_table, unit.part, tables[check_table], dim=dims.get(check_table))
-        counts["done"] += 1
-        counts["items"] += unit.size
-
-    bar = tqdm(total=sum(u.size for u in todo), desc=desc, unit="item", leave=False)
+    fn = f"{type(stage).__module__}:{type(stage).__name__}.run"
+    params = stage.params(ctx)
+    size = lambda u: int(u.get("size", 1))  # noqa: E731 - tiny accessor
+    bar = tqdm(total=sum(size(u) for u in todo), desc=desc or stage.name, unit="item", leave=False)
     try:
-        if not use_ray:
-            host = _ActorHost(factory_path, config)
+        if not ctx.use_ray:
+            host = _local_host(factory, stage.model, stage.model_config(ctx)) if stage.where == "actor" else None
             for u in todo:
                 t0 = time.perf_counter()
-                result = host.call(method, u.payload)
-                counts["unit_seconds"].append((u.size, time.perf_counter() - t0))
-                write(u, result)
-                bar.update(u.size)
+                payload = stage.inputs(ctx, u)
+                tables = host.call(fn, payload, params) if host else _task(fn, payload, params)
+                counts["unit_seconds"].append((size(u), time.perf_counter() - t0))
+                _write(store, stage, u["part"], tables)
+                counts["done"] += 1
+                counts["items"] += size(u)
+                bar.update(size(u))
+            if host is not None:
+                counts["gpu_peak_mb"] = host.gpu_peak_mb()
             return counts
-        import ray
-
-        Actor = ray.remote(_ActorHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=1, max_task_retries=1)
-        actors = [Actor.remote(factory_path, config) for _ in range(max(1, min(n_actors, len(todo))))]
-        queue = list(todo)
-        pending: dict[Any, tuple[WorkUnit, Any]] = {}
-        free = list(actors)
-        try:
-            while queue or pending:
-                while queue and free:
-                    actor, unit = free.pop(), queue.pop(0)
-                    pending[actor.call.remote(method, unit.payload)] = (unit, actor, time.perf_counter())
-                ready, _ = ray.wait(list(pending), num_returns=1)
-                unit, actor, t0 = pending.pop(ready[0])
-                # submit-to-result time of one unit on one actor (includes the first unit's model load)
-                counts["unit_seconds"].append((unit.size, time.perf_counter() - t0))
-                try:
-                    result = ray.get(ready[0])
-                except Exception as exc:
-                    raise MemgasError(
-                        f"{desc}: unit {unit.part} failed: {type(exc).__name__}: "
-                        f"{str(exc).splitlines()[-1] if str(exc) else ''}. Completed units are kept; re-run to resume."
-                    ) from exc
-                write(unit, result)
-                bar.update(unit.size)
-                free.append(actor)
-        finally:
-            for a in actors:
-                ray.kill(a)
+        if stage.where == "actor":
+            _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, store)
+        else:
+            _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store)
         return counts
     finally:
         bar.close()
+
+
+def _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store) -> None:
+    import ray
+
+    num_gpus = stage.num_gpus(ctx)
+    remote = ray.remote(_task).options(num_cpus=1, num_gpus=num_gpus, max_retries=2)
+    params_ref = ray.put(params)
+    limit = max(2, int(ray.available_resources().get("CPU", 1)) * 2)
+    queue = list(todo)
+    pending: dict[Any, tuple[dict, float]] = {}
+    try:
+        while queue or pending:
+            while queue and len(pending) < limit:
+                u = queue.pop(0)
+                pending[remote.remote(fn, stage.inputs(ctx, u), params_ref)] = (u, time.perf_counter())
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            u, t0 = pending.pop(ready[0])
+            try:
+                tables = ray.get(ready[0])
+            except Exception as exc:  # the step raised, or its worker crashed past Ray's retries
+                raise MemgasError(f"{stage.name}: unit {u['part']} failed: {_one_line(exc)}. "
+                                  "Completed units are kept; re-run to resume.") from exc
+            counts["unit_seconds"].append((int(u.get("size", 1)), time.perf_counter() - t0))
+            _write(store, stage, u["part"], tables)
+            counts["done"] += 1
+            counts["items"] += int(u.get("size", 1))
+            bar.update(int(u.get("size", 1)))
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
+
+
+def _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, store) -> None:
+    import ray
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, OutOfMemoryError, RayActorError
+
+    died = (RayActorError, ActorDiedError, ActorUnavailableError, OutOfMemoryError)
+    pool = _pool_for(stage, ctx, factory, pools, len(todo))
+    params_ref = ray.put(params)
+    queue = [(u, 0) for u in todo]
+    free = list(pool.actors)
+    pending: dict[Any, tuple[dict, int, Any, float]] = {}
+    while queue or pending:
+        while queue and free:
+            (u, attempt), actor = queue.pop(0), free.pop()
+            pending[actor.call.remote(fn, stage.inputs(ctx, u), params_ref)] = (u, attempt, actor, time.perf_counter())
+        ready, _ = ray.wait(list(pending), num_returns=1)
+        u, attempt, actor, t0 = pending.pop(ready[0])
+        try:
+            tables = ray.get(ready[0])
+        except died as exc:
+            if attempt >= ACTOR_RETRIES:
+                raise MemgasError(f"{stage.name}: unit {u['part']} failed {attempt + 1} times on a fresh actor: "
+                                  f"{_one_line(exc)}. Completed units are kept; re-run to resume.") from exc
+            log.warning("%s: actor died on unit %s (%s); retrying on a fresh actor", stage.name, u["part"],
+                        _one_line(exc))
+            counts["retries"] += 1
+            free.append(pool.replace(actor))
+            queue.insert(0, (u, attempt + 1))
+            continue
+        except Exception as exc:
+            raise MemgasError(f"{stage.name}: unit {u['part']} failed: {_one_line(exc)}. "
+                              "Completed units are kept; re-run to resume.") from exc
+        counts["unit_seconds"].append((int(u.get("size", 1)), time.perf_counter() - t0))
+        _write(store, stage, u["part"], tables)
+        counts["done"] += 1
+        counts["items"] += int(u.get("size", 1))
+        bar.update(int(u.get("size", 1)))
+        free.append(actor)
+    try:
+        counts["gpu_peak_mb"] = pool.gpu_peak_mb()
+    except Exception as exc:  # informative only
+        log.debug("gpu memory probe failed: %s", exc)
+
+
+def _pool_for(stage: Stage, ctx: StageContext, factory: str, pools: dict[str, ActorPool], n_units: int) -> ActorPool:
+    """The actor pool for the stage's model: reuse the open one if it holds the same model, else replace it."""
+    cfg = ctx.cfg
+    model_cfg = stage.model_config(ctx)
+    num_gpus = float(cfg.ray.num_gpus_per_model_actor)
+    key = short_hash([factory, stage.model, model_cfg, num_gpus], 12)
+    open_pool = pools.get("current")
+    if open_pool is not None and open_pool.key == key:
+        return open_pool
+    if open_pool is not None:
+        open_pool.close()
+    pool = ActorPool(factory, stage.model, model_cfg, min(cfg.ray.model_actors, n_units), num_cpus=1,
+                     num_gpus=num_gpus)
+    pools["current"] = pool
+    return pool

@@ -1,420 +1,473 @@
-"""The main job: ingest -> index -> answer -> evaluate -> report, checkpointed and resumable.
+"""The main job: the stage runner, and ``run`` / ``index`` / ``answer`` as slices of :data:`stages.PIPELINE`.
 
-``index`` fills the bank (shared caches: generations, texts, embeddings; per history: nodes, edges).
-``answer`` writes rankings/answers into ``<run_dir>/results`` (a bank too) and the reports.
-Every unit of work is a bank part with a completion marker; see :mod:`memgas.jobs.executor`.
+One runner for every stage: fingerprint -> skip if the stage's completion marker carries the same
+fingerprint -> plan (persisted, named by fingerprint) -> execute (Ray tasks / actors / in-process,
+atomic parts + markers) -> finish (compaction, stale parts dropped) -> marker -> profile. Every run
+writes ``run_record.json``: per stage its fingerprint and whether it executed or was skipped, with unit
+counts (the config-change tests assert on it).
+
+A run directory always describes one run: ``config.yaml``, ``metrics.json``, ``report.md`` and
+``manifest.json`` are replaced together at the end of a successful run; while a run is under way (or
+after it failed) ``RUNNING.json`` says which config was attempted and why it stopped.
 """
 
 from __future__ import annotations
 
-import hashlib
+import fcntl
 import json
 import logging
+import os
 import platform
 import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import pyarrow.compute as pc
-
 from memgas import __version__
-from memgas.jobs.executor import WorkUnit, init_ray, run_actor_units, run_tasks, shutdown_ray
-from memgas.jobs.plan import chunk, compact, finish_plan, load_or_make_plan
+from memgas.jobs import stages as S
+from memgas.jobs.executor import ActorPool, execute_units, init_ray, shutdown_ray
+from memgas.jobs.plan import finish_plan, load_or_make_plan
 from memgas.jobs.profiling import Profiler, percentiles_ms
+from memgas.jobs.stage import Stage, StageContext
 from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.config import MemgasConfig
-from memgas.pipeline.errors import BankError
+from memgas.pipeline.errors import BankError, MemgasError
 from memgas.pipeline.hashing import file_sha256
 
 log = logging.getLogger(__name__)
 
+RUN_MARKER = "RUNNING.json"
+RUN_RECORD = "run_record.json"
+LOCK = ".memgas.lock"
 
 
-# -- helpers --------------------------------------------------------------------------------------
-def _fingerprint(obj: Any) -> str:
-    return hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=6).hexdigest()
+class IncompleteRun(MemgasError):
+    """The run finished its work but some units failed after retries (counted in the report): exit 4."""
+
+    exit_code = 4
 
 
-def _git_commit() -> str:
+# -- locking ------------------------------------------------------------------------------------------
+@contextmanager
+def locked(directory: Path) -> Iterator[None]:
+    """Hold an exclusive lock on ``directory`` (two runs on one output dir would both do all the work)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip() or "unknown"
-    except Exception:
-        return "unknown"
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
+            raise MemgasError(f"{directory} is in use by {holder}; wait for it to finish or use another "
+                              "output_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
+                      f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
-class _Named:
-    """A stand-in carrying only an LLM's name, so cache keys are known without loading the model."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
+# -- the runner ---------------------------------------------------------------------------------------
+def _marker_path(store: Bank, stage: Stage) -> Path:
+    return store.path / "_stages" / f"{stage.name}.json"
 
 
-def llm_identity(cfg: MemgasConfig) -> str:
-    from memgas.pipeline.models.llms import SMOLLM2_ALIAS, SMOLLM2_NAME
-
-    return SMOLLM2_NAME if cfg.llm.model == SMOLLM2_ALIAS else cfg.llm.model
-
-
-def generator_identity(cfg: MemgasConfig) -> tuple[str, str]:
-    """(model, prompt_version) under which generations are cached (same key the workers write)."""
-    from memgas.pipeline.generate import generation_key
-
-    return generation_key(cfg.generation, _Named(llm_identity(cfg)))
+def _marker(store: Bank, stage: Stage) -> dict[str, Any]:
+    try:
+        return json.loads(_marker_path(store, stage).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
 
 
-def encoder_name(cfg: MemgasConfig) -> str:
-    """The encoder's cache key, as the encoder classes name themselves (see models/encoders.py)."""
-    from memgas.pipeline.models.encoders import encoder_name as name_of
+def resolve_runtime(ctx: StageContext) -> None:
+    """Facts the fingerprints need that the config leaves open: the encoder's device and dtype."""
+    from memgas.jobs.stages import resolve_device
 
-    e = cfg.encoder
-    return name_of(e.backend, e.model, e.max_tokens, e.long_text)
+    e = ctx.cfg.encoder
+    device = e.device
+    if device == "auto":
+        device = "cuda" if ctx.cfg.ray.num_gpus_per_model_actor > 0 or (not ctx.use_ray and _torch_cuda()) else "cpu"
+    dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    ctx.resolved["encoder"] = {"device": device, "dtype": dtype}
+    resolve_device(ctx, ctx.cfg.retrieval.device)  # logs once when "auto" falls back to the CPU
 
 
-def dataset_info(bank: Bank) -> dict[str, Any]:
-    ds = bank.manifest.get("datasets") or []
-    return ds[-1] if ds else {}
+def _torch_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
 
 
-# -- ingest ---------------------------------------------------------------------------------------
-def ensure_ingested(cfg: MemgasConfig, prof: Profiler | None = None) -> Bank:
+def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler) -> list[dict[str, Any]]:
+    """Run the stages ``names`` of the pipeline in order; upstream stages outside the slice must be done."""
+    record: list[dict[str, Any]] = []
+    pools: dict[str, ActorPool] = {}
+    try:
+        for stage in S.PIPELINE:
+            cfg = ctx.cfg
+            if stage.name == "ingest":
+                ctx.fingerprints["ingest"] = stage.fingerprint(ctx)
+                continue
+            if not stage.enabled(cfg):
+                ctx.fingerprints[stage.name] = "disabled"
+                if stage.name in names:
+                    record.append({"stage": stage.name, "status": "disabled"})
+                continue
+            fp = stage.fingerprint(ctx)
+            ctx.fingerprints[stage.name] = fp
+            store = ctx.store(stage) if (stage.store == "bank" or ctx.results is not None) else None
+            if stage.name not in names:
+                if store is not None and stage.where != "driver" and _marker(store, stage).get("fingerprint") != fp:
+                    raise BankError(f"{ctx.bank.path}: stage {stage.name!r} was not run with this config (fingerprint "
+                                    f"{fp}); run `memgas index` with the same config first")
+                continue
+            entry = _run_one(stage, ctx, store, fp, prof, pools)
+            record.append(entry)
+            log.info("stage %s: %s (%s)", stage.name, entry["status"], fp)
+            # release the actors unless the next stage holds the same model (the judge reuses the reader)
+            nxt = next((s for s in S.PIPELINE[S.PIPELINE.index(stage) + 1:] if s.name in names and s.enabled(cfg)), None)
+            if "current" in pools and (nxt is None or nxt.model != stage.model):
+                pools.pop("current").close()
+    finally:
+        for pool in pools.values():
+            pool.close()
+    return record
+
+
+def _run_one(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profiler,
+             pools: dict[str, ActorPool]) -> dict[str, Any]:
+    entry: dict[str, Any] = {"stage": stage.name, "fingerprint": fp, "where": stage.where}
+    prev = _marker(store, stage)
+    if not stage.always_run and prev.get("fingerprint") == fp:
+        entry.update(status="skipped", units_total=prev.get("units_total", 0), units_done=0,
+                     units_resumed=0)
+        return entry
+    # from here on the old marker no longer describes the table: drop it before the first write
+    _marker_path(store, stage).unlink(missing_ok=True)
+    with prof.stage(stage.name) as st:
+        if stage.where == "driver":
+            stats = stage.run_driver(ctx)
+            entry.update(units_total=1, units_done=1, units_resumed=0)
+        else:
+            plan_name = f"{stage.name}-{fp}"
+            units = load_or_make_plan(store, plan_name, lambda: stage.plan(ctx))
+            counts = execute_units(stage, ctx, units, factory=S.FACTORY, pools=pools)
+            stats = stage.finish(ctx)
+            finish_plan(store, plan_name)
+            entry.update(units_total=len(units), units_done=counts["done"], units_resumed=counts["skipped"],
+                         actor_retries=counts["retries"])
+            st.skipped = counts["skipped"]
+            if counts["gpu_peak_mb"] is not None:
+                st.gpu_peak_mb = counts["gpu_peak_mb"]
+            if stage.name == "read":
+                per_query = [sec / n for n, sec in counts["unit_seconds"][1:] if n]
+                st.extra["latency_per_query_s"] = per_query
+        st.items = int(stats.pop("items", entry.get("units_done", 0)) or 0)
+        st.prompt_tokens = int(stats.get("prompt_tokens", 0) or 0)
+        st.completion_tokens = int(stats.get("completion_tokens", 0) or 0)
+        if "tokens" in stats:
+            st.tokens = int(stats["tokens"])
+        st.extra.update({k: v for k, v in stats.items() if k not in ("metrics", "summary")})
+    ctx.stats[stage.name] = stats
+    complete = stage.complete(ctx)
+    entry["status"] = "executed" if complete else "incomplete"
+    if complete and not stage.always_run:
+        atomic_write_json(_marker_path(store, stage), {"fingerprint": fp, "units_total": entry["units_total"],
+                                                       "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return entry
+
+
+# -- ingest -------------------------------------------------------------------------------------------
+def ensure_ingested(cfg: MemgasConfig, prof: Profiler) -> tuple[Bank, dict[str, Any]]:
     """Ingest the config's dataset unless the bank already holds exactly that file (same sha256)."""
-    from memgas.pipeline.ingest import ingest
-
+    stage = S.IngestStage()
     path = cfg.bank_path
-    want = {"sha256": file_sha256(cfg.data.path), "format": cfg.data.format, "limit": cfg.data.limit}
     try:
         bank = Bank(path)
-        have = dataset_info(bank)
-        if all(have.get(k) == v for k, v in want.items()) and bank.exists("sessions"):
-            log.info("bank %s already holds %s; skipping ingest", path, cfg.data.path)
-            return bank
     except BankError:
-        pass
-    summary = ingest(cfg.data.path, cfg.data.format, path, strict=cfg.data.strict, limit=cfg.data.limit, progress=True)
-    bank = Bank(path)
-    ds = dataset_info(bank)
-    if ds.get("limit") != cfg.data.limit:  # record the limit so a later run knows what this bank holds
-        bank.update_manifest(datasets=[{**ds, "limit": cfg.data.limit}])
-    if prof is not None:
-        prof.stages["ingest"].items = int(summary.get("counts", {}).get("sessions", 0)) if isinstance(summary, dict) else 0
-    return bank
+        bank = None
+    ctx_bank = bank if bank is not None else Bank.create(path)
+    ctx = StageContext(cfg, ctx_bank, None, use_ray=False)
+    if bank is not None and stage.holds_config_dataset(ctx):
+        log.info("bank %s already holds %s; skipping ingest", path, cfg.data.path)
+        return bank, {"stage": "ingest", "status": "skipped"}
+    with prof.stage("ingest") as st:
+        stats = stage.run_driver(ctx)
+        st.items = stats["items"]
+    return Bank(path), {"stage": "ingest", "status": "executed", "summary": stats.get("summary")}
 
 
-# -- index ----------------------------------------------------------------------------------------
-def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = None, use_ray: bool = True) -> dict:
-    prof = prof or Profiler()
-    own_ray = use_ray and _start_ray(cfg)
+def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
+    """`index`/`answer` on a bank whose dataset is not the config's file: say so (run re-ingests)."""
+    ds = (bank.manifest.get("datasets") or [{}])[-1]
     try:
-        bank = Bank(bank_path)
-        stats = {
-            "generate": _generate(cfg, bank, prof, use_ray),
-            "nodes": _nodes(cfg, bank, prof),
-            "encode": _encode(cfg, bank, prof, use_ray),
-            "associate": _associate(cfg, bank, prof, use_ray),
-        }
-        for counts in stats.values():
-            counts.pop("unit_seconds", None)
-        bank.update_manifest(
-            index={"config": cfg.model_dump(mode="json"), "stages": prof.to_dict(), "units": stats,
-                   "encoder": encoder_name(cfg), "generator": list(generator_identity(cfg))}
-        )
-        return stats
-    finally:
-        if own_ray:
-            shutdown_ray()
+        sha = file_sha256(cfg.data.path)
+    except OSError:
+        return
+    if ds.get("sha256") and ds.get("sha256") != sha:
+        log.warning("bank %s holds %s (sha256 %s...) but the config's data.path %s has sha256 %s...; "
+                    "results describe the bank's dataset (memgas run re-ingests)", bank.path, ds.get("path"),
+                    str(ds.get("sha256"))[:12], cfg.data.path, sha[:12])
 
 
-def _start_ray(cfg: MemgasConfig) -> bool:
+# -- commands -----------------------------------------------------------------------------------------
+def _start_ray(cfg: MemgasConfig, use_ray: bool) -> bool:
     import ray
 
-    if ray.is_initialized():
+    if not use_ray or ray.is_initialized():
         return False
-    mode = init_ray(cfg.ray.address, cfg.ray.num_cpus)
-    log.info("ray: %s", mode)
+    log.info("ray: %s", init_ray(cfg.ray.address, cfg.ray.num_cpus))
     return True
 
 
-def _dialogue_kind(bank: Bank) -> str:
-    from memgas.pipeline.prompts import dialogue_kind_for
-
-    return dialogue_kind_for(dataset_info(bank).get("format"))
-
-
-def missing_generation_items(bank: Bank, cfg: MemgasConfig, model: str, version: str) -> list[list]:
-    """[text_hash, text, dialogue_kind, dataset_summary] of every unique session lacking a summary or keywords."""
-    sessions = bank.read("sessions", ["text_hash", "dataset_summary"])
-    dsum: dict[str, str | None] = {}
-    for h, d in zip(sessions.column("text_hash").to_pylist(), sessions.column("dataset_summary").to_pylist()):
-        if h not in dsum or (dsum[h] is None and d):
-            dsum[h] = d
-    have: dict[str, set[str]] = {}
-    if bank.exists("generations"):
-        g = bank.read("generations", ["text_hash", "kind", "error"],
-                      filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
-        for h, k, e in zip(g.column("text_hash").to_pylist(), g.column("kind").to_pylist(), g.column("error").to_pylist()):
-            if e is not None and e.startswith("llm:"):
-                continue  # backend failures (timeouts, HTTP) are retried; unusable outputs are not
-            have.setdefault(h, set()).add(k)
-    missing = sorted(h for h in dsum if not {"summary", "keywords"} <= have.get(h, set()))
-    texts = _texts_by_hash(bank, missing)
-    kind = _dialogue_kind(bank)
-    return [[h, texts[h], kind, dsum[h]] for h in missing]
-
-
-def _generate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
-    model, pv = generator_identity(cfg)
-    stage = f"generate-{_fingerprint([model, pv])}"
-    with prof.stage("generate") as st:
-        def make() -> list[dict]:
-            items = missing_generation_items(bank, cfg, model, pv)
-            size = max(1, cfg.ray.generate_unit)
-            return [{"part": f"gen-{i:05d}", "items": b} for i, b in enumerate(chunk(items, size))]
-
-        plan = load_or_make_plan(bank, stage, make)
-        units = [WorkUnit(u["part"], {"items": u["items"]}, len(u["items"])) for u in plan]
-        counts = run_actor_units(
-            bank, lambda r: r, units, "memgas.jobs.workers:make_generation_worker",
-            {"generation": cfg.generation.model_dump(), "llm": cfg.llm.model_dump(), "encoder": cfg.encoder.model_dump(),
-             "threads": cfg.llm.threads},
-            "generate", desc="generate summaries+keywords", check_table="generations",
-            n_actors=cfg.ray.model_actors, num_gpus=cfg.ray.num_gpus_per_model_actor, use_ray=use_ray,
-        )
-        compact(bank, "generations")
-        compact(bank, "texts")
-        finish_plan(bank, stage)
-        st.items, st.skipped = counts["items"], counts["skipped"]
-        if bank.exists("generations"):
-            # token accounting of this generator's cache (what this bank's generations cost in all)
-            gens = bank.read("generations", columns=["prompt_tokens", "completion_tokens", "model", "prompt_version",
-                                                     "error", "fallback"])
-            mine = gens.filter(pc.and_(pc.equal(gens["model"], model), pc.equal(gens["prompt_version"], pv)))
-            st.prompt_tokens = int(pc.sum(mine["prompt_tokens"]).as_py() or 0) if counts["items"] else 0
-            st.completion_tokens = int(pc.sum(mine["completion_tokens"]).as_py() or 0) if counts["items"] else 0
-            st.extra.update(
-                cached_rows=mine.num_rows,
-                llm_requests=int(pc.sum(pc.greater(pc.fill_null(mine["prompt_tokens"], 0), 0)).as_py() or 0),
-                failures=int(pc.sum(pc.is_valid(mine["error"])).as_py() or 0),
-                fallbacks=int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0),
-            )
-    return counts
-
-
-def _nodes(cfg: MemgasConfig, bank: Bank, prof: Profiler) -> dict:
-    from memgas.pipeline.granularity import build_nodes
-
-    model, pv = generator_identity(cfg)
-    with prof.stage("nodes") as st:
-        nodes = build_nodes(bank, generator_model=model, prompt_version=pv)
-        bank.write("nodes", nodes)
-        st.items = nodes.num_rows
-    return {"rows": nodes.num_rows}
-
-
-def _encode(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
-    from memgas.pipeline.encode import needed_hashes
-
-    enc = encoder_name(cfg)
-    with prof.stage("encode") as st:
-        def make() -> list[dict]:
-            have = set()
-            if bank.exists("embeddings"):
-                have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == enc)
-                           .column("text_hash").to_pylist())
-            hashes = [h for h in needed_hashes(bank) if h not in have]
-            return [{"part": f"enc-{i:05d}", "hashes": b} for i, b in enumerate(chunk(hashes, max(1, cfg.ray.encode_unit)))]
-
-        stage = f"encode-{_fingerprint(enc)}"
-        plan = load_or_make_plan(bank, stage, make)
-        texts = _texts_by_hash(bank, [h for u in plan for h in u["hashes"]])
-        units = [WorkUnit(u["part"], {"hashes": u["hashes"], "texts": [texts[h] for h in u["hashes"]]}, len(u["hashes"])) for u in plan]
-        counts = run_actor_units(
-            bank, lambda t: {"embeddings": t}, units, "memgas.jobs.workers:make_encode_worker",
-            {"encoder": cfg.encoder.model_dump(), "threads": cfg.llm.threads}, "encode",
-            desc="encode", check_table="embeddings", n_actors=cfg.ray.model_actors,
-            num_gpus=cfg.ray.num_gpus_per_model_actor, dims={"embeddings": None}, use_ray=use_ray,
-        )
-        if bank.exists("embeddings"):
-            compact(bank, "embeddings", dim=_emb_dim(bank))
-        compact(bank, "texts")  # the encoding plan added the questions' texts
-        finish_plan(bank, stage)
-        st.items, st.skipped = counts["items"], counts["skipped"]
-        st.tokens = sum(len(texts[h]) // 4 for u in plan for h in u["hashes"]) if counts["items"] else 0
-        st.extra["tokens_estimated"] = "chars/4"
-    return counts
-
-
-def _emb_dim(bank: Bank) -> int:
-    import pyarrow.parquet as pq
-
-    part = bank.parts("embeddings")[0]
-    return pq.read_schema(bank.path / "embeddings" / f"{part}.parquet").field("vector").type.list_size
-
-
-def _texts_by_hash(bank: Bank, hashes: list[str]) -> dict[str, str]:
-    if not hashes:
-        return {}
-    t = bank.read("texts", filter=pc.field("text_hash").isin(sorted(set(hashes))))
-    return dict(zip(t["text_hash"].to_pylist(), t["text"].to_pylist()))
-
-
-def _drop_stale(bank: Bank, table: str, prefix: str) -> None:
-    """Parts of config-dependent tables carry a fingerprint of their inputs (encoder, generator, parameters,
-    dataset); parts of another fingerprint were computed from other inputs and are dropped."""
-    for part in bank.parts(table):
-        if not part.startswith(prefix):
-            bank.drop_part(table, part)
-
-
-def _history_shards(bank: Bank, size: int) -> list[list[str]]:
-    ids = sorted(set(bank.read("histories", columns=["history_id"])["history_id"].to_pylist()))
-    return chunk(ids, max(1, size))
-
-
-def _associate(cfg: MemgasConfig, bank: Bank, prof: Profiler, use_ray: bool) -> dict:
-    enc = encoder_name(cfg)
-    fp = _fingerprint([enc, cfg.association.model_dump(), generator_identity(cfg), cfg.generation.summary_source,
-                       dataset_info(bank).get("sha256")])
-    with prof.stage("associate") as st:
-        _drop_stale(bank, "edges", f"assoc-{fp}-")
-        shards = _history_shards(bank, cfg.ray.shard_size)
-        units = [WorkUnit(f"assoc-{fp}-{i:05d}", ids, len(ids)) for i, ids in enumerate(shards)]
-        ctx = {"bank": str(bank.path), "encoder": enc, "association": cfg.association.model_dump(),
-               "device": cfg.retrieval.device}
-        counts = run_tasks(bank, "edges", units, "memgas.jobs.steps:associate_shard", ctx,
-                           desc="associate", use_ray=use_ray)
-        st.items, st.skipped = counts["items"], counts["skipped"]
-        st.extra["edges"] = bank.count("edges")
-    return counts
-
-
-# -- answer ---------------------------------------------------------------------------------------
-def answer(
-    cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | None = None, prof: Profiler | None = None,
-    use_ray: bool = True, profile: bool = False, started: float | None = None,
-) -> Path:
+def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = None, use_ray: bool = True) -> list[dict]:
+    """generate -> nodes -> encode -> associate on an ingested bank (resumable)."""
     prof = prof or Profiler()
-    run_dir = Path(run_dir or cfg.output_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    started = started or time.time()
-    own_ray = use_ray and _start_ray(cfg)
+    bank = Bank(bank_path)
+    warn_if_stale_bank(cfg, bank)
+    own = _start_ray(cfg, use_ray)
     try:
-        bank = Bank(bank_path)
-        results = Bank.create(run_dir / "results")
-        _rank(cfg, bank, results, prof, use_ray)
-        answered = _read(cfg, bank, results, prof, use_ray) if cfg.reading.enabled else 0
-        from memgas.jobs.evaluate_run import evaluate_run
-
-        with prof.stage("evaluate") as st:
-            metrics = evaluate_run(cfg, bank, results, use_ray=use_ray)
-            st.items = metrics.get("n_queries", 0)
-        latency = _latency_probe(cfg, bank, profile)
-        read_lat = prof.stages["read"].extra.pop("latency_per_query_s", []) if "read" in prof.stages else []
-        if read_lat:
-            latency[f"reading (filter+answer, {cfg.llm.batch_size} query/batch)"] = percentiles_ms(read_lat)
+        with locked(bank.path):
+            ctx = StageContext(cfg, bank, None, use_ray)
+            resolve_runtime(ctx)
+            record = run_stages(ctx, S.INDEX, prof)
+            bank.update_manifest(index={"config": cfg.model_dump(mode="json"), "stages": prof.to_dict(),
+                                        "record": record})
+            return record
     finally:
-        if own_ray:
+        if own:
             shutdown_ray()
-    return _write_outputs(cfg, bank, run_dir, metrics, prof, latency, started, answered)
 
 
-def _rank(cfg: MemgasConfig, bank: Bank, results: Bank, prof: Profiler, use_ray: bool) -> None:
-    enc = encoder_name(cfg)
-    key = [enc, cfg.retrieval.model_dump(), cfg.association.model_dump(), generator_identity(cfg),
-           cfg.generation.summary_source, dataset_info(bank).get("sha256")]
-    fp = _fingerprint(key)
-    with prof.stage("rank") as st:
-        _drop_stale(results, "rankings", f"rank-{fp}-")
-        shards = _history_shards(bank, cfg.ray.shard_size)
-        units = [WorkUnit(f"rank-{fp}-{i:05d}", ids, len(ids)) for i, ids in enumerate(shards)]
-        ctx = {"bank": str(bank.path), "encoder": enc, "retrieval": cfg.retrieval.model_dump(),
-               "association": cfg.association.model_dump()}
-        counts = run_tasks(results, "rankings", units, "memgas.jobs.steps:rank_shard", ctx, desc="rank", use_ray=use_ray)
-        st.items, st.skipped = counts["items"], counts["skipped"]
-        st.extra["queries"] = bank.count("queries")
+def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | None = None, use_ray: bool = True,
+           profile: bool = False) -> Path:
+    """rank -> read -> judge -> evaluate -> report, on an indexed bank."""
+    run_dir = Path(run_dir or cfg.output_dir)
+    bank = Bank(bank_path)
+    warn_if_stale_bank(cfg, bank)
+    own = _start_ray(cfg, use_ray)
+    try:
+        with locked(run_dir):
+            return _answer_in(cfg, bank, run_dir, Profiler(), [], use_ray, profile, time.time())
+    finally:
+        if own:
+            shutdown_ray()
 
 
-def _read(cfg: MemgasConfig, bank: Bank, results: Bank, prof: Profiler, use_ray: bool) -> int:
-    from memgas.jobs.steps import reading_payloads
-
-    methods = [m for m in cfg.reading.methods if m in cfg.retrieval.methods]
-    fp = _fingerprint([cfg.reading.model_dump(), cfg.llm.model_dump(), cfg.retrieval.model_dump(),
-                       generator_identity(cfg), encoder_name(cfg), dataset_info(bank).get("sha256")])
-    with prof.stage("read") as st:
-        _drop_stale(results, "answers", f"ans-{fp}-")
-        units: list[WorkUnit] = []
-        for method in methods:
-            payload = reading_payloads(bank, results, method, cfg)
-            for i, batch in enumerate(chunk(payload, max(1, cfg.llm.batch_size))):
-                units.append(WorkUnit(f"ans-{fp}-{method}-{i:05d}", {"queries": batch, "method": method}, len(batch)))
-        counts = run_actor_units(
-            results, lambda t: {"answers": t}, units, "memgas.jobs.workers:make_read_worker",
-            {"llm": cfg.llm.model_dump(), "reading": cfg.reading.model_dump(), "threads": cfg.llm.threads},
-            "answer", desc="read+answer", check_table="answers", n_actors=cfg.ray.model_actors,
-            num_gpus=cfg.ray.num_gpus_per_model_actor, use_ray=use_ray,
-        )
-        if results.exists("answers"):
-            ans = results.read("answers", columns=["prompt_tokens", "completion_tokens", "error", "hypothesis"])
-            st.prompt_tokens = int(pc.sum(ans["prompt_tokens"]).as_py() or 0)
-            st.completion_tokens = int(pc.sum(ans["completion_tokens"]).as_py() or 0)
-            st.extra.update(answers=ans.num_rows, llm_requests=2 * ans.num_rows if cfg.reading.filter else ans.num_rows,
-                            notes_or_errors=int(pc.sum(pc.is_valid(ans["error"])).as_py() or 0),
-                            empty_answers=int(pc.sum(pc.equal(pc.fill_null(ans["hypothesis"], ""), "")).as_py() or 0))
-        st.items, st.skipped = counts["items"], counts["skipped"]
-        # per-query reading latency (filter + answer), from unit times; the first unit also loads the model
-        per_query = [sec / n for n, sec in counts["unit_seconds"][1:] if n]
-        st.extra["latency_per_query_s"] = per_query
-    return counts["items"] + counts["skipped"]
+def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ray: bool = True) -> Path:
+    """The main job: ingest -> index -> answer -> evaluate -> report, in ``cfg.output_dir``."""
+    out = Path(cfg.output_dir)
+    check_output_dir(out, fresh=fresh)
+    started = time.time()
+    with locked(out):
+        if fresh:
+            _empty_run_dir(out)
+        own = _start_ray(cfg, use_ray)
+        try:
+            atomic_write_json(out / RUN_MARKER, {"status": "running", "config": cfg.model_dump(mode="json"),
+                                                 "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                                 "pid": os.getpid()})
+            prof = Profiler()
+            bank, ingest_entry = ensure_ingested(cfg, prof)
+            with locked(bank.path) if bank.path.resolve() != out.resolve() else _nothing():
+                ctx = StageContext(cfg, bank, None, use_ray)
+                resolve_runtime(ctx)
+                record = [ingest_entry, *run_stages(ctx, S.INDEX, prof)]
+                bank.update_manifest(index={"config": cfg.model_dump(mode="json"), "record": record[1:]})
+                return _answer_in(cfg, bank, out, prof, record, use_ray, profile, started)
+        except BaseException as exc:
+            _mark_failed(out, exc)
+            raise
+        finally:
+            if own:
+                shutdown_ray()
 
 
-def _latency_probe(cfg: MemgasConfig, bank: Bank, profile: bool) -> dict[str, Any]:
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def _answer_in(cfg: MemgasConfig, bank: Bank, run_dir: Path, prof: Profiler, record: list[dict], use_ray: bool,
+               profile: bool, started: float) -> Path:
+    results = Bank.create(run_dir / "results")
+    ctx = StageContext(cfg, bank, results, use_ray)
+    resolve_runtime(ctx)
+    record = [*record, *run_stages(ctx, S.ANSWER, prof)]
+    metrics = ctx.stats["evaluate"]["metrics"]
+    latency = _latency_probe(ctx, profile)
+    read_lat = prof.stages["read"].extra.pop("latency_per_query_s", []) if "read" in prof.stages else []
+    if read_lat:
+        latency[f"reading (filter+answer, {cfg.llm.batch_size} query/batch)"] = percentiles_ms(read_lat)
+    failures = {name: ctx.stats.get(name, {}).get(key, 0) for name, key in (("read", "failed"),
+                                                                            ("generate", "llm_failures"))}
+    _write_outputs(ctx, run_dir, metrics, prof, latency, started, record, failures)
+    if any(failures.values()):
+        what = ", ".join(f"{v} {stage} failures" for stage, v in failures.items() if v)
+        raise IncompleteRun(f"{run_dir}: report written, but {what} remain after retries (kept out of the "
+                            "metrics, counted in report.md); re-run to retry them")
+    (run_dir / RUN_MARKER).unlink(missing_ok=True)
+    return run_dir
+
+
+def _latency_probe(ctx: StageContext, profile: bool) -> dict[str, Any]:
     """Per-query ranking latency (one query at a time, MemGAS method), p50/p95."""
-    from memgas.jobs.steps import ranking_latency
-
     n = 200 if profile else 30
     try:
-        return {"ranking (memgas, 1 query)": ranking_latency(bank, cfg, n_queries=n)}
+        return {"ranking (memgas, 1 query)": ranking_latency(ctx, n_queries=n)}
     except Exception as exc:  # the probe is informative only; never fail a run over it
         log.warning("latency probe failed: %s", exc)
         return {}
 
 
-def _write_outputs(cfg, bank, run_dir, metrics, prof, latency, started, answered) -> Path:
+def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "memgas") -> dict[str, float]:
+    """Latency of ranking one query at a time (router + seeds + PPR on its history's stored graph)."""
+    import numpy as np
+
+    from memgas.pipeline.granularity import MatrixLoader
+    from memgas.pipeline.retrieve import rank_history
+
+    if method not in ctx.cfg.retrieval.methods:
+        return {}
+    bank = ctx.bank
+    queries = bank.read("queries", ["query_id", "history_id", "question"]).to_pandas().head(n_queries)
+    if queries.empty:
+        return {}
+    hids = sorted(set(queries["history_id"]))
+    key = S.encoder_key(ctx)
+    loader = MatrixLoader(bank, key, history_ids=hids)
+    edges = S.edges_of(bank, hids, S.parts_with_prefix(bank, "edges", f"assoc-{ctx.fingerprints['associate']}-"))
+    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    r = ctx.cfg.retrieval
+    device = S.resolve_device(ctx, r.device)
+    mats = {h: loader.get(h) for h in hids if h in loader.history_ids}
+    qv = S.query_vectors(bank, queries["question"].tolist(), key)
+    samples = []
+    for i, q in enumerate(queries.itertuples(index=False)):
+        if q.history_id not in mats:
+            continue
+        e = {mode: edges.get((q.history_id, mode), empty) for mode in ("gmm", "topk")}
+        t0 = time.perf_counter()
+        rank_history(S.node_matrix(mats[q.history_id]), qv[i : i + 1], e, [method], num_seeds=r.num_seeds,
+                     damping=r.damping, temp=r.temp, router=r.router, device=device)
+        samples.append(time.perf_counter() - t0)
+    return percentiles_ms(samples)
+
+
+# -- run directory --------------------------------------------------------------------------------------
+def is_run_dir(path: Path) -> bool:
+    """A directory memgas made: its manifest or its running marker says so."""
+    for name in ("manifest.json", RUN_MARKER):
+        try:
+            data = json.loads((path / name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(data, dict) and ("memgas_version" in data or data.get("status") in ("running", "failed")):
+            return True
+    return False
+
+
+def check_output_dir(out: Path, *, fresh: bool) -> None:
+    """Refuse output dirs that cannot work, before any work; ``--fresh`` only on an empty or memgas run dir."""
+    if str(out) in ("", "."):
+        raise MemgasError("output_dir must name a directory for this run (not '' or '.')")
+    if out.exists() and not out.is_dir():
+        raise MemgasError(f"output_dir {out} exists and is not a directory")
+    if out.exists() and not os.access(out, os.W_OK | os.X_OK):
+        raise MemgasError(f"output_dir {out} is not writable")
+    if fresh and out.exists() and any(out.iterdir()) and not is_run_dir(out):
+        raise MemgasError(f"--fresh: {out} is not empty and is not a memgas run directory (no manifest.json); "
+                          "refusing to delete it")
+
+
+def _empty_run_dir(out: Path) -> None:
+    for child in out.iterdir():
+        if child.name == LOCK:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+
+
+def _mark_failed(out: Path, exc: BaseException) -> None:
+    try:
+        marker = json.loads((out / RUN_MARKER).read_text())
+    except (OSError, json.JSONDecodeError):
+        return
+    if isinstance(exc, IncompleteRun):
+        marker["status"] = "incomplete"
+    else:
+        marker["status"] = "failed"
+    marker["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    marker["note"] = ("metrics.json, report.md and config.yaml (if present) describe the previous complete run "
+                      "in this directory" if not isinstance(exc, IncompleteRun) else
+                      "metrics.json and report.md describe this run; some units failed (see report.md)")
+    try:
+        atomic_write_json(out / RUN_MARKER, marker)
+    except OSError:
+        pass
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=Path(__file__).resolve().parent).stdout.strip() or "unknown"
+    except Exception:  # no git: informative only
+        return "unknown"
+
+
+def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profiler, latency: dict, started: float,
+                   record: list[dict], failures: dict[str, int]) -> Path:
     from memgas.jobs.report import write_report
 
+    cfg, bank = ctx.cfg, ctx.bank
     ended = time.time()
-    ds = dataset_info(bank)
-    model, pv = generator_identity(cfg)
+    ds = (bank.manifest.get("datasets") or [{}])[-1]
+    model, version = S.generation_key(ctx)
     run_info = {
-        "name": cfg.name, "version": __version__, "git_commit": _git_commit(), "encoder": encoder_name(cfg),
-        "generator": f"{cfg.generation.generator} ({model}, {pv}; summary_source={cfg.generation.summary_source})",
+        "name": cfg.name, "version": __version__, "git_commit": _git_commit(), "encoder": S.encoder_key(ctx),
+        "encoder_runtime": ctx.resolved.get("encoder"),
+        "generator": f"{cfg.generation.generator} ({model}, {version}; summary_source={cfg.generation.summary_source})",
         "llm": f"{cfg.llm.backend}:{cfg.llm.model}", "router": cfg.retrieval.router,
-        "wall_s": ended - started, "answered": answered,
+        "topk_edges": cfg.association.topk_edges, "wall_s": ended - started,
+        "answered": int(ctx.stats.get("read", {}).get("answers", 0)), "failures": failures,
+        "fingerprints": dict(ctx.fingerprints),
     }
-    metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(), "latency": latency}
-    atomic_write_json(run_dir / "metrics.json", metrics, sort_keys=False)  # keep the method order
-    (run_dir / "config.yaml").write_text(cfg.dump_yaml())
+    metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(), "latency": latency,
+               "record": record}
     manifest = {
         "config": cfg.model_dump(mode="json"), "memgas_version": __version__, "git_commit": run_info["git_commit"],
-        "dataset": ds, "models": _model_manifest(cfg), "host": {"hostname": socket.gethostname(),
+        "dataset": ds, "models": _model_manifest(ctx), "host": {"hostname": socket.gethostname(),
         "platform": platform.platform(), "python": platform.python_version()},
         "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "end": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ended)), "wall_s": ended - started,
         "stage_wall_s": {k: v["wall_s"] for k, v in prof.to_dict().items()}, "bank": str(bank.path),
     }
+    # the files of one run, replaced together (each atomically): config, record, metrics, manifest, report
+    atomic_write_json(run_dir / RUN_RECORD, record)
+    atomic_write_json(run_dir / "metrics.json", metrics, sort_keys=False)  # keep the method order
     atomic_write_json(run_dir / "manifest.json", manifest)
+    from memgas.pipeline.bank import atomic_write_bytes
+
+    atomic_write_bytes(run_dir / "config.yaml", cfg.dump_yaml().encode())
     return write_report(run_dir).parent
 
 
-def _model_manifest(cfg: MemgasConfig) -> dict[str, Any]:
+def _model_manifest(ctx: StageContext) -> dict[str, Any]:
     """Model names and, for the models shipped in wheels, their weight files' sha256."""
-    out: dict[str, Any] = {"encoder": encoder_name(cfg), "llm": llm_identity(cfg), "llm_backend": cfg.llm.backend,
-                           "generator": list(generator_identity(cfg))}
+    cfg = ctx.cfg
+    out: dict[str, Any] = {"encoder": S.encoder_key(ctx), "llm": S.llm_identity(cfg), "llm_backend": cfg.llm.backend,
+                           "generator": list(S.generation_key(ctx))}
     try:
         if cfg.encoder.model == "minilm":
             from memgas.pipeline.models.encoders import minilm_path
@@ -429,23 +482,3 @@ def _model_manifest(cfg: MemgasConfig) -> dict[str, Any]:
     except Exception as exc:  # informative only
         out["files_error"] = str(exc)
     return out
-
-
-# -- run ------------------------------------------------------------------------------------------
-def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ray: bool = True) -> Path:
-    out = Path(cfg.output_dir)
-    if fresh and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(cfg.dump_yaml())
-    started = time.time()
-    prof = Profiler()
-    own_ray = use_ray and _start_ray(cfg)
-    try:
-        with prof.stage("ingest"):
-            bank = ensure_ingested(cfg, prof)
-        index(cfg, bank.path, prof=prof, use_ray=use_ray)
-        return answer(cfg, bank.path, run_dir=out, prof=prof, use_ray=use_ray, profile=profile, started=started)
-    finally:
-        if own_ray:
-            shutdown_ray()

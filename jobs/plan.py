@@ -8,19 +8,23 @@ The plan is written once (atomically) and removed when the stage completes and i
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from typing import Any
 
-import pyarrow as pa
-
 from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.schema import KEYS
+
+log = logging.getLogger(__name__)
 
 
 def load_or_make_plan(bank: Bank, stage: str, make: Callable[[], list[Any]]) -> list[Any]:
     path = bank.path / "_plans" / f"{stage}.json"
     if path.exists():
-        return json.loads(path.read_text())["units"]
+        try:
+            return json.loads(path.read_text())["units"]
+        except (json.JSONDecodeError, KeyError):  # written atomically, so only a hand-edited file gets here
+            log.warning("plan %s unreadable; making a new one", path)
     units = make()
     atomic_write_json(path, {"stage": stage, "units": units})
     return units
@@ -40,12 +44,3 @@ def compact(bank: Bank, name: str, *, dim: int | None = None) -> int:
     table = table.sort_by([(k, "ascending") for k in keys])
     bank.write(name, table, dim=dim)
     return table.num_rows
-
-
-def chunk(items: list[Any], size: int) -> list[list[Any]]:
-    return [items[i : i + size] for i in range(0, len(items), size)]
-
-
-def table_dim(table: pa.Table, column: str = "vector") -> int | None:
-    t = table.schema.field(column).type
-    return getattr(t, "list_size", None)

@@ -2,8 +2,8 @@
 
 Cache key: ``(session text_hash, kind, model, prompt_version)`` in the ``generations`` table, shared by all
 histories, so a LongMemEval session that appears in 500 haystacks is summarised once, and a re-run
-generates nothing. :func:`generation_key` gives the ``(model, prompt_version)`` a config writes under;
-the granularity stage must read with the same key.
+generates nothing. The key a config writes under is the generate stage's (``jobs/stages.py``:
+``prompt_version@cache_key``, the cache key hashing every setting that can change an output).
 
 Generators (``GenerationConfig.generator``):
 
@@ -12,9 +12,8 @@ Generators (``GenerationConfig.generator``):
   the LLM-free generator and why (rows stay under the LLM's key so lookups are uniform).
 * ``llm-free``: YAKE + centroid sentences, no LLM (model = ``llm-free/yake+centroid``).
 
-``summary_source: dataset`` uses ``sessions.dataset_summary`` (LoCoMo's GPT summaries) where present; the
-prompt version then gets a ``+dsum`` suffix so these rows never mix with generated ones. Single-call JSON
-mode adds ``+json``.
+``summary_source: dataset`` uses ``sessions.dataset_summary`` (LoCoMo's GPT summaries) where present
+(a declared field of the stage, so these rows never share a key with generated ones).
 
 Every derived text (summary output, keywords output, and the hybrid "summary keywords session" text) is
 added to ``texts`` by hash, so the encoding stage can embed it like any other text.
@@ -32,21 +31,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from memgas.pipeline.accounting import TokenLedger
-from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import GenerationConfig
-from memgas.pipeline.errors import BankError
 from memgas.pipeline.hashing import text_hash
-from memgas.pipeline.llm_free import LLM_FREE_NAME, LLM_FREE_VERSION, LLMFreeGenerator
-from memgas.pipeline.models.base import LLM, ChatPrompt, Encoder, GenerationResult, SamplingParams
+from memgas.pipeline.llm_calls import generate_batch
+from memgas.pipeline.llm_free import LLM_FREE_NAME, LLMFreeGenerator
+from memgas.pipeline.models.base import LLM, GenerationResult, SamplingParams
 from memgas.pipeline.prompts import (
     PROMPT_SETS,
     USER_ASSISTANT,
     USER_USER,
     PromptSet,
-    _subject,
+    subject_phrase,
     dialogue_kind_for,
     get_prompt_set,
 )
@@ -62,21 +59,6 @@ _TEMPLATE_MARGIN = 64
 # --------------------------------------------------------------------------------------------------
 # Keys and helpers
 # --------------------------------------------------------------------------------------------------
-
-
-def generation_key(cfg: GenerationConfig, llm: LLM | None) -> tuple[str, str]:
-    """``(model, prompt_version)`` under which ``cfg`` stores (and the nodes stage reads) generations."""
-    if cfg.generator == "llm-free":
-        model, version = LLM_FREE_NAME, LLM_FREE_VERSION
-    else:
-        if llm is None:
-            raise ValueError(f"generation.generator={cfg.generator!r} needs an LLM")
-        model, version = llm.name, get_prompt_set(cfg.prompt_version).version
-        if cfg.single_call:
-            version += "+json"
-    if cfg.summary_source == "dataset":
-        version += "+dsum"
-    return model, version
 
 
 def slug(s: str) -> str:
@@ -185,7 +167,7 @@ def _prompt_wording() -> tuple[str, ...]:
         for ps in PROMPT_SETS.values():
             for instr in (ps.summary_instruction, ps.keywords_instruction, ps.joint_instruction):
                 for kind in (USER_ASSISTANT, USER_USER):
-                    texts.append(instr.format(subject=_subject(kind)))
+                    texts.append(instr.format(subject=subject_phrase(kind)))
             texts += [ps.summary_cue, ps.keywords_cue, ps.joint_cue]
         _prompt_wording_cache = tuple(_norm_words(t) for t in texts)
     return _prompt_wording_cache
@@ -332,168 +314,136 @@ def _row(
     }
 
 
-def _call(
-    llm: LLM, prompts: list[ChatPrompt], params: SamplingParams, ledger: TokenLedger | None, stage: str
-) -> list[GenerationResult]:
-    out: list[GenerationResult] = []
-    for i in range(0, len(prompts), CHUNK):
-        chunk = prompts[i : i + CHUNK]
-        t0 = time.perf_counter()
+def _from_dataset(its: Sequence[_Item], kinds: Sequence[str], model: str, version: str) -> dict[tuple[int, str], dict]:
+    """``summary_source: dataset``: the dataset's own summaries (LoCoMo's GPT summaries) where present."""
+    if "summary" not in kinds:
+        return {}
+    return {(i, "summary"): _row(it, "summary", model, version, _norm_ws(it.dataset_summary or ""), it.dataset_summary,
+                                 None, None, None)
+            for i, it in enumerate(its) if it.dataset_summary and it.dataset_summary.strip()}
+
+
+def _llm_jobs(its: Sequence[_Item], kinds: Sequence[str], cfg: GenerationConfig, outputs: dict, model: str,
+              version: str) -> list[tuple[int, str]]:
+    """Which (item, kind) go to the LLM ("joint" for single-call JSON mode); empty sessions never do."""
+    jobs: list[tuple[int, str]] = []
+    for i, it in enumerate(its):
+        if not it.text.strip():
+            for k in kinds:
+                outputs.setdefault((i, k), _row(it, k, model, version, "", None, None, None, "empty session text"))
+            continue
+        if cfg.single_call:
+            if any((i, k) not in outputs for k in kinds):
+                jobs.append((i, "joint"))
+        else:
+            jobs.extend((i, k) for k in kinds if (i, k) not in outputs)
+    return jobs
+
+
+def _parse_llm_output(it: _Item, kind: str, r: GenerationResult, kinds: Sequence[str]) -> dict[str, tuple[str, str | None]]:
+    """{kind: (cleaned output, why unusable or None)} for one LLM result (one kind, or all in JSON mode)."""
+    if r.error is not None:
+        return {k: ("", f"llm: {r.error}") for k in (kinds if kind == "joint" else [kind])}
+    if kind == "joint":
         try:
-            res = llm.generate(chunk, params)
-        except Exception as exc:  # a backend that raises must not sink the whole stage: record per item
-            log.error("LLM batch of %d prompts failed: %s", len(chunk), exc)
-            res = [GenerationResult(error=f"llm: {type(exc).__name__}: {exc}") for _ in chunk]
-        if len(res) != len(chunk):
-            log.error("LLM returned %d results for %d prompts", len(res), len(chunk))
-            res = [GenerationResult(error="llm: result count mismatch") for _ in chunk]
+            s_raw, k_raw = parse_joint(r.text)
+        except ValueError as exc:
+            return {k: ("", f"unusable: JSON: {exc}") for k in kinds}
+        parsed = {"summary": clean_summary(s_raw, it.text), "keywords": clean_keywords(k_raw)}
+    else:
+        parsed = {kind: clean_summary(r.text, it.text) if kind == "summary" else clean_keywords(r.text)}
+    return {k: (out, None if why is None else f"unusable: {why}") for k, (out, why) in parsed.items() if k in kinds}
+
+
+def _llm_outputs(its: list[_Item], kinds: Sequence[str], llm: LLM, cfg: GenerationConfig, outputs: dict, model: str,
+                 version: str, ledger: TokenLedger | None, temperature: float, seed: int) -> None:
+    """Summaries/keywords by the LLM, truncating each session to the prompt budget; fills ``outputs``."""
+    stage = "generation"
+    pset: PromptSet = get_prompt_set(cfg.prompt_version)
+    max_new = cfg.summary_max_tokens + cfg.keywords_max_tokens if cfg.single_call else max(
+        cfg.summary_max_tokens, cfg.keywords_max_tokens)
+    budget = min(cfg.max_input_tokens, llm.context_tokens - max_new - _TEMPLATE_MARGIN
+                 - llm.count_tokens(pset.overhead("joint" if cfg.single_call else "summary")))
+    budget = max(budget, 16)
+    for it in its:
+        it.llm_text, it.truncated = _truncate_for(llm, it.text, budget)
+    n_trunc = sum(it.truncated for it in its)
+    if n_trunc:
+        log.warning("generation: %d of %d session texts truncated to %d tokens", n_trunc, len(its), budget)
         if ledger is not None:
-            ledger.record(stage, res, time.perf_counter() - t0)
-        out.extend(res)
-        log.info("generation: %d/%d prompts", min(i + CHUNK, len(prompts)), len(prompts))
-    return out
+            ledger.count(stage, "input_truncated", n_trunc)
+    jobs = _llm_jobs(its, kinds, cfg, outputs, model, version)
+    # one call per kind so each gets its own max_tokens
+    for kind, max_tokens in (("summary", cfg.summary_max_tokens), ("keywords", cfg.keywords_max_tokens),
+                             ("joint", cfg.summary_max_tokens + cfg.keywords_max_tokens)):
+        idx = [i for i, k in jobs if k == kind]
+        if not idx:
+            continue
+        prompts = [getattr(pset, kind)(its[i].llm_text, its[i].dialogue_kind) for i in idx]
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        for i, r in zip(idx, generate_batch(llm, prompts, params, ledger, stage, chunk=CHUNK)):
+            for k, (out, why) in _parse_llm_output(its[i], kind, r, kinds).items():
+                outputs.setdefault((i, k), _row(its[i], k, model, version, out, r.text, r, None, why))
+
+
+def _llm_free_outputs(its: list[_Item], kinds: Sequence[str], cfg: GenerationConfig, free: LLMFreeGenerator,
+                      outputs: dict, model: str, version: str, ledger: TokenLedger | None) -> None:
+    """LLM-free outputs for everything missing (llm-free) or every failed LLM row (llm+fallback)."""
+    todo: dict[str, list[int]] = {k: [] for k in kinds}
+    for i in range(len(its)):
+        for k in kinds:
+            row = outputs.get((i, k))
+            if row is None or (cfg.generator == "llm+fallback" and row["error"] is not None):
+                todo[k].append(i)
+    if not any(todo.values()):
+        return
+    t0 = time.perf_counter()
+    made = {"summary": free.summaries([its[i].text for i in todo.get("summary", [])]) if todo.get("summary") else [],
+            "keywords": free.keywords([its[i].text for i in todo.get("keywords", [])]) if todo.get("keywords") else []}
+    for k, vals in made.items():
+        for i, val in zip(todo.get(k, []), vals):
+            prev = outputs.get((i, k))
+            err = None if val.strip() else "llm-free: empty output"
+            if prev is None:  # llm-free generator
+                outputs[(i, k)] = _row(its[i], k, model, version, val, None, None, None, err)
+            else:  # fallback: keep the LLM's raw output and tokens for inspection
+                prev.update(output=val, fallback=f"{LLM_FREE_NAME} ({prev['error']})", error=err)
+    if ledger is not None:
+        ledger.stage("generation-llm-free").wall_s += time.perf_counter() - t0
+        ledger.count("generation-llm-free", "items", sum(len(v) for v in todo.values()))
+        if cfg.generator == "llm+fallback":
+            ledger.count("generation", "fallback", sum(len(v) for v in todo.values()))
 
 
 def generate_for_sessions(
     items: Sequence[tuple],
     llm: LLM | None,
     cfg: GenerationConfig,
-    encoder: Encoder | None = None,
     *,
+    key: tuple[str, str],
     kinds: Sequence[str] = ("summary", "keywords"),
     ledger: TokenLedger | None = None,
     llm_free: LLMFreeGenerator | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> pa.Table:
-    """Summaries and/or keywords for ``items`` = ``(text_hash, text, dialogue_kind[, dataset_summary])``.
+    """Summaries and/or keywords for ``items`` = ``(text_hash, text, dialogue_kind[, dataset_summary])``,
+    written under ``key`` = (model, prompt_version) (the generate stage's cache key, jobs/stages.py).
 
     Returns a ``GENERATIONS`` table with one row per (item, kind), in item order. Never raises for a bad
     item: LLM errors and unusable outputs are recorded per row (``error`` / ``fallback``).
     """
-    model, version = generation_key(cfg, llm)
-    its = [
-        _Item(t[0], t[1] or "", dialogue_kind_for(t[2] if len(t) > 2 else None), t[3] if len(t) > 3 else None)
-        for t in items
-    ]
+    model, version = key
+    its = [_Item(t[0], t[1] or "", dialogue_kind_for(t[2] if len(t) > 2 else None), t[3] if len(t) > 3 else None)
+           for t in items]
     kinds = [k for k in ("summary", "keywords") if k in kinds]
-    stage = "generation"
-    use_llm = cfg.generator != "llm-free"
-    need_free = cfg.generator in ("llm-free", "llm+fallback")
-    free = llm_free or (LLMFreeGenerator(encoder) if need_free else None)
-
-    # dataset summaries replace the summary generation where present
-    from_dataset = {
-        i
-        for i, it in enumerate(its)
-        if cfg.summary_source == "dataset" and it.dataset_summary and it.dataset_summary.strip()
-    }
-
-    outputs: dict[tuple[int, str], dict[str, Any]] = {}
-    for i in from_dataset:
-        if "summary" in kinds:
-            outputs[(i, "summary")] = _row(its[i], "summary", model, version, _norm_ws(its[i].dataset_summary or ""),
-                                           its[i].dataset_summary, None, None, None)
-
-    if use_llm:
-        assert llm is not None
-        pset: PromptSet = get_prompt_set(cfg.prompt_version)
-        max_new = max(cfg.summary_max_tokens, cfg.keywords_max_tokens)
-        if cfg.single_call:
-            max_new = cfg.summary_max_tokens + cfg.keywords_max_tokens
-        budget = min(cfg.max_input_tokens, llm.context_tokens - max_new - _TEMPLATE_MARGIN
-                     - llm.count_tokens(pset.overhead("joint" if cfg.single_call else "summary")))
-        budget = max(budget, 16)
-        for it in its:
-            it.llm_text, it.truncated = _truncate_for(llm, it.text, budget)
-        n_trunc = sum(it.truncated for it in its)
-        if n_trunc:
-            log.warning("generation: %d of %d session texts truncated to %d tokens", n_trunc, len(its), budget)
-            if ledger is not None:
-                ledger.count(stage, "input_truncated", n_trunc)
-
-        # which (item, kind) go to the LLM; empty sessions never do (nothing to summarise)
-        jobs: list[tuple[int, str]] = []
-        for i, it in enumerate(its):
-            if not it.text.strip():
-                for k in kinds:
-                    if (i, k) not in outputs:
-                        outputs[(i, k)] = _row(it, k, model, version, "", None, None, None, "empty session text")
-                continue
-            if cfg.single_call:
-                if any((i, k) not in outputs for k in kinds):
-                    jobs.append((i, "joint"))
-            else:
-                jobs.extend((i, k) for k in kinds if (i, k) not in outputs)
-
-        prompts = [getattr(pset, k)(its[i].llm_text, its[i].dialogue_kind) for i, k in jobs]
-        # one call per kind so each gets its own max_tokens
-        results: dict[tuple[int, str], GenerationResult] = {}
-        for kind, max_tokens in (
-            ("summary", cfg.summary_max_tokens),
-            ("keywords", cfg.keywords_max_tokens),
-            ("joint", cfg.summary_max_tokens + cfg.keywords_max_tokens),
-        ):
-            idx = [j for j, (_, k) in enumerate(jobs) if k == kind]
-            if not idx:
-                continue
-            res = _call(llm, [prompts[j] for j in idx], SamplingParams(max_tokens=max_tokens), ledger, stage)
-            for j, r in zip(idx, res):
-                results[jobs[j]] = r
-
-        for (i, kind), r in results.items():
-            it = its[i]
-            if kind == "joint":
-                if r.error is not None:
-                    parsed: dict[str, tuple[str, str | None]] = {k: ("", f"llm: {r.error}") for k in kinds}
-                else:
-                    try:
-                        s_raw, k_raw = parse_joint(r.text)
-                        parsed = {"summary": clean_summary(s_raw, it.text), "keywords": clean_keywords(k_raw)}
-                    except ValueError as exc:
-                        parsed = {k: ("", f"unusable: JSON: {exc}") for k in kinds}
-                for k in kinds:
-                    if (i, k) in outputs:
-                        continue
-                    out, why = parsed[k]
-                    if why is not None and not why.startswith(("llm:", "unusable:")):
-                        why = f"unusable: {why}"
-                    outputs[(i, k)] = _row(it, k, model, version, out, r.text, r, None, why)
-                continue
-            if r.error is not None:
-                out, why = "", f"llm: {r.error}"
-            elif kind == "summary":
-                out, why = clean_summary(r.text, it.text)
-                why = None if why is None else f"unusable: {why}"
-            else:
-                out, why = clean_keywords(r.text)
-                why = None if why is None else f"unusable: {why}"
-            outputs[(i, kind)] = _row(it, kind, model, version, out, r.text, r, None, why)
-
-    # LLM-free: everything (llm-free), or the failed rows (llm+fallback)
-    if free is not None:
-        todo: dict[str, list[int]] = {k: [] for k in kinds}
-        for i, it in enumerate(its):
-            for k in kinds:
-                row = outputs.get((i, k))
-                if row is None or (cfg.generator == "llm+fallback" and row["error"] is not None):
-                    todo[k].append(i)
-        if any(todo.values()):
-            t0 = time.perf_counter()
-            sums = free.summaries([its[i].text for i in todo.get("summary", [])]) if todo.get("summary") else []
-            kws = free.keywords([its[i].text for i in todo.get("keywords", [])]) if todo.get("keywords") else []
-            for k, vals in (("summary", sums), ("keywords", kws)):
-                for i, val in zip(todo.get(k, []), vals):
-                    prev = outputs.get((i, k))
-                    err = None if val.strip() else "llm-free: empty output"
-                    if prev is None:  # llm-free generator
-                        outputs[(i, k)] = _row(its[i], k, model, version, val, None, None, None, err)
-                    else:  # fallback: keep the LLM's raw output and tokens for inspection
-                        prev.update(output=val, fallback=f"{LLM_FREE_NAME} ({prev['error']})", error=err)
-            if ledger is not None:
-                ledger.stage("generation-llm-free").wall_s += time.perf_counter() - t0
-                ledger.count("generation-llm-free", "items", sum(len(v) for v in todo.values()))
-                if cfg.generator == "llm+fallback":
-                    ledger.count(stage, "fallback", sum(len(v) for v in todo.values()))
-
+    outputs = _from_dataset(its, kinds, model, version) if cfg.summary_source == "dataset" else {}
+    if cfg.generator != "llm-free":
+        if llm is None:
+            raise ValueError(f"generation.generator={cfg.generator!r} needs an LLM")
+        _llm_outputs(its, kinds, llm, cfg, outputs, model, version, ledger, temperature, seed)
+    if cfg.generator in ("llm-free", "llm+fallback"):
+        _llm_free_outputs(its, kinds, cfg, llm_free or LLMFreeGenerator(None), outputs, model, version, ledger)
     rows = [outputs[(i, k)] for i in range(len(its)) for k in kinds if (i, k) in outputs]
     return pa.Table.from_pylist(rows, schema=GENERATIONS)
 
@@ -517,116 +467,3 @@ def derived_texts(generations: pa.Table, session_texts: dict[str, str] | None = 
                 rows.setdefault(text_hash(hyb), hyb)
     ordered = sorted(rows.items())  # deterministic Parquet bytes
     return pa.Table.from_pylist([{"text_hash": h, "text": t} for h, t in ordered], schema=TEXTS)
-
-
-# --------------------------------------------------------------------------------------------------
-# Bank stage
-# --------------------------------------------------------------------------------------------------
-
-
-def _read_texts(bank: Bank, hashes: Sequence[str]) -> dict[str, str]:
-    if not hashes:
-        return {}
-    t = bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(list(hashes)))
-    return dict(zip(t.column("text_hash").to_pylist(), t.column("text").to_pylist()))
-
-
-def run_generation(
-    bank: Bank,
-    llm: LLM | None,
-    encoder: Encoder | None,
-    cfg: GenerationConfig,
-    *,
-    dataset_kind: str,
-    ledger: TokenLedger | None = None,
-    retry_llm_errors: bool = True,
-) -> dict[str, Any]:
-    """Generate what is missing in ``generations`` for every unique session of the bank; write one part.
-
-    ``dataset_kind``: a dataset name or dialogue kind ("locomo" -> user-user prompts). Rows whose
-    ``error`` came from the LLM backend (``llm: ...``: timeouts, HTTP errors) are retried when
-    ``retry_llm_errors``; unusable outputs are deterministic and are not retried.
-    Returns stats (also suitable for the manifest).
-    """
-    t0 = time.perf_counter()
-    model, version = generation_key(cfg, llm)
-    sessions = bank.read("sessions", ["history_id", "session_id", "text_hash", "dataset_summary"])
-    dsum: dict[str, str | None] = {}
-    for h, s in zip(sessions.column("text_hash").to_pylist(), sessions.column("dataset_summary").to_pylist()):
-        if h not in dsum or (dsum[h] is None and s):
-            dsum[h] = s
-    unique = sorted(dsum)
-
-    have: dict[str, set[str]] = {}
-    if bank.exists("generations"):
-        g = bank.read(
-            "generations",
-            ["text_hash", "kind", "error"],
-            filter=(pc.field("model") == model) & (pc.field("prompt_version") == version),
-        )
-        for h, k, e in zip(g.column("text_hash").to_pylist(), g.column("kind").to_pylist(), g.column("error").to_pylist()):
-            if retry_llm_errors and e is not None and e.startswith("llm:"):
-                continue
-            have.setdefault(h, set()).add(k)
-    missing = {h: [k for k in ("summary", "keywords") if k not in have.get(h, set())] for h in unique}
-    missing = {h: ks for h, ks in missing.items() if ks}
-    stats: dict[str, Any] = {
-        "model": model,
-        "prompt_version": version,
-        "generator": cfg.generator,
-        "sessions": len(unique),
-        "cached": len(unique) - len(missing),
-        "generated": 0,
-    }
-    if not missing:
-        log.info("generation: all %d sessions cached for %s / %s", len(unique), model, version)
-        stats["wall_s"] = round(time.perf_counter() - t0, 3)
-        return stats
-
-    texts = _read_texts(bank, list(missing))
-    absent = [h for h in missing if h not in texts]
-    if absent:
-        sid = sessions.filter(pc.field("text_hash") == absent[0])
-        where = f"history {sid['history_id'][0]} session {sid['session_id'][0]}" if sid.num_rows else absent[0]
-        raise BankError(
-            f"{bank.path}: {len(absent)} session texts missing from table 'texts' (first: {where}, "
-            f"text_hash {absent[0]}); re-run `memgas ingest`"
-        )
-    dk = dialogue_kind_for(dataset_kind)
-    tables: list[pa.Table] = []
-    # group by the kinds still missing so a half-cached session only regenerates what it lacks
-    groups: dict[tuple[str, ...], list[str]] = {}
-    for h, ks in missing.items():
-        groups.setdefault(tuple(ks), []).append(h)
-    for ks, hs in sorted(groups.items()):
-        items = [(h, texts[h], dk, dsum.get(h)) for h in hs]
-        tables.append(generate_for_sessions(items, llm, cfg, encoder, kinds=ks, ledger=ledger))
-    gen = pa.concat_tables(tables)
-    keys = sorted(f"{h}:{k}" for h, ks in missing.items() for k in ks)
-    part = f"gen-{slug(model)}-{slug(version)}-{digest(keys)}"
-    bank.write_part("generations", part, gen, info={"model": model, "prompt_version": version})
-
-    # derived texts: outputs of the new rows + hybrids of every touched session (both kinds now present)
-    touched = sorted(missing)
-    both = bank.read(
-        "generations",
-        ["text_hash", "kind", "output"],
-        filter=(pc.field("model") == model) & (pc.field("prompt_version") == version) & pc.field("text_hash").isin(touched),
-    )
-    derived = derived_texts(both, texts)
-    bank.write_part("texts", f"derived-{slug(model)}-{slug(version)}-{digest(keys)}", derived)
-
-    err = gen.column("error").to_pylist()
-    fb = gen.column("fallback").to_pylist()
-    stats.update(
-        generated=len(missing),
-        rows=gen.num_rows,
-        errors=sum(e is not None for e in err),
-        fallbacks=sum(f is not None for f in fb),
-        input_truncated=sum(bool(x) for x in gen.column("input_truncated").to_pylist()),
-        derived_texts=derived.num_rows,
-        part=part,
-        wall_s=round(time.perf_counter() - t0, 3),
-    )
-    log.info("generation: %s", stats)
-    return stats

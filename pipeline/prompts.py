@@ -44,7 +44,7 @@ def dialogue_kind_for(dataset: str | None) -> str:
     return USER_ASSISTANT
 
 
-def _subject(dialogue_kind: str) -> str:
+def subject_phrase(dialogue_kind: str) -> str:
     """The paper's phrase for who talks: 'user-AI assistant' (LongMemEval...) or 'user-user' (LoCoMo)."""
     return "user-user" if dialogue_kind_for(dialogue_kind) == USER_USER else "user-AI assistant"
 
@@ -116,7 +116,7 @@ class PromptSet:
     delimit: bool = False
 
     def _render(self, instruction: str, cue: str, text: str, dialogue_kind: str) -> ChatPrompt:
-        instr = instruction.format(subject=_subject(dialogue_kind))
+        instr = instruction.format(subject=subject_phrase(dialogue_kind))
         if self.delimit:
             body = f"<dialogue>\n{neutralise_delimiters(text)}\n</dialogue>"
         else:

@@ -15,7 +15,6 @@ Failures never sink the batch: a filter error/empty output falls back to the unf
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -23,7 +22,8 @@ import pyarrow as pa
 
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import ReadingConfig
-from memgas.pipeline.models.base import LLM, GenerationResult, SamplingParams
+from memgas.pipeline.llm_calls import generate_batch
+from memgas.pipeline.models.base import LLM, SamplingParams
 from memgas.pipeline.prompts import answer_prompt, filter_prompt, session_block
 from memgas.pipeline.schema import ANSWERS
 
@@ -104,20 +104,49 @@ def build_context(
     return "", 0, cut
 
 
-def _generate(llm: LLM, prompts: list, params: SamplingParams, ledger: TokenLedger | None, stage: str) -> list[GenerationResult]:
-    if not prompts:
-        return []
-    t0 = time.perf_counter()
-    try:
-        res = llm.generate(prompts, params)
-    except Exception as exc:  # one failed backend call is recorded per item, not raised
-        log.error("reading: LLM batch of %d failed: %s", len(prompts), exc)
-        res = [GenerationResult(error=f"llm: {type(exc).__name__}: {exc}") for _ in prompts]
-    if len(res) != len(prompts):
-        res = [GenerationResult(error="llm: result count mismatch") for _ in prompts]
-    if ledger is not None:
-        ledger.record(stage, res, time.perf_counter() - t0)
-    return res
+#: Prefix of ``answers.error`` when the answer LLM call failed in the backend (retryable, not scored).
+ANSWER_FAILED = "answer failed:"
+
+
+def is_failed_answer(error: str | None) -> bool:
+    """An answer whose LLM call failed after the client's retries: kept out of QA metrics, retried next run."""
+    return bool(error) and ANSWER_FAILED in error
+
+
+def reading_payloads(bank: Any, rankings: pa.Table, query_ids: Sequence[str], *,
+                     generation_key: tuple[str, str]) -> list[dict[str, Any]]:
+    """Inputs of the reading step: per query (in ``query_ids`` order) its ranked sessions (``rankings`` holds
+    the top-K of one method) with date, text, summary and keywords (generations under ``generation_key``)."""
+    import pyarrow.compute as pc
+
+    queries = bank.read("queries", ["query_id", "history_id", "question", "question_date_raw"],
+                        filter=pc.field("query_id").isin(list(query_ids))).to_pandas().set_index("query_id")
+    rk = rankings.to_pandas()
+    rk = rk[rk["query_id"].isin(query_ids)].sort_values(["query_id", "rank"])
+    top = {q: g["session_id"].tolist() for q, g in rk.groupby("query_id")}
+    hids = sorted(set(queries["history_id"]))
+    sessions = bank.read("sessions", ["history_id", "session_id", "date_raw", "text_hash"],
+                         filter=pc.field("history_id").isin(hids)).to_pandas()
+    hashes = sorted(set(sessions["text_hash"]))
+    model, version = generation_key
+    gens = bank.read("generations", ["text_hash", "kind", "output"],
+                     filter=(pc.field("model") == model) & (pc.field("prompt_version") == version)
+                     & pc.field("text_hash").isin(hashes)).to_pandas()
+    gen = {(h, k): o for h, k, o in gens.itertuples(index=False)}
+    texts = bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(hashes)).to_pandas()
+    text = dict(zip(texts["text_hash"], texts["text"]))
+    info = {(r.history_id, r.session_id): r for r in sessions.itertuples(index=False)}
+    payload = []
+    for qid in query_ids:
+        q = queries.loc[qid]
+        sess = []
+        for sid in top.get(qid, []):
+            s = info[(q.history_id, sid)]
+            sess.append({"session_id": sid, "date": s.date_raw, "text": text.get(s.text_hash, ""),
+                         "summary": gen.get((s.text_hash, "summary"), ""),
+                         "keywords": gen.get((s.text_hash, "keywords"), "")})
+        payload.append({"query_id": qid, "question": q.question, "question_date": q.question_date_raw, "sessions": sess})
+    return payload
 
 
 def read_and_answer(
@@ -128,6 +157,8 @@ def read_and_answer(
     *,
     ledger: TokenLedger | None = None,
     filter_max_tokens: int = DEFAULT_FILTER_MAX_TOKENS,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> pa.Table:
     """Answer ``queries``: dicts with ``query_id``, ``question``, ``question_date`` and ``sessions`` = the
     retrieved sessions in rank order, each ``{session_id, date, text, summary, keywords}``.
@@ -173,7 +204,8 @@ def read_and_answer(
     answer_ctx = list(contexts)
     if cfg.filter:
         prompts = [filter_prompt(contexts[i], q["question"], q.get("question_date")) for i, q in enumerate(queries)]
-        res = _generate(llm, prompts, SamplingParams(max_tokens=filter_max_tokens), ledger, "reading-filter")
+        res = generate_batch(llm, prompts, SamplingParams(max_tokens=filter_max_tokens, temperature=temperature,
+                                                          seed=seed), ledger, "reading-filter")
         for i, r in enumerate(res):
             rows[i]["prompt_tokens"] += r.prompt_tokens
             rows[i]["completion_tokens"] += r.completion_tokens
@@ -196,13 +228,14 @@ def read_and_answer(
             errors[i].append("answer context cut")
         rows[i]["filtered_context"] = answer_ctx[i]
         prompts.append(answer_prompt(answer_ctx[i], q["question"], q.get("question_date")))
-    res = _generate(llm, prompts, SamplingParams(max_tokens=cfg.max_new_tokens), ledger, "reading-answer")
+    res = generate_batch(llm, prompts, SamplingParams(max_tokens=cfg.max_new_tokens, temperature=temperature, seed=seed),
+                         ledger, "reading-answer")
     n_fail = 0
     for i, r in enumerate(res):
         rows[i]["prompt_tokens"] += r.prompt_tokens
         rows[i]["completion_tokens"] += r.completion_tokens
         if r.error is not None:
-            errors[i].append(f"answer failed: {r.error}")
+            errors[i].append(f"{ANSWER_FAILED} {r.error}")
             rows[i]["hypothesis"] = ""
             n_fail += 1
             continue

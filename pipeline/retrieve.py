@@ -31,15 +31,11 @@ from memgas.kernels.router import entropy_router
 from memgas.kernels.segment import segment_sum_contiguous
 from memgas.kernels.topk import stable_argsort_desc
 from memgas.pipeline.association import N_GRAN, associate
+from memgas.pipeline.methods import get_method
 
 log = logging.getLogger(__name__)
 
 GRANULARITIES = ("session", "turn", "summary", "keyword")
-METHODS = (
-    "session", "turn", "summary", "keyword", "hybrid", "memgas", "memgas-no-gmm", "memgas-no-ppr",
-    "memgas-no-router", "memgas-no-association",
-)
-_GRAPH_METHODS = ("memgas", "memgas-no-gmm", "memgas-no-router", "memgas-no-association")
 
 
 def stack_nodes(session_emb: Any, turn_emb: Any, summary_emb: Any, keyword_emb: Any) -> np.ndarray:
@@ -80,6 +76,9 @@ def score_with_edges(
     Methods: memgas, memgas-no-gmm (pass the top-k edges), memgas-no-ppr, memgas-no-router,
     memgas-no-association (edges ignored). Returns (order int64 [Q, S], session scores float64 [Q, S]).
     """
+    m = get_method(method)
+    if not m.is_graph:
+        raise ValueError(f"score_with_edges handles the MemGAS methods, not {method!r}")
     xp, _ = get_xp(device)
     E = to_device(np.asarray(node_emb, dtype=np.float32), xp)
     q = to_device(np.asarray(query_emb, dtype=np.float32), xp)
@@ -89,18 +88,16 @@ def score_with_edges(
     S = n // N_GRAN
     # float64 similarities: near-equal session scores then order the same as a float64 reference
     sims = q.astype(xp.float64) @ E.astype(xp.float64).T  # [Q, 4S]
-    if method == "memgas-no-router":
+    if not m.router:
         w = xp.full((q.shape[0], N_GRAN), 1.0 / N_GRAN)
-    elif method in _GRAPH_METHODS or method == "memgas-no-ppr":
-        w, _ = entropy_router([sims[:, g::N_GRAN] for g in range(N_GRAN)], temp=temp, rule=router, device=device)
     else:
-        raise ValueError(f"score_with_edges handles the MemGAS methods, not {method!r}")
+        w, _ = entropy_router([sims[:, g::N_GRAN] for g in range(N_GRAN)], temp=temp, rule=router, device=device)
     node_scores = sims * xp.tile(w, (1, S))  # w_g * sim, node = 4*s + g
-    if method == "memgas-no-ppr":
+    if not m.ppr:
         scores = segment_sum_contiguous(node_scores, N_GRAN)
     else:
         reset = seed_reset(node_scores, num_seeds)
-        if method == "memgas-no-association":
+        if m.edges is None:  # no association: PPR on an empty graph
             src, dst = np.zeros(0, np.int64), np.zeros(0, np.int64)
         adj = build_csr(to_host(src), to_host(dst), n)
         ppr = personalized_pagerank(adj, reset, damping, device=device)
@@ -133,31 +130,30 @@ def rank_sessions(
     See the module docstring for the methods. ``hybrid`` needs ``hybrid_emb`` [S, d] (one embedding of
     "summary keywords session" per session). ``return_scores=True`` also returns the scores [Q, S].
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    m = get_method(method)
     if router not in ("paper", "reference"):
         raise ValueError(f"router must be 'paper' or 'reference', got {router!r}")
     nodes = stack_nodes(session_emb, turn_emb, summary_emb, keyword_emb)
     q = np.asarray(query_emb, dtype=np.float32)
     if q.ndim != 2 or q.shape[1] != nodes.shape[1]:
         raise ValueError(f"query_emb must be [Q, {nodes.shape[1]}], got {q.shape}")
-    if method in GRANULARITIES or method == "hybrid":
+    if not m.is_graph:
         xp, _ = get_xp(device)
-        if method == "hybrid":
+        if m.granularity == "hybrid":
             if hybrid_emb is None:
                 raise ValueError("method='hybrid' needs hybrid_emb=[S, d] (embeddings of 'summary keywords session')")
             H = np.asarray(hybrid_emb, dtype=np.float32)
             if H.shape != (nodes.shape[0] // N_GRAN, nodes.shape[1]):
                 raise ValueError(f"hybrid_emb must be [S, d] = {(nodes.shape[0] // N_GRAN, nodes.shape[1])}, got {H.shape}")
         else:
-            H = nodes[GRANULARITIES.index(method) :: N_GRAN]
+            H = nodes[GRANULARITIES.index(m.granularity) :: N_GRAN]
         scores = to_device(q, xp) @ to_device(H, xp).T
         order = to_host(stable_argsort_desc(scores)).astype(np.int64)
         scores = to_host(scores).astype(np.float64)
     else:
-        if method in ("memgas", "memgas-no-router", "memgas-no-gmm"):
+        if m.edges is not None:
             e = associate(nodes, mem_threshold=mem_threshold, min_prior_nodes=min_prior_nodes,
-                          mode="topk" if method == "memgas-no-gmm" else "gmm", topk_edges=topk_edges,
+                          mode=m.edges, topk_edges=topk_edges,
                           device=device)
             src, dst = e.src, e.dst
         else:
@@ -165,3 +161,39 @@ def rank_sessions(
         order, scores = score_with_edges(nodes, q, src, dst, method=method, num_seeds=num_seeds,
                                          damping=damping, temp=temp, router=router, device=device)
     return (order, scores) if return_scores else order
+
+
+def rank_history(
+    nodes: np.ndarray,
+    queries: np.ndarray,
+    edges: dict[str, tuple[np.ndarray, np.ndarray]],
+    methods: list[str],
+    *,
+    hybrid: np.ndarray | None = None,
+    num_seeds: int = 15,
+    damping: float = 0.1,
+    temp: float = 0.2,
+    router: str = "paper",
+    device: str = "cpu",
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(order [Q, S], scores [Q, S]) per method for the queries of one history, from stored edges.
+
+    ``nodes`` [4*S, d] in node order; ``edges`` = {"gmm": (src, dst), "topk": (src, dst)} as the
+    association stage stored them; ``hybrid`` [S, d] for the hybrid baseline.
+    """
+    out = {}
+    for name in methods:
+        m = get_method(name)
+        if not m.is_graph:
+            g = m.granularity
+            H = hybrid if g == "hybrid" else nodes[GRANULARITIES.index(g) :: N_GRAN]
+            if H is None:
+                raise ValueError("method 'hybrid' needs the hybrid embeddings")
+            xp, _ = get_xp(device)
+            scores = to_device(np.asarray(queries, np.float32), xp) @ to_device(np.asarray(H, np.float32), xp).T
+            out[name] = (to_host(stable_argsort_desc(scores)).astype(np.int64), to_host(scores).astype(np.float64))
+        else:
+            src, dst = edges.get(m.edges or "gmm", (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+            out[name] = score_with_edges(nodes, queries, src, dst, method=name, num_seeds=num_seeds, damping=damping,
+                                         temp=temp, router=router, device=device)
+    return out

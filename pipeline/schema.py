@@ -29,7 +29,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 #: Bump when a table's columns change; banks of another version are refused with a clear error.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Granularities of a memory node, in the node order of DESIGN.md §3 (node id = 4 * position + index).
 GRANULARITIES: tuple[str, ...] = ("session", "turn", "summary", "keyword")
@@ -176,6 +176,20 @@ ANSWERS = pa.schema(
     ]
 )
 
+#: LLM-judge verdicts on a run's answers (``label`` null: unparseable or failed; ``scored_by``: llm | rule).
+JUDGMENTS = pa.schema(
+    [
+        pa.field("method", pa.string(), nullable=False),
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("question_type", pa.string()),
+        pa.field("template", pa.string()),
+        pa.field("judge_output", pa.string()),
+        pa.field("label", pa.bool_()),
+        pa.field("scored_by", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+)
+
 #: Static schemas by table name (``embeddings`` depends on the encoder's dimension).
 TABLES: dict[str, pa.Schema] = {
     "histories": HISTORIES,
@@ -189,6 +203,7 @@ TABLES: dict[str, pa.Schema] = {
     "edges": EDGES,
     "rankings": RANKINGS,
     "answers": ANSWERS,
+    "judgments": JUDGMENTS,
 }
 
 #: Key columns per table: rows sharing a key are one row (the last written wins on merge).
@@ -205,6 +220,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "edges": ("history_id", "src", "dst", "mode"),
     "rankings": ("method", "query_id", "rank"),
     "answers": ("method", "query_id"),
+    "judgments": ("method", "query_id"),
 }
 
 

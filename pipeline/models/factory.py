@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from memgas.pipeline.config import EncoderConfig, LLMConfig
-from memgas.pipeline.models.base import LLM, Encoder, SamplingParams
+from memgas.pipeline.models.base import LLM, Encoder
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +53,3 @@ def make_llm(cfg: LLMConfig, seed: int = 0) -> LLM:
                              timeout_s=cfg.timeout_s, max_retries=cfg.max_retries,
                              context_tokens=cfg.context_tokens, seed=seed)
     raise ValueError(f"llm.backend={cfg.backend!r}: unknown")
-
-
-def default_sampling(cfg: LLMConfig, seed: int = 0) -> SamplingParams:
-    """``SamplingParams`` from the config's defaults (``max_new_tokens``, ``temperature``)."""
-    return SamplingParams(max_tokens=cfg.max_new_tokens, temperature=cfg.temperature, seed=seed)

@@ -1,0 +1,148 @@
+"""The stage: one class per pipeline step (datatrove's step/executor split), run by one generic runner.
+
+A stage declares
+
+* ``name``, ``version`` (bump when its output for the same inputs changes),
+* ``upstream``: the stages whose outputs it reads,
+* ``config_fields``: every config leaf (dotted path) that can change its output; ``active_fields(cfg)``
+  narrows them to those that matter under ``cfg`` (e.g. LLM settings only when an LLM is used),
+* ``where``: ``"driver"`` (runs in the job's process), ``"task"`` (Ray tasks, stateless, CPU/GPU
+  kernels) or ``"actor"`` (Ray actors holding a model, see ``model``),
+* ``store``: ``"bank"`` or ``"results"`` (the run's own bank) and ``check_table``: the table whose part
+  marks a unit complete,
+
+and four functions: ``plan(ctx) -> units`` (JSON-able dicts, each with a ``"part"`` name; persisted so a
+resumed run does exactly the same units), ``inputs(ctx, unit) -> payload`` (read on the driver: tasks and
+actors never open the bank), ``run(model, payload, params) -> {table: Arrow table}`` (in the worker) and
+``finish(ctx) -> stats`` (compaction, accounting).
+
+Its **fingerprint** = hash(name, version, the values of its active fields, the fingerprints of its upstream
+stages, the dataset's sha256). Plans, parts and the stage's completion marker are named by it, so a config
+change re-runs exactly the stages whose declared fields (or upstream) changed. Content-addressed caches
+(generations, embeddings) are keyed by the stage's ``cache_key`` = the hash of its own part only (version,
+active fields, resolved device/dtype; no upstream, no dataset), so another dataset or an upstream change
+that leaves a text unchanged reuses its rows.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal
+
+import pyarrow as pa
+
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.config import MemgasConfig
+
+
+def short_hash(obj: Any, size: int = 6) -> str:
+    """Stable short hex digest of a JSON-able object (sorted keys)."""
+    return hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=size).hexdigest()
+
+
+def config_value(cfg: MemgasConfig, path: str) -> Any:
+    """The value of a dotted config leaf, e.g. ``association.mem_threshold``."""
+    node: Any = cfg
+    for part in path.split("."):
+        node = getattr(node, part)
+    return node.model_dump(mode="json") if hasattr(node, "model_dump") else node
+
+
+@dataclass
+class StageContext:
+    """What a stage sees on the driver: the config, the banks and the fingerprints computed so far."""
+
+    cfg: MemgasConfig
+    bank: Bank
+    results: Bank | None
+    use_ray: bool
+    fingerprints: dict[str, str] = field(default_factory=dict)
+    #: resolved runtime facts that change outputs (device "cuda"/"cpu", encoder dtype), set by the runner
+    resolved: dict[str, Any] = field(default_factory=dict)
+    #: per-stage stats of this run, by stage name
+    stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def store(self, stage: Stage) -> Bank:
+        if stage.store == "results":
+            if self.results is None:
+                raise RuntimeError(f"stage {stage.name} writes run results but no run directory was given")
+            return self.results
+        return self.bank
+
+    @property
+    def dataset_sha(self) -> str | None:
+        ds = self.bank.manifest.get("datasets") or []
+        return ds[-1].get("sha256") if ds else None
+
+
+class Stage:
+    name: ClassVar[str]
+    version: ClassVar[str] = "1"
+    upstream: ClassVar[tuple[str, ...]] = ()
+    config_fields: ClassVar[tuple[str, ...]] = ()
+    where: ClassVar[Literal["driver", "task", "actor"]] = "driver"
+    store: ClassVar[Literal["bank", "results"]] = "bank"
+    check_table: ClassVar[str | None] = None
+    #: tables this stage writes (docs and the stage table in docs/architecture.md)
+    outputs: ClassVar[tuple[str, ...]] = ()
+    #: actor stages: which model the actor holds ("encoder", "generator", "llm")
+    model: ClassVar[str | None] = None
+    #: stages that must run every time (cheap, and their outputs are files, not tables)
+    always_run: ClassVar[bool] = False
+
+    # -- declarations -----------------------------------------------------------------------------
+    def enabled(self, cfg: MemgasConfig) -> bool:
+        return True
+
+    def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
+        return self.config_fields
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        """Runtime facts (not config leaves) that change this stage's output, e.g. the device it runs on."""
+        return {}
+
+    def cache_key(self, ctx: StageContext) -> str:
+        """Hash of what this stage itself adds (version, active fields, resolved facts): no upstream, no
+        dataset. Keys rows of content-addressed tables, which depend only on the text they are computed from."""
+        values = {f: config_value(ctx.cfg, f) for f in self.active_fields(ctx.cfg)}
+        return short_hash([self.name, self.version, values, self.resolved_inputs(ctx)])
+
+    def fingerprint(self, ctx: StageContext) -> str:
+        upstream = {u: ctx.fingerprints.get(u) for u in self.upstream}
+        return short_hash([self.cache_key(ctx), upstream, ctx.dataset_sha])
+
+    # -- execution ------------------------------------------------------------------------------------
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        return []
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> Any:
+        return unit
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        """JSON-able parameters shipped with every unit to ``run``."""
+        return {}
+
+    def model_config(self, ctx: StageContext) -> dict[str, Any]:
+        """Actor stages: the config of the model the actor loads (actors with equal configs are reused)."""
+        return {}
+
+    def num_gpus(self, ctx: StageContext) -> float:
+        return 0.0
+
+    @staticmethod
+    def run(model: Any, payload: Any, params: dict[str, Any]) -> dict[str, pa.Table]:
+        raise NotImplementedError
+
+    def run_driver(self, ctx: StageContext) -> dict[str, Any]:
+        """Driver stages do their whole work here; returns stats."""
+        raise NotImplementedError
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        """After every unit is complete: compaction and accounting. Returns stats for the run record."""
+        return {}
+
+    def complete(self, ctx: StageContext) -> bool:
+        """False when the stage ended with failures that a re-run should retry (no completion marker)."""
+        return True

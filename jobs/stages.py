@@ -1,0 +1,820 @@
+"""The pipeline's stages, in order, and the config contract (see :mod:`memgas.jobs.stage`).
+
+``PIPELINE`` is the main job; ``memgas index`` runs the slice ``INDEX`` and ``memgas answer`` the slice
+``ANSWER``. Adding a stage (a new granularity, a new reader) means writing one class here and adding it
+to ``PIPELINE``.
+
+Config contract: every leaf of :class:`MemgasConfig` is declared by at least one stage (it can change
+that stage's output, so it is part of its fingerprint) or listed once in ``RUNTIME_ONLY`` (it changes
+where or how fast work runs, never what it produces, and is never part of a fingerprint).
+``tests/jobs/test_stages.py`` enumerates the leaves and fails on a leaf that is neither.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from memgas.jobs.stage import Stage, StageContext, config_value, short_hash
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.config import MemgasConfig
+from memgas.pipeline.errors import BankError
+
+log = logging.getLogger(__name__)
+
+#: Settings that never change an output: where and how fast work runs. Never part of a fingerprint.
+#: Batch and unit sizes are here too: they can move the last bits of a float (which texts share a padded
+#: batch), and a resumed run keeps its units from the plan, so they never mix within one table.
+RUNTIME_ONLY: tuple[str, ...] = (
+    "name", "output_dir", "bank_dir",
+    "encoder.batch_size",
+    "llm.api_key_env", "llm.concurrency", "llm.timeout_s", "llm.max_retries", "llm.gpu_memory_utilization",
+    "llm.threads",
+    "ray.address", "ray.num_cpus", "ray.num_gpus_per_model_actor", "ray.num_gpus_per_task", "ray.model_actors",
+    "ray.shard_size", "ray.generate_unit", "ray.encode_unit",
+)
+
+#: LLM settings that change what an LLM writes (backend and model, context, batching, sampling).
+LLM_OUTPUT_FIELDS: tuple[str, ...] = (
+    "llm.backend", "llm.model", "llm.base_url", "llm.context_tokens", "llm.batch_size", "llm.temperature",
+    "llm.tensor_parallel_size", "seed",
+)
+ENCODER_OUTPUT_FIELDS: tuple[str, ...] = (
+    "encoder.backend", "encoder.model", "encoder.max_tokens", "encoder.long_text", "encoder.dtype",
+    "encoder.device", "encoder.runtime",
+)
+
+
+def _fields(cfg: MemgasConfig, names: tuple[str, ...]) -> tuple[str, ...]:
+    """``names`` that exist in this config (``encoder.runtime`` is optional across versions)."""
+    out = []
+    for n in names:
+        try:
+            config_value(cfg, n)
+        except AttributeError:
+            continue
+        out.append(n)
+    return tuple(out)
+
+
+# -- models held by actors ---------------------------------------------------------------------------
+def _threads(n: int | None) -> None:
+    # Ray sets OMP_NUM_THREADS=1 in workers with num_cpus=1; a model worker owns its cores, so undo that.
+    import torch
+
+    torch.set_num_threads(max(1, n or os.cpu_count() or 1))
+
+
+class Generator:
+    """What a generation actor holds: the LLM (if the generator uses one) and the LLM-free generator."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from memgas.pipeline.config import EncoderConfig, GenerationConfig, LLMConfig
+        from memgas.pipeline.llm_free import LLMFreeGenerator
+        from memgas.pipeline.models.factory import make_encoder, make_llm
+
+        self.cfg = GenerationConfig(**config["generation"])
+        self.llm = make_llm(LLMConfig(**config["llm"]), seed=config["seed"]) if self.cfg.generator != "llm-free" else None
+        encoder = make_encoder(EncoderConfig(**config["encoder"])) if config.get("encoder") else None
+        self.free = LLMFreeGenerator(encoder) if self.cfg.generator != "llm" else None
+
+
+def make_model(kind: str, config: dict[str, Any]) -> Any:
+    """The model an actor (or the in-process host) holds for stages of ``model = kind``."""
+    from memgas.pipeline.config import EncoderConfig, LLMConfig
+    from memgas.pipeline.models.factory import make_encoder, make_llm
+
+    _threads(config.get("threads"))
+    if kind == "encoder":
+        return make_encoder(EncoderConfig(**config["encoder"]))
+    if kind == "llm":
+        return make_llm(LLMConfig(**config["llm"]), seed=config["seed"])
+    if kind == "generator":
+        return Generator(config)
+    raise ValueError(f"unknown model kind {kind!r}")
+
+
+FACTORY = "memgas.jobs.stages:make_model"
+
+
+# -- shared helpers -----------------------------------------------------------------------------------
+def chunk(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), max(1, size))]
+
+
+def parts_with_prefix(bank: Bank, table: str, prefix: str) -> list[str]:
+    return [p for p in bank.parts(table) if p.startswith(prefix)]
+
+
+def drop_other_parts(bank: Bank, table: str, prefix: str) -> int:
+    """Drop the parts of ``table`` computed under another fingerprint (called after the new ones are complete)."""
+    stale = [p for p in bank.parts(table) if not p.startswith(prefix)]
+    for p in stale:
+        bank.drop_part(table, p)
+    return len(stale)
+
+
+def history_shards(bank: Bank, size: int) -> list[list[str]]:
+    ids = sorted(set(bank.read("histories", columns=["history_id"])["history_id"].to_pylist()))
+    return chunk(ids, size)
+
+
+def resolve_device(ctx: StageContext, requested: str) -> str:
+    """"auto" -> "cuda" where the kernels will find a GPU (a Ray cluster with GPUs, or a local device)."""
+    if requested != "auto":
+        return requested
+    if ctx.use_ray:
+        from memgas.jobs.executor import cluster_gpus
+
+        device = "cuda" if cluster_gpus() > 0 else "cpu"
+    else:
+        from memgas.kernels.backend import get_xp
+
+        device = get_xp("auto")[1]
+    if device == "cpu" and not ctx.resolved.get("_logged_auto_cpu"):
+        log.info("device auto: no GPU available, kernels run on the CPU path")
+        ctx.resolved["_logged_auto_cpu"] = True
+    return device
+
+
+def texts_by_hash(bank: Bank, hashes: list[str]) -> dict[str, str]:
+    if not hashes:
+        return {}
+    t = bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(sorted(set(hashes))))
+    return dict(zip(t["text_hash"].to_pylist(), t["text"].to_pylist()))
+
+
+# -- ingest ----------------------------------------------------------------------------------------------
+class IngestStage(Stage):
+    """The dataset file becomes the bank's ingest tables (histories, sessions, texts, turns, pairs, queries)."""
+
+    name = "ingest"
+    config_fields = ("data.path", "data.format", "data.limit", "data.strict")
+    outputs = ("histories", "sessions", "texts", "turns", "pairs", "queries")
+
+    def fingerprint(self, ctx: StageContext) -> str:
+        # what the bank holds, not what the config names: index/answer on an existing bank use the same key
+        ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
+        return short_hash([self.name, self.version, ds.get("sha256"), ds.get("format"), ds.get("limit")])
+
+    def holds_config_dataset(self, ctx: StageContext) -> bool:
+        from memgas.pipeline.hashing import file_sha256
+
+        ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
+        want = {"sha256": file_sha256(ctx.cfg.data.path), "format": ctx.cfg.data.format, "limit": ctx.cfg.data.limit}
+        return all(ds.get(k) == v for k, v in want.items()) and ctx.bank.exists("sessions")
+
+    def run_driver(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.ingest import ingest
+
+        cfg = ctx.cfg
+        summary = ingest(cfg.data.path, cfg.data.format, ctx.bank.path, strict=cfg.data.strict, limit=cfg.data.limit,
+                         progress=True)
+        ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
+        if ds.get("limit") != cfg.data.limit:  # record the limit so a later run knows what this bank holds
+            ctx.bank.update_manifest(datasets=[{**ds, "limit": cfg.data.limit}])
+        counts = summary.get("counts", {}) if isinstance(summary, dict) else {}
+        return {"items": int(counts.get("sessions", 0)), "summary": summary}
+
+
+# -- generate --------------------------------------------------------------------------------------------
+class GenerateStage(Stage):
+    """A summary and keywords per unique session (LLM, LLM-free, or LLM with LLM-free fallback).
+
+    Content-addressed: rows are keyed by (session text_hash, kind, generator identity, prompt version @
+    cache key), shared by every history and dataset; a unit holds only sessions still missing.
+    """
+
+    name = "generate"
+    version = "2"
+    upstream = ("ingest",)
+    config_fields = ("generation.generator", "generation.summary_source", "generation.prompt_version",
+                     "generation.single_call", "generation.max_input_tokens", "generation.summary_max_tokens",
+                     "generation.keywords_max_tokens", *LLM_OUTPUT_FIELDS, *ENCODER_OUTPUT_FIELDS)
+    where = "actor"
+    model = "generator"
+    check_table = "generations"
+    outputs = ("generations", "texts")
+
+    @staticmethod
+    def uses_llm(cfg: MemgasConfig) -> bool:
+        return cfg.generation.generator != "llm-free"
+
+    @staticmethod
+    def uses_encoder(cfg: MemgasConfig) -> bool:
+        """The LLM-free generator may rank sentences with the encoder (``LLMFreeGenerator.NEEDS_ENCODER``)."""
+        from memgas.pipeline.llm_free import LLMFreeGenerator
+
+        return cfg.generation.generator != "llm" and bool(getattr(LLMFreeGenerator, "NEEDS_ENCODER", True))
+
+    def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
+        own = ["generation.generator", "generation.summary_source"]
+        if self.uses_llm(cfg):
+            own += ["generation.prompt_version", "generation.single_call", "generation.max_input_tokens",
+                    "generation.summary_max_tokens", "generation.keywords_max_tokens", *LLM_OUTPUT_FIELDS]
+        if self.uses_encoder(cfg):
+            own += ENCODER_OUTPUT_FIELDS
+        return _fields(cfg, tuple(own))
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.llm_free import LLM_FREE_VERSION
+
+        out: dict[str, Any] = {}
+        if ctx.cfg.generation.generator != "llm":
+            out["llm_free"] = LLM_FREE_VERSION
+        if self.uses_encoder(ctx.cfg):
+            out["encoder"] = ctx.resolved.get("encoder")
+        return out
+
+    def key(self, ctx: StageContext) -> tuple[str, str]:
+        """(model, prompt_version) columns of this config's rows in ``generations``."""
+        return generation_key(ctx)
+
+    def model_config(self, ctx: StageContext) -> dict[str, Any]:
+        cfg = ctx.cfg
+        return {"generation": cfg.generation.model_dump(), "llm": cfg.llm.model_dump(), "seed": cfg.seed,
+                "encoder": encoder_config(ctx) if self.uses_encoder(cfg) else None, "threads": cfg.llm.threads}
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        model, version = self.key(ctx)
+        return {"model": model, "version": version, "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        from memgas.pipeline.prompts import dialogue_kind_for
+
+        bank = ctx.bank
+        model, version = self.key(ctx)
+        sessions = bank.read("sessions", ["text_hash", "dataset_summary"])
+        dsum: dict[str, str | None] = {}
+        for h, d in zip(sessions["text_hash"].to_pylist(), sessions["dataset_summary"].to_pylist()):
+            if h not in dsum or (dsum[h] is None and d):
+                dsum[h] = d
+        have: dict[str, set[str]] = {}
+        if bank.exists("generations"):
+            g = bank.read("generations", ["text_hash", "kind", "error"],
+                          filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
+            for h, k, e in zip(g["text_hash"].to_pylist(), g["kind"].to_pylist(), g["error"].to_pylist()):
+                if e is not None and e.startswith("llm:"):
+                    continue  # backend failures (timeouts, HTTP) are retried; unusable outputs are not
+                have.setdefault(h, set()).add(k)
+        kind = dialogue_kind_for((bank.manifest.get("datasets") or [{}])[-1].get("format"))
+        missing = sorted(h for h in dsum if not {"summary", "keywords"} <= have.get(h, set()))
+        fp = ctx.fingerprints[self.name]
+        return [{"part": f"gen-{fp}-{i:05d}", "size": len(b), "kind": kind,
+                 "items": [[h, dsum[h], sorted({"summary", "keywords"} - have.get(h, set()))] for h in b]}
+                for i, b in enumerate(chunk(missing, ctx.cfg.ray.generate_unit))]
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        texts = texts_by_hash(ctx.bank, [it[0] for it in unit["items"]])
+        absent = [it[0] for it in unit["items"] if it[0] not in texts]
+        if absent:
+            raise BankError(f"{ctx.bank.path}: {len(absent)} session texts missing from 'texts' (first text_hash "
+                            f"{absent[0]}); re-ingest the dataset (memgas ingest, or memgas run)")
+        return {"items": [[h, texts[h], unit["kind"], d, kinds] for h, d, kinds in unit["items"]]}
+
+    @staticmethod
+    def run(model: Generator, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        from memgas.pipeline.generate import derived_texts, generate_for_sessions
+
+        tables = []
+        # sessions grouped by the kinds they still lack: a half-cached session regenerates only what it lacks
+        groups: dict[tuple[str, ...], list] = {}
+        for h, text, kind, dsum, kinds in payload["items"]:
+            groups.setdefault(tuple(kinds), []).append((h, text, kind, dsum))
+        texts = {it[0]: it[1] for it in payload["items"]}
+        for kinds, items in sorted(groups.items()):
+            tables.append(generate_for_sessions(
+                items, model.llm, model.cfg, key=(params["model"], params["version"]), kinds=kinds,
+                llm_free=model.free, temperature=params["temperature"], seed=params["seed"]))
+        gens = pa.concat_tables(tables)
+        return {"generations": gens, "texts": derived_texts(gens, texts)}
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.jobs.plan import compact
+
+        bank = ctx.bank
+        compact(bank, "generations")
+        compact(bank, "texts")
+        model, version = self.key(ctx)
+        mine = bank.read("generations", ["prompt_tokens", "completion_tokens", "error", "fallback"],
+                         filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
+        err = mine["error"].to_pylist()
+        self._llm_failures = sum(e is not None and e.startswith("llm:") for e in err)
+        return {"rows": mine.num_rows, "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
+                "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
+                "errors": sum(e is not None for e in err), "llm_failures": self._llm_failures,
+                "fallbacks": int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0)}
+
+    def complete(self, ctx: StageContext) -> bool:
+        return not getattr(self, "_llm_failures", 0)
+
+
+def llm_identity(cfg: MemgasConfig) -> str:
+    from memgas.pipeline.models.llms import SMOLLM2_ALIAS, SMOLLM2_NAME
+
+    return SMOLLM2_NAME if cfg.llm.model == SMOLLM2_ALIAS else cfg.llm.model
+
+
+def generation_key(ctx: StageContext) -> tuple[str, str]:
+    """(model, prompt_version) of this config's generations: a readable identity, and the prompt version
+    suffixed with the generate stage's cache key (every declared field that can change an output)."""
+    from memgas.pipeline.llm_free import LLM_FREE_NAME
+
+    cfg = ctx.cfg
+    stage = GenerateStage()
+    model = llm_identity(cfg) if stage.uses_llm(cfg) else LLM_FREE_NAME
+    base = cfg.generation.prompt_version if stage.uses_llm(cfg) else "llm-free"
+    return model, f"{base}@{stage.cache_key(ctx)}"
+
+
+def encoder_config(ctx: StageContext) -> dict[str, Any]:
+    """The encoder section with device and dtype resolved on the driver (so they can key the cache)."""
+    return {**ctx.cfg.encoder.model_dump(), **ctx.resolved.get("encoder", {})}
+
+
+def encoder_key(ctx: StageContext) -> str:
+    """``embeddings.encoder`` of this config: readable name @ the encode stage's cache key."""
+    from memgas.pipeline.generate import slug
+
+    e = ctx.cfg.encoder
+    return f"{slug(e.model)}@{EncodeStage().cache_key(ctx)}"
+
+
+# -- nodes -----------------------------------------------------------------------------------------------
+class NodesStage(Stage):
+    """Per (history, session): the five node rows (session, turn, summary, keyword, hybrid) and their texts."""
+
+    name = "nodes"
+    upstream = ("ingest", "generate")
+    outputs = ("nodes",)
+
+    def run_driver(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.granularity import build_nodes
+
+        model, version = generation_key(ctx)
+        nodes = build_nodes(ctx.bank, generator_model=model, prompt_version=version)
+        ctx.bank.write("nodes", nodes, info={"fingerprint": ctx.fingerprints[self.name]})
+        return {"items": nodes.num_rows}
+
+
+# -- encode ----------------------------------------------------------------------------------------------
+class EncodeStage(Stage):
+    """Embed every text the nodes, turn pairs and queries need, once per encoder (content-addressed)."""
+
+    name = "encode"
+    version = "2"
+    upstream = ("ingest", "nodes")
+    config_fields = ENCODER_OUTPUT_FIELDS
+    where = "actor"
+    model = "encoder"
+    check_table = "embeddings"
+    outputs = ("embeddings",)
+
+    def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
+        return _fields(cfg, ENCODER_OUTPUT_FIELDS)
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        return {"encoder": ctx.resolved.get("encoder")}
+
+    def model_config(self, ctx: StageContext) -> dict[str, Any]:
+        return {"encoder": encoder_config(ctx), "threads": ctx.cfg.llm.threads}
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        return {"encoder_key": encoder_key(ctx)}
+
+    def needed(self, ctx: StageContext) -> tuple[list[str], dict[str, str]]:
+        """Every text hash the nodes (all granularities), turn pairs and queries need; question texts by hash."""
+        from memgas.pipeline.encode import query_hash
+
+        bank = ctx.bank
+        need: set[str] = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
+        pairs = bank.read("pairs", ["text_hash"], filter=pc.field("session_hash").isin(sorted(need)))
+        need.update(pairs["text_hash"].to_pylist())
+        nodes = bank.read("nodes", ["granularity", "text_hash"])
+        need.update(nodes.filter(pc.field("granularity") != "turn")["text_hash"].to_pylist())
+        questions = {query_hash(q): q for q in bank.read("queries", ["query_id", "question"])["question"].to_pylist()}
+        need.update(questions)
+        return sorted(need), questions
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        bank, key = ctx.bank, encoder_key(ctx)
+        need, _ = self.needed(ctx)
+        have: set[str] = set()
+        if bank.exists("embeddings"):
+            have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == key)
+                       ["text_hash"].to_pylist())
+        todo = [h for h in need if h not in have]
+        fp = ctx.fingerprints[self.name]
+        return [{"part": f"enc-{fp}-{i:05d}", "size": len(b), "hashes": b}
+                for i, b in enumerate(chunk(todo, ctx.cfg.ray.encode_unit))]
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        if not hasattr(self, "_questions"):
+            self._questions = self.needed(ctx)[1]
+        texts = texts_by_hash(ctx.bank, unit["hashes"])
+        texts.update({h: q for h, q in self._questions.items() if h not in texts})
+        absent = [h for h in unit["hashes"] if h not in texts]
+        if absent:
+            raise BankError(f"{ctx.bank.path}: {len(absent)} texts to encode are missing from 'texts' (first "
+                            f"text_hash {absent[0]}); re-run the generate stage (memgas index)")
+        return {"hashes": unit["hashes"], "texts": [texts[h] for h in unit["hashes"]]}
+
+    @staticmethod
+    def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        from memgas.pipeline.encode import embeddings_table
+
+        return {"embeddings": embeddings_table(model, payload["hashes"], payload["texts"], params["encoder_key"])}
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.jobs.plan import compact
+
+        bank = ctx.bank
+        if bank.exists("embeddings"):
+            compact(bank, "embeddings")
+        mine = bank.read("embeddings", filter=pc.field("encoder") == encoder_key(ctx))
+        stats: dict[str, Any] = {"rows": mine.num_rows}
+        for col in ("truncated", "tokens", "tokens_dropped"):
+            if col in mine.column_names:
+                stats[col] = int(pc.sum(pc.cast(mine[col], pa.int64())).as_py() or 0)
+        return stats
+
+
+# -- associate -------------------------------------------------------------------------------------------
+def node_matrix(m: dict[str, Any]) -> np.ndarray:
+    from memgas.pipeline.retrieve import stack_nodes
+
+    return stack_nodes(m["session"], m["turn"], m["summary"], m["keyword"])
+
+
+class AssociateStage(Stage):
+    """Per history: GMM association edges (and the top-k edges of the "no GMM" ablation)."""
+
+    name = "associate"
+    upstream = ("ingest", "encode")
+    config_fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
+                     "association.dense_max_nodes", "retrieval.device")
+    where = "task"
+    check_table = "edges"
+    outputs = ("edges",)
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        return {"device": resolve_device(ctx, ctx.cfg.retrieval.device)}
+
+    def num_gpus(self, ctx: StageContext) -> float:
+        return ctx.cfg.ray.num_gpus_per_task if self.resolved_inputs(ctx)["device"] == "cuda" else 0.0
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        return {"association": ctx.cfg.association.model_dump(), **self.resolved_inputs(ctx)}
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        fp = ctx.fingerprints[self.name]
+        return [{"part": f"assoc-{fp}-{i:05d}", "size": len(ids), "histories": ids}
+                for i, ids in enumerate(history_shards(ctx.bank, ctx.cfg.ray.shard_size))]
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        from memgas.pipeline.granularity import MatrixLoader
+
+        loader = MatrixLoader(ctx.bank, encoder_key(ctx), history_ids=unit["histories"])
+        ids = [h for h in unit["histories"] if h in loader.history_ids]
+        return {"histories": ids, "matrices": [node_matrix(loader.get(h)) for h in ids]}
+
+    @staticmethod
+    def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        from memgas.pipeline.association import associate_many
+        from memgas.pipeline.schema import EDGES
+
+        a = params["association"]
+        cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
+        for mode in ("gmm", "topk"):
+            edges = associate_many(payload["matrices"], mem_threshold=a["mem_threshold"],
+                                   min_prior_nodes=a["min_prior_nodes"], mode=mode, topk_edges=a["topk_edges"],
+                                   device=params["device"], dense_max_nodes=a["dense_max_nodes"])
+            for h, e in zip(payload["histories"], edges):
+                n = len(e.src)
+                cols["history_id"] += [h] * n
+                cols["src"] += e.src.tolist()
+                cols["dst"] += e.dst.tolist()
+                cols["similarity"] += e.sim.tolist()
+                cols["mode"] += [mode] * n
+        return {"edges": pa.table(cols, schema=EDGES)}
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        prefix = f"assoc-{ctx.fingerprints[self.name]}-"
+        dropped = drop_other_parts(ctx.bank, "edges", prefix)
+        edges = ctx.bank.read("edges", ["mode"])
+        return {"edges_gmm": int(pc.sum(pc.equal(edges["mode"], "gmm")).as_py() or 0),
+                "edges_topk": int(pc.sum(pc.equal(edges["mode"], "topk")).as_py() or 0),
+                "topk_edges": ctx.cfg.association.topk_edges, "stale_parts_dropped": dropped}
+
+
+# -- rank ------------------------------------------------------------------------------------------------
+def query_vectors(bank: Bank, questions: list[str], key: str) -> np.ndarray:
+    from memgas.pipeline.encode import query_hash
+
+    hashes = [query_hash(q) for q in questions]
+    t = bank.read("embeddings", ["text_hash", "vector"],
+                  filter=(pc.field("encoder") == key) & pc.field("text_hash").isin(sorted(set(hashes))))
+    row = {h: i for i, h in enumerate(t["text_hash"].to_pylist())}
+    missing = [q for q, h in zip(questions, hashes) if h not in row]
+    if missing:
+        raise BankError(f"{bank.path}: {len(missing)} questions have no embedding under {key!r} "
+                        f"(first: {missing[0][:60]!r}); run `memgas index` with this config")
+    d = t.schema.field("vector").type.list_size
+    vecs = t["vector"].combine_chunks().flatten().to_numpy(zero_copy_only=False).reshape(-1, d)
+    return vecs[[row[h] for h in hashes]].astype(np.float32)
+
+
+def edges_of(bank: Bank, history_ids: list[str], parts: list[str]) -> dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]:
+    out: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+    if not parts:
+        return out
+    t = bank.read("edges", parts=parts, filter=pc.field("history_id").isin(history_ids))
+    if t.num_rows:
+        df = t.to_pandas()
+        for (h, mode), g in df.groupby(["history_id", "mode"], sort=False):
+            out[(h, mode)] = (g["src"].to_numpy(np.int64), g["dst"].to_numpy(np.int64))
+    return out
+
+
+class RankStage(Stage):
+    """Per shard of histories: every query ranked by every method (router + seeds + batched PPR)."""
+
+    name = "rank"
+    upstream = ("ingest", "nodes", "encode", "associate")
+    config_fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp",
+                     "retrieval.router", "retrieval.store_top", "retrieval.device")
+    where = "task"
+    store = "results"
+    check_table = "rankings"
+    outputs = ("rankings",)
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        return {"device": resolve_device(ctx, ctx.cfg.retrieval.device)}
+
+    def num_gpus(self, ctx: StageContext) -> float:
+        return ctx.cfg.ray.num_gpus_per_task if self.resolved_inputs(ctx)["device"] == "cuda" else 0.0
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        return {"retrieval": ctx.cfg.retrieval.model_dump(), **self.resolved_inputs(ctx)}
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        fp = ctx.fingerprints[self.name]
+        return [{"part": f"rank-{fp}-{i:05d}", "size": len(ids), "histories": ids}
+                for i, ids in enumerate(history_shards(ctx.bank, ctx.cfg.ray.shard_size))]
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        from memgas.pipeline.granularity import MatrixLoader
+
+        bank, ids = ctx.bank, unit["histories"]
+        queries = bank.read("queries", ["query_id", "history_id", "question"], filter=pc.field("history_id").isin(ids))
+        if queries.num_rows == 0:
+            return {"histories": []}
+        key = encoder_key(ctx)
+        loader = MatrixLoader(bank, key, history_ids=ids)
+        edge_parts = parts_with_prefix(bank, "edges", f"assoc-{ctx.fingerprints['associate']}-")
+        all_edges = edges_of(bank, ids, edge_parts)
+        qdf = queries.to_pandas()
+        qv = query_vectors(bank, qdf["question"].tolist(), key)
+        out = []
+        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        for h, g in qdf.groupby("history_id", sort=True):
+            if h not in loader.history_ids:
+                continue
+            m = loader.get(h)
+            out.append({"history_id": h, "matrices": m, "query_ids": g["query_id"].tolist(),
+                        "queries": qv[g.index.to_numpy()],
+                        "edges": {mode: all_edges.get((h, mode), empty) for mode in ("gmm", "topk")}})
+        return {"histories": out}
+
+    @staticmethod
+    def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        from memgas.pipeline.retrieve import rank_history
+        from memgas.pipeline.schema import RANKINGS
+
+        r = params["retrieval"]
+        cols: dict[str, list] = {"method": [], "query_id": [], "rank": [], "session_id": [], "score": []}
+        for h in payload["histories"]:
+            m = h["matrices"]
+            ranked = rank_history(node_matrix(m), h["queries"], h["edges"], r["methods"], hybrid=m.get("hybrid"),
+                                  num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
+                                  router=r["router"], device=params["device"])
+            sids = np.asarray(m["session_ids"], dtype=object)
+            top = min(r["store_top"], len(sids))
+            for method, (order, scores) in ranked.items():
+                for qi, qid in enumerate(h["query_ids"]):
+                    o = order[qi, :top]
+                    cols["method"] += [method] * top
+                    cols["query_id"] += [qid] * top
+                    cols["rank"] += list(range(1, top + 1))
+                    cols["session_id"] += sids[o].tolist()
+                    cols["score"] += scores[qi, o].astype(float).tolist()
+        return {"rankings": pa.table(cols, schema=RANKINGS)}
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        dropped = drop_other_parts(ctx.results, "rankings", f"rank-{ctx.fingerprints[self.name]}-")
+        return {"queries": ctx.bank.count("queries"), "stale_parts_dropped": dropped}
+
+
+# -- read ------------------------------------------------------------------------------------------------
+READ_FIELDS = ("reading.enabled", "reading.methods", "reading.top_k", "reading.filter", "reading.max_questions",
+               "reading.context_tokens", "reading.max_new_tokens")
+
+
+class ReadStage(Stage):
+    """Filter the top-K retrieved sessions, then answer (one LLM actor, batched across queries).
+
+    Answers that failed in the LLM backend (after the client's own retries) are kept out of the QA
+    metrics, counted, and re-planned on the next run; the stage is complete only when none is left.
+    """
+
+    name = "read"
+    upstream = ("ingest", "generate", "rank")
+    config_fields = (*READ_FIELDS, *LLM_OUTPUT_FIELDS)
+    where = "actor"
+    model = "llm"
+    store = "results"
+    check_table = "answers"
+    outputs = ("answers",)
+
+    def enabled(self, cfg: MemgasConfig) -> bool:
+        return cfg.reading.enabled
+
+    def model_config(self, ctx: StageContext) -> dict[str, Any]:
+        return {"llm": ctx.cfg.llm.model_dump(), "seed": ctx.cfg.seed, "threads": ctx.cfg.llm.threads}
+
+    def num_gpus(self, ctx: StageContext) -> float:
+        return ctx.cfg.ray.num_gpus_per_model_actor
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        return {"reading": ctx.cfg.reading.model_dump(), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        from memgas.pipeline.read import is_failed_answer
+
+        cfg, fp = ctx.cfg, ctx.fingerprints[self.name]
+        queries = ctx.bank.read("queries", ["query_id"])["query_id"].to_pylist()
+        if cfg.reading.max_questions is not None:
+            queries = queries[: cfg.reading.max_questions]
+        done: set[tuple[str, str]] = set()
+        attempt = 0
+        prev = current_answers(ctx)
+        if prev.num_rows:
+            for m, q, e in zip(prev["method"].to_pylist(), prev["query_id"].to_pylist(), prev["error"].to_pylist()):
+                if not is_failed_answer(e):
+                    done.add((m, q))
+            attempt = 1 + max((int(p.split("-a")[-1].split("-")[0]) for p in
+                               parts_with_prefix(ctx.results, "answers", f"ans-{fp}-")), default=-1)
+        units = []
+        for method in cfg.reading.methods:
+            todo = [q for q in queries if (method, q) not in done]
+            for i, batch in enumerate(chunk(todo, cfg.llm.batch_size)):
+                units.append({"part": f"ans-{fp}-{method}-a{attempt}-{i:05d}", "size": len(batch), "method": method,
+                              "queries": batch})
+        return units
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        from memgas.pipeline.read import reading_payloads
+
+        key = generation_key(ctx)
+        rank_parts = parts_with_prefix(ctx.results, "rankings", f"rank-{ctx.fingerprints['rank']}-")
+        payload = reading_payloads(ctx.bank, ctx.results.read("rankings", parts=rank_parts,
+                                                               filter=(pc.field("method") == unit["method"])
+                                                               & (pc.field("rank") <= ctx.cfg.reading.top_k)),
+                                   unit["queries"], generation_key=key)
+        return {"method": unit["method"], "queries": payload}
+
+    @staticmethod
+    def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        from memgas.pipeline.config import ReadingConfig
+        from memgas.pipeline.read import read_and_answer
+
+        table = read_and_answer(payload["queries"], model, ReadingConfig(**params["reading"]), method=payload["method"],
+                                temperature=params["temperature"], seed=params["seed"])
+        return {"answers": table}
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.read import is_failed_answer
+
+        drop_other_parts(ctx.results, "answers", f"ans-{ctx.fingerprints[self.name]}-")
+        ans = current_answers(ctx)
+        errors = ans["error"].to_pylist()
+        self._failed = sum(is_failed_answer(e) for e in errors)
+        return {"answers": ans.num_rows, "failed": self._failed,
+                "prompt_tokens": int(pc.sum(ans["prompt_tokens"]).as_py() or 0),
+                "completion_tokens": int(pc.sum(ans["completion_tokens"]).as_py() or 0),
+                "notes": sum(e is not None for e in errors) - self._failed}
+
+    def complete(self, ctx: StageContext) -> bool:
+        return not getattr(self, "_failed", 0)
+
+
+# -- judge -----------------------------------------------------------------------------------------------
+class JudgeStage(Stage):
+    """LongMemEval's per-type LLM judge over the run's answers; reuses the reading actor's engine."""
+
+    name = "judge"
+    upstream = ("ingest", "read")
+    config_fields = ("evaluation.judge", *LLM_OUTPUT_FIELDS)
+    where = "actor"
+    model = "llm"
+    store = "results"
+    check_table = "judgments"
+    outputs = ("judgments",)
+
+    def enabled(self, cfg: MemgasConfig) -> bool:
+        return cfg.evaluation.judge and cfg.reading.enabled
+
+    model_config = ReadStage.model_config
+    num_gpus = ReadStage.num_gpus
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        return {"temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        from memgas.pipeline.read import is_failed_answer
+
+        fp = ctx.fingerprints[self.name]
+        ans = current_answers(ctx)
+        units = []
+        by_method: dict[str, list[str]] = {}
+        for m, q, e in zip(ans["method"].to_pylist(), ans["query_id"].to_pylist(), ans["error"].to_pylist()):
+            if not is_failed_answer(e):
+                by_method.setdefault(m, []).append(q)
+        for m in sorted(by_method):
+            for i, batch in enumerate(chunk(sorted(by_method[m]), max(8, ctx.cfg.llm.batch_size))):
+                units.append({"part": f"judge-{fp}-{m}-{i:05d}", "size": len(batch), "method": m, "queries": batch})
+        return units
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        ans = current_answers(ctx).to_pandas()
+        ans = ans[(ans["method"] == unit["method"]) & ans["query_id"].isin(unit["queries"])]
+        q = ctx.bank.read("queries", ["query_id", "question", "answer", "question_type", "is_abstention"]).to_pandas()
+        df = ans[["query_id", "hypothesis"]].merge(q, on="query_id").sort_values("query_id")
+        df["hypothesis"] = df["hypothesis"].fillna("")
+        return {"method": unit["method"], "rows": df.to_dict("records")}
+
+    @staticmethod
+    def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        import pandas as pd
+
+        from memgas.pipeline.evaluate.judge import run_judge
+        from memgas.pipeline.schema import JUDGMENTS
+
+        judged = run_judge(model, pd.DataFrame(payload["rows"]))
+        rows = [{"method": payload["method"], "query_id": r["query_id"], "question_type": r["question_type"],
+                 "template": r["template"], "judge_output": r["judge_output"], "label": r["label"],
+                 "scored_by": r["method"], "error": r["error"]} for r in judged.to_dict("records")]
+        return {"judgments": pa.Table.from_pylist(rows, schema=JUDGMENTS)}
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        drop_other_parts(ctx.results, "judgments", f"judge-{ctx.fingerprints[self.name]}-")
+        return {"judged": ctx.results.count("judgments")}
+
+
+def current_answers(ctx: StageContext) -> pa.Table:
+    """The answers of the read stage's current fingerprint (empty table when none)."""
+    from memgas.pipeline.schema import ANSWERS
+
+    parts = parts_with_prefix(ctx.results, "answers", f"ans-{ctx.fingerprints['read']}-")
+    return ctx.results.read("answers", parts=parts) if parts else ANSWERS.empty_table()
+
+
+# -- evaluate --------------------------------------------------------------------------------------------
+class EvaluateStage(Stage):
+    """Retrieval metrics per method (session and turn level), QA metrics and judge accuracy -> metrics."""
+
+    name = "evaluate"
+    upstream = ("ingest", "rank", "read", "judge")
+    config_fields = ("evaluation.ks", "evaluation.bertscore")
+    store = "results"
+    always_run = True
+
+    def run_driver(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.jobs.evaluate_run import evaluate_run
+
+        parts = {
+            "rankings": parts_with_prefix(ctx.results, "rankings", f"rank-{ctx.fingerprints.get('rank')}-"),
+            "answers": parts_with_prefix(ctx.results, "answers", f"ans-{ctx.fingerprints.get('read')}-")
+            if ctx.cfg.reading.enabled else [],
+            "judgments": parts_with_prefix(ctx.results, "judgments", f"judge-{ctx.fingerprints.get('judge')}-")
+            if JudgeStage().enabled(ctx.cfg) else [],
+        }
+        metrics = evaluate_run(ctx.cfg, ctx.bank, ctx.results, parts=parts)
+        return {"items": metrics.get("n_queries", 0), "metrics": metrics}
+
+
+PIPELINE: tuple[Stage, ...] = (IngestStage(), GenerateStage(), NodesStage(), EncodeStage(), AssociateStage(),
+                               RankStage(), ReadStage(), JudgeStage(), EvaluateStage())
+STAGES: dict[str, Stage] = {s.name: s for s in PIPELINE}
+INDEX: tuple[str, ...] = ("generate", "nodes", "encode", "associate")
+ANSWER: tuple[str, ...] = ("rank", "read", "judge", "evaluate")
+
+
+def declared_fields() -> set[str]:
+    """Every config leaf some stage declares (statically: whatever the config, it may change an output)."""
+    return {f for s in PIPELINE for f in s.config_fields}
