@@ -13,20 +13,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from memgas.pipeline.errors import ConfigError
+from memgas.pipeline.methods import METHOD_NAMES
 
-#: Retrieval methods of the paper (single granularities, hybrid, MemGAS and its ablations).
-ALL_METHODS: tuple[str, ...] = (
-    "session",
-    "turn",
-    "summary",
-    "keyword",
-    "hybrid",
-    "memgas",
-    "memgas-no-gmm",
-    "memgas-no-ppr",
-    "memgas-no-router",
-    "memgas-no-association",
-)
+#: Retrieval methods of the paper (single granularities, hybrid, MemGAS and its ablations): one registry.
+ALL_METHODS: tuple[str, ...] = METHOD_NAMES
 
 
 class _Strict(BaseModel):
@@ -67,7 +57,7 @@ class LLMConfig(_Strict):
     max_retries: int = 3
     context_tokens: int = 8192
     batch_size: int = 8
-    max_new_tokens: int = 200
+    #: sampling temperature of every LLM call (generation, reading, judge); 0 = greedy, deterministic
     temperature: float = 0.0
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.85
@@ -131,6 +121,8 @@ class RayConfig(_Strict):
     address: str | None = None
     num_cpus: int | None = None
     num_gpus_per_model_actor: float = 0.0
+    #: GPUs each association/ranking task requests when its kernels run on CUDA (fractional: tasks share)
+    num_gpus_per_task: float = 0.25
     model_actors: int = 1
     #: histories per CPU task
     shard_size: int = 16
@@ -144,6 +136,7 @@ class MemgasConfig(_Strict):
     output_dir: str = "runs/demo"
     #: bank directory; default <output_dir>/bank
     bank_dir: str | None = None
+    #: seed of every LLM call (sampling at temperature > 0, and backends that take one)
     seed: int = 0
     data: DataConfig = Field(default_factory=DataConfig)
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
