@@ -3,7 +3,7 @@
 Layout::
 
     BANK/
-      manifest.json                 schema version, datasets (sha256), row counts, config, stage stats
+      manifest.json                 schema version, datasets (sha256), committed ingest parts, row counts, ...
       <table>/<part>.parquet        one or more parts per table (see memgas.pipeline.schema)
       <table>/_done/<part>.json     completion marker of a part: written after the part, atomically
 
@@ -11,10 +11,26 @@ Why parts with markers: every job writes its shard as one part, atomically (temp
 then its marker. A part without a marker (a kill between the two renames) is ignored by readers and
 rewritten by the next run, so a killed job resumes without losing or duplicating rows. Re-writing a
 part with the same name replaces it, which is what makes every stage idempotent.
+
+Two commit points make the multi-part operations crash-safe (docs/reliability.md):
+
+- **Compaction** (:meth:`Bank.write`, :meth:`Bank.compact`) writes the merged table as a *new* part
+  ``all-<digest of its bytes>``, marks it, and only then drops the parts it replaces. A kill or a full disk
+  at any instruction leaves either the old parts (the new one unmarked, ignored) or old and new together,
+  which readers merge by key (same rows): the data stays readable throughout.
+- **Ingest** writes its parts ``ingest-<slot>-NNNNN`` beside the committed ones (the other of two slots),
+  invisible to readers, and commits them by one atomic manifest write that names them
+  (``manifest["ingest"]["parts"]``); the old slot is dropped afterwards. The ingest tables are one unit:
+  when a committed part is missing (deleted, say, because it was unreadable) :meth:`Bank.exists` says no
+  for every ingest table, :meth:`Bank.read` refuses, and the next run re-ingests.
+
+The ingest tables' ``ingest-*`` parts belong to ingest alone: compaction never drops them (``texts`` also
+holds derived texts, summaries and keywords; those survive a re-ingest).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -29,6 +45,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from memgas import __version__
+from memgas.pipeline import faults
 from memgas.pipeline.errors import BankError
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, schema_for
 
@@ -37,36 +54,74 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 _PARQUET_OPTS = dict(compression="zstd", use_dictionary=True, write_statistics=True)
 
+#: Tables that ``memgas ingest`` writes (it owns their ``ingest-*`` parts).
+INGEST_TABLES: tuple[str, ...] = ("histories", "sessions", "texts", "turns", "pairs", "queries")
+INGEST_PREFIX = "ingest-"
+#: Compacted parts are named ``all-<16 hex digits of a digest of their bytes>``.
+COMPACT_PREFIX = "all-"
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half."""
+
+def _file_mode() -> int:
+    """0666 less the process umask: the mode ``open()`` would give (mkstemp gives 0600)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+_MODE = _file_mode()
+
+
+def _mkstemp(path: Path) -> tuple[int, str]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, _MODE)
+    except OSError:  # a filesystem without modes: keep what mkstemp gave
+        pass
+    return fd, tmp
+
+
+def atomic_write_bytes(path: Path, data: bytes, *, point: str = "bank:write-file") -> None:
+    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
+
+    Fault points: ``<point>:before-rename`` (temp file complete, not yet in place).
+    """
+    fd, tmp = _mkstemp(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        faults.hit(f"{point}:before-rename")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = True) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n").encode())
+def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = True, point: str = "bank:write-json") -> None:
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n").encode(), point=point)
 
 
-def atomic_write_parquet(path: Path, table: pa.Table) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def atomic_write_parquet(path: Path, table: pa.Table, *, point: str = "bank:write-parquet") -> None:
+    """Write ``table`` to ``path`` atomically. Fault point ``<point>:before-rename``."""
+    fd, tmp = _mkstemp(path)
     os.close(fd)
     try:
         pq.write_table(table, tmp, **_PARQUET_OPTS)
+        faults.hit(f"{point}:before-rename")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _file_digest(path: str | Path) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def conform(table: pa.Table, schema: pa.Schema, name: str) -> pa.Table:
@@ -98,8 +153,11 @@ class Bank:
 
     def __init__(self, path: str | Path, *, _create: bool = False) -> None:
         self.path = Path(path)
+        self._mcache: tuple[tuple[int, int, int], dict[str, Any]] | None = None
         manifest = self.path / MANIFEST
         if _create:
+            if self.path.exists() and not self.path.is_dir():
+                raise BankError(f"{self.path}: exists and is not a directory")
             self.path.mkdir(parents=True, exist_ok=True)
             if not manifest.exists():
                 atomic_write_json(
@@ -109,12 +167,16 @@ class Bank:
                         "memgas_version": __version__,
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         "datasets": [],
+                        "ingest": {"parts": []},
                         "stages": {},
                         "row_counts": {},
                     },
+                    point="bank:manifest",
                 )
-        if not manifest.exists():
-            raise BankError(f"{self.path}: not a memory bank (no {MANIFEST}); create one with `memgas ingest`")
+        if not manifest.is_file():
+            what = "no such directory" if not self.path.exists() else (
+                "not a directory" if not self.path.is_dir() else f"no {MANIFEST}")
+            raise BankError(f"{self.path}: not a memory bank ({what}); create one with `memgas ingest`")
         version = self.manifest.get("schema_version")
         if version != SCHEMA_VERSION:
             raise BankError(
@@ -129,10 +191,25 @@ class Bank:
     # -- manifest -----------------------------------------------------------------------------
     @property
     def manifest(self) -> dict[str, Any]:
+        """The manifest (a fresh copy; re-read when the file changed)."""
+        return json.loads(json.dumps(self._manifest()))
+
+    def _manifest(self) -> dict[str, Any]:
+        path = self.path / MANIFEST
         try:
-            return json.loads((self.path / MANIFEST).read_text())
-        except json.JSONDecodeError as exc:
-            raise BankError(f"{self.path / MANIFEST}: corrupt manifest: {exc}") from None
+            st = path.stat()
+            key = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if self._mcache is not None and self._mcache[0] == key:
+                return self._mcache[1]
+            m = json.loads(path.read_bytes())
+        except FileNotFoundError:
+            raise BankError(f"{self.path}: not a memory bank (no {MANIFEST}); create one with `memgas ingest`") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BankError(f"{path}: corrupt manifest: {exc}") from None
+        if not isinstance(m, dict):
+            raise BankError(f"{path}: corrupt manifest: expected a JSON object")
+        self._mcache = (key, m)
+        return m
 
     def update_manifest(self, **fields: Any) -> dict[str, Any]:
         """Merge ``fields`` into the manifest (dicts are merged one level deep) and write it atomically."""
@@ -143,7 +220,7 @@ class Bank:
             else:
                 m[k] = v
         m["row_counts"] = {name: self.count(name) for name in self.tables()}
-        atomic_write_json(self.path / MANIFEST, m)
+        atomic_write_json(self.path / MANIFEST, m, point="bank:manifest")
         return m
 
     # -- parts --------------------------------------------------------------------------------
@@ -153,12 +230,44 @@ class Bank:
     def tables(self) -> list[str]:
         return sorted(p.name for p in self.path.iterdir() if p.is_dir() and (p / "_done").is_dir())
 
-    def parts(self, name: str) -> list[str]:
-        """Completed parts of a table, in name order (only parts whose marker exists)."""
+    def _marked(self, name: str) -> list[str]:
         done = self._dir(name) / "_done"
         if not done.is_dir():
             return []
         return sorted(p.stem for p in done.glob("*.json") if (self._dir(name) / f"{p.stem}.parquet").exists())
+
+    def ingest_parts(self) -> set[str] | None:
+        """Names of the committed ingest parts (the same in every ingest table); None for a bank written
+        before ingest commits existed (then every ``ingest-*`` part counts)."""
+        rec = self._manifest().get("ingest")
+        if not isinstance(rec, dict):
+            return None
+        return set(rec.get("parts") or [])
+
+    def parts(self, name: str) -> list[str]:
+        """Completed parts of a table, in name order (only parts whose marker exists; for the ingest
+        tables only the committed ``ingest-*`` parts)."""
+        names = self._marked(name)
+        if name in INGEST_TABLES:
+            committed = self.ingest_parts()
+            if committed is not None:
+                names = [p for p in names if not p.startswith(INGEST_PREFIX) or p in committed]
+        return names
+
+    def missing_ingest_parts(self) -> list[str]:
+        """``table/part`` of every committed ingest part that is not there (deleted or never completed)."""
+        committed = self.ingest_parts()
+        if not committed:
+            return []
+        missing = []
+        for name in INGEST_TABLES:
+            have = set(self._marked(name))
+            missing += [f"{name}/{p}" for p in sorted(committed - have)]
+        return missing
+
+    def ingest_complete(self) -> bool:
+        """Whether every committed ingest part is present (a bank that needs no re-ingest)."""
+        return not self.missing_ingest_parts()
 
     def has_part(self, name: str, part: str) -> bool:
         return (self._dir(name) / "_done" / f"{part}.json").exists() and (
@@ -171,7 +280,11 @@ class Bank:
     def write_part(
         self, name: str, part: str, table: pa.Table, *, dim: int | None = None, info: dict | None = None
     ) -> Path:
-        """Write one part atomically, then its completion marker. Replaces a part of the same name."""
+        """Write one part atomically, then its completion marker. Replaces a part of the same name.
+
+        Fault points: ``bank:write-part:before-rename`` (the part's bytes are in a temp file) and
+        ``bank:write-part:before-marker`` (the part is in place, not yet marked: readers ignore it).
+        """
         if not part or "/" in part or part.startswith((".", "_")):
             raise ValueError(f"bad part name {part!r}")
         if name == "embeddings" and dim is None:  # the vectors' fixed size is the dimension
@@ -180,18 +293,92 @@ class Bank:
         path = self._dir(name) / f"{part}.parquet"
         marker = self._dir(name) / "_done" / f"{part}.json"
         marker.unlink(missing_ok=True)  # a crash from here on leaves an unmarked part: ignored, redone
-        atomic_write_parquet(path, table)
-        atomic_write_json(marker, {"rows": table.num_rows, **(info or {})})
+        atomic_write_parquet(path, table, point="bank:write-part")
+        faults.hit("bank:write-part:before-marker")
+        atomic_write_json(marker, {"rows": table.num_rows, **(info or {})}, point="bank:write-marker")
         return path
 
-    def write(self, name: str, table: pa.Table, *, dim: int | None = None, info: dict | None = None) -> None:
-        """Replace the whole table with ``table`` (one part named ``all``)."""
-        self.write_part(name, "all", table, dim=dim, info=info)
-        for part in self.parts(name):
-            if part != "all":
-                self.drop_part(name, part)
+    def write(self, name: str, table: pa.Table, *, dim: int | None = None, info: dict | None = None) -> str:
+        """Replace the table with ``table``, crash-safely; returns the new part's name.
+
+        The rows become one part ``all-<digest>`` that is written and marked before the parts it replaces
+        are dropped (see the module docstring). Ingest's own parts of ``texts`` are kept, and rows they
+        already hold are not written twice (texts are keyed by content, so those rows are equal).
+        """
+        if name == "embeddings" and dim is None:
+            dim = getattr(table.schema.field("vector").type, "list_size", None)
+        table = conform(table, schema_for(name, dim), name)
+        pinned = self._pinned(name)
+        if pinned and table.num_rows and len(KEYS.get(name, ())) == 1:
+            key = KEYS[name][0]
+            held = pa.concat_tables(
+                [self._read_part(name, p, [key]) for p in pinned], promote_options="permissive").column(key)
+            table = table.filter(pc.invert(pc.is_in(table.column(key), value_set=pc.unique(held))))
+        replace = [p for p in self.parts(name) if not (name in INGEST_TABLES and p.startswith(INGEST_PREFIX))]
+        return self._commit_compacted(name, table, replace, info)
+
+    def compact(self, name: str, *, dim: int | None = None) -> int:
+        """Merge the table's parts (ingest's own parts excepted) into one part sorted by key; returns its rows.
+
+        Crash-safe like :meth:`write`; a no-op when the table already is one compacted part.
+        """
+        own = [p for p in self.parts(name) if not (name in INGEST_TABLES and p.startswith(INGEST_PREFIX))]
+        if not own:
+            return 0
+        if len(own) == 1 and own[0].startswith(COMPACT_PREFIX):
+            return self._rows(name, own[0])
+        table = self.read(name, parts=own)
+        keys = KEYS.get(name)
+        if keys:
+            table = table.sort_by([(k, "ascending") for k in keys])
+        self.write(name, table, dim=dim)
+        return table.num_rows
+
+    def _pinned(self, name: str) -> list[str]:
+        """Parts of ``name`` that compaction must keep: ingest's own (ingest tables only)."""
+        if name not in INGEST_TABLES:
+            return []
+        return [p for p in self.parts(name) if p.startswith(INGEST_PREFIX)]
+
+    def _commit_compacted(self, name: str, table: pa.Table, replace: list[str], info: dict | None) -> str:
+        """Write ``table`` as a new marked part, then drop ``replace``. Fault points (in order):
+        ``bank:compact:before-rename``, ``bank:compact:before-marker``, ``bank:compact:after-new`` (new
+        part committed, old parts still there), ``bank:compact:dropped`` (after each old part dropped)."""
+        d = self._dir(name)
+        fd, tmp = _mkstemp(d / "compact.parquet")
+        os.close(fd)
+        try:
+            pq.write_table(table, tmp, **_PARQUET_OPTS)
+            part = f"{COMPACT_PREFIX}{_file_digest(tmp)}"
+            faults.hit("bank:compact:before-rename")
+            if self.has_part(name, part):  # the same bytes are committed already (a re-run, or a resumed one)
+                Path(tmp).unlink()
+            else:
+                (d / "_done" / f"{part}.json").unlink(missing_ok=True)
+                os.replace(tmp, d / f"{part}.parquet")
+                faults.hit("bank:compact:before-marker")
+                atomic_write_json(d / "_done" / f"{part}.json",
+                                  {"rows": table.num_rows, "replaces": sorted(p for p in replace if p != part),
+                                   **(info or {})}, point="bank:compact-marker")
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        faults.hit("bank:compact:after-new")
+        for old in replace:
+            if old != part:
+                self.drop_part(name, old)
+                faults.hit("bank:compact:dropped")
+        # leftovers of compactions killed before their marker: unmarked, never read, safe to remove
+        for f in d.glob(f"{COMPACT_PREFIX}*.parquet"):
+            if f.stem != part and not (d / "_done" / f"{f.stem}.json").exists():
+                f.unlink(missing_ok=True)
+        legacy = d / "all.parquet"
+        if legacy.exists() and not (d / "_done" / "all.json").exists():
+            legacy.unlink(missing_ok=True)
+        return part
 
     def drop_part(self, name: str, part: str) -> None:
+        """Unmark, then delete (a kill in between leaves an unmarked file: ignored)."""
         (self._dir(name) / "_done" / f"{part}.json").unlink(missing_ok=True)
         (self._dir(name) / f"{part}.parquet").unlink(missing_ok=True)
 
@@ -199,9 +386,85 @@ class Bank:
         for part in self.parts(name):
             self.drop_part(name, part)
 
+    # -- ingest commits (used by memgas.pipeline.ingest) --------------------------------------------
+    def begin_ingest(self) -> str:
+        """Prepare a new ingest: returns the slot (``a`` or ``b``) its parts must use, the one not committed.
+
+        Removes what earlier killed ingests left (parts not committed, marked or not). A bank written
+        before ingest commits existed first gets its present ``ingest-*`` parts recorded as committed.
+        """
+        committed = self.ingest_parts()
+        if committed is None:  # legacy bank: record what is there, so that new parts stay invisible
+            legacy = sorted({p for name in INGEST_TABLES for p in self._marked(name) if p.startswith(INGEST_PREFIX)})
+            m = self.manifest
+            m["ingest"] = {"parts": legacy}
+            atomic_write_json(self.path / MANIFEST, m, point="bank:manifest")
+            committed = set(legacy)
+        self._drop_uncommitted_ingest(committed)
+        slots = {p[len(INGEST_PREFIX)] for p in committed if p[len(INGEST_PREFIX):][1:2] == "-"}
+        return "b" if slots == {"a"} else "a"
+
+    def _drop_uncommitted_ingest(self, committed: set[str]) -> None:
+        for name in INGEST_TABLES:
+            d = self._dir(name)
+            if not d.is_dir():
+                continue
+            for f in list(d.glob(f"{INGEST_PREFIX}*.parquet")) + list((d / "_done").glob(f"{INGEST_PREFIX}*.json")):
+                if f.stem not in committed:
+                    f.unlink(missing_ok=True)
+
+    def commit_ingest(self, parts: list[str], **manifest_fields: Any) -> None:
+        """Make ``parts`` the bank's ingest (one atomic manifest write, together with ``manifest_fields``),
+        then drop the parts of the previous ingest. Fault points ``ingest:before-commit`` (new parts
+        complete, not committed), ``bank:manifest:before-rename`` and ``ingest:after-commit`` (committed,
+        old parts still on disk; invisible)."""
+        missing = [f"{n}/{p}" for n in INGEST_TABLES for p in parts if not self.has_part(n, p)]
+        if missing:
+            raise BankError(f"{self.path}: cannot commit the ingest: parts {missing[:3]} are not complete")
+        faults.hit("ingest:before-commit")
+        m = self.manifest
+        for k, v in manifest_fields.items():  # merged like update_manifest
+            m[k] = {**m[k], **v} if isinstance(v, dict) and isinstance(m.get(k), dict) else v
+        m["ingest"] = {"parts": list(parts)}
+        atomic_write_json(self.path / MANIFEST, m, point="bank:manifest")
+        faults.hit("ingest:after-commit")
+        self._drop_uncommitted_ingest(set(parts))  # the previous ingest's parts
+        faults.hit("ingest:after-drop-old")
+        self.update_manifest()  # row counts of the new data
+
+    def abort_ingest(self) -> None:
+        """Drop the parts of an ingest that will not be committed (the committed data is untouched)."""
+        committed = self.ingest_parts()
+        self._drop_uncommitted_ingest(committed or set())
+
     # -- reading ------------------------------------------------------------------------------
     def exists(self, name: str) -> bool:
+        """Whether the table has data. For an ingest table: also whether the whole ingest is intact (a
+        bank with a missing ingest part holds no usable dataset; the next run re-ingests)."""
+        if name in INGEST_TABLES and self.missing_ingest_parts():
+            return False
         return bool(self.parts(name))
+
+    def _check_ingest(self, name: str) -> None:
+        if name in INGEST_TABLES:
+            missing = self.missing_ingest_parts()
+            if missing:
+                raise BankError(
+                    f"{self.path}: the ingested dataset is incomplete ({missing[0]} is missing"
+                    + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
+                    + "); re-ingest it (`memgas ingest`, or `memgas run`, which re-ingests by itself)"
+                )
+
+    def _read_part(self, name: str, part: str, columns: list[str] | None = None, filter: pc.Expression | None = None) -> pa.Table:
+        path = self._dir(name) / f"{part}.parquet"
+        try:
+            return pq.read_table(path, columns=columns, filters=filter)
+        except (OSError, pa.ArrowException) as exc:
+            if name in INGEST_TABLES and part.startswith(INGEST_PREFIX):
+                advice = "delete it and re-run: `memgas run` (or `memgas ingest`) then re-ingests the dataset"
+            else:
+                advice = "delete it and re-run the stage that wrote it"
+            raise BankError(f"{path}: unreadable Parquet part ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); {advice}") from None
 
     def read(
         self,
@@ -213,6 +476,8 @@ class Bank:
         filter: pc.Expression | None = None,
     ) -> pa.Table:
         """All completed parts of ``name`` concatenated in part order; duplicate keys keep the last."""
+        if parts is None:
+            self._check_ingest(name)
         chosen = list(parts) if parts is not None else self.parts(name)
         if not chosen:
             if name == "embeddings":
@@ -223,21 +488,23 @@ class Bank:
             want = list(dict.fromkeys([*KEYS[name], *columns]))
         elif columns is not None:
             want = list(columns)
-        tables = []
-        for part in chosen:
-            path = self._dir(name) / f"{part}.parquet"
-            try:
-                t = pq.read_table(path, columns=want, filters=filter)
-            except (OSError, pa.ArrowInvalid) as exc:
-                raise BankError(f"{path}: unreadable Parquet part ({exc}); delete it and re-run the stage") from None
-            tables.append(t)
+        tables = [self._read_part(name, part, want, filter) for part in chosen]
         table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         if dedupe and name in KEYS and len(tables) > 1:
             table = dedupe_last(table, KEYS[name])
         return table.select(columns) if columns is not None else table
 
+    def _rows(self, name: str, part: str) -> int:
+        path = self._dir(name) / f"{part}.parquet"
+        try:
+            return pq.ParquetFile(path).metadata.num_rows
+        except (OSError, pa.ArrowException) as exc:
+            raise BankError(f"{path}: unreadable Parquet part ({exc}); delete it and re-run") from None
+
     def count(self, name: str) -> int:
-        total = 0
-        for part in self.parts(name):
-            total += pq.ParquetFile(self._dir(name) / f"{part}.parquet").metadata.num_rows
-        return total
+        """Rows of the table. Exact when a compacted part overlaps others (an interrupted compaction, or
+        rows re-written since): then counted by unique key."""
+        parts = self.parts(name)
+        if len(parts) > 1 and name in KEYS and any(p.startswith(COMPACT_PREFIX) for p in parts):
+            return self.read(name, list(KEYS[name]), parts=parts).num_rows
+        return sum(self._rows(name, p) for p in parts)

@@ -2,18 +2,22 @@
 
 ``ingest(path, fmt, bank_dir)`` reads one file with the loader of its format (records are streamed, never
 the whole file), and writes the tables ``histories, sessions, texts, turns, pairs, queries`` as parts
-``ingest-00000, ingest-00001, ...`` of a few histories each, so memory stays bounded by one chunk plus the
-set of hashes already written. Texts, turns and pairs are written once per unique session/text across the
-whole file (LongMemEval haystacks share most sessions between questions).
+``ingest-<slot>-00000, ...`` of a few histories each, so memory stays bounded by one chunk plus the set of
+hashes already written. Texts, turns and pairs are written once per unique session/text across the whole
+file (LongMemEval haystacks share most sessions between questions).
 
-Re-ingesting into the same bank first drops every earlier ``ingest-*`` part, so it replaces, never
-duplicates; the same file gives the same Parquet bytes. If the load fails (bad data), the parts written
-so far are dropped again so the bank is never left half-ingested.
+Re-ingesting never destroys a bank (docs/reliability.md): the new parts are written beside the committed
+ones, invisible to readers, and become the bank's dataset by one atomic manifest write at the very end,
+after the whole file was read and validated; then the previous ingest's parts are dropped. A bad file, an
+interrupt (SIGINT), a kill or a full disk before that commit leave the bank exactly as it was; the
+caches (generations, embeddings, edges, derived texts) are never touched. The same file gives the same
+Parquet bytes (the part names alternate between two slots).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,27 +26,29 @@ from typing import Any
 import pyarrow as pa
 from tqdm.auto import tqdm
 
-from memgas.pipeline.bank import Bank
-from memgas.pipeline.data import jsonl, locomo, longmemeval, longmtbench
+from memgas.pipeline import faults
+from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank
+from memgas.pipeline.data import AUTO, FORMATS, loader
 from memgas.pipeline.data.common import HistoryRecord, Warnings
-from memgas.pipeline.errors import DataError
+from memgas.pipeline.errors import BankError, DataError, MemgasError
 from memgas.pipeline.hashing import file_sha256
 from memgas.pipeline.schema import schema_for
 
 log = logging.getLogger(__name__)
 
-#: The tables this stage owns.
-INGEST_TABLES: tuple[str, ...] = ("histories", "sessions", "texts", "turns", "pairs", "queries")
-PART_PREFIX = "ingest-"
+__all__ = ["INGEST_TABLES", "FORMATS", "IngestInterrupted", "detect_format", "ingest", "is_current"]
+
+PART_PREFIX = INGEST_PREFIX
 
 Loader = Callable[..., Iterator[HistoryRecord]]
-LOADERS: dict[str, Loader] = {
-    "longmemeval": longmemeval.load,
-    "locomo": locomo.load,
-    "longmtbench": longmtbench.load,
-    "jsonl": jsonl.load,
-}
-FORMATS: tuple[str, ...] = (*LOADERS, "auto")
+
+
+class IngestInterrupted(KeyboardInterrupt):
+    """SIGINT during ingest; ``message`` says what the bank holds now (the CLI prints it)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 def detect_format(path: str | Path) -> str:
@@ -67,7 +73,21 @@ def detect_format(path: str | Path) -> str:
     ):
         if key in head:
             return fmt
-    raise DataError(str(p), f"cannot tell the format; pass one of {list(LOADERS)}")
+    raise DataError(str(p), f"cannot tell the format; pass one of {list(FORMATS)}")
+
+
+def is_current(bank_dir: str | Path, path: str | Path, fmt: str, limit: int | None = None) -> bool:
+    """Whether the bank at ``bank_dir`` holds exactly this file (sha256, format, limit), intact.
+
+    False for a missing or damaged bank (a committed ingest part deleted): the caller re-ingests.
+    """
+    try:
+        bank = Bank(bank_dir)
+        ds = (bank.manifest.get("datasets") or [{}])[-1]
+    except BankError:
+        return False
+    want = {"sha256": file_sha256(path), "format": fmt, "limit": limit}
+    return all(ds.get(k) == v for k, v in want.items()) and bank.ingest_complete() and bank.exists("sessions")
 
 
 class _Chunk:
@@ -80,6 +100,29 @@ class _Chunk:
 
     def table(self, name: str) -> pa.Table:
         return pa.Table.from_pylist(self.rows[name], schema=schema_for(name))
+
+
+def _check_args(p: Path, fmt: str, out: Path, limit: Any, chunk_histories: Any, chunk_chars: Any) -> str:
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise MemgasError(f"limit must be a whole number >= 0 (or none for all), got {limit!r}")
+    for name, v in (("chunk_histories", chunk_histories), ("chunk_chars", chunk_chars)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise MemgasError(f"{name} must be a whole number >= 1, got {v!r}")
+    if not p.exists():
+        raise DataError(str(p), "no such file")
+    if not p.is_file():
+        raise DataError(str(p), "not a regular file" + (" (a directory)" if p.is_dir() else ""))
+    if fmt == AUTO:
+        fmt = detect_format(p)
+        log.info("%s: detected format %s", p, fmt)
+    if fmt not in FORMATS:
+        raise DataError(str(p), f"unknown format {fmt!r}; expected one of {[*FORMATS, AUTO]}")
+    if out.exists():
+        if not out.is_dir():
+            raise BankError(f"{out}: exists and is not a directory (the bank to create or replace)")
+        if not (out / MANIFEST).exists() and any(out.iterdir()):
+            raise BankError(f"{out}: a non-empty directory that is not a memory bank; choose a new or empty directory")
+    return fmt
 
 
 def ingest(
@@ -95,24 +138,26 @@ def ingest(
 ) -> dict[str, Any]:
     """Load ``path`` (format ``fmt``, or ``"auto"``) into the bank at ``bank_dir``; returns a summary.
 
-    ``strict`` turns data warnings (empty sessions, unparseable dates, missing evidence, ...) into
-    :class:`DataError`; ``limit`` keeps the first N histories. A chunk is flushed every
+    ``strict`` turns data warnings (empty sessions, unparseable dates, missing evidence, repeated
+    sessions, ...) into :class:`DataError`; ``limit`` keeps the first N histories. A chunk is flushed every
     ``chunk_histories`` histories or ``chunk_chars`` characters of new text, whichever comes first.
+
+    Fault points: ``ingest:after-part`` (each staged part written), then the commit's
+    (:meth:`Bank.commit_ingest`): ``ingest:before-commit``, ``ingest:after-commit``.
     """
     t0 = time.perf_counter()
     p = Path(path)
-    if not p.is_file():
-        raise DataError(str(p), "no such file")
-    if fmt == "auto":
-        fmt = detect_format(p)
-        log.info("%s: detected format %s", p, fmt)
-    if fmt not in LOADERS:
-        raise DataError(str(p), f"unknown format {fmt!r}; expected one of {list(FORMATS)}")
-    if limit is not None and limit < 0:
-        raise ValueError("limit must be >= 0")
+    out = Path(bank_dir)
+    fmt = _check_args(p, fmt, out, limit, chunk_histories, chunk_chars)
 
-    bank = Bank.create(bank_dir)
-    _drop_ingest_parts(bank)
+    created = not out.exists()
+    bank = Bank.create(out)
+    try:
+        slot = bank.begin_ingest()
+    except BaseException:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        raise
     warnings = Warnings(str(p), strict=strict)
     size = p.stat().st_size
     bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"ingest {p.name}", disable=not progress, leave=False)
@@ -121,69 +166,105 @@ def ingest(
     seen_sessions: set[bytes] = set()
     history_ids: set[str] = set()
     query_ids: set[str] = set()
-    counts = {"histories": 0, "sessions": 0, "unique_sessions": 0, "texts": 0, "turns": 0, "pairs": 0, "queries": 0}
+    counts = {"histories": 0, "sessions": 0, "unique_sessions": 0, "repeated_sessions": 0, "texts": 0, "turns": 0,
+              "pairs": 0, "queries": 0}
     parts: list[str] = []
     chunk = _Chunk()
+    dataset: dict[str, Any] = {}
 
     def flush() -> None:
         nonlocal chunk
         if chunk.histories == 0:
             return
-        part = f"{PART_PREFIX}{len(parts):05d}"
+        part = f"{PART_PREFIX}{slot}-{len(parts):05d}"
         for name in INGEST_TABLES:
             bank.write_part(name, part, chunk.table(name), info={"source": str(p)})
         parts.append(part)
+        faults.hit("ingest:after-part")
         log.debug("wrote %s (%d histories)", part, chunk.histories)
         chunk = _Chunk()
 
-    try:
-        for rec in LOADERS[fmt](p, warnings, on_read=bar.update):
-            if limit is not None and counts["histories"] >= limit:
-                break
-            if rec.history_id in history_ids:
-                raise DataError(str(p), f"duplicate history id {rec.history_id!r}", index=rec.index, record_id=rec.history_id)
-            history_ids.add(rec.history_id)
-            for q in rec.queries:
-                if q["query_id"] in query_ids:
-                    raise DataError(str(p), f"duplicate question id {q['query_id']!r}", index=rec.index, record_id=rec.history_id)
-                query_ids.add(q["query_id"])
-            _add(rec, chunk, counts, seen_texts, seen_sessions)
-            if chunk.histories >= chunk_histories or chunk.chars >= chunk_chars:
-                flush()
-        flush()
-    except BaseException:
-        # never leave a half-ingested bank behind: a later stage would silently use part of a dataset
-        bar.close()
-        _drop_ingest_parts(bank)
-        raise
-    bar.close()
+    def committed() -> bool:
+        """Whether the manifest names this ingest (the commit is one atomic write: it did or it did not)."""
+        try:
+            m = bank.manifest
+        except BankError:
+            return False
+        return bool(dataset) and (m.get("ingest") or {}).get("parts") == parts and (m.get("datasets") or [{}])[-1] == dataset
 
-    dataset = {
-        "path": str(p.resolve()),
-        "format": fmt,
-        "sha256": file_sha256(p),
-        "bytes": size,
-        "limit": limit,
-        "strict": strict,
-        "counts": dict(counts),
-    }
-    warn_summary = warnings.summary()
+    try:
+        try:
+            for rec in loader(fmt)(p, warnings, on_read=bar.update):
+                if limit is not None and counts["histories"] >= limit:
+                    break
+                if rec.history_id in history_ids:
+                    raise DataError(str(p), f"duplicate history id {rec.history_id!r}", index=rec.index, record_id=rec.history_id)
+                history_ids.add(rec.history_id)
+                for q in rec.queries:
+                    if q["query_id"] in query_ids:
+                        raise DataError(str(p), f"duplicate question id {q['query_id']!r}", index=rec.index, record_id=rec.history_id)
+                    query_ids.add(q["query_id"])
+                _add(rec, chunk, counts, seen_texts, seen_sessions)
+                if chunk.histories >= chunk_histories or chunk.chars >= chunk_chars:
+                    flush()
+            flush()
+        finally:
+            bar.close()
+        warn_summary = warnings.summary()
+        notes = warnings.notes()
+        dataset = {
+            "path": str(p.resolve()),
+            "format": fmt,
+            "sha256": file_sha256(p),
+            "bytes": size,
+            "limit": limit,
+            "strict": strict,
+            "counts": dict(counts),
+            "warnings": warnings.total,
+        }
+        # the commit: one atomic manifest write; from then on the bank holds the new dataset
+        bank.commit_ingest(
+            parts,
+            datasets=[dataset],
+            stages={"ingest": {"parts": len(parts), "warnings": {k: v["count"] for k, v in warn_summary.items()},
+                               "notes": {k: v["count"] for k, v in notes.items()}}},
+        )
+    except KeyboardInterrupt:
+        if committed():
+            raise IngestInterrupted(f"interrupted after the new data was committed: {out} holds {p.name}") from None
+        _abort(bank, out, created)
+        raise IngestInterrupted(f"interrupted before the new data was committed: {out} is unchanged") from None
+    except BaseException:
+        # never leave a half-ingested bank behind: the committed data stays as it was
+        if not committed():
+            _abort(bank, out, created)
+        raise
+
     summary: dict[str, Any] = {
         **dataset,
         **counts,
         "parts": len(parts),
         "warnings": warn_summary,
+        "warning_count": warnings.total,
+        "notes": notes,
         "seconds": round(time.perf_counter() - t0, 3),
     }
-    bank.update_manifest(
-        datasets=[dataset],
-        stages={"ingest": {"parts": len(parts), "warnings": {k: v["count"] for k, v in warn_summary.items()}}},
-    )
     log.info(
-        "ingested %s: %d histories, %d sessions (%d unique), %d queries in %.1fs",
-        p.name, counts["histories"], counts["sessions"], counts["unique_sessions"], counts["queries"], summary["seconds"],
+        "ingested %s: %d histories, %d sessions (%d unique, %d repeats dropped), %d queries, %d warnings in %.1fs",
+        p.name, counts["histories"], counts["sessions"], counts["unique_sessions"], counts["repeated_sessions"],
+        counts["queries"], warnings.total, summary["seconds"],
     )
     return summary
+
+
+def _abort(bank: Bank, out: Path, created: bool) -> None:
+    try:
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            bank.abort_ingest()
+    except OSError as exc:  # e.g. the disk went away: the staged parts stay invisible, the next ingest drops them
+        log.warning("could not remove the staged ingest parts in %s: %s", out, exc)
 
 
 def _add(
@@ -228,19 +309,8 @@ def _add(
             rows["pairs"].append(pr)
             counts["pairs"] += 1
     chunk.histories += 1
+    counts["repeated_sessions"] += len(rec.repeats)
     counts["histories"] += 1
     counts["sessions"] += len(rec.sessions)
     counts["unique_sessions"] += len(new_sessions)
     counts["queries"] += len(rec.queries)
-
-
-def _drop_ingest_parts(bank: Bank) -> None:
-    for name in INGEST_TABLES:
-        for part in bank.parts(name):
-            if part.startswith(PART_PREFIX):
-                bank.drop_part(name, part)
-        # unmarked leftovers of a killed run are ignored by readers but would linger on disk
-        d = bank.path / name
-        if d.is_dir():
-            for f in d.glob(f"{PART_PREFIX}*.parquet"):
-                f.unlink(missing_ok=True)

@@ -45,8 +45,12 @@ def compute_stats(bank: Bank) -> dict[str, Any]:
     ev_sessions = pc.list_value_length(queries.column("evidence_session_ids")).fill_null(0) if queries.num_rows else None
     ev_turns = pc.list_value_length(queries.column("evidence_turn_ids")).fill_null(0) if queries.num_rows else None
     hist_tokens = [v / CHARS_PER_TOKEN for v in per_history.values()]
+    datasets = [d for d in bank.manifest.get("datasets", []) if isinstance(d, dict)]
     return {
-        "datasets": [d.get("path") for d in bank.manifest.get("datasets", [])],
+        "datasets": [d.get("path") for d in datasets],
+        # sessions a dataset lists twice in one history (same id, same content): kept once at ingest
+        "repeated_sessions": sum(int((d.get("counts") or {}).get("repeated_sessions", 0)) for d in datasets),
+        "ingest_warnings": sum(int(d.get("warnings", 0) or 0) for d in datasets),
         "histories": histories.num_rows,
         "histories_by_dataset": dict(sorted(Counter(histories.column("dataset").to_pylist()).items())),
         "sessions": n_refs,
@@ -84,6 +88,7 @@ def format_stats(d: dict[str, Any]) -> str:
     for ds, n in d.get("histories_by_dataset", {}).items():
         add(f"  {ds}", n)
     add("sessions (references)", d["sessions"])
+    add("  repeats dropped at ingest", d.get("repeated_sessions", 0))
     add("unique sessions", d["unique_sessions"])
     add("dedup ratio (refs / unique)", d["dedup_ratio"])
     add("sessions per history", d["sessions_per_history"])
@@ -100,6 +105,7 @@ def format_stats(d: dict[str, Any]) -> str:
     add("tokens, all references (chars/4)", d["tokens_session_references"])
     add("tokens per history, mean", d["tokens_per_history_mean"])
     add("tokens per history, max", d["tokens_per_history_max"])
+    add("ingest warnings", d.get("ingest_warnings", 0))
     width = max(len(k) for k, _ in rows)
     vwidth = max(len(v) for _, v in rows)
     line = "-" * (width + vwidth + 3)

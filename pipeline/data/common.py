@@ -57,6 +57,8 @@ class HistoryRecord:
     turns: list[dict[str, Any]] = field(default_factory=list)
     pairs: list[dict[str, Any]] = field(default_factory=list)
     queries: list[dict[str, Any]] = field(default_factory=list)
+    #: sessions listed again with the same id and content: (session_id, where first, where again); skipped
+    repeats: list[tuple[str, str, str]] = field(default_factory=list)
 
     def history_row(self) -> dict[str, Any]:
         return {
@@ -232,6 +234,8 @@ class Warnings:
         self.once = set(once)
         self.counts: dict[str, int] = {}
         self.examples: dict[str, list[str]] = {}
+        self.note_counts: dict[str, dict[str, int]] = {}
+        self.note_examples: dict[str, list[str]] = {}
 
     def warn(
         self,
@@ -256,6 +260,27 @@ class Warnings:
 
     def summary(self) -> dict[str, Any]:
         return {k: {"count": c, "examples": self.examples.get(k, [])} for k, c in sorted(self.counts.items())}
+
+    def note(self, kind: str, message: str, *, index: int | None = None, record_id: str | None = None, n: int = 1) -> None:
+        """A fact about the data that changes nothing (e.g. sessions not in date order): counted and
+        exemplified in the ingest summary's ``notes``, logged once per kind at INFO, never an error."""
+        c = self.note_counts.get(kind)
+        if c is None:
+            c = self.note_counts[kind] = {"histories": 0, "count": 0}
+            log.info("%s (further %r notes are counted in the ingest summary)",
+                     DataError(self.file, message, index=index, record_id=record_id), kind)
+        c["histories"] += 1
+        c["count"] += n
+        if c["histories"] <= MAX_EXAMPLES:
+            self.note_examples.setdefault(kind, []).append(str(DataError(self.file, message, index=index, record_id=record_id)))
+
+    def notes(self) -> dict[str, Any]:
+        return {k: {**c, "examples": self.note_examples.get(k, [])} for k, c in sorted(self.note_counts.items())}
+
+    @property
+    def total(self) -> int:
+        """All warnings of every kind."""
+        return sum(self.counts.values())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -376,16 +401,24 @@ def _first_byte(path: Path) -> tuple[bytes, int]:
     return head[i : i + 1], i
 
 
-def iter_json_array(path: str | Path, on_read: Callable[[int], None] | None = None) -> Iterator[tuple[int, Any]]:
-    """Stream the items of a top-level JSON array with ijson: memory bounded by one item.
+#: Deepest nesting a record may have. The supported formats nest at most 7 levels (LoCoMo); deeper input
+#: is not a dataset, and without a bound a 200 KB file of 100,000 "[" drove a JSON parser to 23 GB of
+#: memory (ijson's path prefixes grow with depth, so their total size grows with its square).
+MAX_DEPTH = 64
 
-    Turns every parse failure into a one-line :class:`DataError`: wrong top-level type, truncated or
-    malformed JSON (with the approximate byte offset) and non-UTF-8 bytes (with the exact offset).
+
+def iter_json_array(path: str | Path, on_read: Callable[[int], None] | None = None) -> Iterator[tuple[int, Any]]:
+    """Stream the items of a top-level JSON array: memory bounded by one item, nesting by ``MAX_DEPTH``.
+
+    Items are built from ijson's ``basic_parse`` events (no path prefixes), so a deeply nested file fails
+    at depth ``MAX_DEPTH`` within milliseconds. Every parse failure is a one-line :class:`DataError`:
+    wrong top-level type, truncated or malformed JSON (with the approximate byte offset), numbers out of
+    range, too deep nesting and non-UTF-8 bytes (with the exact offset).
     """
     p = Path(path)
     file = str(p)
     if not p.is_file():
-        raise DataError(file, "no such file")
+        raise DataError(file, "no such file" if not p.exists() else "not a regular file")
     first, _ = _first_byte(p)
     if first == b"":
         raise DataError(file, "empty file; expected a JSON array of records")
@@ -401,15 +434,67 @@ def iter_json_array(path: str | Path, on_read: Callable[[int], None] | None = No
         reader = CountingReader(raw, on_read)
         index = 0
         try:
-            for item in ijson.items(io.BufferedReader(reader, 1 << 16), "item", use_float=True):
+            for item in _build_items(ijson.basic_parse(io.BufferedReader(reader, 1 << 16), use_float=True), reader):
                 yield index, item
                 index += 1
+        except _TooDeep:
+            raise DataError(
+                file, f"JSON nested deeper than {MAX_DEPTH} levels near byte {reader.pos} (the supported formats "
+                "nest at most 7); not a dataset file", index=index) from None
         except ijson.common.IncompleteJSONError as exc:
             raise _parse_error(p, exc, reader.pos, index) from None
         except UnicodeDecodeError:
             raise _utf8_error(p, index) from None
-        except ijson.common.JSONError as exc:
+        except (ijson.common.JSONError, ValueError, OverflowError) as exc:
             raise _parse_error(p, exc, reader.pos, index) from None
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _build_items(events: Iterator[tuple[str, Any]], reader: CountingReader) -> Iterator[Any]:
+    """The values of a top-level array, built from ``basic_parse`` events (depth checked as they come)."""
+    stack: list[Any] = []  # open containers below the top-level array
+    keys: list[Any] = []  # the pending key of each open container (None for arrays)
+    depth = 0
+    for ev, val in events:
+        if ev == "map_key":
+            keys[-1] = val
+        elif ev == "start_map" or ev == "start_array":
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise _TooDeep
+            if depth == 1:
+                continue
+            new: Any = {} if ev == "start_map" else []
+            if stack:
+                top = stack[-1]
+                if type(top) is list:
+                    top.append(new)
+                else:
+                    top[keys[-1]] = new
+            stack.append(new)
+            keys.append(None)
+        elif ev == "end_map" or ev == "end_array":
+            depth -= 1
+            if depth == 0:
+                # anything but whitespace after the array is malformed: let the parser say so
+                for _ in events:
+                    pass
+                return
+            done = stack.pop()
+            keys.pop()
+            if depth == 1:
+                yield done
+        elif depth == 1:  # a scalar item of the top-level array
+            yield val
+        else:
+            top = stack[-1]
+            if type(top) is list:
+                top.append(val)
+            else:
+                top[keys[-1]] = val
 
 
 def _utf8_error(p: Path, index: int) -> DataError:
@@ -424,9 +509,14 @@ def _parse_error(p: Path, exc: Exception, pos: int, index: int) -> DataError:
         return _utf8_error(p, index)
     msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     size = p.stat().st_size
-    if "incomplete" in msg.lower() or "premature" in msg.lower() or pos >= size:
+    low = msg.lower()
+    if "incomplete" in low or "premature" in low:
         return DataError(str(p), f"truncated JSON: the file ends inside a record (read {pos} of {size} bytes): {msg}", index=index)
-    return DataError(str(p), f"malformed JSON near byte {pos}: {msg}", index=index)
+    if "trailing garbage" in low:
+        return DataError(str(p), f"unexpected data after the top-level array (before byte {pos}): {msg}", index=index)
+    if "overflow" in low or "exceeds the limit" in low:
+        return DataError(str(p), f"a number out of range (before byte {pos}): {msg}", index=index)
+    return DataError(str(p), f"malformed JSON {'before' if pos >= size else 'near'} byte {pos}: {msg}", index=index)
 
 
 

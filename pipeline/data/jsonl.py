@@ -19,9 +19,11 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memgas.pipeline.data.common import (
+    MAX_DEPTH,
     stream_records,
     Ctx,
     HistoryRecord,
+    Utterance,
     Warnings,
     check_evidence,
     expect_dict,
@@ -29,7 +31,7 @@ from memgas.pipeline.data.common import (
     parse_date,
     query_row,
 )
-from memgas.pipeline.data.longmemeval import add_chat_session, parse_turns
+from memgas.pipeline.data.longmemeval import add_chat_session, note_date_order, parse_turns, report_repeats
 from memgas.pipeline.errors import DataError
 
 DATASET = "jsonl"
@@ -47,7 +49,7 @@ def parse_history(index: int, item: Any, file: str, warnings: Warnings) -> Histo
     questions = ctx.get(item, "questions", list, required=False) or []
     speakers = ctx.get(item, "speakers", list, required=False)
     rec = HistoryRecord(history_id=hid, dataset=DATASET, index=index)
-    seen: set[str] = set()
+    seen: dict[str, tuple[str, list[Utterance]]] = {}
     evidence_turns: list[str] = []
     for k, s in enumerate(sessions):
         w = f"sessions[{k}]"
@@ -58,6 +60,8 @@ def parse_history(index: int, item: Any, file: str, warnings: Warnings) -> Histo
         date_raw = ctx.get(s, "date", str, where=f"{w}.", required=False)
         utts = parse_turns(ctx, ctx.get(s, "turns", list, where=f"{w}."), f"{w}.turns")
         add_chat_session(rec, ctx, warnings, sid, utts, date_raw, w, seen, evidence_turns)
+    report_repeats(rec, warnings)
+    note_date_order(rec, warnings)
     if not rec.sessions:
         warnings.warn("empty_history", "history has no non-empty session (skipped)", index=index, record_id=hid, field="sessions")
         return None
@@ -108,7 +112,7 @@ def iter_lines(path: str | Path, on_read: Callable[[int], None] | None = None) -
     """(record index, parsed object) per non-blank line; one-line DataError for bad bytes or JSON."""
     p = Path(path)
     if not p.is_file():
-        raise DataError(str(p), "no such file")
+        raise DataError(str(p), "no such file" if not p.exists() else "not a regular file")
     offset = 0
     index = 0
     with open(p, "rb") as f:
@@ -130,8 +134,25 @@ def iter_lines(path: str | Path, on_read: Callable[[int], None] | None = None) -
             except json.JSONDecodeError as exc:
                 what = "truncated JSON" if exc.pos >= len(line.rstrip()) else "malformed JSON"
                 raise DataError(str(p), f"line {lineno}: {what} at column {exc.colno} (byte offset ~{start + exc.pos}): {exc.msg}", index=index) from None
+            except RecursionError:
+                raise DataError(str(p), f"line {lineno}: JSON nested too deeply (the format nests at most 6 levels); not a history", index=index) from None
+            except ValueError as exc:  # e.g. an integer of more than 4300 digits
+                raise DataError(str(p), f"line {lineno}: {str(exc).splitlines()[0]}", index=index) from None
+            if _depth_over(obj, MAX_DEPTH):
+                raise DataError(str(p), f"line {lineno}: JSON nested deeper than {MAX_DEPTH} levels; not a history", index=index)
             yield index, obj
             index += 1
+
+
+def _depth_over(obj: Any, limit: int) -> bool:
+    """Whether ``obj`` nests deeper than ``limit`` containers (iterative: no recursion limit to hit)."""
+    todo = [(obj, 1)] if isinstance(obj, (dict, list)) else []
+    while todo:
+        o, d = todo.pop()
+        if d > limit:
+            return True
+        todo.extend((v, d + 1) for v in (o.values() if type(o) is dict else o) if type(v) in (dict, list))
+    return False
 
 
 def load(

@@ -55,13 +55,25 @@ def add_chat_session(
     utterances: list[Utterance],
     date_raw: str | None,
     where: str,
-    seen: set[str],
+    seen: dict[str, tuple[str, list[Utterance]]],
     evidence_turns: list[str],
 ) -> None:
-    """Add one session (skipping empty ones with a warning) and collect its has_answer pairs."""
+    """Add one session (skipping empty ones with a warning) and collect its has_answer pairs.
+
+    ``seen`` maps the session ids of this history to (where, turns) of their first occurrence. The same
+    id again with the same turns is a *repeat* (LongMemEval-S as published lists 13 haystack sessions
+    twice): the first copy is kept and the repeat recorded in ``rec.repeats`` (reported once per history
+    by :func:`report_repeats`). The same id with other turns is an error naming both positions.
+    """
     if session_id in seen:
-        raise ctx.error(f"duplicate session id {session_id!r} within the history", where)
-    seen.add(session_id)
+        first_where, first_utts = seen[session_id]
+        if first_utts != utterances:
+            raise ctx.error(
+                f"duplicate session id {session_id!r} within the history with different content "
+                f"(first at {first_where})", where)
+        rec.repeats.append((session_id, first_where, where))
+        return
+    seen[session_id] = (where, utterances)
     if not utterances:
         # An empty session has no text to embed or retrieve: skip it (strict mode: error).
         warnings.warn("empty_session", f"session {session_id!r} has no turns (skipped)", index=ctx.index, record_id=ctx.record_id, field=where)
@@ -74,6 +86,35 @@ def add_chat_session(
         ref = f"{session_id}:{pair_of[i]}"
         if u.has_answer and ref not in evidence_turns:
             evidence_turns.append(ref)
+
+
+def report_repeats(rec: HistoryRecord, warnings: Warnings) -> None:
+    """One ``repeated_session`` warning per history that lists a session twice (strict mode: an error)."""
+    if not rec.repeats:
+        return
+    sid, first, again = rec.repeats[0]
+    more = f" and {len(rec.repeats) - 1} more" if len(rec.repeats) > 1 else ""
+    warnings.warn(
+        "repeated_session",
+        f"session {sid!r} is listed again at {again} with the same content as at {first}{more} "
+        "(kept the first copy)",
+        index=rec.index, record_id=rec.history_id, field=again,
+    )
+
+
+def note_date_order(rec: HistoryRecord, warnings: Warnings, question_date: Any = None) -> None:
+    """Notes (not warnings) about the order of dates: sessions not in date order, sessions after the question.
+
+    Neither changes the load: the MemGAS authors associate sessions in file order, and so do we.
+    """
+    dates = [s["date"] for s in rec.sessions if s["date"] is not None]
+    if any(b < a for a, b in zip(dates, dates[1:])):
+        warnings.note("sessions_not_in_date_order", "sessions are not in date order (kept in file order)",
+                      index=rec.index, record_id=rec.history_id)
+    if question_date is not None and dates and max(dates) > question_date:
+        n = sum(d > question_date for d in dates)
+        warnings.note("sessions_after_question", f"{n} session(s) dated after the question",
+                      index=rec.index, record_id=rec.history_id, n=n)
 
 
 def parse_question(index: int, item: Any, file: str, warnings: Warnings) -> HistoryRecord | None:
@@ -98,7 +139,7 @@ def parse_question(index: int, item: Any, file: str, warnings: Warnings) -> Hist
             "haystack_sessions",
         )
     rec = HistoryRecord(history_id=qid, dataset=DATASET, index=index, speakers=["user", "assistant"])
-    seen: set[str] = set()
+    seen: dict[str, tuple[str, list[Utterance]]] = {}
     evidence_turns: list[str] = []
     for k, (sid, draw, sess) in enumerate(zip(sids, dates, sessions)):
         sid = id_str(ctx, sid, f"haystack_session_ids[{k}]")
@@ -106,6 +147,7 @@ def parse_question(index: int, item: Any, file: str, warnings: Warnings) -> Hist
             raise ctx.error(f"expected a date string, got {type(draw).__name__}", f"haystack_dates[{k}]")
         utts = parse_turns(ctx, sess, f"haystack_sessions[{k}]")
         add_chat_session(rec, ctx, warnings, sid, utts, draw, f"haystack_sessions[{k}]", seen, evidence_turns)
+    report_repeats(rec, warnings)
     if not rec.sessions:
         warnings.warn("empty_history", "history has no non-empty session (question skipped)", index=index, record_id=qid, field="haystack_sessions")
         return None
@@ -114,6 +156,7 @@ def parse_question(index: int, item: Any, file: str, warnings: Warnings) -> Hist
     qdate = parse_date(qdate_raw)
     if qdate_raw is not None and qdate is None:
         warnings.warn("unparseable_date", f"date {qdate_raw!r} does not parse (kept raw)", index=index, record_id=qid, field="question_date")
+    note_date_order(rec, warnings, qdate)
     rec.queries.append(
         query_row(
             query_id=qid,

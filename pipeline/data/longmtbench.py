@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memgas.pipeline.data.common import (
-    Ctx, HistoryRecord, Warnings, expect_dict, id_str, query_row, stream_records,
+    Ctx, HistoryRecord, Utterance, Warnings, expect_dict, id_str, query_row, stream_records,
 )
 from memgas.pipeline.data.longmemeval import add_chat_session, parse_turns
 
@@ -33,7 +33,7 @@ def parse_conversation(index: int, item: Any, file: str, warnings: Warnings) -> 
     if len(questions) != len(answers):
         raise ctx.error(f"questions ({len(questions)}) and answers ({len(answers)}) must have the same length", "answers")
     rec = HistoryRecord(history_id=cid, dataset=DATASET, index=index, speakers=["user", "assistant"])
-    seen: set[str] = set()
+    seen: dict[str, tuple[str, list[Utterance]]] = {}
     for k, sess in enumerate(sessions):
         utts = parse_turns(ctx, sess, f"sessions[{k}]")
         add_chat_session(rec, ctx, warnings, f"session_{k + 1}", utts, None, f"sessions[{k}]", seen, [])

@@ -60,8 +60,8 @@ def test_truncated_json(tmp_path: Path) -> None:
     raw = json.dumps([q("a"), q("b")]).encode()
     msg = one_line_error(tmp_path, write(tmp_path, raw[: len(raw) - 40]))
     assert "truncated" in msg
-    # a failed ingest leaves no half-written ingest parts behind
-    assert Bank(tmp_path / "bank").count("histories") == 0
+    # a failed first ingest leaves nothing behind: no bank directory at all
+    assert not (tmp_path / "bank").exists()
 
 
 def test_malformed_json(tmp_path: Path) -> None:
