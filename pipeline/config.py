@@ -6,12 +6,16 @@ effective config (``model_dump``) next to its outputs.
 
 from __future__ import annotations
 
+import errno
+import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from memgas.pipeline.data import FORMATS
 from memgas.pipeline.errors import ConfigError
 from memgas.pipeline.methods import METHOD_NAMES
 
@@ -24,10 +28,12 @@ class _Strict(BaseModel):
 
 
 class DataConfig(_Strict):
-    path: str = "data/sample/locomo_sample.json"
-    format: Literal["longmemeval", "locomo", "longmtbench", "jsonl"] = "locomo"
+    #: a relative path is looked up from the working directory, then from the config file's directory
+    path: str = Field("data/sample/locomo_sample.json", min_length=1)
+    #: one of memgas.pipeline.data.FORMATS (the one registry of formats)
+    format: Literal[FORMATS] = "locomo"  # type: ignore[valid-type]
     #: keep only the first N histories/questions (None = all)
-    limit: int | None = None
+    limit: int | None = Field(None, ge=0)
     strict: bool = False
 
 
@@ -38,9 +44,9 @@ class EncoderConfig(_Strict):
     model: str = "minilm"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    batch_size: int = 64
+    batch_size: int = Field(64, ge=1)
     #: None = the model's own limit
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     #: encode texts longer than max_tokens as windows and average them (else truncate, and count it)
     long_text: Literal["truncate", "mean-windows"] = "truncate"
 
@@ -52,16 +58,16 @@ class LLMConfig(_Strict):
     base_url: str | None = None
     #: name of the environment variable holding the API key (the key itself never enters a config)
     api_key_env: str = "OPENAI_API_KEY"
-    concurrency: int = 8
-    timeout_s: float = 120.0
-    max_retries: int = 3
-    context_tokens: int = 8192
-    batch_size: int = 8
+    concurrency: int = Field(8, ge=1)
+    timeout_s: float = Field(120.0, gt=0)
+    max_retries: int = Field(3, ge=0)
+    context_tokens: int = Field(8192, ge=1)
+    batch_size: int = Field(8, ge=1)
     #: sampling temperature of every LLM call (generation, reading, judge); 0 = greedy, deterministic
-    temperature: float = 0.0
-    tensor_parallel_size: int = 1
-    gpu_memory_utilization: float = 0.85
-    threads: int | None = None
+    temperature: float = Field(0.0, ge=0)
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
+    threads: int | None = Field(None, ge=1)
 
 
 class GenerationConfig(_Strict):
@@ -73,45 +79,58 @@ class GenerationConfig(_Strict):
     prompt_version: str = "paper-v1"
     #: one structured (JSON) call for summary + keywords instead of two calls
     single_call: bool = False
-    max_input_tokens: int = 3072
-    summary_max_tokens: int = 200
-    keywords_max_tokens: int = 80
+    max_input_tokens: int = Field(3072, ge=1)
+    summary_max_tokens: int = Field(200, ge=1)
+    keywords_max_tokens: int = Field(80, ge=1)
 
 
 class AssociationConfig(_Strict):
-    mem_threshold: int = 30
-    min_prior_nodes: int = 20
+    #: candidates kept per node for the 2-component GMM (which needs at least 2 points)
+    mem_threshold: int = Field(30, ge=2)
+    min_prior_nodes: int = Field(20, ge=0)
     #: edges kept per node by the "no GMM" ablation
-    topk_edges: int = 5
+    topk_edges: int = Field(5, ge=1)
     #: above this many nodes in one history, candidates are searched with faiss instead of a dense matrix
-    dense_max_nodes: int = 20000
+    dense_max_nodes: int = Field(20000, ge=1)
 
 
 class RetrievalConfig(_Strict):
-    methods: list[str] = Field(default_factory=lambda: list(ALL_METHODS))
-    num_seeds: int = 15
-    damping: float = 0.1
-    temp: float = 0.2
+    methods: list[str] = Field(default_factory=lambda: list(ALL_METHODS), min_length=1)
+    num_seeds: int = Field(15, ge=1)
+    #: probability of following an edge (igraph's meaning); 0 and 1 make PPR degenerate
+    damping: float = Field(0.1, gt=0, lt=1)
+    #: softmax temperature of the entropy router
+    temp: float = Field(0.2, gt=0)
     router: Literal["paper", "reference"] = "paper"
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    #: how many ranked sessions to store per query
-    store_top: int = 50
+    #: how many ranked sessions to store per query (at least the largest evaluation.ks)
+    store_top: int = Field(50, ge=1)
+
+    @field_validator("methods")
+    @classmethod
+    def _known_methods(cls, v: list[str]) -> list[str]:
+        return _check_methods(v)
 
 
 class ReadingConfig(_Strict):
     enabled: bool = True
     #: methods whose rankings are read and answered
     methods: list[str] = Field(default_factory=lambda: ["memgas"])
-    top_k: int = 3
+    top_k: int = Field(3, ge=1)
     filter: bool = True
     #: answer only the first N questions (CPU LLMs take seconds per question); None = all
-    max_questions: int | None = None
-    context_tokens: int = 6144
-    max_new_tokens: int = 64
+    max_questions: int | None = Field(None, ge=0)
+    context_tokens: int = Field(6144, ge=1)
+    max_new_tokens: int = Field(64, ge=1)
+
+    @field_validator("methods")
+    @classmethod
+    def _known_methods(cls, v: list[str]) -> list[str]:
+        return _check_methods(v)
 
 
 class EvalConfig(_Strict):
-    ks: list[int] = Field(default_factory=lambda: [1, 3, 5, 10, 30, 50])
+    ks: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 3, 5, 10, 30, 50], min_length=1)
     judge: bool = False
     bertscore: bool = False
 
@@ -119,21 +138,21 @@ class EvalConfig(_Strict):
 class RayConfig(_Strict):
     #: None = start a local Ray (embedded); "auto" or "ray://host:port" for a cluster (RAY_ADDRESS works too)
     address: str | None = None
-    num_cpus: int | None = None
-    num_gpus_per_model_actor: float = 0.0
+    num_cpus: int | None = Field(None, ge=1)
+    num_gpus_per_model_actor: float = Field(0.0, ge=0)
     #: GPUs each association/ranking task requests when its kernels run on CUDA (fractional: tasks share)
-    num_gpus_per_task: float = 0.25
-    model_actors: int = 1
+    num_gpus_per_task: float = Field(0.25, ge=0)
+    model_actors: int = Field(1, ge=1)
     #: histories per CPU task
-    shard_size: int = 16
+    shard_size: int = Field(16, ge=1)
     #: sessions per checkpointed generation unit, texts per checkpointed encoding unit
-    generate_unit: int = 32
-    encode_unit: int = 512
+    generate_unit: int = Field(32, ge=1)
+    encode_unit: int = Field(512, ge=1)
 
 
 class MemgasConfig(_Strict):
     name: str = "demo"
-    output_dir: str = "runs/demo"
+    output_dir: str = Field("runs/demo", min_length=1)
     #: bank directory; default <output_dir>/bank
     bank_dir: str | None = None
     #: seed of every LLM call (sampling at temperature > 0, and backends that take one)
@@ -148,48 +167,188 @@ class MemgasConfig(_Strict):
     evaluation: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
+    @model_validator(mode="after")
+    def _cross_field(self) -> MemgasConfig:
+        """Rules between fields; each names its keys (load() then names the file or the --set they came from)."""
+        for keys, message in cross_field_problems(self):
+            raise PydanticCustomError("cross_field", "{message}", {"message": message, "keys": ",".join(keys)})
+        return self
+
     @property
     def bank_path(self) -> Path:
         return Path(self.bank_dir) if self.bank_dir else Path(self.output_dir) / "bank"
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> MemgasConfig:
-        raw: dict[str, Any] = {}
-        if path is not None:
-            try:
-                raw = yaml.safe_load(Path(path).read_text()) or {}
-            except FileNotFoundError:
-                raise ConfigError(f"{path}: config file not found") from None
-            except yaml.YAMLError as exc:
-                raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-            if not isinstance(raw, dict):
-                raise ConfigError(f"{path}: expected a mapping at the top level")
+        """The config of YAML file ``path`` (None: the defaults) with ``overrides`` (``KEY=VALUE``) applied.
+
+        Every problem is a one-line :class:`ConfigError` naming the key and where its value came from: the
+        ``--set KEY=VALUE`` that gave it, else the file. A relative ``data.path`` from the file that does
+        not exist from the working directory is looked up from the file's directory (docs/reliability.md).
+        """
+        raw = _read_yaml(path) if path is not None else {}
+        origin: dict[str, str] = {}
         for item in overrides or []:
-            _apply_override(raw, item)
+            key = _apply_override(raw, item)
+            origin[key] = item
+        source = str(path) if path is not None else "the defaults"
         try:
             cfg = cls.model_validate(raw)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            loc = ".".join(str(p) for p in first["loc"])
-            raise ConfigError(f"{path or 'config'}: {loc}: {first['msg']}") from None
-        unknown = [m for m in cfg.retrieval.methods if m not in ALL_METHODS]
-        if unknown:
-            raise ConfigError(f"retrieval.methods: unknown {unknown}; choose from {list(ALL_METHODS)}")
+            raise ConfigError(_one_line(exc.errors()[0], origin, source)) from None
+        if path is not None and "data.path" not in origin and "data" not in origin:
+            cfg.data.path = _resolve_data_path(cfg.data.path, Path(path))
         return cfg
+
+    def check_paths(self, *, data: bool = True, output: bool = True) -> None:
+        """Cheap checks before any work starts: ``data.path`` is a readable file, ``output_dir`` (and
+        ``bank_dir``) can be created or written. ConfigError for bad values (exit 2), PermissionError
+        for permissions (exit 3)."""
+        if data:
+            p = Path(self.data.path)
+            if not p.exists():
+                raise ConfigError(f"data.path: {p}: no such file (relative paths are looked up from the working "
+                                  "directory, then from the config file's directory)")
+            if not p.is_file():
+                raise ConfigError(f"data.path: {p}: not a regular file" + (" (a directory)" if p.is_dir() else ""))
+            if not os.access(p, os.R_OK):
+                raise PermissionError(errno.EACCES, "data.path: permission denied", str(p))
+        if output:
+            for key, d in (("output_dir", Path(self.output_dir)), ("bank_dir", Path(self.bank_dir) if self.bank_dir else None)):
+                if d is not None:
+                    _check_writable_dir(key, d)
 
     def dump_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-def _apply_override(raw: dict[str, Any], item: str) -> None:
-    """``a.b=value``: value parsed as YAML (so numbers, bools, lists work: ``retrieval.methods=[memgas]``)."""
+def _check_methods(v: list[str]) -> list[str]:
+    unknown = [m for m in v if m not in ALL_METHODS]
+    if unknown:
+        raise PydanticCustomError("unknown_method", "unknown method(s) {unknown}; choose from {known}",
+                                  {"unknown": ", ".join(map(str, unknown)), "known": ", ".join(ALL_METHODS)})
+    return v
+
+
+def cross_field_problems(cfg: MemgasConfig) -> list[tuple[tuple[str, ...], str]]:
+    """(keys, message) of every rule between fields that ``cfg`` breaks (empty: none)."""
+    out: list[tuple[tuple[str, ...], str]] = []
+    r, e, rd = cfg.retrieval, cfg.evaluation, cfg.reading
+    if r.store_top < max(e.ks):
+        out.append((("retrieval.store_top", "evaluation.ks"),
+                    f"retrieval.store_top={r.store_top} is below the largest evaluation.ks ({max(e.ks)}): "
+                    f"metrics at K={max(e.ks)} would be computed on {r.store_top} sessions"))
+    if rd.enabled and rd.top_k > r.store_top:
+        out.append((("reading.top_k", "retrieval.store_top"),
+                    f"reading.top_k={rd.top_k} exceeds retrieval.store_top={r.store_top} (sessions stored per query)"))
+    missing = [m for m in rd.methods if m not in r.methods]
+    if rd.enabled and missing:
+        out.append((("reading.methods", "retrieval.methods"),
+                    f"reading.methods names {missing}, which retrieval.methods {r.methods} does not rank"))
+    tp, gpus = cfg.llm.tensor_parallel_size, cfg.ray.num_gpus_per_model_actor
+    if cfg.llm.backend == "vllm" and 0 < gpus < tp:
+        out.append((("llm.tensor_parallel_size", "ray.num_gpus_per_model_actor"),
+                    f"llm.tensor_parallel_size={tp} needs {tp} GPUs per model actor but "
+                    f"ray.num_gpus_per_model_actor={gpus:g}"))
+    return out
+
+
+def _read_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"{path}: config file not found")
+    if p.is_dir():
+        raise ConfigError(f"{path}: is a directory, expected a YAML config file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not a text file (invalid UTF-8 at byte {exc.start}); expected a YAML config") from None
+    if "\x00" in text:
+        raise ConfigError(f"{path}: not a text file (NUL bytes); expected a YAML config")
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (data:, retrieval:, ...) at the top level, "
+                          f"got {type(raw).__name__}")
+    return raw
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{problem}"
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> str:
+    """``a.b=value``: value parsed as YAML (so numbers, bools, lists work: ``retrieval.methods=[memgas]``).
+    Returns the dotted key."""
     if "=" not in item:
-        raise ConfigError(f"--set {item!r}: expected key=value, e.g. retrieval.num_seeds=10")
+        raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. retrieval.num_seeds=10")
     key, value = item.split("=", 1)
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise ConfigError(f"--set {item}: expected KEY=VALUE with a dotted key, e.g. retrieval.num_seeds=10")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {item}: the value is not valid YAML: {_yaml_problem(exc)}") from None
     node = raw
-    parts = key.strip().split(".")
-    for p in parts[:-1]:
-        node = node.setdefault(p, {})
+    for i, p in enumerate(parts[:-1]):
+        if p not in node or node[p] is None:
+            node[p] = {}
+        node = node[p]
         if not isinstance(node, dict):
-            raise ConfigError(f"--set {item!r}: {p} is not a section")
-    node[parts[-1]] = yaml.safe_load(value)
+            raise ConfigError(f"--set {item}: {'.'.join(parts[: i + 1])} is not a section")
+    node[parts[-1]] = parsed
+    return key
+
+
+def _one_line(err: dict[str, Any], origin: dict[str, str], source: str) -> str:
+    """One line for pydantic's first error: the key, the problem, the value, and where it came from."""
+    if err.get("type") == "cross_field":
+        keys = err["ctx"]["keys"].split(",")
+        where = next((f"--set {origin[k]}" for k in keys if k in origin), source)
+        return f"{where}: {err['ctx']['message']}"
+    loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+    where = source
+    dotted = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+    for k, item in origin.items():  # the --set that gave this key, or a whole section holding it
+        if dotted == k or dotted.startswith(k + ".") or k.startswith(dotted + "."):
+            where = f"--set {item}"
+    msg = err["msg"]
+    if err.get("type") == "extra_forbidden":
+        msg = "unknown key (see pipeline/config.py for every key and its default)"
+    elif "input" in err and not isinstance(err["input"], (dict, list)):
+        msg = f"{msg} (got {err['input']!r})"
+    return f"{where}: {loc}: {msg}"
+
+
+def _resolve_data_path(value: str, config_file: Path) -> str:
+    p = Path(value)
+    if p.is_absolute() or p.exists():
+        return value
+    beside = config_file.parent / p
+    return str(beside) if beside.exists() else value
+
+
+def _check_writable_dir(key: str, d: Path) -> None:
+    """``d`` is a directory or can be made one: no file in the way, the nearest existing parent writable."""
+    if d.exists():
+        if not d.is_dir():
+            raise ConfigError(f"{key}: {d} exists and is not a directory")
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, f"{key}: permission denied (cannot write)", str(d))
+        return
+    parent = d.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{key}: {d}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, f"{key}: permission denied (cannot create {d})", str(parent))
