@@ -170,17 +170,22 @@ def fill_bank(cfg, res: Result) -> dict:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from memgas.jobs.main_job import encoder_name, generator_identity
+    from memgas.jobs import main_job
+    from memgas.jobs.stage import StageContext
+    from memgas.jobs.stages import EncodeStage, encoder_key, generation_key
     from memgas.pipeline.bank import Bank
-    from memgas.pipeline.encode import needed_hashes, query_hash
+    from memgas.pipeline.encode import query_hash
     from memgas.pipeline.generate import derived_texts, hybrid_text
     from memgas.pipeline.granularity import build_nodes
     from memgas.pipeline.hashing import text_hash
     from memgas.pipeline.schema import GENERATIONS, embeddings_schema
 
     bank = Bank(cfg.bank_path)
-    model, pv = generator_identity(cfg)
-    enc = encoder_name(cfg)
+    ctx = StageContext(cfg, bank, None, use_ray=False)
+    main_job.resolve_runtime(ctx)
+    main_job.compute_fingerprints(ctx)
+    model, pv = generation_key(ctx)
+    enc = encoder_key(ctx)
     t0 = time.perf_counter()
     sess = bank.read("sessions", ["history_id", "session_id", "text_hash"])
     uniq = sorted(set(sess.column("text_hash").to_pylist()))
@@ -210,7 +215,7 @@ def fill_bank(cfg, res: Result) -> dict:
     res.rows.append(Row("nodes (build_nodes)", nodes.num_rows, "node rows", t_nodes))
 
     t0 = time.perf_counter()
-    need = needed_hashes(bank)  # sessions, pairs, summary/keyword/hybrid texts, questions
+    need = EncodeStage().needed(ctx)[0]  # sessions, pairs, summary/keyword/hybrid texts, questions
     pairs = bank.read("pairs", ["session_hash", "text_hash"])
     for sh, ph in zip(pairs.column("session_hash").to_pylist(), pairs.column("text_hash").to_pylist()):
         owner.setdefault(ph, sh)
@@ -238,6 +243,8 @@ def fill_bank(cfg, res: Result) -> dict:
     say(f"  stored data: {gens.num_rows} generations, {nodes.num_rows} node rows, {len(need)} vectors "
         f"({len(need) * DIM * 4 / 1e6:.0f} MB) written in {t_fill + t_emb:.1f} s (setup, not a stage)")
     res.facts.append(("stored vectors (synthetic, 384-d)", f"{len(need)} ({len(need) * DIM * 4 / 1e6:.0f} MB)"))
+    for name in ("generate", "nodes", "encode"):  # filled above: the runner takes them as done
+        main_job.mark_done(ctx, name)
     return {"vectors": len(need), "node_rows": nodes.num_rows}
 
 
@@ -254,21 +261,27 @@ def part_retrieval(cfg, res: Result, use_ray: bool, sessions_per_history: int) -
 
         t0 = time.perf_counter()
         fresh = not ray.is_initialized()
-        main_job._start_ray(cfg)
+        main_job.start_ray(cfg, True)
         if fresh:
             res.rows.append(Row("ray init (overhead)", 1, "start", time.perf_counter() - t0))
+    from memgas.jobs.stage import StageContext
+
     prof = Profiler()
-    main_job._associate(cfg, bank, prof, use_ray)
+    ctx = StageContext(cfg, bank, None, use_ray)
+    main_job.resolve_runtime(ctx)
+    main_job.run_stages(ctx, ["associate"], prof)
     st = prof.stages["associate"]
     s0 = -(-cfg.association.min_prior_nodes // 4)
     gmm_rows = n_hist * 4 * max(0, sessions_per_history - s0)
-    edges = st.extra.get("edges", bank.count("edges"))
+    edges = bank.count("edges")
     res.rows.append(Row("associate (histories)", n_hist, "histories", st.wall_s,
                         f"cpu {st.cpu_s:.0f}s, shard={cfg.ray.shard_size}"))
     res.rows.append(Row("associate (GMM rows)", gmm_rows, "rows", st.wall_s, f"{edges} edges (gmm+topk)"))
 
     results = Bank.create(Path(cfg.output_dir) / "results")
-    main_job._rank(cfg, bank, results, prof, use_ray)
+    rctx = StageContext(cfg, bank, results, use_ray)
+    main_job.resolve_runtime(rctx)
+    main_job.run_stages(rctx, ["rank"], prof)
     st = prof.stages["rank"]
     methods = cfg.retrieval.methods
     res.rows.append(Row("rank (queries, all methods)", n_q, "queries", st.wall_s, f"{len(methods)} methods"))

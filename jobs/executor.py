@@ -170,6 +170,15 @@ def _local_host(factory: str, kind: str, config: dict) -> ModelHost:
     return _LOCAL_HOSTS[key]
 
 
+def use_loaded_model(factory: str, kind: str, config: dict, model: Any) -> None:
+    """In-process runs use ``model`` (already loaded) wherever a stage asks for ``(kind, config)``: for
+    tests that wrap a real model, and for embedding memgas in a process that holds the model already."""
+    key = short_hash([factory, kind, config], 12)
+    host = ModelHost.__new__(ModelHost)
+    host.model = model
+    _LOCAL_HOSTS[key] = host
+
+
 class ActorPool:
     """Ray actors holding one model config; reused by consecutive stages with the same model (the judge
     reuses the reader's engine) and killed when the runner moves on to another model or ends."""

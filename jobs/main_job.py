@@ -107,6 +107,20 @@ def _torch_cuda() -> bool:
         return False
 
 
+def set_fingerprint(stage: Stage, ctx: StageContext) -> str:
+    """Compute ``stage``'s fingerprint into ``ctx.fingerprints`` ("disabled" for a disabled stage)."""
+    fp = stage.fingerprint(ctx) if stage.enabled(ctx.cfg) else "disabled"
+    ctx.fingerprints[stage.name] = fp
+    return fp
+
+
+def compute_fingerprints(ctx: StageContext) -> dict[str, str]:
+    """Every stage's fingerprint under ``ctx`` without running anything (``memgas plan``, tests)."""
+    for stage in S.PIPELINE:
+        set_fingerprint(stage, ctx)
+    return dict(ctx.fingerprints)
+
+
 def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler) -> list[dict[str, Any]]:
     """Run the stages ``names`` of the pipeline in order; upstream stages outside the slice must be done."""
     record: list[dict[str, Any]] = []
@@ -114,23 +128,20 @@ def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler) -> list[
     try:
         for stage in S.PIPELINE:
             cfg = ctx.cfg
+            fp = set_fingerprint(stage, ctx)
             if stage.name == "ingest":
-                ctx.fingerprints["ingest"] = stage.fingerprint(ctx)
                 continue
-            if not stage.enabled(cfg):
-                ctx.fingerprints[stage.name] = "disabled"
+            if fp == "disabled":
                 if stage.name in names:
                     record.append({"stage": stage.name, "status": "disabled"})
                 continue
-            fp = stage.fingerprint(ctx)
-            ctx.fingerprints[stage.name] = fp
             store = ctx.store(stage) if (stage.store == "bank" or ctx.results is not None) else None
             if stage.name not in names:
-                if store is not None and stage.where != "driver" and _marker(store, stage).get("fingerprint") != fp:
+                if store is not None and not stage.always_run and _marker(store, stage).get("fingerprint") != fp:
                     raise BankError(f"{ctx.bank.path}: stage {stage.name!r} was not run with this config (fingerprint "
                                     f"{fp}); run `memgas index` with the same config first")
                 continue
-            entry = _run_one(stage, ctx, store, fp, prof, pools)
+            entry = run_stage(stage, ctx, store, fp, prof, pools)
             record.append(entry)
             log.info("stage %s: %s (%s)", stage.name, entry["status"], fp)
             # release the actors unless the next stage holds the same model (the judge reuses the reader)
@@ -143,8 +154,9 @@ def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler) -> list[
     return record
 
 
-def _run_one(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profiler,
+def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profiler,
              pools: dict[str, ActorPool]) -> dict[str, Any]:
+    """Run one stage under fingerprint ``fp`` (skipped when its marker carries ``fp``); its record entry."""
     entry: dict[str, Any] = {"stage": stage.name, "fingerprint": fp, "where": stage.where}
     prev = _marker(store, stage)
     if not stage.always_run and prev.get("fingerprint") == fp:
@@ -186,6 +198,14 @@ def _run_one(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profil
     return entry
 
 
+def mark_done(ctx: StageContext, name: str) -> None:
+    """Record stage ``name`` as complete under its current fingerprint, for tools that fill its tables
+    themselves (benchmarks/bench_end_to_end.py writes synthetic generations and embeddings)."""
+    stage = S.STAGES[name]
+    fp = set_fingerprint(stage, ctx)
+    atomic_write_json(_marker_path(ctx.store(stage), stage), {"fingerprint": fp, "units_total": 0, "filled": True})
+
+
 # -- ingest -------------------------------------------------------------------------------------------
 def ensure_ingested(cfg: MemgasConfig, prof: Profiler) -> tuple[Bank, dict[str, Any]]:
     """Ingest the config's dataset unless the bank already holds exactly that file (same sha256)."""
@@ -220,7 +240,7 @@ def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
 
 
 # -- commands -----------------------------------------------------------------------------------------
-def _start_ray(cfg: MemgasConfig, use_ray: bool) -> bool:
+def start_ray(cfg: MemgasConfig, use_ray: bool) -> bool:
     import ray
 
     if not use_ray or ray.is_initialized():
@@ -234,7 +254,7 @@ def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = N
     prof = prof or Profiler()
     bank = Bank(bank_path)
     warn_if_stale_bank(cfg, bank)
-    own = _start_ray(cfg, use_ray)
+    own = start_ray(cfg, use_ray)
     try:
         with locked(bank.path):
             ctx = StageContext(cfg, bank, None, use_ray)
@@ -254,7 +274,7 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
     run_dir = Path(run_dir or cfg.output_dir)
     bank = Bank(bank_path)
     warn_if_stale_bank(cfg, bank)
-    own = _start_ray(cfg, use_ray)
+    own = start_ray(cfg, use_ray)
     try:
         with locked(run_dir):
             return _answer_in(cfg, bank, run_dir, Profiler(), [], use_ray, profile, time.time())
@@ -271,7 +291,7 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
     with locked(out):
         if fresh:
             _empty_run_dir(out)
-        own = _start_ray(cfg, use_ray)
+        own = start_ray(cfg, use_ray)
         try:
             atomic_write_json(out / RUN_MARKER, {"status": "running", "config": cfg.model_dump(mode="json"),
                                                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

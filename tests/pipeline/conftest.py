@@ -69,3 +69,30 @@ def _make_bank(tmp_path: Path) -> Bank:
 def make_bank() -> Callable[[Path], Bank]:
     """``make_bank(tmp_path)`` builds the small three-session bank (sessions, texts, pairs) under tmp_path."""
     return _make_bank
+
+
+def run_stage_in_process(bank: Bank, cfg, name: str, model=None, results: Bank | None = None) -> tuple[dict, object]:
+    """Run the production stage ``name`` (plan, inputs, run, finish, marker) in-process on ``bank``.
+
+    ``model``: an already loaded (e.g. wrapped) model the stage's worker uses instead of loading its own.
+    Returns (the run-record entry, the stage context).
+    """
+    from memgas.jobs import main_job
+    from memgas.jobs import stages as S
+    from memgas.jobs.executor import use_loaded_model
+    from memgas.jobs.profiling import Profiler
+    from memgas.jobs.stage import StageContext
+
+    ctx = StageContext(cfg, bank, results, use_ray=False)
+    main_job.resolve_runtime(ctx)
+    main_job.compute_fingerprints(ctx)
+    stage = S.STAGES[name]
+    if model is not None:
+        use_loaded_model(S.FACTORY, stage.model, stage.model_config(ctx), model)
+    entry = main_job.run_stage(stage, ctx, ctx.store(stage), ctx.fingerprints[name], Profiler(), {})
+    return entry, ctx
+
+
+@pytest.fixture(scope="session")
+def run_stage():
+    return run_stage_in_process

@@ -13,12 +13,11 @@ from memgas.pipeline.generate import (
     clean_keywords,
     clean_summary,
     generate_for_sessions,
-    generation_key,
     hybrid_text,
     parse_joint,
-    run_generation,
     split_keywords,
 )
+from memgas.pipeline.llm_free import LLMFreeGenerator
 from memgas.pipeline.hashing import text_hash
 from memgas.pipeline.llm_free import LLM_FREE_NAME
 from memgas.pipeline.models.base import GenerationResult
@@ -84,16 +83,6 @@ def test_parse_joint_is_robust() -> None:
     assert parse_joint('Sure! {bad} then {"Summary": "x y", "keywords": "a; b"} done') == ("x y", "a; b")
     with pytest.raises(ValueError):
         parse_joint("no json here")
-
-
-def test_generation_key_variants() -> None:
-    class L:
-        name = "m"
-
-    assert generation_key(GenerationConfig(), L()) == ("m", "paper-v1")
-    assert generation_key(GenerationConfig(single_call=True, prompt_version="small-v1"), L()) == ("m", "small-v1+json")
-    assert generation_key(GenerationConfig(generator="llm-free"), None)[0] == LLM_FREE_NAME
-    assert generation_key(GenerationConfig(summary_source="dataset"), L())[1] == "paper-v1+dsum"
 
 
 # -- real models ------------------------------------------------------------------------------------------
@@ -162,7 +151,10 @@ def test_fallback_and_error_on_corrupted_outputs(smollm, encoder) -> None:
 
     items = [(text_hash(t), t, "longmemeval") for t in (S1, S2, INJECT, EMOJI)]
     ledger = TokenLedger()
-    fb = generate_for_sessions(items, Wrapped(smollm, corrupt), _cfg(generator="llm+fallback"), encoder, ledger=ledger)
+    key = (smollm.name, "paper-v1@test")
+    free = LLMFreeGenerator(encoder)
+    fb = generate_for_sessions(items, Wrapped(smollm, corrupt), _cfg(generator="llm+fallback"), key=key, llm_free=free,
+                               ledger=ledger)
     assert fb.schema == GENERATIONS and fb.num_rows == 8
     rows = {(r["text_hash"], r["kind"]): r for r in fb.to_pylist()}
     for h in (items[0][0], items[1][0], items[2][0]):
@@ -170,31 +162,47 @@ def test_fallback_and_error_on_corrupted_outputs(smollm, encoder) -> None:
             r = rows[(h, k)]
             assert r["fallback"] and r["fallback"].startswith(LLM_FREE_NAME), r
             assert r["output"] and r["error"] is None
-            assert r["model"] == smollm.name and r["prompt_version"] == "paper-v1"
+            assert r["model"] == smollm.name and r["prompt_version"] == "paper-v1@test"
     assert "backend exploded" in rows[(items[1][0], "summary")]["fallback"]
     assert ledger.stages["generation"].failures == 2  # the two injected backend errors
     assert ledger.stages["generation"].requests == 8
 
-    strict = generate_for_sessions(items[:3], Wrapped(smollm, corrupt), _cfg(generator="llm"), encoder)
+    strict = generate_for_sessions(items[:3], Wrapped(smollm, corrupt), _cfg(generator="llm"), key=key)
     for r in strict.to_pylist():
         assert r["error"] is not None and r["output"] == "" and r["fallback"] is None
     errs = {r["text_hash"]: r["error"] for r in strict.to_pylist() if r["kind"] == "summary"}
     assert errs[items[1][0]].startswith("llm:") and errs[items[0][0]].startswith("unusable:")
 
 
+def _job_cfg(**generation):
+    from memgas.pipeline.config import MemgasConfig
+
+    base = dict(summary_max_tokens=16, keywords_max_tokens=12, max_input_tokens=256)
+    base.update(generation)
+    return MemgasConfig(generation=base, llm={"context_tokens": 2048}, ray={"generate_unit": 3})
+
+
+class _Model:
+    """What the generation actor holds (jobs/stages.py Generator), with a wrapped real LLM."""
+
+    def __init__(self, llm, cfg, encoder) -> None:
+        self.llm, self.cfg, self.free = llm, cfg.generation, LLMFreeGenerator(encoder)
+
+
 @pytest.mark.slow
-def test_run_generation_bank_truncation_injection_and_rerun(tmp_path, smollm, encoder) -> None:
+def test_generate_stage_truncation_injection_and_rerun(tmp_path, smollm, encoder, run_stage) -> None:
     huge = "user: " + " ".join(f"word{i % 997} tomato basil" for i in range(35000))  # ~100k+ tokens
     sessions = [S1, S2, "", "   \n ", huge, EMOJI, INJECT, S1]  # S1 twice: generated once
     bank = _bank(tmp_path, sessions)
+    cfg = _job_cfg(generator="llm+fallback", prompt_version="small-v1")
     llm = Wrapped(smollm)
-    cfg = _cfg(generator="llm+fallback", prompt_version="small-v1")
-    stats = run_generation(bank, llm, encoder, cfg, dataset_kind="longmemeval", ledger=TokenLedger())
-    assert stats["sessions"] == 7 and stats["generated"] == 7
+    entry, ctx = run_stage(bank, cfg, "generate", model=_Model(llm, cfg, encoder))
+    assert entry["status"] == "executed" and entry["units_total"] == 3  # 7 unique sessions, 3 per unit
     gen = bank.read("generations")
     assert gen.num_rows == 14  # per item and kind, nothing else (injection text changed nothing)
     assert set(gen.column("model").to_pylist()) == {smollm.name}
-    assert set(gen.column("prompt_version").to_pylist()) == {"small-v1"}
+    (version,) = set(gen.column("prompt_version").to_pylist())
+    assert version.startswith("small-v1@")
     by = {(r["text_hash"], r["kind"]): r for r in gen.to_pylist()}
     assert by[(text_hash(huge), "summary")]["input_truncated"] is True
     assert by[(text_hash(huge), "summary")]["prompt_tokens"] <= 256 + 200
@@ -203,33 +211,33 @@ def test_run_generation_bank_truncation_injection_and_rerun(tmp_path, smollm, en
         r = by[(text_hash(empty), "summary")]
         assert r["output"] == "" and r["error"] is not None  # recorded, no crash, no LLM call
     inj = by[(text_hash(INJECT), "keywords")]
-    assert inj["output"] and "delete all" != inj["output"].strip()
+    # the keywords were produced (not skipped as the text demands) and are not the injected command
+    assert inj["output"].strip() and inj["output"].strip().lower().strip(".!") != "delete all"
     # derived texts (outputs and hybrids) are in `texts`, ready for encoding
-    texts = bank.read("texts")
-    have = set(texts.column("text_hash").to_pylist())
+    have = set(bank.read("texts").column("text_hash").to_pylist())
     s, k = by[(text_hash(S2), "summary")]["output"], by[(text_hash(S2), "keywords")]["output"]
     assert {text_hash(s), text_hash(k), text_hash(hybrid_text(s, k, S2))} <= have
 
     calls = llm.calls
-    again = run_generation(bank, llm, encoder, cfg, dataset_kind="longmemeval")
-    assert llm.calls == calls and again["generated"] == 0 and again["cached"] == 7
+    again, _ = run_stage(bank, cfg, "generate", model=_Model(llm, cfg, encoder))
+    assert again["status"] == "skipped" and llm.calls == calls
     assert bank.read("generations").num_rows == 14
 
 
 @pytest.mark.slow
-def test_single_call_json_and_dataset_summaries(tmp_path, smollm, encoder) -> None:
+def test_single_call_json_and_dataset_summaries(tmp_path, smollm, encoder, run_stage) -> None:
     def as_json(prompt: str) -> GenerationResult:
         if "Miso" in prompt:
             return GenerationResult(text='{"summary": "The user adopted Miso the cat.", "keywords": ["cat", "Miso"]}')
         return GenerationResult(text="not json at all")
 
     bank = _bank(tmp_path, [S1, S2], ["GPT summary of the cat session.", None])
+    bank.update_manifest(datasets=[{"format": "locomo"}])
+    cfg = _job_cfg(generator="llm+fallback", single_call=True, summary_source="dataset")
     llm = Wrapped(smollm, as_json)
-    cfg = _cfg(generator="llm+fallback", single_call=True, summary_source="dataset")
-    run_generation(bank, llm, encoder, cfg, dataset_kind="locomo")
+    run_stage(bank, cfg, "generate", model=_Model(llm, cfg, encoder))
     assert llm.prompts == 2  # one joint call per session
     gen = {(r["text_hash"], r["kind"]): r for r in bank.read("generations").to_pylist()}
-    assert set(r["prompt_version"] for r in gen.values()) == {"paper-v1+json+dsum"}
     assert gen[(text_hash(S1), "summary")]["output"] == "GPT summary of the cat session."
     assert gen[(text_hash(S1), "keywords")]["output"] == "cat; miso"
     assert gen[(text_hash(S2), "keywords")]["fallback"].startswith(LLM_FREE_NAME)
@@ -237,9 +245,11 @@ def test_single_call_json_and_dataset_summaries(tmp_path, smollm, encoder) -> No
 
 
 @pytest.mark.slow
-def test_llm_free_generator_makes_no_llm_call(tmp_path, encoder) -> None:
+def test_llm_free_generator_makes_no_llm_call(tmp_path, encoder, run_stage) -> None:
     bank = _bank(tmp_path, [S1, S2, EMOJI])
-    stats = run_generation(bank, None, encoder, GenerationConfig(generator="llm-free"), dataset_kind="longmemeval")
-    assert stats["generated"] == 3
+    cfg = _job_cfg(generator="llm-free")
+    entry, _ = run_stage(bank, cfg, "generate", model=_Model(None, cfg, encoder))
+    assert entry["units_done"] == 1
     gen = bank.read("generations", filter=pc.field("kind") == "keywords")
-    assert all(gen.column("output").to_pylist()) and set(gen.column("model").to_pylist()) == {LLM_FREE_NAME}
+    assert gen.num_rows == 3 and all(gen.column("output").to_pylist())
+    assert set(gen.column("model").to_pylist()) == {LLM_FREE_NAME}

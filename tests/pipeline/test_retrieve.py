@@ -88,7 +88,7 @@ def test_hybrid_and_errors() -> None:
     assert rank_sessions(*g, q, method="hybrid", hybrid_emb=hyb).tolist() == [[2, 0, 1, 4, 3]]
     with pytest.raises(ValueError, match="hybrid_emb"):
         rank_sessions(*g, q, method="hybrid")
-    with pytest.raises(ValueError, match="unknown method"):
+    with pytest.raises(ValueError, match="unknown retrieval method"):
         rank_sessions(*g, q, method="nope")
 
 

@@ -1,0 +1,249 @@
+"""Stages: the config contract, fingerprints that follow the declared fields, and the config-change matrix.
+
+Expected "which stages re-run" sets are written out by hand from the data flow (DESIGN.md §6):
+ingest -> generate -> nodes -> encode -> associate -> rank -> read -> judge -> evaluate, where rank also
+reads encode/associate and read also reads generate (summaries and keywords in the filter prompt).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from memgas.jobs import main_job
+from memgas.jobs import stages as S
+from memgas.jobs.stage import StageContext
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.config import MemgasConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+INDEX_DOWN = ["associate", "rank", "read"]
+ENC_DOWN = ["encode", *INDEX_DOWN]
+GEN_DOWN = ["generate", "nodes", *ENC_DOWN]
+
+
+def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            out += _leaves(ann, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def test_every_config_leaf_is_declared_or_runtime_only() -> None:
+    leaves = set(_leaves(MemgasConfig))
+    declared, runtime = S.declared_fields(), set(S.RUNTIME_ONLY)
+    assert not (declared & runtime), f"both declared and runtime-only: {sorted(declared & runtime)}"
+    orphans = sorted(leaves - declared - runtime)
+    assert not orphans, f"config keys no stage declares and not runtime-only: {orphans}"
+    unknown = sorted((declared | runtime) - leaves)
+    assert not unknown, f"declared/runtime-only names that are not config keys: {unknown}"
+
+
+def test_runtime_only_fields_never_enter_a_fingerprint() -> None:
+    for stage in S.PIPELINE:
+        for f in stage.config_fields:
+            assert f not in S.RUNTIME_ONLY, (stage.name, f)
+
+
+# (field, new value, stages whose fingerprint must change) under the base config below
+# (LLM-free generator, reading on, judge off). Fields inactive under that config change nothing.
+def _gen_down() -> list[str]:
+    return GEN_DOWN
+
+
+CASES: list[tuple[str, object, list[str]]] = [
+    ("generation.generator", "llm+fallback", GEN_DOWN),
+    ("generation.summary_source", "dataset", GEN_DOWN),
+    ("generation.prompt_version", "small-v1", []),  # no LLM writes summaries under llm-free
+    ("generation.single_call", True, []),
+    ("generation.max_input_tokens", 1000, []),
+    ("generation.summary_max_tokens", 50, []),
+    ("generation.keywords_max_tokens", 20, []),
+    ("encoder.max_tokens", 128, "ENC"),
+    ("encoder.long_text", "mean-windows", "ENC"),
+    ("encoder.model", "other-model", "ENC"),
+    ("encoder.backend", "hf", "ENC"),
+    ("encoder.dtype", "bfloat16", "ENC"),
+    ("encoder.device", "cuda", "ENC"),
+    ("association.mem_threshold", 20, INDEX_DOWN),
+    ("association.min_prior_nodes", 10, INDEX_DOWN),
+    ("association.topk_edges", 3, INDEX_DOWN),
+    ("association.dense_max_nodes", 100, INDEX_DOWN),
+    ("retrieval.device", "cuda", INDEX_DOWN),
+    ("retrieval.methods", ["memgas", "session"], ["rank", "read"]),
+    ("retrieval.num_seeds", 10, ["rank", "read"]),
+    ("retrieval.damping", 0.2, ["rank", "read"]),
+    ("retrieval.temp", 0.5, ["rank", "read"]),
+    ("retrieval.router", "reference", ["rank", "read"]),
+    ("retrieval.store_top", 40, ["rank", "read"]),
+    ("reading.enabled", False, ["read"]),
+    ("reading.methods", ["session"], ["read"]),
+    ("reading.top_k", 2, ["read"]),
+    ("reading.filter", False, ["read"]),
+    ("reading.max_questions", 3, ["read"]),
+    ("reading.context_tokens", 1500, ["read"]),
+    ("reading.max_new_tokens", 32, ["read"]),
+    ("llm.backend", "llama-cpp", ["read"]),
+    ("llm.model", "other", ["read"]),
+    ("llm.base_url", "http://127.0.0.1:1/v1", ["read"]),
+    ("llm.context_tokens", 4096, ["read"]),
+    ("llm.batch_size", 2, ["read"]),
+    ("llm.temperature", 0.7, ["read"]),
+    ("llm.tensor_parallel_size", 2, ["read"]),
+    ("seed", 7, ["read"]),
+    ("evaluation.judge", True, ["judge"]),
+    ("evaluation.ks", [1, 5], ["evaluate"]),
+    ("evaluation.bertscore", True, ["evaluate"]),
+]
+
+
+def _base(tmp: Path, **extra: object) -> MemgasConfig:
+    overrides = [f"output_dir={tmp}", "data.limit=1", "reading.max_questions=2", "reading.top_k=1",
+                 "reading.context_tokens=1024", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
+                 "reading.methods=[memgas]", "retrieval.store_top=50", "evaluation.ks=[1,3,5,10]"]
+    overrides += [f"{k}={json.dumps(v)}" for k, v in extra.items()]
+    return MemgasConfig.load(REPO / "configs" / "demo.yaml", overrides)
+
+
+def _fingerprints(cfg: MemgasConfig, bank: Bank) -> dict[str, str]:
+    ctx = StageContext(cfg, bank, None, use_ray=False)
+    main_job.resolve_runtime(ctx)
+    return main_job.compute_fingerprints(ctx)
+
+
+@pytest.fixture()
+def fake_bank(tmp_path: Path) -> Bank:
+    bank = Bank.create(tmp_path / "bank")
+    bank.update_manifest(datasets=[{"sha256": "ab" * 32, "format": "locomo", "limit": 1}])
+    return bank
+
+
+@pytest.mark.parametrize("field,value,expected", CASES, ids=[c[0] for c in CASES])
+def test_changing_a_field_changes_exactly_its_stage_and_downstream(tmp_path, fake_bank, field, value, expected) -> None:
+    if field.startswith("encoder.") and S.GenerateStage.uses_encoder(_base(tmp_path)):
+        expected = ["generate", "nodes", *ENC_DOWN]  # the LLM-free summary ranks sentences with the encoder
+    elif expected == "ENC":
+        expected = ENC_DOWN
+    if expected:  # evaluate reads every result table: downstream of any change
+        expected = sorted({*expected, "evaluate"})
+    base = _fingerprints(_base(tmp_path), fake_bank)
+    try:
+        changed_cfg = _base(tmp_path, **{field: value})
+    except Exception as exc:  # a value the config rejects under this base (cross-field rules)
+        pytest.skip(f"{field}={value!r} not valid with the base config: {exc}")
+    changed = _fingerprints(changed_cfg, fake_bank)
+    got = sorted(s for s in base if base[s] != changed[s])
+    assert got == sorted(expected), f"{field}: stages re-run {got}, expected {sorted(expected)}"
+
+
+@pytest.mark.parametrize("field,value", [("llm.threads", 1), ("llm.concurrency", 2), ("llm.timeout_s", 5.0),
+                                         ("ray.shard_size", 3), ("ray.encode_unit", 7), ("ray.generate_unit", 5),
+                                         ("encoder.batch_size", 8), ("name", "other"), ("ray.model_actors", 2),
+                                         ("llm.gpu_memory_utilization", 0.5), ("llm.max_retries", 1)])
+def test_runtime_only_fields_change_no_fingerprint(tmp_path, fake_bank, field, value) -> None:
+    assert _fingerprints(_base(tmp_path), fake_bank) == _fingerprints(_base(tmp_path, **{field: value}), fake_bank)
+
+
+# -- real runs ---------------------------------------------------------------------------------------------
+def _record(run_dir: Path) -> dict[str, dict]:
+    return {r["stage"]: r for r in json.loads((run_dir / "run_record.json").read_text())}
+
+
+def _executed(run_dir: Path) -> list[str]:
+    return sorted(s for s, r in _record(run_dir).items() if r["status"] == "executed" and s != "evaluate")
+
+
+def _outputs(run_dir: Path) -> dict[str, object]:
+    """What a run produced: rankings and answers of its fingerprints, and the metrics' result sections."""
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    results = Bank(run_dir / "results")
+    fps = metrics["run"]["fingerprints"]
+    out: dict[str, object] = {"retrieval": metrics["retrieval"], "qa": metrics.get("qa")}
+    for table, stage, prefix in (("rankings", "rank", "rank"), ("answers", "read", "ans")):
+        parts = [p for p in results.parts(table) if p.startswith(f"{prefix}-{fps.get(stage)}-")]
+        t = results.read(table, parts=parts) if parts else None
+        out[table] = None if t is None else t.sort_by([(k, "ascending") for k in t.column_names
+                                                       if k in ("method", "query_id", "rank")]).to_pylist()
+    return out
+
+
+def _run(cfg: MemgasConfig) -> Path:
+    return main_job.run(cfg, use_ray=False)
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("matrix")
+    cfg = _base(out)
+    _run(cfg)
+    return out
+
+
+MATRIX = [
+    ("generation.summary_source", "dataset", GEN_DOWN, True),
+    ("encoder.long_text", "mean-windows", None, False),
+    ("association.mem_threshold", 20, INDEX_DOWN, True),
+    ("retrieval.num_seeds", 10, ["rank", "read"], False),
+    ("reading.top_k", 2, ["read"], True),
+    ("evaluation.ks", [1, 5], [], False),
+    ("ray.shard_size", 3, [], False),
+    ("llm.threads", 1, [], False),
+]
+
+
+@pytest.mark.slow
+def test_first_run_executes_every_stage_and_reads_in_the_job(reference_run) -> None:
+    rec = _record(reference_run)
+    assert [r["status"] for r in rec.values()] == ["executed"] * 7 + ["disabled", "executed"]
+    metrics = json.loads((reference_run / "metrics.json").read_text())
+    qa = metrics["qa"]["memgas"]
+    assert qa["n"] + qa["failed"] == 2 and qa["failed"] == 0  # reading.max_questions=2, all answered
+    assert metrics["run"]["failures"] == {"read": 0, "generate": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("field,value,expected,compare_fresh", MATRIX, ids=[m[0] for m in MATRIX])
+def test_config_change_matrix(tmp_path_factory, reference_run, field, value, expected, compare_fresh) -> None:
+    """Re-run in the same directory with one field changed: exactly that stage and its downstream stages
+    execute; the outputs equal a fresh run with the new config. Then back to the original config."""
+    import shutil
+
+    work = tmp_path_factory.mktemp("work")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    cfg = _base(work, **{field: value})
+    if expected is None:
+        expected = ["generate", "nodes", *ENC_DOWN] if S.GenerateStage.uses_encoder(cfg) else ENC_DOWN
+    _run(cfg)
+    assert _executed(work) == sorted(expected)
+    if compare_fresh:
+        fresh = tmp_path_factory.mktemp("fresh")
+        _run(_base(fresh, **{field: value}))
+        assert _outputs(work) == _outputs(fresh)
+    _run(_base(work))  # back to the reference config: the changed stages run again, and agree with it
+    assert _outputs(work) == _outputs(reference_run)
+
+
+@pytest.mark.slow
+def test_index_then_answer_equals_run(tmp_path, reference_run) -> None:
+    cfg = _base(tmp_path / "split")
+    main_job.ensure_ingested(cfg, main_job.Profiler())
+    main_job.index(cfg, cfg.bank_path, use_ray=False)
+    main_job.answer(cfg, cfg.bank_path, run_dir=tmp_path / "split", use_ray=False)
+    assert _outputs(tmp_path / "split") == _outputs(reference_run)
+
+
+@pytest.mark.slow
+def test_answer_on_a_bank_indexed_with_another_config_is_refused(tmp_path, reference_run) -> None:
+    from memgas.pipeline.errors import BankError
+
+    cfg = _base(tmp_path, **{"association.mem_threshold": 25})
+    with pytest.raises(BankError, match="was not run with this config"):
+        main_job.answer(cfg, reference_run / "bank", run_dir=tmp_path / "ans", use_ray=False)
