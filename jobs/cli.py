@@ -1,26 +1,82 @@
-"""The `memgas` command line. Every subcommand has --help with examples; errors print one line."""
+"""The `memgas` command line. Every subcommand has --help with examples; errors print one line.
+
+Exit codes (docs/reliability.md): 0 success; 1 an internal error (a bug: one line, the traceback with
+``-v``); 2 bad input (arguments, config, data, a missing or damaged bank); 3 the environment (disk full,
+permission denied, read-only filesystem, an unreachable server); 130 interrupted (Ctrl-C).
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
 import sys
 import textwrap
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
 
 from memgas import __version__
+from memgas.pipeline.data import AUTO, FORMATS
 from memgas.pipeline.errors import MemgasError
 
 log = logging.getLogger("memgas")
 
-FORMATS = ["longmemeval", "locomo", "longmtbench", "jsonl"]
+#: errno values that mean "the environment", not the input: exit 3
+ENV_ERRNOS = {
+    errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EMFILE, errno.ENFILE,
+    errno.ENOMEM, errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH,
+    errno.ENETUNREACH, errno.ETIMEDOUT, errno.EBUSY, errno.ETXTBSY,
+}
+EXIT_BUG, EXIT_INPUT, EXIT_ENV, EXIT_INTERRUPTED = 1, 2, 3, 130
 
 
 def _fmt(text: str) -> str:
     return textwrap.dedent(text).strip("\n")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``memgas ingest: error: ... (see memgas ingest --help)``), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+# -- argument types (argparse turns their ArgumentTypeError into a one-line usage error) ----------------
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if v < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        return v
+
+    parse.__name__ = f"int>={low}"
+    return parse
+
+
+def _share(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must lie in [0, 1], got {text}")
+    return v
+
+
+def _port(text: str) -> int:
+    v = _int_at_least(0)(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0-65535, got {v}")
+    return v
+
+
+# -- the parser: one small function per subcommand --------------------------------------------------------
 def _add_config_args(p: argparse.ArgumentParser, *, positional: bool) -> None:
     if positional:
         p.add_argument("config", help="YAML config (see configs/; every key has a default in pipeline/config.py)")
@@ -34,8 +90,133 @@ def _add_config_args(p: argparse.ArgumentParser, *, positional: bool) -> None:
     p.add_argument("--no-ray", action="store_true", help="run every stage in this process (debugging)")
 
 
+def _sub(sub: Any, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=_fmt(description),
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _add_ingest(sub: Any) -> None:
+    p = _sub(sub, "ingest", "load a benchmark or JSONL file into a memory bank (Parquet)", """
+        Load a dataset file into a memory bank directory (Parquet tables + manifest.json).
+        Large LongMemEval-M files are streamed; memory stays bounded by one question.
+        Re-ingesting replaces the bank's dataset only once the whole new file has been read: a bad
+        file or an interrupt leaves the bank as it was; caches (generations, embeddings) are kept.
+
+        Examples:
+          memgas ingest ../shared/data/locomo/locomo10.json --format locomo --out banks/locomo
+          memgas ingest longmemeval_s.json --format longmemeval --out banks/lme_s --limit 50
+          memgas ingest my_histories.jsonl --out banks/mine --strict        # format detected
+        """)
+    p.add_argument("file", help="dataset file (.json or .jsonl)")
+    p.add_argument("--format", "-f", default=AUTO, choices=[*FORMATS, AUTO],
+                   help="dataset format (docs/data.md); default: detect from the file")
+    p.add_argument("--out", "-o", required=True, help="bank directory to create or replace")
+    p.add_argument("--strict", action="store_true",
+                   help="turn data warnings (bad dates, dangling evidence, repeated sessions) into errors")
+    p.add_argument("--limit", type=_int_at_least(0), help="only the first N histories/questions")
+
+
+def _add_stats(sub: Any) -> None:
+    p = _sub(sub, "stats", "describe a memory bank", """
+        Histories, sessions, unique sessions (dedup ratio), turns, queries by type, evidence coverage
+        and estimated tokens.
+
+        Example:
+          memgas stats banks/locomo --json
+        """)
+    p.add_argument("bank", help="bank directory")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _add_synth(sub: Any) -> None:
+    p = _sub(sub, "synth", "write deterministic synthetic LongMemEval-format histories", """
+        Seeded synthetic histories with planted facts and known evidence sessions, for scale tests.
+
+        Examples:
+          memgas synth synth_m.json --questions 500 --sessions 500          # LME-m sized
+          memgas synth big.json --questions 1 --sessions 100000 --turns 4   # one huge history
+        """)
+    p.add_argument("out", help="output .json path")
+    p.add_argument("--questions", type=_int_at_least(0), default=20, help="questions (= histories)")
+    p.add_argument("--sessions", type=_int_at_least(1), default=40, help="sessions per history")
+    p.add_argument("--turns", type=_int_at_least(1), default=6, help="utterances per session")
+    p.add_argument("--reuse", type=_share, default=0.5, help="share of sessions drawn from a pool shared across histories")
+    p.add_argument("--multi-session", type=_share, default=0.3,
+                   help="share of questions whose fact is split over two sessions")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _add_index(sub: Any) -> None:
+    p = _sub(sub, "index", "generate summaries/keywords, encode, and build association graphs", """
+        unique sessions -> summary + keywords (LLM or LLM-free) -> embeddings -> GMM association per
+        history -> Parquet. Cached by content hash: re-running computes only what is missing, and a
+        killed run resumes without redoing finished units.
+
+        Example:
+          memgas index banks/locomo --config configs/locomo.yaml --set llm.backend=openai
+        """)
+    p.add_argument("bank", help="bank directory (from `memgas ingest`)")
+    _add_config_args(p, positional=False)
+
+
+def _add_answer(sub: Any) -> None:
+    from memgas.pipeline.methods import METHOD_NAMES as ALL_METHODS
+
+    p = _sub(sub, "answer", "rank sessions, read, answer and evaluate", """
+        rank (entropy router + PPR, batched) -> filter -> answer -> evaluate -> report.
+        --method replaces retrieval.methods; reading covers those of reading.methods among them.
+
+        Example:
+          memgas answer banks/locomo --config configs/locomo.yaml --method memgas --method session --out runs/x
+        """)
+    p.add_argument("bank", help="indexed bank directory")
+    _add_config_args(p, positional=False)
+    p.add_argument("--method", action="append", choices=ALL_METHODS, metavar="METHOD",
+                   help=f"retrieval method (repeatable; default: config's list); one of {', '.join(ALL_METHODS)}")
+    p.add_argument("--out", help="run directory for metrics and the report (default: config output_dir)")
+
+
+def _add_run_like(sub: Any, name: str, helptext: str) -> None:
+    p = _sub(sub, name, helptext, f"""
+        {helptext}.
+        Writes into the config's output_dir: bank/, metrics.json, report.md, *.png, manifest.json.
+
+        Examples:
+          memgas {name} configs/demo.yaml
+          memgas {name} configs/locomo.yaml --set reading.max_questions=50
+          RAY_ADDRESS=auto memgas {name} configs/cluster.yaml
+        """)
+    _add_config_args(p, positional=True)
+    p.add_argument("--fresh", action="store_true", help="delete the run's output_dir first")
+
+
+def _add_report(sub: Any) -> None:
+    p = _sub(sub, "report", "write or compare reports of finished runs", """
+        With one run directory: (re)write its report.md and plots from metrics.json. With several (or
+        --out): a side-by-side comparison, which says so when the runs used different datasets.
+
+        Example:
+          memgas report runs/locomo_minilm runs/locomo_contriever --out cmp.md
+        """)
+    p.add_argument("runs", nargs="+", help="run directories holding metrics.json")
+    p.add_argument("--out", help="comparison markdown path (default: print)")
+
+
+def _add_serve(sub: Any) -> None:
+    p = _sub(sub, "serve", "serve the configured LLM as an OpenAI-compatible HTTP endpoint", """
+        POST /v1/chat/completions, GET /v1/models, GET /health; one request at a time reaches the
+        model (for tests, demos and sharing one CPU model; use `vllm serve` for throughput).
+
+        Example:
+          memgas serve --port 8011   # then llm.backend=openai, llm.base_url=http://127.0.0.1:8011/v1
+        """)
+    _add_config_args(p, positional=False)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=_port, default=8011, help="TCP port (0: any free port; the URL is logged)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="memgas",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=_fmt(
@@ -51,137 +232,25 @@ def build_parser() -> argparse.ArgumentParser:
               memgas index bank/ --config configs/locomo.yaml
               memgas answer bank/ --config configs/locomo.yaml --method memgas --method session
               memgas report runs/a runs/b                      # compare runs side by side
+
+            Exit codes: 0 ok, 1 internal error (re-run with -v), 2 bad input, 3 environment
+            (disk full, permissions, unreachable), 130 interrupted.
             """
         ),
     )
     parser.add_argument("--version", action="version", version=f"memgas {__version__}")
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-
-    p = sub.add_parser(
-        "ingest", help="load a benchmark or JSONL file into a memory bank (Parquet)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=_fmt(
-            """
-            Load a dataset file into a memory bank directory (Parquet tables + manifest.json).
-            Large LongMemEval-M files are streamed; memory stays bounded by one question.
-
-            Examples:
-              memgas ingest ../shared/data/locomo/locomo10.json --format locomo --out banks/locomo
-              memgas ingest longmemeval_s.json --format longmemeval --out banks/lme_s --limit 50
-              memgas ingest my_histories.jsonl --format jsonl --out banks/mine --strict
-            """
-        ),
-    )
-    p.add_argument("file", help="dataset file (.json or .jsonl)")
-    p.add_argument("--format", "-f", required=True, choices=FORMATS, help="dataset format (docs/data.md)")
-    p.add_argument("--out", "-o", required=True, help="bank directory to create or replace")
-    p.add_argument("--strict", action="store_true", help="turn data warnings (bad dates, dangling evidence) into errors")
-    p.add_argument("--limit", type=int, help="only the first N histories/questions")
-
-    p = sub.add_parser(
-        "stats", help="describe a memory bank",
-        description="Histories, sessions, unique sessions (dedup ratio), turns, queries by type, evidence "
-        "coverage and estimated tokens.\n\nExample:\n  memgas stats banks/locomo --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("bank", help="bank directory")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-
-    p = sub.add_parser(
-        "synth", help="write deterministic synthetic LongMemEval-format histories",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=_fmt(
-            """
-            Seeded synthetic histories with planted facts and known evidence sessions, for scale tests.
-
-            Examples:
-              memgas synth synth_m.json --questions 500 --sessions 500          # LME-m sized
-              memgas synth big.json --questions 1 --sessions 100000 --turns 4   # one huge history
-            """
-        ),
-    )
-    p.add_argument("out", help="output .json path")
-    p.add_argument("--questions", type=int, default=20, help="questions (= histories)")
-    p.add_argument("--sessions", type=int, default=40, help="sessions per history")
-    p.add_argument("--turns", type=int, default=6, help="utterances per session")
-    p.add_argument("--reuse", type=float, default=0.5, help="share of sessions drawn from a pool shared across histories")
-    p.add_argument("--multi-session", type=float, default=0.3, help="share of questions whose fact is split over two sessions")
-    p.add_argument("--seed", type=int, default=0)
-
-    p = sub.add_parser(
-        "index", help="generate summaries/keywords, encode, and build association graphs",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=_fmt(
-            """
-            unique sessions -> summary + keywords (LLM or LLM-free) -> embeddings -> GMM association per
-            history -> Parquet. Cached by content hash: re-running computes only what is missing, and a
-            killed run resumes without redoing finished units.
-
-            Example:
-              memgas index banks/locomo --config configs/locomo.yaml --set llm.backend=openai
-            """
-        ),
-    )
-    p.add_argument("bank", help="bank directory (from `memgas ingest`)")
-    _add_config_args(p, positional=False)
-
-    p = sub.add_parser(
-        "answer", help="rank sessions, read, answer and evaluate",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=_fmt(
-            """
-            rank (entropy router + PPR, batched) -> filter -> answer -> evaluate -> report.
-
-            Example:
-              memgas answer banks/locomo --config configs/locomo.yaml --method memgas --method session --out runs/x
-            """
-        ),
-    )
-    p.add_argument("bank", help="indexed bank directory")
-    _add_config_args(p, positional=False)
-    p.add_argument("--method", action="append", help="retrieval method (repeatable; default: config's list)")
-    p.add_argument("--out", help="run directory for metrics and the report (default: config output_dir)")
-
-    for name, helptext in (
-        ("run", "the main job: ingest + index + answer + evaluate + report"),
-        ("profile", "the main job with per-stage throughput, latency p50/p95 and a profile report"),
-    ):
-        p = sub.add_parser(
-            name, help=helptext, formatter_class=argparse.RawDescriptionHelpFormatter,
-            description=_fmt(
-                f"""
-                {helptext}.
-                Writes into the config's output_dir: bank/, metrics.json, report.md, *.png, manifest.json.
-
-                Examples:
-                  memgas {name} configs/demo.yaml
-                  memgas {name} configs/locomo.yaml --set reading.max_questions=50
-                  RAY_ADDRESS=auto memgas {name} configs/cluster.yaml
-                """
-            ),
-        )
-        _add_config_args(p, positional=True)
-        p.add_argument("--fresh", action="store_true", help="delete the run's output_dir first")
-
-    p = sub.add_parser(
-        "report", help="write or compare reports of finished runs",
-        description="With one run directory: (re)write its report.md and plots from metrics.json. With several: "
-        "a side-by-side comparison.\n\nExample:\n  memgas report runs/locomo_minilm runs/locomo_contriever --out cmp.md",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("runs", nargs="+", help="run directories holding metrics.json")
-    p.add_argument("--out", help="comparison markdown path (default: print)")
-
-    p = sub.add_parser(
-        "serve", help="serve the configured LLM as an OpenAI-compatible HTTP endpoint",
-        description="Example:\n  memgas serve --port 8011   # then llm.backend=openai, llm.base_url=http://127.0.0.1:8011/v1",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_config_args(p, positional=False)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8011)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging; tracebacks of internal errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_ingest(sub)
+    _add_stats(sub)
+    _add_synth(sub)
+    _add_index(sub)
+    _add_answer(sub)
+    _add_run_like(sub, "run", "the main job: ingest + index + answer + evaluate + report")
+    _add_run_like(sub, "profile", "the main job with per-stage throughput, latency p50/p95 and a profile report")
+    _add_report(sub)
+    _add_serve(sub)
     return parser
 
 
@@ -194,6 +263,34 @@ def _setup_logging(args: argparse.Namespace) -> None:
         os.environ["TQDM_DISABLE"] = "1"
 
 
+# -- errors -------------------------------------------------------------------------------------------------
+def _os_error(exc: OSError) -> tuple[int, str]:
+    """(exit code, one line) for an OSError: 3 when the environment is at fault, else 2."""
+    code = EXIT_ENV if exc.errno in ENV_ERRNOS or isinstance(exc, (ConnectionError, TimeoutError)) else EXIT_INPUT
+    what = exc.strerror or str(exc) or type(exc).__name__
+    names = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
+    line = what + (f": {' -> '.join(names)}" if names else "")
+    hints = {
+        errno.ENOSPC: "free some space and re-run; completed work is kept",
+        errno.EDQUOT: "free some space and re-run; completed work is kept",
+        errno.EROFS: "choose a writable location",
+        errno.EADDRINUSE: "choose another --port",
+    }
+    if exc.errno in hints:
+        line += f" ({hints[exc.errno]})"
+    return code, line
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Network failures of HTTP clients that are not OSErrors (httpx)."""
+    mod = type(exc).__module__ or ""
+    return mod.startswith(("httpx", "httpcore")) and any(w in type(exc).__name__ for w in ("Connect", "Timeout", "Network"))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split()) or "(no message)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -202,107 +299,215 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _setup_logging(args)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    prefix = f"memgas {args.command}: error:"
     try:
         return _dispatch(args)
     except MemgasError as exc:
-        print(f"memgas {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"{prefix} {_one_line(exc)}", file=sys.stderr)
+        return EXIT_INPUT
     except BrokenPipeError:  # `memgas stats BANK | head`
-        sys.stderr.close()
+        _silence_stdout()
         return 0
-    except KeyboardInterrupt:
-        print(f"memgas {args.command}: interrupted; completed units are kept, re-run to resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        print(f"memgas {args.command}: {_interrupted(args.command, exc)}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as exc:
+        code, line = _os_error(exc)
+        if args.verbose:
+            traceback.print_exc()
+        print(f"{prefix} {_one_line(line)}", file=sys.stderr)
+        return code
+    except MemoryError:
+        print(f"{prefix} out of memory", file=sys.stderr)
+        return EXIT_ENV
+    except Exception as exc:  # noqa: BLE001 - the last resort: one line, the traceback only with -v
+        if _unreachable(exc):
+            print(f"{prefix} {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_ENV
+        if args.verbose:
+            traceback.print_exc()
+        print(f"{prefix} internal error {type(exc).__name__}: {_one_line(exc)} (a bug; re-run with -v for the "
+              "traceback)", file=sys.stderr)
+        return EXIT_BUG
 
 
+def _interrupted(command: str, exc: KeyboardInterrupt) -> str:
+    message = getattr(exc, "message", None)
+    if message:
+        return message
+    if command in ("run", "profile", "index", "answer"):
+        return "interrupted; completed units are kept, re-run to resume"
+    return "interrupted"
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null so that the interpreter's final flush stays quiet."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+# -- dispatch: one function per command -----------------------------------------------------------------------
 def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "ingest":
-        from memgas.pipeline.ingest import ingest
+    handler = {
+        "ingest": _cmd_ingest, "stats": _cmd_stats, "synth": _cmd_synth, "report": _cmd_report,
+        "serve": _cmd_serve, "index": _cmd_index, "answer": _cmd_answer, "run": _cmd_run, "profile": _cmd_run,
+    }.get(args.command)
+    if handler is None:
+        raise MemgasError(f"unknown command {args.command}")
+    return handler(args)
 
-        summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit)
-        print(json.dumps(summary, indent=2, default=str) if args.verbose else _ingest_line(summary, args.out))
+
+def _cmd_ingest(args: argparse.Namespace) -> int:
+    from memgas.pipeline.ingest import ingest
+
+    summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit, progress=not args.quiet)
+    print(json.dumps(summary, indent=2, default=str) if args.verbose else _ingest_line(summary, args.out))
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from memgas.pipeline.bank import Bank
+    from memgas.pipeline.stats import compute_stats, format_stats
+
+    stats = compute_stats(Bank(args.bank))
+    print(json.dumps(stats, indent=2, default=str) if args.json else format_stats(stats))
+    return 0
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from memgas.pipeline.data.synth import synth
+
+    path = synth(
+        args.out, questions=args.questions, sessions_per_history=args.sessions, turns_per_session=args.turns,
+        reuse_share=args.reuse, multi_session_share=args.multi_session, seed=args.seed,
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from memgas.jobs.report import compare_runs, write_report, write_text
+
+    if len(args.runs) == 1 and not args.out:
+        print(f"wrote {write_report(args.runs[0])}")
         return 0
-    if args.command == "stats":
-        from memgas.pipeline.bank import Bank
-        from memgas.pipeline.stats import compute_stats, format_stats
+    text = compare_runs(args.runs)
+    if args.out:
+        write_text(args.out, text)
+        print(f"wrote {args.out}")
+    else:
+        print(text)
+    return 0
 
-        stats = compute_stats(Bank(args.bank))
-        print(json.dumps(stats, indent=2, default=str) if args.json else format_stats(stats))
-        return 0
-    if args.command == "synth":
-        from memgas.pipeline.data.synth import synth
 
-        path = synth(
-            args.out, questions=args.questions, sessions_per_history=args.sessions, turns_per_session=args.turns,
-            reuse_share=args.reuse, multi_session_share=args.multi_session, seed=args.seed,
-        )
-        print(f"wrote {path}")
-        return 0
-    if args.command == "report":
-        from memgas.jobs.report import compare_runs, write_report
-
-        if len(args.runs) == 1 and not args.out:
-            print(f"wrote {write_report(args.runs[0])}")
-        else:
-            text = compare_runs(args.runs)
-            if args.out:
-                with open(args.out, "w") as f:
-                    f.write(text)
-                print(f"wrote {args.out}")
-            else:
-                print(text)
-        return 0
-
+def _load_config(args: argparse.Namespace):
     from memgas.pipeline.config import MemgasConfig
 
     cfg = MemgasConfig.load(getattr(args, "config", None), args.overrides)
     if args.address:
         cfg.ray.address = args.address
-    if args.command == "serve":
-        from memgas.pipeline.models.server import serve_forever_from_config
+    return cfg
 
-        serve_forever_from_config(cfg.llm, host=args.host, port=args.port)
-        return 0
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from memgas.pipeline.models.server import serve_forever_from_config
+
+    cfg = _load_config(args)
+    serve_forever_from_config(cfg.llm, host=args.host, port=args.port, seed=cfg.seed)
+    return 0
+
+
+def _open_bank(path: str):
+    from memgas.pipeline.bank import Bank
+
+    return Bank(path)  # a missing or foreign directory: one-line BankError before any model loads
+
+
+def _cmd_index(args: argparse.Namespace) -> int:
     from memgas.jobs import main_job
 
-    use_ray = not args.no_ray
-    if args.command == "index":
-        main_job.index(cfg, args.bank, use_ray=use_ray)
-        return 0
-    if args.command == "answer":
-        if args.method:
-            cfg.retrieval.methods = args.method
-        out = main_job.answer(cfg, args.bank, run_dir=args.out, use_ray=use_ray)
-        print(f"report: {out}/report.md")
-        return 0
-    if args.command in ("run", "profile"):
-        out = main_job.run(cfg, fresh=args.fresh, profile=args.command == "profile", use_ray=use_ray)
-        if not args.quiet:
-            from memgas.pipeline.bank import Bank
-            from memgas.pipeline.stats import compute_stats, format_stats
+    cfg = _load_config(args)
+    _open_bank(args.bank)
+    main_job.index(cfg, args.bank, use_ray=not args.no_ray)
+    return 0
 
-            print(format_stats(compute_stats(Bank(cfg.bank_path))))
-            print(_headline(out))
-        print(f"report: {out}/report.md")
-        return 0
-    raise MemgasError(f"unknown command {args.command}")
+
+def _cmd_answer(args: argparse.Namespace) -> int:
+    from memgas.jobs import main_job
+
+    cfg = _load_config(args)
+    if args.method:
+        cfg = _with_methods(cfg, args.method)
+    _open_bank(args.bank)
+    if args.out:
+        from memgas.pipeline.config import check_writable_dir
+
+        check_writable_dir("--out", Path(args.out))
+    else:
+        cfg.check_paths(data=False)
+    out = main_job.answer(cfg, args.bank, run_dir=args.out, use_ray=not args.no_ray)
+    print(f"report: {out}/report.md")
+    return 0
+
+
+def _with_methods(cfg, methods: list[str]):
+    """``--method``: the retrieval methods; reading keeps those of its methods that are among them."""
+    methods = list(dict.fromkeys(methods))
+    reading = [m for m in cfg.reading.methods if m in methods]
+    if cfg.reading.enabled and not reading:
+        log.info("reading skipped: reading.methods %s are not among --method %s", cfg.reading.methods, methods)
+    data = cfg.model_dump()
+    data["retrieval"]["methods"] = methods
+    data["reading"]["methods"] = reading
+    return type(cfg).model_validate(data)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from memgas.jobs import main_job
+
+    cfg = _load_config(args)
+    cfg.check_paths()
+    out = main_job.run(cfg, fresh=args.fresh, profile=args.command == "profile", use_ray=not args.no_ray)
+    if not args.quiet:
+        from memgas.pipeline.bank import Bank
+        from memgas.pipeline.stats import compute_stats, format_stats
+
+        print(format_stats(compute_stats(Bank(cfg.bank_path))))
+        print(_headline(out))
+    print(f"report: {out}/report.md")
+    return 0
 
 
 def _headline(run_dir) -> str:
     """One line per method: Recall_all@5 and NDCG@10 (session level), from the run's metrics.json."""
-    from pathlib import Path
-
-    m = json.loads((Path(run_dir) / "metrics.json").read_text())
+    try:
+        m = json.loads((Path(run_dir) / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return "(no metrics.json to summarise)"
     lines = ["method                    R_all@5  NDCG@10   (session level, %)"]
-    for method, r in m.get("retrieval", {}).get("session", {}).items():
-        o = r.get("overall", {})
-        lines.append(f"{method:25} {100 * (o.get('recall_all@5') or 0):7.1f}  {100 * (o.get('ndcg_any@10') or 0):7.1f}")
+    for method, r in ((m.get("retrieval") or {}).get("session") or {}).items():
+        o = (r or {}).get("overall") or {}
+        lines.append(f"{method:25} {_pct(o.get('recall_all@5'))}  {_pct(o.get('ndcg_any@10'))}")
     return "\n".join(lines)
+
+
+def _pct(v: Any) -> str:
+    return f"{100 * v:7.1f}" if isinstance(v, (int, float)) else f"{'-':>7}"
 
 
 def _ingest_line(summary: dict, out: str) -> str:
     counts = summary.get("counts", summary)
-    parts = ", ".join(f"{k}={v}" for k, v in counts.items() if isinstance(v, (int, float)))
-    warn = summary.get("warnings") or {}
-    n_warn = sum(v for v in warn.values() if isinstance(v, int)) if isinstance(warn, dict) else len(warn)
-    return f"ingested into {out}: {parts}" + (f" ({n_warn} warnings; see the log)" if n_warn else "")
+    parts = ", ".join(f"{k}={v}" for k, v in counts.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    n_warn = summary.get("warning_count")
+    if n_warn is None:  # older summaries: {kind: {count, examples}}
+        warn = summary.get("warnings") or {}
+        n_warn = sum(int(v.get("count", 0)) if isinstance(v, dict) else int(v) for v in warn.values())
+    kinds = ", ".join(f"{k} {v.get('count', 0)}" for k, v in (summary.get("warnings") or {}).items() if isinstance(v, dict))
+    notes = ", ".join(f"{k} {v.get('histories', v.get('count', 0))}" for k, v in (summary.get("notes") or {}).items()
+                      if isinstance(v, dict))
+    fmt = f" ({summary['format']})" if summary.get("format") else ""
+    return (f"ingested into {out}{fmt}: {parts}; {n_warn} warnings" + (f" ({kinds}; see the log)" if n_warn else "")
+            + (f"; notes: {notes} histories" if notes else ""))

@@ -15,22 +15,42 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 from typing import Any
+
+from memgas.pipeline.errors import MemgasError
 
 log = logging.getLogger(__name__)
 
 HEADLINE_KS = (1, 3, 5, 10)
 
 
+def _num(v: Any) -> float | None:
+    """A finite number, or None (missing, null, NaN: e.g. a metric over 0 evaluated questions)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
 def _fmt(v: Any, scale: float = 100.0) -> str:
-    if isinstance(v, (int, float)):
-        return f"{v * scale:.1f}"
-    return "–"
+    x = _num(v)
+    return "–" if x is None else f"{x * scale:.1f}"
 
 
 def _n(v: Any) -> str:
-    return str(int(v)) if isinstance(v, (int, float)) else "?"
+    x = _num(v)
+    return "?" if x is None else str(int(x))
+
+
+def _d(v: Any) -> dict[str, Any]:
+    """``v`` if it is a dict, else an empty one (sections of a metrics.json written by another version)."""
+    return v if isinstance(v, dict) else {}
+
+
+def _f(v: Any, spec: str) -> str:
+    x = _num(v)
+    return format(x if x is not None else 0.0, spec)
 
 
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
@@ -43,7 +63,7 @@ def retrieval_table(level: dict[str, Any], ks: tuple[int, ...] = HEADLINE_KS) ->
     header = ["method"] + [f"R_all@{k}" for k in ks] + [f"R_any@{k}" for k in ks] + [f"NDCG@{k}" for k in ks]
     rows = []
     for method, m in level.items():
-        o = m.get("overall", {})
+        o = _d(_d(m).get("overall"))
         rows.append(
             [method]
             + [_fmt(o.get(f"recall_all@{k}")) for k in ks]
@@ -54,14 +74,14 @@ def retrieval_table(level: dict[str, Any], ks: tuple[int, ...] = HEADLINE_KS) ->
 
 
 def by_type_table(level: dict[str, Any], metric: str = "recall_all@5") -> str:
-    types = sorted({t for m in level.values() for t in m.get("by_type", {})})
-    rows = [[method] + [_fmt(m.get("by_type", {}).get(t, {}).get(metric)) for t in types] for method, m in level.items()]
+    types = sorted({t for m in level.values() for t in _d(_d(m).get("by_type"))})
+    rows = [[method] + [_fmt(_d(_d(_d(m).get("by_type")).get(t)).get(metric)) for t in types] for method, m in level.items()]
     return _md_table(["method"] + [f"{t} (n={_type_n(level, t)})" for t in types], rows)
 
 
 def _type_n(level: dict[str, Any], t: str) -> Any:
     for m in level.values():
-        n = m.get("by_type", {}).get(t, {}).get("n")
+        n = _num(_d(_d(_d(m).get("by_type")).get(t)).get("n"))
         if n is not None:
             return int(n)
     return "?"
@@ -69,44 +89,57 @@ def _type_n(level: dict[str, Any], t: str) -> Any:
 
 def qa_table(qa: dict[str, Any]) -> str:
     metrics = ["f1", "exact_match", "bleu4", "rouge1", "rouge2", "rougeL", "judge_accuracy", "bertscore_f1"]
-    present = [k for k in metrics if any(k in m.get("overall", {}) for m in qa.values())]
-    rows = [[method, _n(m.get("n"))] + [_fmt(m.get("overall", {}).get(k)) for k in present] for method, m in qa.items()]
+    present = [k for k in metrics if any(k in _d(_d(m).get("overall")) for m in qa.values())]
+    rows = [[method, _n(_d(m).get("n"))] + [_fmt(_d(_d(m).get("overall")).get(k)) for k in present] for method, m in qa.items()]
     return _md_table(["method", "n"] + present, rows)
 
 
 def stage_table(stages: dict[str, Any]) -> str:
     rows = []
     for name, s in stages.items():
+        s = _d(s)
         rows.append(
             [
                 name,
-                f"{s.get('wall_s', 0):.1f}",
-                f"{s.get('cpu_s', 0):.1f}",
-                f"{s.get('peak_rss_mb', 0):.0f}",
+                _f(s.get("wall_s"), ".1f"),
+                _f(s.get("cpu_s"), ".1f"),
+                _f(s.get("peak_rss_mb"), ".0f"),
                 str(s.get("items", 0)),
-                f"{s.get('items_per_s', 0):.1f}",
-                f"{s.get('tokens_per_s', 0):.0f}",
+                _f(s.get("items_per_s"), ".1f"),
+                _f(s.get("tokens_per_s"), ".0f"),
                 str(s.get("skipped", 0)),
             ]
         )
     return _md_table(["stage", "wall s", "cpu s", "peak RSS MB", "items", "items/s", "tokens/s", "cached/skipped"], rows)
 
 
+def _pct_or_nan(v: Any) -> float:
+    x = _num(v)
+    return float("nan") if x is None else 100 * x
+
+
 def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
-    """Recall@K curves per method, per-type bars, and the stage time breakdown."""
+    """Recall@K curves per method, per-type bars, and the stage time breakdown.
+
+    A plot without a single finite value (a dataset without retrieval ground truth, such as
+    Long-MT-Bench+, or with no histories) is left out instead of drawn empty.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     written: list[Path] = []
-    level = metrics.get("retrieval", {}).get("session", {})
-    if level:
-        ks = sorted({int(k.split("@")[1]) for m in level.values() for k in m.get("overall", {}) if k.startswith("recall_all@")})
+    level = {k: _d(v) for k, v in _d(_d(metrics.get("retrieval")).get("session")).items()}
+    ks = sorted({int(k.split("@")[1]) for m in level.values() for k in _d(m.get("overall"))
+                 if k.startswith("recall_all@") and k.split("@")[1].isdigit()})
+    curves = {method: [_pct_or_nan(_d(m.get("overall")).get(f"recall_all@{k}")) for k in ks] for method, m in level.items()}
+    if ks and any(math.isfinite(v) for c in curves.values() for v in c):
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for method, m in level.items():
-            ax.plot(ks, [100 * m["overall"].get(f"recall_all@{k}", float("nan")) for k in ks], marker="o", label=method)
-        ax.set_xscale("log")
+        for method, ys in curves.items():
+            ax.plot(ks, ys, marker="o", label=method)
+        if min(ks) > 0:
+            ax.set_xscale("log")
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("K (sessions retrieved)")
         ax.set_ylabel("Recall_all@K (%)")
@@ -118,30 +151,31 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
-        types = sorted({t for m in level.values() for t in m.get("by_type", {})})
-        if types:
-            import numpy as np
+    types = sorted({t for m in level.values() for t in _d(m.get("by_type"))})
+    bars = {method: [_pct_or_nan(_d(_d(m.get("by_type")).get(t)).get("recall_all@5")) for t in types]
+            for method, m in level.items()}
+    if types and any(math.isfinite(v) for b in bars.values() for v in b):
+        import numpy as np
 
-            fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(types)), 4.5))
-            width = 0.8 / max(1, len(level))
-            x = np.arange(len(types))
-            for i, (method, m) in enumerate(level.items()):
-                vals = [100 * m.get("by_type", {}).get(t, {}).get("recall_all@5", float("nan")) for t in types]
-                ax.bar(x + i * width, vals, width, label=method)
-            ax.set_xticks(x + 0.4 - width / 2, types, rotation=20, ha="right", fontsize=8)
-            ax.set_ylabel("Recall_all@5 (%)")
-            ax.set_title("Recall_all@5 by question type")
-            ax.legend(fontsize=6, ncol=2)
-            fig.tight_layout()
-            written.append(out_dir / "recall_by_type.png")
-            fig.savefig(written[-1], dpi=120)
-            plt.close(fig)
+        fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(types)), 4.5))
+        width = 0.8 / max(1, len(level))
+        x = np.arange(len(types))
+        for i, (method, vals) in enumerate(bars.items()):
+            ax.bar(x + i * width, vals, width, label=method)
+        ax.set_xticks(x + 0.4 - width / 2, types, rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel("Recall_all@5 (%)")
+        ax.set_title("Recall_all@5 by question type")
+        ax.legend(fontsize=6, ncol=2)
+        fig.tight_layout()
+        written.append(out_dir / "recall_by_type.png")
+        fig.savefig(written[-1], dpi=120)
+        plt.close(fig)
 
-    stages = metrics.get("stages", {})
+    stages = _d(metrics.get("stages"))
     if stages:
         fig, ax = plt.subplots(figsize=(7, 0.5 * len(stages) + 1.5))
         names = list(stages)
-        ax.barh(names, [stages[n].get("wall_s", 0) for n in names], color="tab:blue")
+        ax.barh(names, [_num(_d(stages[n]).get("wall_s")) or 0.0 for n in names], color="tab:blue")
         ax.invert_yaxis()
         ax.set_xlabel("wall time (s)")
         ax.set_title("Stage time breakdown")
@@ -153,20 +187,22 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) -> str:
-    run = metrics.get("run", {})
+    run = _d(metrics.get("run"))
+    dataset = _d(metrics.get("dataset"))
     parts = [f"# memgas report: {run.get('name', '?')}", ""]
     info = [
-        ("dataset", metrics.get("dataset", {}).get("path")),
-        ("dataset sha256", metrics.get("dataset", {}).get("sha256")),
+        ("dataset", dataset.get("path")),
+        ("dataset sha256", dataset.get("sha256")),
         ("encoder", run.get("encoder")),
         ("generator", run.get("generator")),
         ("reader LLM", run.get("llm")),
         ("router", run.get("router")),
         ("code", f"memgas {run.get('version', '?')} ({run.get('git_commit', '?')})"),
-        ("wall time", f"{run.get('wall_s', 0):.1f} s"),
+        ("wall time", f"{_f(run.get('wall_s'), '.1f')} s"),
     ]
     parts += [f"- **{k}**: {v}" for k, v in info if v is not None]
-    for level_name, level in metrics.get("retrieval", {}).items():
+    for level_name, level in _d(metrics.get("retrieval")).items():
+        level = {k: _d(v) for k, v in _d(level).items()}
         if not level:
             continue
         any_m = next(iter(level.values()))
@@ -183,13 +219,13 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
             "",
             by_type_table(level),
         ]
-    qa = metrics.get("qa", {})
+    qa = {k: _d(v) for k, v in _d(metrics.get("qa")).items()}
     if qa:
         parts += ["", "## Question answering", "", qa_table(qa)]
         for method, m in qa.items():
-            for note in m.get("notes", []):
+            for note in m.get("notes") or []:
                 parts.append(f"- {method}: {note}")
-            if m.get("by_type"):
+            if _d(m.get("by_type")) and all(isinstance(v, dict) for v in m["by_type"].values()):
                 types = sorted(m["by_type"])
                 parts += [
                     "",
@@ -200,41 +236,101 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
                                + ([_fmt(m["by_type"][t].get("judge_accuracy"))] if "judge_accuracy" in m["by_type"][t] else [])
                                for t in types]),
                 ]
-    if metrics.get("stages"):
+    if _d(metrics.get("stages")):
         parts += ["", "## Stages", "", stage_table(metrics["stages"])]
-    lat = metrics.get("latency", {})
+    lat = _d(metrics.get("latency"))
     if lat:
-        rows = [[k, _fmt(v.get("p50_ms"), 1), _fmt(v.get("p95_ms"), 1), str(v.get("n", "?"))] for k, v in lat.items() if v]
+        rows = [[k, _fmt(v.get("p50_ms"), 1), _fmt(v.get("p95_ms"), 1), str(v.get("n", "?"))]
+                for k, v in lat.items() if isinstance(v, dict) and v]
         parts += ["", "## Query latency", "", _md_table(["step", "p50 ms", "p95 ms", "n"], rows)]
     for p in plots or []:
         parts += ["", f"![{p.stem}]({p.name})"]
     return "\n".join(parts) + "\n"
 
 
+def load_metrics(run_dir: str | Path) -> dict[str, Any]:
+    """A run's metrics.json, or a one-line MemgasError (missing, unreadable, corrupt, not an object)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise MemgasError(f"{run_dir}: " + ("not a directory" if run_dir.exists() else "no such run directory"))
+    path = run_dir / "metrics.json"
+    try:
+        text = path.read_bytes()
+    except FileNotFoundError:
+        raise MemgasError(f"{run_dir}: no metrics.json (run `memgas run` or `memgas answer` first)") from None
+    except IsADirectoryError:
+        raise MemgasError(f"{path}: is a directory, expected a JSON file") from None
+    try:
+        metrics = json.loads(text)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise MemgasError(f"{path}: corrupt metrics.json ({str(exc).splitlines()[0]}); re-run "
+                          "`memgas answer` to rewrite it") from None
+    if not isinstance(metrics, dict):
+        raise MemgasError(f"{path}: corrupt metrics.json (expected a JSON object, got {type(metrics).__name__})")
+    return metrics
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """Write ``text`` atomically to ``path`` (a one-line error if ``path`` is a directory)."""
+    from memgas.pipeline.bank import atomic_write_bytes
+
+    p = Path(path)
+    if p.is_dir():
+        raise MemgasError(f"{p}: is a directory; give a file path for the report")
+    if not p.parent.is_dir():
+        raise MemgasError(f"{p}: the directory {p.parent} does not exist")
+    atomic_write_bytes(p, text.encode("utf-8"), point="report:write")
+    return p
+
+
 def write_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
-    try:
-        metrics = json.loads((run_dir / "metrics.json").read_text())
-    except FileNotFoundError:
-        from memgas.pipeline.errors import MemgasError
-
-        raise MemgasError(f"{run_dir}: no metrics.json (run `memgas run` or `memgas answer` first)") from None
+    metrics = load_metrics(run_dir)
     plots = plot_run(metrics, run_dir)
-    path = run_dir / "report.md"
-    path.write_text(render_markdown(metrics, plots))
-    return path
+    return write_text(run_dir / "report.md", render_markdown(metrics, plots))
+
+
+def dataset_differences(runs: dict[str, dict[str, Any]]) -> str | None:
+    """A sentence when the runs did not all use the same dataset file (by sha256), else None."""
+    shas = {name: _d(m.get("dataset")).get("sha256") for name, m in runs.items()}
+    known = {v for v in shas.values() if v}
+    if len(known) <= 1 and all(shas.values()):
+        return None
+    parts = []
+    for name, m in runs.items():
+        ds = _d(m.get("dataset"))
+        label = Path(str(ds.get("path"))).name if ds.get("path") else "?"
+        sha = (ds.get("sha256") or "unknown")[:12]
+        lim = f", limit {ds['limit']}" if ds.get("limit") is not None else ""
+        parts.append(f"{name}: {label} (sha256 {sha}{lim})")
+    if len(known) > 1:
+        return "**Warning: these runs used different datasets; their numbers are not comparable.** " + "; ".join(parts)
+    return ("**Note: not every run records its dataset (no sha256 in metrics.json), so whether they used the same "
+            "data cannot be checked.** " + "; ".join(parts))
 
 
 def compare_runs(run_dirs: list[str | Path], metric: str = "recall_all@5") -> str:
-    """Side-by-side table: one row per (run, method), headline retrieval and QA metrics."""
-    rows = []
+    """Side-by-side table: one row per (run, method), headline retrieval and QA metrics. Says so when the
+    runs used different dataset files (sha256 in each run's metrics.json ``dataset`` section)."""
+    runs: dict[str, dict[str, Any]] = {}
     for d in run_dirs:
-        m = json.loads((Path(d) / "metrics.json").read_text())
-        level = m.get("retrieval", {}).get("session", {})
+        name = Path(d).name or str(d)
+        while name in runs:  # two runs with the same folder name: show the path
+            name = str(d)
+            if name in runs:
+                name += "'"
+        runs[name] = load_metrics(d)
+    rows = []
+    for name, m in runs.items():
+        level = _d(_d(m.get("retrieval")).get("session"))
         for method, r in level.items():
-            o = r.get("overall", {})
-            qa = m.get("qa", {}).get(method, {}).get("overall", {})
-            rows.append([Path(d).name, method] + [_fmt(o.get(f"recall_all@{k}")) for k in HEADLINE_KS]
+            o = _d(_d(r).get("overall"))
+            qa = _d(_d(_d(m.get("qa")).get(method)).get("overall"))
+            rows.append([name, method] + [_fmt(o.get(f"recall_all@{k}")) for k in HEADLINE_KS]
                         + [_fmt(o.get(f"ndcg_any@{k}")) for k in (5, 10)] + [_fmt(qa.get("f1"))])
     header = ["run", "method"] + [f"R_all@{k}" for k in HEADLINE_KS] + ["NDCG@5", "NDCG@10", "QA F1"]
-    return "# memgas run comparison\n\n" + _md_table(header, rows) + "\n"
+    warning = dataset_differences(runs)
+    head = "# memgas run comparison\n\n" + (warning + "\n\n" if warning else "")
+    if warning:
+        log.warning("%s", warning.replace("**", ""))
+    return head + _md_table(header, rows) + "\n"

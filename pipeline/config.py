@@ -216,7 +216,7 @@ class MemgasConfig(_Strict):
         if output:
             for key, d in (("output_dir", Path(self.output_dir)), ("bank_dir", Path(self.bank_dir) if self.bank_dir else None)):
                 if d is not None:
-                    _check_writable_dir(key, d)
+                    check_writable_dir(key, d)
 
     def dump_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -337,7 +337,7 @@ def _resolve_data_path(value: str, config_file: Path) -> str:
     return str(beside) if beside.exists() else value
 
 
-def _check_writable_dir(key: str, d: Path) -> None:
+def check_writable_dir(key: str, d: Path) -> None:
     """``d`` is a directory or can be made one: no file in the way, the nearest existing parent writable."""
     if d.exists():
         if not d.is_dir():

@@ -114,7 +114,7 @@ def _check_args(p: Path, fmt: str, out: Path, limit: Any, chunk_histories: Any, 
         raise DataError(str(p), "not a regular file" + (" (a directory)" if p.is_dir() else ""))
     if fmt == AUTO:
         fmt = detect_format(p)
-        log.info("%s: detected format %s", p, fmt)
+        log.debug("%s: detected format %s", p, fmt)
     if fmt not in FORMATS:
         raise DataError(str(p), f"unknown format {fmt!r}; expected one of {[*FORMATS, AUTO]}")
     if out.exists():
@@ -160,7 +160,7 @@ def ingest(
         raise
     warnings = Warnings(str(p), strict=strict)
     size = p.stat().st_size
-    bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"ingest {p.name}", disable=not progress, leave=False)
+    bar = tqdm(total=size, unit="B", unit_scale=True, desc=f"ingest {p.name}", disable=None if progress else True, leave=False)  # None: only on a terminal
 
     seen_texts: set[bytes] = set()  # 16-byte digests: ~70 B per entry in a set, fine at 10^7 texts
     seen_sessions: set[bytes] = set()

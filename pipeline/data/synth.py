@@ -22,6 +22,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from memgas.pipeline.errors import MemgasError
+
 log = logging.getLogger(__name__)
 
 DATE_FMT = "%Y/%m/%d (%a) %H:%M"  # LongMemEval's date format
@@ -208,24 +210,35 @@ def synth(
 ) -> Path:
     """Write a LongMemEval-format JSON file of ``questions`` synthetic histories; returns its path."""
     if questions < 0 or sessions_per_history < 1 or turns_per_session < 1:
-        raise ValueError("questions >= 0, sessions_per_history >= 1 and turns_per_session >= 1 are required")
+        raise MemgasError("questions >= 0, sessions_per_history >= 1 and turns_per_session >= 1 are required")
     if not (0.0 <= reuse_share <= 1.0 and 0.0 <= multi_session_share <= 1.0):
-        raise ValueError("reuse_share and multi_session_share must lie in [0, 1]")
+        raise MemgasError("reuse_share and multi_session_share must lie in [0, 1]")
     out = Path(out_path)
+    if out.is_dir():
+        raise MemgasError(f"{out}: is a directory; give the path of the .json file to write")
+    for parent in (out.parent, *out.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise MemgasError(f"{out}: {parent} is a file, not a directory")
+            break
     out.parent.mkdir(parents=True, exist_ok=True)
     # a pool a few times one haystack: sessions recur across histories but rarely within one
     pool = _Pool(seed, max(4 * sessions_per_history, 16), turns_per_session)
     tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.write("[")
-        for i in range(questions):
-            q = _question(
-                i, seed=seed, pool=pool, sessions=sessions_per_history, n_turns=turns_per_session,
-                reuse_share=reuse_share, multi_share=multi_session_share,
-            )
-            f.write(",\n" if i else "\n")
-            f.write(json.dumps(q, ensure_ascii=False))
-        f.write("\n]\n")
-    tmp.replace(out)
+    try:  # written beside and renamed: an interrupted or failed write (a full disk) leaves no half file
+        with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+            f.write("[")
+            for i in range(questions):
+                q = _question(
+                    i, seed=seed, pool=pool, sessions=sessions_per_history, n_turns=turns_per_session,
+                    reuse_share=reuse_share, multi_share=multi_session_share,
+                )
+                f.write(",\n" if i else "\n")
+                f.write(json.dumps(q, ensure_ascii=False))
+            f.write("\n]\n")
+        tmp.replace(out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     log.info("wrote %d synthetic questions to %s (%d bytes)", questions, out, out.stat().st_size)
     return out

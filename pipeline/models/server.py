@@ -216,6 +216,41 @@ def serve_in_thread(llm: LLM, host: str = "127.0.0.1", port: int = 0,
     return srv, t
 
 
+def serve_forever_from_config(cfg: Any, *, host: str = "127.0.0.1", port: int = 8011, seed: int = 0,
+                              faults: Faults | None = None) -> None:
+    """``memgas serve``: serve the LLM of ``cfg`` (an :class:`~memgas.pipeline.config.LLMConfig`) until
+    Ctrl-C or SIGTERM.
+
+    The socket is bound *before* the model loads, so a busy port or a bad host fails at once (OSError,
+    which the CLI reports as one line, exit 3); requests that arrive while the model loads wait in the
+    listen queue and are answered once it is ready.
+    """
+    import signal
+
+    from memgas.pipeline.models.factory import make_llm
+
+    srv = ChatServer((host, port), None, faults)  # type: ignore[arg-type] - the model follows
+    previous = None
+    try:
+        srv.llm = make_llm(cfg, seed=seed)
+        logger.info("serving %s at %s (POST /v1/chat/completions, GET /v1/models, GET /health)", srv.llm.name, srv.url)
+
+        def _stop(signum: int, frame: Any) -> None:
+            raise KeyboardInterrupt
+
+        try:
+            previous = signal.signal(signal.SIGTERM, _stop)
+        except ValueError:  # not the main thread: Ctrl-C only
+            previous = None
+        srv.serve_forever()
+    except KeyboardInterrupt:
+        logger.info("stopped serving at %s", srv.url)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        srv.server_close()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="OpenAI-compatible chat-completions server over a memgas LLM")
     ap.add_argument("--host", default="127.0.0.1")
