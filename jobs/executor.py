@@ -153,7 +153,8 @@ class ModelHost:
         return total if seen else None
 
 
-def _task(fn_path: str, payload: Any, params: dict) -> dict[str, pa.Table]:
+def run_task(fn_path: str, payload: Any, params: dict) -> dict[str, pa.Table]:
+    """A task stage's ``run`` on a payload the driver prepared (what Ray executes on any node)."""
     return resolve(fn_path)(None, payload, params)
 
 
@@ -252,7 +253,7 @@ def execute_units(
                               "retries": 0, "gpu_peak_mb": None}
     if not todo:
         return counts
-    fn = f"{type(stage).__module__}:{type(stage).__name__}.run"
+    fn = stage_fn(stage)
     params = stage.params(ctx)
     size = lambda u: int(u.get("size", 1))  # noqa: E731 - tiny accessor
     bar = tqdm(total=sum(size(u) for u in todo), desc=desc or stage.name, unit="item", leave=False)
@@ -262,7 +263,7 @@ def execute_units(
             for u in todo:
                 t0 = time.perf_counter()
                 payload = stage.inputs(ctx, u)
-                tables = host.call(fn, payload, params) if host else _task(fn, payload, params)
+                tables = host.call(fn, payload, params) if host else run_task(fn, payload, params)
                 counts["unit_seconds"].append((size(u), time.perf_counter() - t0))
                 _write(store, stage, u["part"], tables)
                 counts["done"] += 1
@@ -280,11 +281,16 @@ def execute_units(
         bar.close()
 
 
+def stage_fn(stage: Stage) -> str:
+    """The importable name of a stage's ``run`` (what a worker resolves)."""
+    return f"{type(stage).__module__}:{type(stage).__name__}.run"
+
+
 def _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store) -> None:
     import ray
 
     num_gpus = stage.num_gpus(ctx)
-    remote = ray.remote(_task).options(num_cpus=1, num_gpus=num_gpus, max_retries=2)
+    remote = ray.remote(run_task).options(num_cpus=1, num_gpus=num_gpus, max_retries=2)
     params_ref = ray.put(params)
     limit = max(2, int(ray.available_resources().get("CPU", 1)) * 2)
     queue = list(todo)

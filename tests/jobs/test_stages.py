@@ -106,7 +106,7 @@ CASES: list[tuple[str, object, list[str]]] = [
 
 
 def _base(tmp: Path, **extra: object) -> MemgasConfig:
-    overrides = [f"output_dir={tmp}", "data.limit=1", "reading.max_questions=2", "reading.top_k=1",
+    overrides = [f"output_dir={tmp}", "data.limit=1", "reading.max_questions=1", "reading.top_k=1",
                  "reading.context_tokens=1024", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
                  "reading.methods=[memgas]", "retrieval.store_top=50", "evaluation.ks=[1,3,5,10]"]
     overrides += [f"{k}={json.dumps(v)}" for k, v in extra.items()]
@@ -205,7 +205,7 @@ def test_first_run_executes_every_stage_and_reads_in_the_job(reference_run) -> N
     assert [r["status"] for r in rec.values()] == ["executed"] * 7 + ["disabled", "executed"]
     metrics = json.loads((reference_run / "metrics.json").read_text())
     qa = metrics["qa"]["memgas"]
-    assert qa["n"] + qa["failed"] == 2 and qa["failed"] == 0  # reading.max_questions=2, all answered
+    assert qa["n"] + qa["failed"] == 1 and qa["failed"] == 0  # reading.max_questions=1, answered
     assert metrics["run"]["failures"] == {"read": 0, "generate": 0}
 
 
