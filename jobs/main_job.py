@@ -191,6 +191,11 @@ def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profi
         st.extra.update({k: v for k, v in stats.items() if k not in ("metrics", "summary")})
     ctx.stats[stage.name] = stats
     complete = stage.complete(ctx)
+    if not complete and stage.name == "generate":
+        # downstream stages would index empty summaries: stop here; the next run retries the failed rows
+        raise MemgasError(f"generate: {stats.get('llm_failures')} generations failed in the LLM backend "
+                          f"(first: {stats.get('first_error')}); check llm.backend/llm.base_url and re-run "
+                          "(finished sessions are kept)")
     entry["status"] = "executed" if complete else "incomplete"
     if complete and not stage.always_run:
         atomic_write_json(_marker_path(store, stage), {"fingerprint": fp, "units_total": entry["units_total"],

@@ -304,10 +304,12 @@ class GenerateStage(Stage):
         mine = bank.read("generations", ["prompt_tokens", "completion_tokens", "error", "fallback"],
                          filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
         err = mine["error"].to_pylist()
-        self._llm_failures = sum(e is not None and e.startswith("llm:") for e in err)
+        failed = [e for e in err if e is not None and e.startswith("llm:")]
+        self._llm_failures = len(failed)
         return {"rows": mine.num_rows, "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
                 "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
                 "errors": sum(e is not None for e in err), "llm_failures": self._llm_failures,
+                "first_error": failed[0][:200] if failed else None,
                 "fallbacks": int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0)}
 
     def complete(self, ctx: StageContext) -> bool:

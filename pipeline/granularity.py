@@ -156,7 +156,7 @@ class MatrixLoader:
         if nodes is None:
             nodes = bank.read("nodes")
             if nodes.num_rows == 0:
-                raise BankError(f"{bank.path}: table 'nodes' is empty; run the granularity stage (build_nodes) first")
+                raise BankError(f"{bank.path}: table 'nodes' is empty; run `memgas index` (its nodes stage) first")
         if history_ids is not None:
             nodes = nodes.filter(pc.field("history_id").isin(list(history_ids)))
         nodes = nodes.sort_by([("history_id", "ascending"), ("position", "ascending")])
@@ -181,7 +181,7 @@ class MatrixLoader:
         if absent:
             raise BankError(
                 f"{bank.path}: {len(absent)} texts have no '{encoder_name}' embedding (first text_hash {absent[0]}); "
-                "run the encoding stage with this encoder"
+                "run `memgas index` with this config (its encode stage)"
             )
 
         # turn vector per unique session: mean of its pair vectors, one reduceat over all pairs

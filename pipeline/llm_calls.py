@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from memgas.pipeline import faults
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.models.base import LLM, ChatPrompt, GenerationResult, SamplingParams
 
@@ -30,6 +31,7 @@ def generate_batch(
         part = list(prompts[a : a + size])
         t0 = time.perf_counter()
         try:
+            faults.hit(f"llm:{stage}")  # reliability tests: a backend failure at a named call site
             res = llm.generate(part, params)
         except Exception as exc:  # a backend that raises must not sink the whole stage: record per item
             log.error("%s: LLM batch of %d prompts failed: %s", stage, len(part), exc)

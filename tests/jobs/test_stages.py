@@ -87,10 +87,10 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("reading.enabled", False, ["read"]),
     ("reading.methods", ["session"], ["read"]),
     ("reading.top_k", 2, ["read"]),
-    ("reading.filter", False, ["read"]),
+    ("reading.filter", True, ["read"]),
     ("reading.max_questions", 3, ["read"]),
     ("reading.context_tokens", 1500, ["read"]),
-    ("reading.max_new_tokens", 32, ["read"]),
+    ("reading.max_new_tokens", 24, ["read"]),
     ("llm.backend", "llama-cpp", ["read"]),
     ("llm.model", "other", ["read"]),
     ("llm.base_url", "http://127.0.0.1:1/v1", ["read"]),
@@ -107,7 +107,7 @@ CASES: list[tuple[str, object, list[str]]] = [
 
 def _base(tmp: Path, **extra: object) -> MemgasConfig:
     overrides = [f"output_dir={tmp}", "data.limit=1", "reading.max_questions=1", "reading.top_k=1",
-                 "reading.context_tokens=1024", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
+                 "reading.context_tokens=1024", "reading.filter=false", "reading.max_new_tokens=16", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
                  "reading.methods=[memgas]", "retrieval.store_top=50", "evaluation.ks=[1,3,5,10]"]
     overrides += [f"{k}={json.dumps(v)}" for k, v in extra.items()]
     return MemgasConfig.load(REPO / "configs" / "demo.yaml", overrides)
@@ -247,3 +247,27 @@ def test_answer_on_a_bank_indexed_with_another_config_is_refused(tmp_path, refer
     cfg = _base(tmp_path, **{"association.mem_threshold": 25})
     with pytest.raises(BankError, match="was not run with this config"):
         main_job.answer(cfg, reference_run / "bank", run_dir=tmp_path / "ans", use_ray=False)
+
+
+@pytest.mark.slow
+def test_failed_answers_are_counted_not_scored_and_retried(tmp_path_factory, reference_run, monkeypatch) -> None:
+    """The answer LLM call fails (injected at its call site): the run writes its report, counts the failure,
+    keeps it out of the QA metrics and raises IncompleteRun (exit 4); the next run retries just that answer."""
+    import shutil
+
+    work = tmp_path_factory.mktemp("llmfail")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    cfg = _base(work, **{"reading.top_k": 2})  # a new read fingerprint: the reader runs again
+    monkeypatch.setenv("MEMGAS_FAULT", "raise@llm:reading-answer")
+    with pytest.raises(main_job.IncompleteRun, match="1 read failures"):
+        _run(cfg)
+    metrics = json.loads((work / "metrics.json").read_text())
+    assert metrics["qa"]["memgas"]["failed"] == 1 and metrics["qa"]["memgas"]["n"] == 0
+    assert json.loads((work / "RUNNING.json").read_text())["status"] == "incomplete"
+    monkeypatch.delenv("MEMGAS_FAULT")
+    _run(cfg)
+    rec = _record(work)
+    assert rec["read"]["status"] == "executed" and rec["read"]["units_done"] == 1
+    metrics = json.loads((work / "metrics.json").read_text())
+    assert metrics["qa"]["memgas"]["failed"] == 0 and metrics["qa"]["memgas"]["n"] == 1
+    assert not (work / "RUNNING.json").exists()
