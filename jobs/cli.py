@@ -91,8 +91,13 @@ def _add_config_args(p: argparse.ArgumentParser, *, positional: bool) -> None:
 
 
 def _sub(sub: Any, name: str, help: str, description: str) -> argparse.ArgumentParser:
-    return sub.add_parser(name, help=help, description=_fmt(description),
-                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(name, help=help, description=_fmt(description),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    # -q/-v after the command too (`memgas ingest ... -q`); SUPPRESS keeps the top-level value otherwise
+    p.add_argument("-q", "--quiet", action="store_true", default=argparse.SUPPRESS, help="only warnings and errors")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="debug logging; tracebacks of internal errors")
+    return p
 
 
 def _add_ingest(sub: Any) -> None:
@@ -304,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         return _dispatch(args)
     except MemgasError as exc:
         print(f"{prefix} {_one_line(exc)}", file=sys.stderr)
-        return EXIT_INPUT
+        # IncompleteRun (units failed after retries) exits 4, EnvironmentFailure 3, bad input 2
+        return int(getattr(exc, "exit_code", EXIT_INPUT))
     except BrokenPipeError:  # `memgas stats BANK | head`
         _silence_stdout()
         return 0

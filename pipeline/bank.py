@@ -116,6 +116,13 @@ def atomic_write_parquet(path: Path, table: pa.Table, *, point: str = "bank:writ
         raise
 
 
+def _sweep_temps(d: Path, prefix: str) -> None:
+    """Remove temp files ``<prefix>*.tmp`` in ``d``: left by a writer killed before its rename."""
+    if d.is_dir():
+        for f in d.glob(f"{prefix}*.tmp"):
+            f.unlink(missing_ok=True)
+
+
 def _file_digest(path: str | Path) -> str:
     h = hashlib.blake2b(digest_size=8)
     with open(path, "rb") as f:
@@ -293,6 +300,7 @@ class Bank:
         path = self._dir(name) / f"{part}.parquet"
         marker = self._dir(name) / "_done" / f"{part}.json"
         marker.unlink(missing_ok=True)  # a crash from here on leaves an unmarked part: ignored, redone
+        _sweep_temps(self._dir(name), f".{part}.parquet.")  # of an earlier write of this part, killed
         atomic_write_parquet(path, table, point="bank:write-part")
         faults.hit("bank:write-part:before-marker")
         atomic_write_json(marker, {"rows": table.num_rows, **(info or {})}, point="bank:write-marker")
@@ -375,6 +383,8 @@ class Bank:
         legacy = d / "all.parquet"
         if legacy.exists() and not (d / "_done" / "all.json").exists():
             legacy.unlink(missing_ok=True)
+        _sweep_temps(d, ".compact.parquet.")
+        _sweep_temps(d / "_done", f".{COMPACT_PREFIX}")
         return part
 
     def drop_part(self, name: str, part: str) -> None:

@@ -1,0 +1,220 @@
+"""The bank's crash safety: compaction and part writes killed (SIGKILL) or failed (ENOSPC) at every named
+fault point leave readable data, and the next compaction recovers; unreadable parts can be deleted and
+rebuilt; files get the usual permissions.
+
+Faults are injected into a real subprocess with MEMGAS_FAULT (see memgas.pipeline.faults).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from memgas.pipeline.bank import COMPACT_PREFIX, Bank
+from memgas.pipeline.errors import BankError
+from memgas.pipeline.hashing import text_hash
+from memgas.pipeline.ingest import ingest, is_current
+
+SAMPLE3 = Path(__file__).resolve().parents[2] / "data" / "sample" / "longmemeval_s_sample3.json"
+
+
+def _texts(words: list[str]) -> pa.Table:
+    return pa.table({"text_hash": [text_hash(w) for w in words], "text": words})
+
+
+def _rows(bank: Bank, name: str = "texts") -> list[tuple]:
+    t = bank.read(name)
+    return sorted(zip(*(t.column(c).to_pylist() for c in t.column_names)))
+
+
+def _bank_with_parts(path: Path) -> Bank:
+    """A texts table of three unit parts (one key written twice with the same text) and a compacted part."""
+    bank = Bank.create(path)
+    bank.write("texts", _texts(["alpha", "beta"]))  # an earlier compaction
+    bank.write_part("texts", "derived-1", _texts(["gamma", "delta"]))
+    bank.write_part("texts", "derived-2", _texts(["epsilon", "beta"]))
+    bank.write_part("texts", "queries-1", _texts(["zeta?"]))
+    return bank
+
+
+# -- compaction ---------------------------------------------------------------------------------------------
+def test_compaction_merges_sorts_and_is_idempotent(tmp_path: Path) -> None:
+    bank = _bank_with_parts(tmp_path / "b")
+    before = _rows(bank)
+    assert len(before) == 6 and bank.count("texts") == 6  # exact even with the overlapping "beta"
+    n = bank.compact("texts")
+    parts = bank.parts("texts")
+    assert n == 6 and len(parts) == 1 and parts[0].startswith(COMPACT_PREFIX)
+    assert _rows(bank) == before
+    t = bank.read("texts")
+    assert t.column("text_hash").to_pylist() == sorted(t.column("text_hash").to_pylist())
+    # nothing else is left in the table's directory
+    assert sorted(p.name for p in (tmp_path / "b" / "texts").iterdir()) == ["_done", f"{parts[0]}.parquet"]
+    # compacting again changes nothing; writing the same rows gives the same part (named by its bytes)
+    assert bank.compact("texts") == 6 and bank.parts("texts") == parts
+    assert bank.write("texts", bank.read("texts")) == parts[0]
+
+
+def _run_compaction(bank_dir: Path, fault: str) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(f"""
+        from memgas.pipeline.bank import Bank
+        Bank({str(bank_dir)!r}).compact("texts")
+    """)
+    env = {**os.environ, "MEMGAS_FAULT": fault}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+FAULTS = [
+    "kill@bank:compact:before-rename",
+    "kill@bank:compact:before-marker",
+    "kill@bank:compact-marker:before-rename",
+    "kill@bank:compact:after-new",
+    "kill@bank:compact:dropped",
+    "kill@bank:compact:dropped#3",
+    "enospc@bank:compact:before-rename",
+    "enospc@bank:compact-marker:before-rename",
+]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_compaction_is_crash_safe_at_every_point(tmp_path: Path, fault: str) -> None:
+    bank = _bank_with_parts(tmp_path / "b")
+    before = _rows(bank)
+    clean = _bank_with_parts(tmp_path / "clean")
+    clean.compact("texts")
+
+    proc = _run_compaction(tmp_path / "b", fault)
+    if fault.startswith("kill"):
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 1 and "No space left on device" in proc.stderr
+    # the data stays readable, complete and not duplicated, whatever the instruction
+    bank = Bank(tmp_path / "b")
+    assert _rows(bank) == before
+    assert bank.count("texts") == len(before)
+    # the next compaction recovers: one part, the same bytes as an uninterrupted compaction
+    bank.compact("texts")
+    assert bank.parts("texts") == clean.parts("texts")
+    name = clean.parts("texts")[0]
+    assert (tmp_path / "b" / "texts" / f"{name}.parquet").read_bytes() == (
+        tmp_path / "clean" / "texts" / f"{name}.parquet").read_bytes()
+    assert not [p for p in (tmp_path / "b" / "texts").iterdir() if p.name.startswith(".")]  # no temp files
+
+
+def test_the_old_failure_a_kill_while_replacing_the_compacted_part(tmp_path: Path) -> None:
+    """Before: write("all") unmarked the old compacted part first, so a kill there lost every ingested text
+    and each later run failed with "N session texts missing". Now the old part stays marked until the new
+    one is complete."""
+    bank = Bank.create(tmp_path / "b")
+    bank.write("texts", _texts([f"session {i}" for i in range(50)]))
+    bank.write_part("texts", "derived-x", _texts(["a summary"]))
+    before = _rows(bank)
+    for fault in ("kill@bank:compact:before-rename", "kill@bank:compact:before-marker"):
+        assert _run_compaction(tmp_path / "b", fault).returncode == -signal.SIGKILL
+        assert _rows(Bank(tmp_path / "b")) == before
+
+
+@pytest.mark.parametrize("fault, rc", [("kill@bank:write-part:before-marker", -9),
+                                       ("kill@bank:write-part:before-rename", -9),
+                                       ("enospc@bank:write-part:before-rename", 1),
+                                       ("kill@bank:write-marker:before-rename", -9)])
+def test_a_part_killed_while_written_is_ignored(tmp_path: Path, fault: str, rc: int) -> None:
+    bank = _bank_with_parts(tmp_path / "b")
+    before = _rows(bank)
+    code = textwrap.dedent(f"""
+        import pyarrow as pa
+        from memgas.pipeline.bank import Bank
+        from memgas.pipeline.hashing import text_hash
+        Bank({str(tmp_path / 'b')!r}).write_part("texts", "derived-3", pa.table({{"text_hash": [text_hash("new")], "text": ["new"]}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env={**os.environ, "MEMGAS_FAULT": fault},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == rc, proc.stderr[-2000:]
+    bank = Bank(tmp_path / "b")
+    assert "derived-3" not in bank.parts("texts") and _rows(bank) == before
+    if fault.startswith("enospc"):
+        assert not [p for p in (tmp_path / "b" / "texts").iterdir() if p.name.startswith(".")]
+
+
+# -- ingest parts are ingest's own ----------------------------------------------------------------------------
+def test_compaction_keeps_ingest_parts_and_does_not_copy_their_rows(tmp_path: Path) -> None:
+    ingest(SAMPLE3, "longmemeval", tmp_path / "b", progress=False)
+    bank = Bank(tmp_path / "b")
+    ingested = bank.parts("texts")
+    n_ingested = bank.count("texts")
+    bank.write_part("texts", "derived-1", _texts(["a summary", "keywords; here"]))
+    # what jobs/plan.compact does: read everything, write it back
+    bank.write("texts", bank.read("texts"))
+    parts = bank.parts("texts")
+    assert [p for p in parts if p.startswith("ingest-")] == ingested
+    compacted = [p for p in parts if p.startswith(COMPACT_PREFIX)]
+    assert len(compacted) == 1 and bank._rows("texts", compacted[0]) == 2  # only the derived rows
+    assert bank.count("texts") == n_ingested + 2
+    assert bank.compact("texts") == 2 and bank.parts("texts") == parts
+
+
+# -- unreadable parts: the advice works --------------------------------------------------------------------------
+def test_unreadable_cache_part_delete_and_rerun(tmp_path: Path) -> None:
+    bank = _bank_with_parts(tmp_path / "b")
+    (tmp_path / "b" / "texts" / "derived-1.parquet").write_bytes(b"garbage")
+    with pytest.raises(BankError, match="unreadable Parquet part .*delete it and re-run"):
+        bank.read("texts")
+    (tmp_path / "b" / "texts" / "derived-1.parquet").unlink()
+    assert len(_rows(bank)) == 4  # the other parts still read; the stage would recompute the lost rows
+
+
+@pytest.mark.parametrize("table", ["queries", "texts", "sessions"])
+def test_unreadable_ingest_part_delete_and_reingest(tmp_path: Path, table: str) -> None:
+    ingest(SAMPLE3, "longmemeval", tmp_path / "b", progress=False, chunk_histories=1)
+    bank = Bank(tmp_path / "b")
+    want = _rows(bank, table)
+    part = bank.parts(table)[1]
+    path = tmp_path / "b" / table / f"{part}.parquet"
+    path.write_bytes(b"not parquet")
+    with pytest.raises(BankError, match="re-ingests"):
+        bank.read(table)
+    path.unlink()  # what the message says
+    # the bank now says it holds no usable dataset: a run re-ingests instead of trusting a partial bank
+    assert not bank.exists("sessions") and not bank.exists(table) and not bank.ingest_complete()
+    assert not is_current(tmp_path / "b", SAMPLE3, "longmemeval")
+    with pytest.raises(BankError, match="incomplete"):
+        bank.read("queries")
+    ingest(SAMPLE3, "longmemeval", tmp_path / "b", progress=False, chunk_histories=1)
+    assert _rows(Bank(tmp_path / "b"), table) == want and is_current(tmp_path / "b", SAMPLE3, "longmemeval")
+
+
+# -- files ----------------------------------------------------------------------------------------------------
+def test_files_get_the_umask_mode_not_0600(tmp_path: Path) -> None:
+    mask = os.umask(0o022)
+    try:
+        bank = Bank.create(tmp_path / "b")
+        bank.write_part("texts", "p", _texts(["x"]))
+        bank.compact("texts")
+        bank.update_manifest(x=1)
+    finally:
+        os.umask(mask)
+    for f in [tmp_path / "b" / "manifest.json", *(tmp_path / "b" / "texts").rglob("*.*")]:
+        assert stat.S_IMODE(f.stat().st_mode) == 0o644, f
+
+
+def test_open_errors_are_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(BankError, match="not a directory"):
+        Bank(tmp_path / "file")
+    with pytest.raises(BankError, match="exists and is not a directory"):
+        Bank.create(tmp_path / "file")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "manifest.json").write_text("[1, 2]")
+    with pytest.raises(BankError, match="corrupt manifest"):
+        Bank(tmp_path / "b")
+    (tmp_path / "b" / "manifest.json").write_text("{not json")
+    with pytest.raises(BankError, match="corrupt manifest"):
+        Bank(tmp_path / "b")
