@@ -108,9 +108,10 @@ def build_context(
 ANSWER_FAILED = "answer failed:"
 
 
-def is_failed_answer(error: str | None) -> bool:
-    """An answer whose LLM call failed after the client's retries: kept out of QA metrics, retried next run."""
-    return bool(error) and ANSWER_FAILED in error
+def is_failed_answer(error: Any) -> bool:
+    """An answer whose LLM call failed after the client's retries: kept out of QA metrics, retried next run.
+    (``error`` may come from pandas, where a missing value is NaN.)"""
+    return isinstance(error, str) and ANSWER_FAILED in error
 
 
 def reading_payloads(bank: Any, rankings: pa.Table, query_ids: Sequence[str], *,
