@@ -48,7 +48,7 @@ def get_xp(device: str = "cpu") -> tuple[ModuleType, str]:
     if cp is None:
         if device == "cuda":
             raise RuntimeError(
-                "device='cuda' needs CuPy and a visible CUDA GPU (pip install 'memgas[gpu]'); "
+                "device='cuda' needs CuPy and a visible CUDA GPU (make setup-gpu: the gpu extra); "
                 "use device='cpu' or 'auto'"
             )
         log.debug("device='auto': no CuPy/CUDA, using cpu")

@@ -498,7 +498,7 @@ class VLLMOfflineLLM:
         name: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        self._vllm = _lazy_import("vllm", "pip install 'memgas[gpu]' (vllm needs a CUDA torch build)")
+        self._vllm = _lazy_import("vllm", "make setup-gpu (the gpu extra: vllm with its CUDA torch build)")
         self._llm = self._vllm.LLM(
             **vllm_engine_kwargs(model, context_tokens, tensor_parallel_size, gpu_memory_utilization, seed,
                                  **engine_kwargs)
