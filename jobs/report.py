@@ -277,6 +277,10 @@ def write_text(path: str | Path, text: str) -> Path:
     p = Path(path)
     if p.is_dir():
         raise MemgasError(f"{p}: is a directory; give a file path for the report")
+    if p.exists() and not p.is_file():  # /dev/stdout, a pipe: write into it, never replace it
+        with open(p, "w", encoding="utf-8") as f:
+            f.write(text)
+        return p
     if not p.parent.is_dir():
         raise MemgasError(f"{p}: the directory {p.parent} does not exist")
     atomic_write_bytes(p, text.encode("utf-8"), point="report:write")

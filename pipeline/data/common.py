@@ -263,11 +263,12 @@ class Warnings:
 
     def note(self, kind: str, message: str, *, index: int | None = None, record_id: str | None = None, n: int = 1) -> None:
         """A fact about the data that changes nothing (e.g. sessions not in date order): counted and
-        exemplified in the ingest summary's ``notes``, logged once per kind at INFO, never an error."""
+        exemplified in the ingest summary's ``notes`` (and the CLI's summary line), logged once per kind at
+        DEBUG, never an error."""
         c = self.note_counts.get(kind)
         if c is None:
             c = self.note_counts[kind] = {"histories": 0, "count": 0}
-            log.info("%s (further %r notes are counted in the ingest summary)",
+            log.debug("%s (further %r notes are counted in the ingest summary)",
                      DataError(self.file, message, index=index, record_id=record_id), kind)
         c["histories"] += 1
         c["count"] += n
