@@ -49,6 +49,10 @@ class EncoderConfig(_Strict):
     max_tokens: int | None = Field(None, ge=1)
     #: encode texts longer than max_tokens as windows and average them (else truncate, and count it)
     long_text: Literal["truncate", "mean-windows"] = "truncate"
+    #: inference runtime: torch; onnx (ONNX Runtime, fp32); onnx-int8 (ONNX Runtime, int8 dynamic
+    #: quantisation of the weights); auto = torch on CUDA, the measured CPU default on CPU (docs/benchmarks.md,
+    #: "CPU indexing"). The ONNX runtimes are CPU-only; exports are cached under ~/.cache/memgas/onnx.
+    runtime: Literal["auto", "torch", "onnx", "onnx-int8"] = "auto"
 
 
 class LLMConfig(_Strict):

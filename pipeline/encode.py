@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -41,12 +42,62 @@ def _truncation_flags(encoder: Encoder, texts: Sequence[str]) -> list[bool]:
     return [len(t.split()) * 1.3 > encoder.max_tokens for t in texts]
 
 
-def encode_texts(encoder: Encoder, texts: Sequence[str], *, batch: int = 1024) -> tuple[np.ndarray, list[bool]]:
-    """Encode in length-sorted chunks of ``batch`` texts (less padding); vectors and truncation flags
-    in input order. Flags come from the encoder's own ``last_truncated`` record when it keeps one."""
+@dataclass
+class EncodeResult:
+    """What :func:`encode_texts` returns, per text in input order.
+
+    ``tokens``: tokens the model actually ran on (special tokens included; with ``long_text="mean-windows"``
+    every window counts), ``tokens_dropped``: tokens cut off by truncation. Both are exact for memgas
+    encoders (``last_tokens`` / ``last_tokens_dropped``); for other encoders they come from
+    ``count_tokens`` when it exists, else they are ``None`` (unknown, never a guess).
+    """
+
+    vectors: np.ndarray  # float32 [n, dim]
+    truncated: np.ndarray  # bool [n]
+    tokens: np.ndarray | None  # int32 [n]
+    tokens_dropped: np.ndarray | None  # int32 [n]
+
+    @property
+    def n_truncated(self) -> int:
+        return int(self.truncated.sum())
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.tokens.sum()) if self.tokens is not None else 0
+
+    @property
+    def total_dropped(self) -> int:
+        return int(self.tokens_dropped.sum()) if self.tokens_dropped is not None else 0
+
+
+def _token_counts(encoder: Encoder, texts: Sequence[str], n_ret: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(tokens encoded, tokens dropped) per text: the encoder's own record of its last call, else derived
+    from ``count_tokens`` (truncation at ``max_tokens`` with 2 special tokens), else None."""
+    tok = getattr(encoder, "last_tokens", None)
+    drop = getattr(encoder, "last_tokens_dropped", None)
+    if tok is not None and drop is not None and len(tok) == n_ret == len(drop):
+        return np.asarray(tok, np.int64), np.asarray(drop, np.int64)
+    count = getattr(encoder, "count_tokens", None)
+    if callable(count):
+        try:
+            c = np.asarray(count(list(texts)), np.int64).reshape(-1)
+        except TypeError:
+            return None
+        if c.shape[0] == len(texts):
+            window = max(int(encoder.max_tokens) - 2, 1)
+            return np.minimum(c, window) + 2, np.maximum(c - window, 0)
+    return None
+
+
+def encode_texts(encoder: Encoder, texts: Sequence[str], *, batch: int = 1024) -> EncodeResult:
+    """Encode in length-sorted chunks of ``batch`` texts (less padding); vectors, truncation flags and
+    token counts in input order. Flags and counts come from the encoder's own record of each call
+    (``last_truncated``, ``last_tokens``, ``last_tokens_dropped``) when it keeps one."""
     n = len(texts)
     out = np.zeros((n, encoder.dim), np.float32)
-    trunc = [False] * n
+    trunc = np.zeros(n, bool)
+    tokens: np.ndarray | None = np.zeros(n, np.int64)
+    dropped: np.ndarray | None = np.zeros(n, np.int64)
     order = sorted(range(n), key=lambda i: (len(texts[i]), i))
     for a in range(0, n, batch):
         idx = order[a : a + batch]
@@ -58,10 +109,15 @@ def encode_texts(encoder: Encoder, texts: Sequence[str], *, batch: int = 1024) -
         flags = getattr(encoder, "last_truncated", None)
         if flags is None or len(flags) != len(idx):
             flags = _truncation_flags(encoder, chunk)
-        for i, f in zip(idx, flags):
-            trunc[i] = bool(f)
+        trunc[idx] = np.asarray(flags, bool)
+        counts = _token_counts(encoder, chunk, len(vec)) if tokens is not None else None
+        if counts is None:
+            tokens = dropped = None
+        else:
+            tokens[idx], dropped[idx] = counts
         log.info("encoding: %d/%d texts", min(a + batch, n), n)
-    return out, trunc
+    as32 = (lambda x: x.astype(np.int32)) if tokens is not None else (lambda x: None)
+    return EncodeResult(out, trunc, as32(tokens), as32(dropped))
 
 
 def embeddings_table(encoder: Encoder, hashes: Sequence[str], texts: Sequence[str], key: str) -> pa.Table:

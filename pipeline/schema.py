@@ -128,6 +128,9 @@ def embeddings_schema(dim: int) -> pa.Schema:
             pa.field("encoder", pa.string(), nullable=False),
             pa.field("vector", pa.list_(pa.float32(), dim), nullable=False),
             pa.field("truncated", pa.bool_()),
+            # tokens the encoder ran on (specials included, every window) and tokens cut by truncation
+            pa.field("tokens", pa.int32()),
+            pa.field("tokens_dropped", pa.int32()),
         ]
     )
 

@@ -11,13 +11,25 @@ Both backends share one length-bucketed batching engine that works on token ids:
    ``torch.inference_mode`` and scattered back into the caller's order.
 
 The model is loaded once per encoder object; Ray actors keep the object alive between batches.
+
+Runtimes (``runtime``): ``torch`` runs the model's PyTorch modules; ``onnx`` / ``onnx-int8`` run the
+transformer body through ONNX Runtime (CPU), exported from the same weights with ``torch.onnx.export``
+(dynamo exporter), fused by ONNX Runtime's BERT optimiser where the architecture allows, and for
+``onnx-int8`` dynamically quantised (int8 per-channel weights, activations quantised per batch at run
+time). Pooling and normalisation stay in PyTorch, so every runtime shares the batching engine above.
+Exports are made offline from the loaded weights and cached under ``onnx_cache_dir()`` keyed by a hash of
+the weights, the recipe and the library versions (the same key always names the same file).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +42,14 @@ MINILM_ALIAS = "minilm"
 MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+#: ``encoder.runtime`` values. ``auto`` = torch on CUDA, :data:`CPU_DEFAULT_RUNTIME` on CPU.
+RUNTIMES = ("auto", "torch", "onnx", "onnx-int8")
+#: The CPU default, chosen from docs/benchmarks.md ("CPU indexing").
+CPU_DEFAULT_RUNTIME = "torch"
+#: Bump when the ONNX export / optimisation / quantisation recipe changes (part of the export cache key).
+ONNX_RECIPE = "onnx-v1"
 
 
 def minilm_path() -> str:
@@ -61,6 +81,22 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def resolve_runtime(runtime: str, device: torch.device) -> str:
+    """``auto`` = torch on CUDA, :data:`CPU_DEFAULT_RUNTIME` on CPU. The ONNX runtimes are CPU-only."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"encoder.runtime={runtime!r}: expected one of {RUNTIMES}")
+    if runtime == "auto":
+        return "torch" if device.type == "cuda" else CPU_DEFAULT_RUNTIME
+    if runtime != "torch" and device.type != "cpu":
+        raise ValueError(f"encoder.runtime={runtime!r} runs on CPU only; use runtime=torch on {device.type}")
+    return runtime
+
+
+def precision_tag(runtime: str, dtype: torch.dtype) -> str:
+    """``fp32``/``bf16``/``fp16`` (the compute dtype), or ``int8`` for the quantised runtime."""
+    return "int8" if runtime == "onnx-int8" else _SHORT_DTYPE[dtype]
+
+
 @dataclass
 class EncodeStats:
     """What the last ``encode`` call did; kept so callers can report truncation."""
@@ -69,7 +105,10 @@ class EncodeStats:
     n_truncated: int = 0
     n_pieces: int = 0
     n_batches: int = 0
+    #: tokens the model ran on (special tokens included, every window counted), padding excluded
     tokens: int = 0
+    #: tokens cut off by truncation (0 with ``long_text="mean-windows"``)
+    tokens_dropped: int = 0
     seconds: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -90,14 +129,50 @@ class _BucketedEncoder:
         self.batch_size = batch_size
         self.long_text = long_text
         self.last_truncated: np.ndarray = np.zeros(0, dtype=bool)
+        #: per text of the last ``encode`` call: tokens encoded (specials included, all windows) and
+        #: tokens dropped by truncation
+        self.last_tokens: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.last_tokens_dropped: np.ndarray = np.zeros(0, dtype=np.int64)
         self.last_stats = EncodeStats()
+        self.runtime = "torch"
+        self._ort: Any = None  # onnxruntime.InferenceSession when runtime is onnx*
+        self._ort_inputs: list[str] = []
         self._tokenizer: Any = None
         self._wrap: tuple[list[int], list[int]] | None = None
         self._device = torch.device("cpu")
 
-    # -- subclass hook -------------------------------------------------------------------------------
+    # -- subclass hooks ------------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def _pool(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Sentence embedding from the transformer's last hidden state (used by the ONNX runtimes)."""
+        raise NotImplementedError
+
+    # -- ONNX Runtime ---------------------------------------------------------------------------------
+    def _setup_onnx(self, hf_model_loader: Any, runtime: str) -> None:
+        """Load (or export once and cache) the ONNX transformer body and open an ONNX Runtime session."""
+        import onnxruntime as ort  # noqa: PLC0415  (only the onnx runtimes need it)
+
+        input_names = ["input_ids", "attention_mask"]
+        if "token_type_ids" in getattr(self._tokenizer, "model_input_names", []):
+            input_names.append("token_type_ids")
+        blob = onnx_model_bytes(hf_model_loader, input_names, int8=runtime == "onnx-int8")
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = max(1, torch.get_num_threads())
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        self._ort = ort.InferenceSession(blob, so, providers=["CPUExecutionProvider"])
+        self._ort_inputs = [i.name for i in self._ort.get_inputs()]
+        self.runtime = runtime
+
+    def _forward_ort(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.numpy()
+        feed = {"input_ids": ids, "attention_mask": attention_mask.numpy()}
+        if "token_type_ids" in self._ort_inputs:
+            feed["token_type_ids"] = np.zeros_like(ids)
+        hidden = torch.from_numpy(self._ort.run(None, {k: feed[k] for k in self._ort_inputs})[0])
+        return self._pool(hidden, input_ids, attention_mask)
 
     # -- public --------------------------------------------------------------------------------------
     def count_tokens(self, texts: list[str]) -> np.ndarray:
@@ -111,6 +186,8 @@ class _BucketedEncoder:
         n = len(texts)
         if n == 0:
             self.last_truncated = np.zeros(0, dtype=bool)
+            self.last_tokens = np.zeros(0, dtype=np.int64)
+            self.last_tokens_dropped = np.zeros(0, dtype=np.int64)
             self.last_stats = EncodeStats()
             return np.zeros((0, self.dim), dtype=np.float32)
         ids = self._tokenize(texts)
@@ -137,6 +214,10 @@ class _BucketedEncoder:
                 weights.append(float(max(len(c), 1)))
 
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+        per_text = np.zeros(n, dtype=np.int64)
+        np.add.at(per_text, np.asarray(owners), lengths)
+        raw = np.fromiter((len(x) for x in ids), dtype=np.int64, count=n)
+        dropped = np.maximum(raw - window, 0) if self.long_text == "truncate" else np.zeros(n, np.int64)
         order = np.argsort(lengths, kind="stable")
         out = np.zeros((len(pieces), self.dim), dtype=np.float32)
         n_batches = 0
@@ -145,6 +226,7 @@ class _BucketedEncoder:
         budget = self.batch_size * self.max_tokens
         max_rows = self.batch_size * 8
         pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
+        forward = self._forward if self._ort is None else self._forward_ort
         with torch.inference_mode():
             start = 0
             while start < len(order):
@@ -161,7 +243,7 @@ class _BucketedEncoder:
                     p = pieces[j]
                     input_ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
                     mask[row, : len(p)] = 1
-                emb = self._forward(input_ids.to(self._device), mask.to(self._device))
+                emb = forward(input_ids.to(self._device), mask.to(self._device))
                 out[idx] = emb.float().cpu().numpy()
                 n_batches += 1
                 start = end
@@ -181,14 +263,17 @@ class _BucketedEncoder:
                 result /= np.maximum(np.linalg.norm(result, axis=1, keepdims=True), 1e-12)
 
         self.last_truncated = truncated
+        self.last_tokens = per_text
+        self.last_tokens_dropped = dropped
         self.last_stats = EncodeStats(
             n_texts=n,
             n_truncated=int(truncated.sum()),
             n_pieces=len(pieces),
             n_batches=n_batches,
             tokens=int(lengths.sum()),
+            tokens_dropped=int(dropped.sum()),
             seconds=time.perf_counter() - t0,
-            extra={"long_text": self.long_text, "max_tokens": self.max_tokens},
+            extra={"long_text": self.long_text, "max_tokens": self.max_tokens, "runtime": self.runtime},
         )
         if truncated.any():
             verb = "split into windows" if self.long_text == "mean-windows" else "truncated"
@@ -235,11 +320,32 @@ def model_path(model: str) -> str:
     return minilm_path() if model == MINILM_ALIAS else model
 
 
-def encoder_name(backend: str, model: str, max_tokens: int | None = None, long_text: str = "truncate") -> str:
-    """The name an encoder gives itself, which keys the embeddings cache; known without loading the model."""
+def encoder_name(
+    backend: str,
+    model: str,
+    max_tokens: int | None = None,
+    long_text: str = "truncate",
+    *,
+    runtime: str = "torch",
+    dtype: str = "auto",
+    device: str = "auto",
+) -> str:
+    """The name an encoder gives itself, which keys the embeddings cache; known without loading the model.
+
+    ``<model>[@maxN][+mean-windows]|<runtime>-<precision>-<device>``, e.g.
+    ``sentence-transformers/all-MiniLM-L6-v2|onnx-int8-cpu`` or ``hf-mean:facebook/contriever|torch-bf16-cuda``:
+    every option that changes the vectors (window, runtime, compute precision, device) is in it, so cached
+    embeddings of different settings never mix.
+    """
     base = MINILM_NAME if model == MINILM_ALIAS else model
     prefix = "hf-mean:" if backend == "hf" else ""
-    return f"{prefix}{base}{_suffix(max_tokens, long_text)}"
+    dev = resolve_device(device)
+    rt = resolve_runtime(runtime, dev)
+    dt = resolve_dtype(dtype, dev)
+    if rt != "torch" and dt != torch.float32:
+        raise ValueError(f"encoder.runtime={rt!r} computes in float32 (or int8); encoder.dtype={dtype!r} is not supported")
+    tag = rt if rt.endswith("int8") else f"{rt}-{precision_tag(rt, dt)}"
+    return f"{prefix}{base}{_suffix(max_tokens, long_text)}|{tag}-{dev.type}"
 
 
 def _suffix(max_tokens: int | None, long_text: str) -> str:
@@ -250,6 +356,121 @@ def _suffix(max_tokens: int | None, long_text: str) -> str:
     if long_text == "mean-windows":
         s += "+mean-windows"
     return s
+
+
+# -- ONNX export ----------------------------------------------------------------------------------------
+
+
+def onnx_cache_dir() -> Path:
+    """``$MEMGAS_CACHE_DIR/onnx``, else ``$XDG_CACHE_HOME/memgas/onnx``, else ``~/.cache/memgas/onnx``."""
+    root = os.environ.get("MEMGAS_CACHE_DIR")
+    if root:
+        return Path(root) / "onnx"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "memgas" / "onnx"
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    """sha256 over the parameter names, shapes, dtypes and bytes (any model, local or from a hub cache)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}\0".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def _export_onnx(model: torch.nn.Module, input_names: list[str]) -> Any:
+    """``torch.onnx.export`` (dynamo) of the transformer body: inputs -> last_hidden_state, dynamic batch/length."""
+    import warnings  # noqa: PLC0415
+
+    class _Body(torch.nn.Module):
+        def __init__(self, m: torch.nn.Module) -> None:
+            super().__init__()
+            self.m = m
+
+        def forward(self, *args: torch.Tensor) -> torch.Tensor:
+            return self.m(**dict(zip(input_names, args))).last_hidden_state
+
+    ids = torch.full((2, 8), 1000, dtype=torch.long)
+    args = tuple(ids if n == "input_ids" else (torch.ones_like(ids) if n == "attention_mask" else torch.zeros_like(ids))
+                 for n in input_names)
+    b, s = torch.export.Dim("batch"), torch.export.Dim("seq")
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(
+            _Body(model.eval()), args, None, input_names=input_names, output_names=["last_hidden_state"],
+            # forward(*args): the whole args tuple is one input, so its shapes nest one level down
+            dynamic_shapes=(tuple({0: b, 1: s} for _ in input_names),), external_data=False, verbose=False,
+        )
+    return prog.model_proto
+
+
+def _optimize_and_quantize(proto: Any, config: Any, int8: bool, workdir: Path) -> bytes:
+    """ONNX Runtime's transformer optimiser (BERT-family fusions: SkipLayerNorm, BiasGelu), then optional
+    dynamic int8 quantisation of the weight matmuls (per-channel; reduce_range, which keeps AVX2 machines
+    without VNNI from saturating the u8 x s8 products)."""
+    import onnx  # noqa: PLC0415
+
+    src = workdir / "model.onnx"
+    onnx.save(proto, str(src))
+    model_type = getattr(config, "model_type", "")
+    if model_type in ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "electra"):
+        try:
+            from onnxruntime.transformers import optimizer  # noqa: PLC0415
+
+            opt = optimizer.optimize_model(
+                str(src), model_type="bert", num_heads=int(config.num_attention_heads),
+                hidden_size=int(config.hidden_size), opt_level=1,
+            )
+            opt.save_model_to_file(str(workdir / "opt.onnx"))
+            src = workdir / "opt.onnx"
+        except Exception as exc:  # the optimiser is a speed-up only; the plain export is still exact
+            logger.warning("ONNX Runtime optimiser failed (%s); using the plain export", exc)
+    if int8:
+        from onnxruntime.quantization import QuantType, quantize_dynamic  # noqa: PLC0415
+
+        dst = workdir / "int8.onnx"
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
+                         extra_options={"MatMulConstBOnly": True})
+        src = dst
+    return src.read_bytes()
+
+
+def onnx_model_bytes(load_model: Any, input_names: list[str], *, int8: bool) -> bytes:
+    """The ONNX transformer body of a model, from the cache or exported now (offline, from its weights).
+
+    ``load_model()`` returns the ``transformers`` model (eager attention: the exporter traces it once).
+    Cache key = sha256 of (recipe, int8, input names, weights digest, torch/transformers/onnxruntime
+    versions); files are written atomically, so concurrent workers never read half a file.
+    """
+    import onnxruntime  # noqa: PLC0415
+    import transformers  # noqa: PLC0415
+
+    model = load_model()
+    key = hashlib.sha256(
+        "|".join([ONNX_RECIPE, "int8" if int8 else "fp32", ",".join(input_names), _weights_digest(model),
+                  torch.__version__, transformers.__version__, onnxruntime.__version__]).encode()
+    ).hexdigest()[:24]
+    cache = onnx_cache_dir()
+    path = cache / f"{key}.onnx"
+    if path.is_file():
+        logger.info("ONNX model from cache %s", path)
+        return path.read_bytes()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="memgas-onnx-") as tmp:
+        proto = _export_onnx(model, input_names)
+        blob = _optimize_and_quantize(proto, model.config, int8, Path(tmp))
+    logger.info("exported %s to ONNX%s in %.1fs", type(model).__name__, " (int8)" if int8 else "", time.perf_counter() - t0)
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp_path = tempfile.mkstemp(dir=cache, prefix=f".{key}-", suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp_path, path)
+    except OSError as exc:  # a read-only home still works, it just exports again next time
+        logger.warning("cannot cache the ONNX export in %s: %s", cache, exc)
+    return blob
 
 
 class HFMeanPoolingEncoder(_BucketedEncoder):
@@ -266,6 +487,7 @@ class HFMeanPoolingEncoder(_BucketedEncoder):
         batch_size: int = 64,
         max_tokens: int | None = None,
         long_text: str = "truncate",
+        runtime: str = "torch",
     ) -> None:
         super().__init__(batch_size, long_text)
         from transformers import AutoModel, AutoTokenizer
@@ -283,11 +505,18 @@ class HFMeanPoolingEncoder(_BucketedEncoder):
         self.max_tokens = _clamp_max_tokens(max_tokens, limit, model)
         self.dim = int(self._model.config.hidden_size)
         self.normalize = False
-        self.name = encoder_name("hf", model, max_tokens, long_text)
+        self.name = encoder_name("hf", model, max_tokens, long_text, runtime=runtime, dtype=dtype, device=device)
+        rt = resolve_runtime(runtime, self._device)
+        if rt != "torch":
+            self._setup_onnx(lambda: AutoModel.from_pretrained(path, attn_implementation="eager"), rt)
+            self._model = None  # the ONNX session replaces the PyTorch body
         logger.info("loaded %s on %s/%s in %.1fs", self.name, self._device, self._dtype, time.perf_counter() - t0)
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self._model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return self._pool(hidden, input_ids, attention_mask)
+
+    def _pool(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         m = attention_mask.unsqueeze(-1).to(hidden.dtype)
         # Sum in float32: bf16 sums over hundreds of tokens lose precision.
         summed = (hidden.float() * m.float()).sum(dim=1)
@@ -309,6 +538,7 @@ class SentenceTransformerEncoder(_BucketedEncoder):
         batch_size: int = 64,
         max_tokens: int | None = None,
         long_text: str = "truncate",
+        runtime: str = "torch",
     ) -> None:
         super().__init__(batch_size, long_text)
         from sentence_transformers import SentenceTransformer
@@ -331,7 +561,14 @@ class SentenceTransformerEncoder(_BucketedEncoder):
             raise ValueError(f"encoder {model!r}: sentence-transformers reports no embedding dimension")
         self.dim = int(dim)
         self.normalize = any(isinstance(m, Normalize) for m in self._st.modules())
-        self.name = encoder_name("sentence-transformers", model, max_tokens, long_text)
+        self.name = encoder_name("sentence-transformers", model, max_tokens, long_text, runtime=runtime, dtype=dtype,
+                                 device=device)
+        rt = resolve_runtime(runtime, self._device)
+        if rt != "torch":
+            body = self._st[0]
+            if not hasattr(body, "auto_model"):
+                raise ValueError(f"encoder {model!r}: runtime={rt!r} needs a Transformer first module, got {type(body).__name__}")
+            self._setup_onnx(lambda: body.auto_model, rt)
         logger.info("loaded %s on %s/%s in %.1fs", self.name, self._device, self._dtype, time.perf_counter() - t0)
 
     @property
@@ -345,6 +582,14 @@ class SentenceTransformerEncoder(_BucketedEncoder):
         if "token_type_ids" in getattr(self._tokenizer, "model_input_names", []):
             features["token_type_ids"] = torch.zeros_like(input_ids)
         return self._st(features)["sentence_embedding"]
+
+    def _pool(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # the modules after the transformer (Pooling, Normalize, ...) on the ONNX body's token embeddings
+        features: dict[str, torch.Tensor] = {"input_ids": input_ids, "attention_mask": attention_mask,
+                                             "token_embeddings": hidden}
+        for module in list(self._st)[1:]:
+            features = module(features)
+        return features["sentence_embedding"]
 
 
 def _clamp_max_tokens(requested: int | None, limit: int, model: str) -> int:

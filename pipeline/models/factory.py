@@ -16,7 +16,7 @@ def make_encoder(cfg: EncoderConfig) -> Encoder:
     from memgas.pipeline.models.encoders import HFMeanPoolingEncoder, SentenceTransformerEncoder
 
     kw = dict(device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens,
-              long_text=cfg.long_text)
+              long_text=cfg.long_text, runtime=getattr(cfg, "runtime", "torch"))
     if cfg.backend == "sentence-transformers":
         return SentenceTransformerEncoder(cfg.model, **kw)
     if cfg.backend == "hf":

@@ -97,9 +97,80 @@ def test_hf_mean_pooling_equals_manual(hf_enc: HFMeanPoolingEncoder) -> None:
     assert abs(np.linalg.norm(got[0]) - 1.0) > 0.1  # no normalisation (Contriever's recipe)
 
 
+def test_token_counts_per_text(st_enc: SentenceTransformerEncoder) -> None:
+    texts = ["short", LONG, "also short"]
+    st_enc.encode(texts)
+    raw = st_enc.count_tokens(texts)
+    # tokens actually encoded = specials ([CLS], [SEP]) + the text, at most the 256-token window
+    assert st_enc.last_tokens.tolist() == [int(raw[0]) + 2, 256, int(raw[2]) + 2]
+    assert st_enc.last_tokens_dropped.tolist() == [0, int(raw[1]) - 254, 0]
+    assert st_enc.last_stats.tokens == int(st_enc.last_tokens.sum())
+    assert st_enc.last_stats.tokens_dropped == int(raw[1]) - 254
+    win = SentenceTransformerEncoder("minilm", device="cpu", long_text="mean-windows")
+    win.encode(texts)
+    assert win.last_tokens_dropped.tolist() == [0, 0, 0]  # windows drop nothing
+    n_windows = -(-int(raw[1]) // 254)
+    assert win.last_tokens[1] == int(raw[1]) + 2 * n_windows  # every window carries its own specials
+
+
+def test_encoder_name_keys_runtime_dtype_device() -> None:
+    from memgas.pipeline.models.encoders import encoder_name
+
+    base = encoder_name("sentence-transformers", "minilm", device="cpu")
+    assert base == "sentence-transformers/all-MiniLM-L6-v2|torch-fp32-cpu"
+    names = {
+        base,
+        encoder_name("sentence-transformers", "minilm", device="cpu", runtime="onnx"),
+        encoder_name("sentence-transformers", "minilm", device="cpu", runtime="onnx-int8"),
+        encoder_name("sentence-transformers", "minilm", device="cpu", dtype="bfloat16"),
+        encoder_name("sentence-transformers", "minilm", 128, "mean-windows", device="cpu"),
+        encoder_name("hf", "minilm", device="cpu"),
+    }
+    assert len(names) == 6
+    # auto = the CPU default runtime on CPU
+    from memgas.pipeline.models.encoders import CPU_DEFAULT_RUNTIME
+
+    assert encoder_name("sentence-transformers", "minilm", device="cpu", runtime="auto").endswith(
+        f"|{CPU_DEFAULT_RUNTIME}-cpu" if CPU_DEFAULT_RUNTIME.endswith("int8") else f"|{CPU_DEFAULT_RUNTIME}-fp32-cpu")
+    with pytest.raises(ValueError):
+        encoder_name("sentence-transformers", "minilm", device="cpu", runtime="onnx", dtype="bfloat16")
+    with pytest.raises(ValueError):
+        encoder_name("sentence-transformers", "minilm", device="cpu", runtime="tensorrt")
+
+
+@pytest.mark.parametrize("runtime", ["onnx", "onnx-int8"])
+def test_onnx_runtimes(st_enc: SentenceTransformerEncoder, runtime: str) -> None:
+    from memgas.pipeline.models.encoders import onnx_cache_dir
+
+    enc = SentenceTransformerEncoder("minilm", device="cpu", batch_size=4, runtime=runtime)
+    assert enc.runtime == runtime and enc.name.endswith("-cpu") and runtime in enc.name
+    texts = TEXTS + [LONG]
+    ref = st_enc.encode(texts)
+    got = enc.encode(texts)
+    assert got.shape == ref.shape and got.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)  # Normalize module still applies
+    cos = (got * ref).sum(1)
+    if runtime == "onnx":
+        np.testing.assert_allclose(got, ref, atol=1e-5)  # same fp32 maths, another engine
+    else:
+        assert cos.min() > 0.95 and cos.mean() > 0.98  # int8 weights: close, not equal
+    assert np.array_equal(got, enc.encode(texts))  # deterministic
+    assert enc.last_truncated.tolist() == st_enc.last_truncated.tolist()
+    assert enc.last_tokens.tolist() == st_enc.last_tokens.tolist()
+    # the export was cached: a second encoder loads the file instead of exporting again
+    assert any(onnx_cache_dir().glob("*.onnx"))
+
+
+def test_hf_onnx_equals_torch(hf_enc: HFMeanPoolingEncoder) -> None:
+    enc = HFMeanPoolingEncoder("minilm", device="cpu", batch_size=4, runtime="onnx")
+    texts = TEXTS + [LONG]
+    np.testing.assert_allclose(enc.encode(texts), hf_enc.encode(texts), atol=1e-4)
+    assert enc.name.startswith("hf-mean:") and enc.name.endswith("|onnx-fp32-cpu")
+
+
 def test_factory() -> None:
-    enc = make_encoder(EncoderConfig(device="cpu", max_tokens=128))
-    assert isinstance(enc, SentenceTransformerEncoder) and enc.max_tokens == 128
+    enc = make_encoder(EncoderConfig(device="cpu", max_tokens=128, runtime="torch"))
+    assert isinstance(enc, SentenceTransformerEncoder) and enc.max_tokens == 128 and enc.runtime == "torch"
     enc.encode([LONG])
     assert enc.last_stats.n_truncated == 1
     with pytest.raises(ValueError):
