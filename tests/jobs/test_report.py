@@ -36,7 +36,8 @@ def test_write_report_tables_and_plots(tmp_path: Path) -> None:
     # recall_all@5 of memgas is 0.6 -> "60.0"; the session baseline 0.3 -> "30.0"
     row = next(line for line in report.splitlines() if line.startswith("| memgas |"))
     assert row.split("|")[4].strip() == "60.0"
-    assert "| session |" in report and "30.0" in report
+    session_row = next(line for line in report.splitlines() if line.startswith("| session |"))
+    assert session_row.split("|")[4].strip() == "30.0"
     assert "bertscore skipped" in report
     assert "| temporal | 2 | 25.0 |" in report
     for png in ("recall_at_k.png", "recall_by_type.png", "stage_times.png"):
@@ -58,3 +59,67 @@ def test_compare_runs_side_by_side(tmp_path: Path) -> None:
 def test_report_without_metrics_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(MemgasError, match="no metrics.json"):
         write_report(tmp_path)
+
+
+def _no_ground_truth() -> dict:
+    """What a Long-MT-Bench+ run records: no question has evidence, so every retrieval metric is NaN/null."""
+    nan = float("nan")
+    overall = {**{f"recall_all@{k}": nan for k in (1, 3, 5, 10)}, **{f"ndcg_any@{k}": None for k in (1, 3, 5, 10)}, "n": 0}
+    return {
+        "run": {"name": "lmt", "wall_s": None},
+        "dataset": {"path": "/d/longmtbench.json", "sha256": "c" * 64},
+        "retrieval": {"session": {"memgas": {"overall": overall, "by_type": {}, "n_evaluated": 0,
+                                             "skipped": {"no_evidence": 12}}}},
+        "qa": {"memgas": {"overall": {"f1": 0.1}, "by_type": {"long-mt-bench": {"f1": 0.1, "n": 12}}, "n": 12}},
+        "stages": {"rank": {"wall_s": 1.0, "items": None}},
+    }
+
+
+def test_report_of_a_run_without_retrieval_ground_truth(tmp_path: Path) -> None:
+    (tmp_path / "metrics.json").write_text(json.dumps(_no_ground_truth()))
+    report = write_report(tmp_path).read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| memgas |"))
+    assert "–" in row and "nan" not in row.lower()
+    assert "| long-mt-bench | 12 | 10.0 |" in report
+    assert not (tmp_path / "recall_at_k.png").exists()  # nothing to draw
+    assert (tmp_path / "stage_times.png").exists()
+
+
+def test_report_of_a_dataset_with_no_histories(tmp_path: Path) -> None:
+    (tmp_path / "metrics.json").write_text(json.dumps({"run": {"name": "empty"}, "retrieval": {"session": {}},
+                                                       "qa": {}, "stages": {}, "latency": {}}))
+    report = write_report(tmp_path).read_text()
+    assert report.startswith("# memgas report: empty")
+    assert not list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.parametrize("content, needle", [("{oops", "corrupt metrics.json"), ("[1]", "expected a JSON object"),
+                                             (b"\xff\xfe", "corrupt metrics.json")])
+def test_corrupt_metrics_is_a_clear_error(tmp_path: Path, content, needle: str) -> None:
+    f = tmp_path / "metrics.json"
+    f.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(MemgasError, match=needle):
+        write_report(tmp_path)
+    with pytest.raises(MemgasError, match=needle):
+        compare_runs([tmp_path, tmp_path])
+
+
+def test_compare_says_when_datasets_differ(tmp_path: Path) -> None:
+    for name, sha in (("a", "a" * 64), ("b", "a" * 64), ("c", "b" * 64), ("d", None)):
+        d = tmp_path / name
+        d.mkdir()
+        m = _metrics(0.5)
+        if sha:
+            m["dataset"] = {"path": f"/data/{name}.json", "sha256": sha}
+        (d / "metrics.json").write_text(json.dumps(m))
+    same = compare_runs([tmp_path / "a", tmp_path / "b"])
+    assert "Warning" not in same and "Note" not in same
+    differ = compare_runs([tmp_path / "a", tmp_path / "c"])
+    assert "different datasets" in differ and "c.json (sha256 bbbbbbbbbbbb)" in differ
+    unknown = compare_runs([tmp_path / "a", tmp_path / "d"])
+    assert "cannot be checked" in unknown
+    # a run of a dataset without ground truth compares without crashing
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "metrics.json").write_text(json.dumps(_no_ground_truth()))
+    text = compare_runs([tmp_path / "a", tmp_path / "e"])
+    assert "| e | memgas | – |" in text and "different datasets" in text

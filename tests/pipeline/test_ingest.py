@@ -13,6 +13,7 @@ from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import DataError
 from memgas.pipeline.hashing import file_sha256, text_hash
 from memgas.pipeline.ingest import INGEST_TABLES, detect_format, ingest, is_current
+from tests.conftest import SAMPLE_COUNTS
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "data" / "sample"
@@ -33,9 +34,9 @@ def _parquet_digest(bank_dir: Path) -> dict[str, str]:
 
 def test_roundtrip_locomo_sample(tmp_path: Path) -> None:
     s = ingest(LOCOMO, "locomo", tmp_path / "b", progress=False)
-    assert (s["histories"], s["sessions"], s["queries"]) == (2, 38, 304)
+    assert {k: s[k] for k in SAMPLE_COUNTS} == SAMPLE_COUNTS
     bank = Bank(tmp_path / "b")
-    assert {n: bank.count(n) for n in ("histories", "sessions", "queries")} == {"histories": 2, "sessions": 38, "queries": 304}
+    assert {n: bank.count(n) for n in SAMPLE_COUNTS} == SAMPLE_COUNTS
     assert bank.count("turns") == s["turns"] and bank.count("pairs") == s["pairs"]
     texts = bank.read("texts")
     # every stored text is keyed by its own hash; every session and pair text is present once
@@ -45,7 +46,7 @@ def test_roundtrip_locomo_sample(tmp_path: Path) -> None:
     assert set(bank.read("sessions").column("text_hash").to_pylist()) <= hashes
     assert set(bank.read("pairs").column("text_hash").to_pylist()) <= hashes
     ds = bank.manifest["datasets"][0]
-    assert ds["format"] == "locomo" and ds["sha256"] == file_sha256(LOCOMO) and ds["counts"]["queries"] == 304
+    assert ds["format"] == "locomo" and ds["sha256"] == file_sha256(LOCOMO) and ds["counts"]["queries"] == SAMPLE_COUNTS["queries"]
 
 
 def test_reingest_is_idempotent(tmp_path: Path) -> None:

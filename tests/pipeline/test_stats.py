@@ -14,6 +14,7 @@ from pathlib import Path
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.ingest import ingest
 from memgas.pipeline.stats import compute_stats, format_stats
+from tests.conftest import SAMPLE_COUNTS
 
 SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 
@@ -21,9 +22,9 @@ SAMPLE = Path(__file__).resolve().parents[2] / "data" / "sample"
 def test_stats_locomo_sample(tmp_path: Path) -> None:
     ingest(SAMPLE / "locomo_sample.json", "locomo", tmp_path / "b", progress=False)
     d = compute_stats(Bank(tmp_path / "b"))
-    assert (d["histories"], d["sessions"], d["unique_sessions"], d["dedup_ratio"]) == (2, 38, 38, 1.0)
+    assert (d["histories"], d["sessions"], d["unique_sessions"], d["dedup_ratio"]) == (SAMPLE_COUNTS["histories"], SAMPLE_COUNTS["sessions"], SAMPLE_COUNTS["sessions"], 1.0)
     assert (d["turns"], d["pairs"], d["texts"]) == (788, 402, 440)
-    assert d["queries"] == 304
+    assert d["queries"] == SAMPLE_COUNTS["queries"]
     assert d["queries_by_type"] == {"adversarial": 71, "multi-hop": 43, "open-domain": 13, "single-hop": 114, "temporal": 63}
     assert (d["queries_with_evidence"], d["queries_with_turn_evidence"], d["abstentions"]) == (302, 302, 0)
     # 124,126 characters of session text (conv-26: 71,886, conv-30: 52,240), no session shared
