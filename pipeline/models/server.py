@@ -217,9 +217,11 @@ def serve_in_thread(llm: LLM, host: str = "127.0.0.1", port: int = 0,
 
 
 def serve_forever_from_config(cfg: Any, *, host: str = "127.0.0.1", port: int = 8011, seed: int = 0,
-                              faults: Faults | None = None) -> None:
+                              faults: Faults | None = None, llm: LLM | None = None,
+                              on_ready: Any = None) -> None:
     """``memgas serve``: serve the LLM of ``cfg`` (an :class:`~memgas.pipeline.config.LLMConfig`) until
-    Ctrl-C or SIGTERM.
+    Ctrl-C or SIGTERM. ``llm`` serves that model instead of building one from ``cfg``; ``on_ready(server)``
+    is called once the model is loaded (tests stop the server with ``server.shutdown()``).
 
     The socket is bound *before* the model loads, so a busy port or a bad host fails at once (OSError,
     which the CLI reports as one line, exit 3); requests that arrive while the model loads wait in the
@@ -232,7 +234,9 @@ def serve_forever_from_config(cfg: Any, *, host: str = "127.0.0.1", port: int = 
     srv = ChatServer((host, port), None, faults)  # type: ignore[arg-type] - the model follows
     previous = None
     try:
-        srv.llm = make_llm(cfg, seed=seed)
+        srv.llm = llm if llm is not None else make_llm(cfg, seed=seed)
+        if on_ready is not None:
+            on_ready(srv)
         logger.info("serving %s at %s (POST /v1/chat/completions, GET /v1/models, GET /health)", srv.llm.name, srv.url)
 
         def _stop(signum: int, frame: Any) -> None:
