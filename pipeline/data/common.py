@@ -438,6 +438,9 @@ def iter_json_array(path: str | Path, on_read: Callable[[int], None] | None = No
             for item in _build_items(ijson.basic_parse(io.BufferedReader(reader, 1 << 16), use_float=True), reader):
                 yield index, item
                 index += 1
+        except _DuplicateKey as exc:
+            raise DataError(file, f"duplicate key {exc.args[0]!r} in one object near byte {reader.pos} (only one "
+                            "value per key can be kept; remove or rename the other)", index=index) from None
         except _TooDeep:
             raise DataError(
                 file, f"JSON nested deeper than {MAX_DEPTH} levels near byte {reader.pos} (the supported formats "
@@ -454,6 +457,10 @@ class _TooDeep(Exception):
     pass
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
 def _build_items(events: Iterator[tuple[str, Any]], reader: CountingReader) -> Iterator[Any]:
     """The values of a top-level array, built from ``basic_parse`` events (depth checked as they come)."""
     stack: list[Any] = []  # open containers below the top-level array
@@ -461,6 +468,8 @@ def _build_items(events: Iterator[tuple[str, Any]], reader: CountingReader) -> I
     depth = 0
     for ev, val in events:
         if ev == "map_key":
+            if val in stack[-1]:  # JSON allows it; a loader would silently see only the last value
+                raise _DuplicateKey(val)
             keys[-1] = val
         elif ev == "start_map" or ev == "start_array":
             depth += 1

@@ -42,6 +42,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("ingest-out-not-a-bank", ["ingest", "{sample}", "--out", "{notbank}"], 2, "not a memory bank"),
     ("ingest-nesting-bomb", ["ingest", "{deep}", "--format", "longmemeval", "--out", "{new}"], 2, "nested deeper"),
     ("ingest-nesting-bomb-jsonl", ["ingest", "{deepl}", "--out", "{new}"], 2, "nested too deeply"),
+    ("ingest-duplicate-key", ["ingest", "{dupkey}", "--format", "locomo", "--out", "{new}"], 2, "duplicate key"),
     ("ingest-huge-number", ["ingest", "{bignum}", "--format", "longmemeval", "--out", "{new}"], 2, "out of range"),
     ("ingest-binary", ["ingest", "{binary}", "--format", "locomo", "--out", "{new}"], 2, "expected a JSON array"),
     ("ingest-undetectable", ["ingest", "{file}", "--out", "{new}"], 2, "cannot tell the format"),
@@ -150,6 +151,7 @@ def world(tmp_path_factory) -> dict[str, str]:
     (d / "bad.yaml").write_text("retrieval: [\n")
     (d / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     (d / "deep.jsonl").write_text('{"history_id": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    (d / "dupkey.json").write_text('[{"sample_id": "x", "conversation": {"session_1": [], "session_1": []}}]')
     (d / "bignum.json").write_text('[{"question_id": ' + "9" * 5000 + "}]")
     raw = SAMPLE3.read_bytes()
     (d / "truncated.json").write_bytes(raw[: len(raw) * 2 // 3])
@@ -164,7 +166,7 @@ def world(tmp_path_factory) -> dict[str, str]:
         "bank": str(bank), "run": str(run), "badrun": str(d / "badrun"), "listrun": str(d / "listrun"),
         "badbank": str(d / "badbank"), "dir": str(d / "dir"), "notbank": str(d / "notbank"),
         "file": str(d / "file.txt"), "binary": str(d / "binary.bin"), "badyaml": str(d / "bad.yaml"),
-        "deep": str(d / "deep.json"), "deepl": str(d / "deep.jsonl"), "bignum": str(d / "bignum.json"),
+        "deep": str(d / "deep.json"), "deepl": str(d / "deep.jsonl"), "bignum": str(d / "bignum.json"), "dupkey": str(d / "dupkey.json"),
         "truncated": str(d / "truncated.json"), "conflict": str(d / "conflict.json"), "readonly": str(ro),
         "nope": str(d / "does-not-exist"), "new": str(d / "new-output"), "sample": str(SAMPLE3), "demo": str(DEMO),
         "busy_port": str(sock.getsockname()[1]), "_root": str(d),

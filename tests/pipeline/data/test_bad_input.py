@@ -183,3 +183,25 @@ def test_ten_mb_turn(tmp_path: Path) -> None:
     assert s["turns"] == 4
     turns = Bank(tmp_path / "bank").read("turns")
     assert max(len(c) for c in turns.column("content").to_pylist()) == len(big)
+
+
+def test_duplicate_key_in_an_object(tmp_path: Path) -> None:
+    raw = json.dumps([q("a")]).replace('"answer": "Rex"', '"answer": "Rex", "answer": "Max"', 1)
+    msg = one_line_error(tmp_path, write(tmp_path, raw.encode()))
+    assert "duplicate key 'answer'" in msg and "record 0" in msg
+
+
+@pytest.mark.parametrize("fmt", ["longmemeval", "jsonl"])
+def test_nesting_bomb_fails_fast_with_bounded_memory(tmp_path: Path, fmt: str) -> None:
+    import resource
+    import time
+
+    body = "[" * 100_000 + "]" * 100_000
+    data = body if fmt == "longmemeval" else '{"history_id": ' + body + "}\n"
+    path = write(tmp_path, data.encode(), "deep." + ("json" if fmt == "longmemeval" else "jsonl"))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    msg = one_line_error(tmp_path, path, fmt)
+    assert time.perf_counter() - t0 < 1.0
+    assert "nested" in msg
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200_000  # KiB: well under 200 MB
