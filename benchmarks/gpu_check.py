@@ -196,7 +196,7 @@ def part_candidates(args: argparse.Namespace, dev: str) -> dict[str, Any]:
 
 def part_gmm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
     from memgas.kernels.backend import get_xp, to_host
-    from memgas.kernels.gmm import _wlp, fit_gmm_1d
+    from memgas.kernels.gmm import weighted_log_prob, fit_gmm_1d
     from memgas.pipeline import association as A
 
     s = sizes(args)
@@ -215,8 +215,8 @@ def part_gmm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
         rows = np.nonzero(diff)[0]
         other_iter = to_host(g_dev.n_iter)[:n_ref][rows] != g_cpu.n_iter[rows]
         x = sc[rows]
-        l0 = _wlp(np, x, g_cpu.means[rows, 0], g_cpu.variances[rows, 0], g_cpu.weights[rows, 0])
-        l1 = _wlp(np, x, g_cpu.means[rows, 1], g_cpu.variances[rows, 1], g_cpu.weights[rows, 1])
+        l0 = weighted_log_prob(np, x, g_cpu.means[rows, 0], g_cpu.variances[rows, 0], g_cpu.weights[rows, 0])
+        l1 = weighted_log_prob(np, x, g_cpu.means[rows, 1], g_cpu.variances[rows, 1], g_cpu.weights[rows, 1])
         flipped = acc_d[rows] != g_cpu.accepted[rows]
         margin = np.where(flipped, np.abs(l1 - l0), np.inf).min(axis=1)
         explained[rows] = other_iter | (margin < 1e-6)
@@ -335,7 +335,7 @@ def part_vllm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("vllm is not installed (make setup-gpu)")
     from memgas.pipeline.models.base import SamplingParams
-    from memgas.pipeline.models.llms import VLLMOfflineLLM, _load_transformers, resolve_gguf
+    from memgas.pipeline.models.llms import VLLMOfflineLLM, load_transformers, resolve_gguf
     from memgas.pipeline.prompts import get_prompt_set
 
     s = sizes(args)
@@ -353,7 +353,7 @@ def part_vllm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
     tmp = None
     if not model:  # vLLM 0.33 has no GGUF loader in-tree: write SmolLM2 as an HF folder (local, no network)
         tmp = tempfile.mkdtemp(prefix="memgas-smollm2-")
-        m, tok = _load_transformers(*resolve_gguf("smollm2"), "float32", "cpu")
+        m, tok = load_transformers(*resolve_gguf("smollm2"), "float32", "cpu")
         m.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         model = tmp

@@ -155,7 +155,7 @@ def _estimate(xp: Any, x: Any, r: Any, reg_covar: float) -> tuple[Any, Any, Any]
     return nk, mu, var
 
 
-def _wlp(xp: Any, x: Any, mu: Any, var: Any, w: Any) -> Any:
+def weighted_log_prob(xp: Any, x: Any, mu: Any, var: Any, w: Any) -> Any:
     """Weighted log-likelihood of one component [A, M], in sklearn's Cholesky-precision form."""
     pc = 1.0 / xp.sqrt(var)
     y = x * pc[:, None] - (mu * pc)[:, None]
@@ -218,8 +218,8 @@ def fit_gmm_1d(
     act = xp.arange(B)
     for _ in range(max_iter):
         xa, va, nfa = x[act], valid[act], nf[act]
-        l0 = _wlp(xp, xa, mu0[act], v0[act], w0[act])
-        l1 = _wlp(xp, xa, mu1[act], v1[act], w1[act])
+        l0 = weighted_log_prob(xp, xa, mu0[act], v0[act], w0[act])
+        l1 = weighted_log_prob(xp, xa, mu1[act], v1[act], w1[act])
         lpn = xp.logaddexp(l0, l1)
         new_lower = xp.where(va, lpn, 0.0).sum(axis=1) / nfa
         ra0 = xp.where(va, xp.exp(l0 - lpn), 0.0)
@@ -236,8 +236,8 @@ def fit_gmm_1d(
         if act.size == 0:
             break
 
-    l0 = _wlp(xp, x, mu0, v0, w0)
-    l1 = _wlp(xp, x, mu1, v1, w1)
+    l0 = weighted_log_prob(xp, x, mu0, v0, w0)
+    l1 = weighted_log_prob(xp, x, mu1, v1, w1)
     label = (l1 > l0).astype(xp.int64)  # predict = argmax, ties -> component 0
     high = (mu1 > mu0).astype(xp.int64)  # argmax of the means, ties -> component 0
     acc_c = (label == high[:, None]) & valid & ~degenerate[:, None]

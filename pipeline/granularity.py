@@ -245,22 +245,3 @@ class MatrixLoader:
                     f"{self.bank.path}: history {history_id!r}: {len(hs)} {g} nodes for {len(session_ids)} sessions"
                 )
         return out
-
-
-def history_matrices(
-    bank: Bank,
-    history_ids: str | Sequence[str],
-    encoder_name: str,
-    *,
-    nodes: pa.Table | None = None,
-) -> dict[str, Any]:
-    """Node matrices of one history (``str``: its dict) or several (list: ``{history_id: dict}``).
-
-    For many calls over one bank, build a :class:`MatrixLoader` once and call ``get`` per history.
-    """
-    single = isinstance(history_ids, str)
-    ids = [history_ids] if single else list(history_ids)
-    loader = MatrixLoader(bank, encoder_name, history_ids=ids, nodes=nodes)
-    if single:
-        return loader.get(ids[0])
-    return {h: loader.get(h) for h in ids}

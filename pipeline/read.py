@@ -166,91 +166,101 @@ def read_and_answer(
 
     Returns an ``ANSWERS`` table (one row per query, input order).
     """
-    window = min(cfg.context_tokens, llm.context_tokens)
-    n = len(queries)
-    rows: list[dict[str, Any]] = [
-        {
-            "method": method,
-            "query_id": str(q["query_id"]),
-            "retrieved_session_ids": [str(s.get("session_id")) for s in (q.get("sessions") or [])[: cfg.top_k]],
-            "filtered_context": None,
-            "hypothesis": None,
-            "prompt_tokens": 0,
-            "completion_tokens": 0,
-            "error": None,
-        }
-        for q in queries
-    ]
-    errors: list[list[str]] = [[] for _ in range(n)]
-    n_cut = 0
+    reader = _Reader(llm, cfg, ledger, filter_max_tokens, temperature, seed)
+    rows = [_answer_row(method, q, cfg.top_k) for q in queries]
+    errors: list[list[str]] = [[] for _ in queries]
+    contexts = reader.contexts(queries, errors)
+    answer_ctx = reader.filter(queries, contexts, rows, errors) if cfg.filter else list(contexts)
+    n_fail = reader.answer(queries, answer_ctx, rows, errors)
+    for row, errs in zip(rows, errors):
+        row["error"] = "; ".join(errs) if errs else None
+    if ledger is not None:
+        ledger.count("reading-answer", "context_cut", reader.n_cut)
+        ledger.count("reading-answer", "unanswered", n_fail)
+    log.info("reading: %d queries answered, %d failed, %d contexts cut", len(queries) - n_fail, n_fail, reader.n_cut)
+    return pa.Table.from_pylist(rows, schema=ANSWERS)
 
-    def budget_for(template_prompt: list, max_new: int) -> int:
-        return window - max_new - _MARGIN - llm.count_tokens(template_prompt[0]["content"])
 
-    # 1. context per query (with summaries/keywords for the filter step, plain sessions otherwise)
-    contexts: list[str] = []
-    for i, q in enumerate(queries):
-        tmpl = (filter_prompt if cfg.filter else answer_prompt)("", q["question"], q.get("question_date"))
-        max_new = filter_max_tokens if cfg.filter else cfg.max_new_tokens
-        text, kept, cut = build_context(
-            llm, q.get("sessions") or [], top_k=cfg.top_k, budget=budget_for(tmpl, max_new), multigran=cfg.filter
-        )
-        if cut:
-            n_cut += 1
-            log.info("reading: query %s context cut to %d sessions to fit %d tokens", q["query_id"], kept, window)
-            errors[i].append(f"context cut to {kept} session(s)")  # noted, not a failure
-        contexts.append(text)
+def _answer_row(method: str, q: dict[str, Any], top_k: int) -> dict[str, Any]:
+    return {"method": method, "query_id": str(q["query_id"]),
+            "retrieved_session_ids": [str(s.get("session_id")) for s in (q.get("sessions") or [])[:top_k]],
+            "filtered_context": None, "hypothesis": None, "prompt_tokens": 0, "completion_tokens": 0, "error": None}
 
-    # 2. filter (batched across queries)
-    answer_ctx = list(contexts)
-    if cfg.filter:
+
+class _Reader:
+    """The three reading steps over a batch of queries: fit contexts, filter (optional), answer."""
+
+    def __init__(self, llm: LLM, cfg: ReadingConfig, ledger: TokenLedger | None, filter_max_tokens: int,
+                 temperature: float, seed: int) -> None:
+        self.llm, self.cfg, self.ledger = llm, cfg, ledger
+        self.filter_max_tokens, self.temperature, self.seed = filter_max_tokens, temperature, seed
+        self.window = min(cfg.context_tokens, llm.context_tokens)
+        self.n_cut = 0
+
+    def _budget(self, template_prompt: list, max_new: int) -> int:
+        return self.window - max_new - _MARGIN - self.llm.count_tokens(template_prompt[0]["content"])
+
+    def _params(self, max_tokens: int) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, seed=self.seed)
+
+    def contexts(self, queries: Sequence[dict[str, Any]], errors: list[list[str]]) -> list[str]:
+        """Per query, its sessions fitted to the window (with summaries/keywords for the filter step)."""
+        cfg, out = self.cfg, []
+        for i, q in enumerate(queries):
+            tmpl = (filter_prompt if cfg.filter else answer_prompt)("", q["question"], q.get("question_date"))
+            max_new = self.filter_max_tokens if cfg.filter else cfg.max_new_tokens
+            text, kept, cut = build_context(self.llm, q.get("sessions") or [], top_k=cfg.top_k,
+                                            budget=self._budget(tmpl, max_new), multigran=cfg.filter)
+            if cut:
+                self.n_cut += 1
+                log.info("reading: query %s context cut to %d sessions to fit %d tokens", q["query_id"], kept,
+                         self.window)
+                errors[i].append(f"context cut to {kept} session(s)")  # noted, not a failure
+            out.append(text)
+        return out
+
+    def filter(self, queries: Sequence[dict[str, Any]], contexts: list[str], rows: list[dict], errors: list[list[str]]) -> list[str]:
+        """The filter prompt, batched; a failed or unusable filter output falls back to the unfiltered context."""
         prompts = [filter_prompt(contexts[i], q["question"], q.get("question_date")) for i, q in enumerate(queries)]
-        res = generate_batch(llm, prompts, SamplingParams(max_tokens=filter_max_tokens, temperature=temperature,
-                                                          seed=seed), ledger, "reading-filter")
+        out = list(contexts)
+        res = generate_batch(self.llm, prompts, self._params(self.filter_max_tokens), self.ledger, "reading-filter")
         for i, r in enumerate(res):
             rows[i]["prompt_tokens"] += r.prompt_tokens
             rows[i]["completion_tokens"] += r.completion_tokens
-            out = clean_answer(r.text) if r.error is None else ""
+            text = clean_answer(r.text) if r.error is None else ""
             if r.error is not None:
                 errors[i].append(f"filter failed ({r.error}); unfiltered context used")
-            elif not _usable(out):
+            elif not _usable(text):
                 errors[i].append("filter output unusable; unfiltered context used")
             else:
-                answer_ctx[i] = out
+                out[i] = text
+        return out
 
-    # 3. answer (batched); re-fit the context: the answer template differs from the filter's
-    prompts = []
-    for i, q in enumerate(queries):
-        tmpl = answer_prompt("", q["question"], q.get("question_date"))
-        budget = budget_for(tmpl, cfg.max_new_tokens)
-        if llm.count_tokens(answer_ctx[i]) > budget:
-            answer_ctx[i] = _cut_head(llm, answer_ctx[i], budget)
-            n_cut += 1
-            errors[i].append("answer context cut")
-        rows[i]["filtered_context"] = answer_ctx[i]
-        prompts.append(answer_prompt(answer_ctx[i], q["question"], q.get("question_date")))
-    res = generate_batch(llm, prompts, SamplingParams(max_tokens=cfg.max_new_tokens, temperature=temperature, seed=seed),
-                         ledger, "reading-answer")
-    n_fail = 0
-    for i, r in enumerate(res):
-        rows[i]["prompt_tokens"] += r.prompt_tokens
-        rows[i]["completion_tokens"] += r.completion_tokens
-        if r.error is not None:
-            errors[i].append(f"{ANSWER_FAILED} {r.error}")
+    def answer(self, queries: Sequence[dict[str, Any]], contexts: list[str], rows: list[dict], errors: list[list[str]]) -> int:
+        """The answer prompt, batched (context re-fitted: its template differs); returns failed answers."""
+        cfg, prompts = self.cfg, []
+        for i, q in enumerate(queries):
+            budget = self._budget(answer_prompt("", q["question"], q.get("question_date")), cfg.max_new_tokens)
+            if self.llm.count_tokens(contexts[i]) > budget:
+                contexts[i] = _cut_head(self.llm, contexts[i], budget)
+                self.n_cut += 1
+                errors[i].append("answer context cut")
+            rows[i]["filtered_context"] = contexts[i]
+            prompts.append(answer_prompt(contexts[i], q["question"], q.get("question_date")))
+        n_fail = 0
+        for i, r in enumerate(generate_batch(self.llm, prompts, self._params(cfg.max_new_tokens), self.ledger,
+                                             "reading-answer")):
+            rows[i]["prompt_tokens"] += r.prompt_tokens
+            rows[i]["completion_tokens"] += r.completion_tokens
             rows[i]["hypothesis"] = ""
-            n_fail += 1
-            continue
-        ans = clean_answer(r.text)
-        if not _usable(ans):
-            errors[i].append(f"answer unusable: {r.text[:80]!r}")
-            rows[i]["hypothesis"] = ""
-            n_fail += 1
-        else:
-            rows[i]["hypothesis"] = ans
-    for i in range(n):
-        rows[i]["error"] = "; ".join(errors[i]) if errors[i] else None
-    if ledger is not None:
-        ledger.count("reading-answer", "context_cut", n_cut)
-        ledger.count("reading-answer", "unanswered", n_fail)
-    log.info("reading: %d queries answered, %d failed, %d contexts cut", n - n_fail, n_fail, n_cut)
-    return pa.Table.from_pylist(rows, schema=ANSWERS)
+            if r.error is not None:
+                errors[i].append(f"{ANSWER_FAILED} {r.error}")
+                n_fail += 1
+                continue
+            ans = clean_answer(r.text)
+            if _usable(ans):
+                rows[i]["hypothesis"] = ans
+            else:
+                errors[i].append(f"answer unusable: {r.text[:80]!r}")
+                n_fail += 1
+        return n_fail

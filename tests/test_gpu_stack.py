@@ -321,7 +321,7 @@ def test_hf_backend_loads_bf16_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
-    monkeypatch.setattr(llms, "_load_transformers", fake_load)
+    monkeypatch.setattr(llms, "load_transformers", fake_load)
     llm = make_llm(LLMConfig(backend="hf", model="Qwen/Qwen2.5-7B-Instruct"))
     assert calls == [("Qwen/Qwen2.5-7B-Instruct", None, "bfloat16", "cuda")]
     assert llm.dtype == "bfloat16"

@@ -112,7 +112,7 @@ def _apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
     return (text[:cut], True) if cut >= 0 else (text, False)
 
 
-def _validate(prompt: Any) -> str | None:
+def validate_prompt(prompt: Any) -> str | None:
     if not isinstance(prompt, list) or not prompt:
         return "empty prompt: expected a non-empty list of {role, content} messages"
     for k, m in enumerate(prompt):
@@ -148,7 +148,7 @@ def resolve_llm_dtype(dtype: str, device: str, bf16_supported: bool | None = Non
     return "bfloat16" if bf16_supported else "float16"
 
 
-def _load_transformers(path: str, gguf_file: str | None, dtype_name: str, device: str = "cpu") -> tuple[Any, Any]:
+def load_transformers(path: str, gguf_file: str | None, dtype_name: str, device: str = "cpu") -> tuple[Any, Any]:
     """One model per (path, file, dtype, device) per process: a GGUF de-quantisation takes ~20 s on 2 cores.
 
     On CUDA the weights are loaded straight onto the device (``device_map``) in ``dtype_name``, never
@@ -201,7 +201,7 @@ class TransformersLLM:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype = resolve_llm_dtype(dtype, device)
         path, gguf_file = resolve_gguf(model)
-        self._model, self._tok = _load_transformers(path, gguf_file, self.dtype, device)
+        self._model, self._tok = load_transformers(path, gguf_file, self.dtype, device)
         if self._model.device.type != torch.device(device).type:
             self._model.to(device)
         self._device = device
@@ -253,7 +253,7 @@ class TransformersLLM:
         max_new = max(1, min(params.max_tokens, self.context_tokens - 1))
         prepared: list[tuple[int, list[int]]] = []
         for i, p in enumerate(prompts):
-            err = _validate(p)
+            err = validate_prompt(p)
             if err:
                 results[i].error = err
                 continue
@@ -388,7 +388,7 @@ class LlamaCppLLM:
         for p in prompts:
             r = GenerationResult()
             results.append(r)
-            err = _validate(p)
+            err = validate_prompt(p)
             if err:
                 r.error = err
                 continue
@@ -528,7 +528,7 @@ class VLLMOfflineLLM:
         todo: list[int] = []
         convs: list[ChatPrompt] = []
         for i, p in enumerate(prompts):
-            err = _validate(p)
+            err = validate_prompt(p)
             if err:
                 results[i].error = err
                 continue

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import httpx
 
 from memgas.pipeline.models.base import ChatPrompt, GenerationResult, SamplingParams
-from memgas.pipeline.models.llms import _validate, truncate_messages_middle
+from memgas.pipeline.models.llms import validate_prompt, truncate_messages_middle
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class OpenAIHTTPLLM:
         params: SamplingParams,
     ) -> GenerationResult:
         r = GenerationResult()
-        err = _validate(prompt)
+        err = validate_prompt(prompt)
         if err:
             r.error = err
             return r

@@ -85,3 +85,43 @@ def test_topk_mode(histories: list[np.ndarray]) -> None:
 def test_short_history_has_no_edges() -> None:
     e = associate(np.random.default_rng(0).normal(size=(5, 4, 8)))
     assert e.src.size == 0
+
+
+@pytest.mark.parametrize("block_sessions,col_chunk", [(64, 1 << 16), (7, 1 << 16), (5, 37), (1, 4)])
+def test_causal_topk_equals_dense_oracle(histories: list[np.ndarray], block_sessions: int, col_chunk: int) -> None:
+    """Blocked causal top-k (row blocks against their visible prefix, column chunks merged) == the full
+    masked matrix + one top-k, candidate for candidate (same ids, same order, ties by lower id)."""
+    from memgas.pipeline import association as A
+
+    h = np.concatenate(histories[:3])  # ~80 sessions
+    E = A._as_nodes(h)
+    rows = np.arange(20, E.shape[0], dtype=np.int64)
+    ref_c, ref_v = A._dense_candidates(E, rows, 30, "cpu")
+    got_c, got_v = A._causal_candidates(E, rows, 30, "cpu", block_sessions=block_sessions, col_chunk=col_chunk)
+    np.testing.assert_array_equal(got_v, ref_v)
+    np.testing.assert_array_equal(got_c, ref_c)
+    # incremental rows (a later start) too
+    ref_c, ref_v = A._dense_candidates(E, rows[137:], 30, "cpu")
+    got_c, got_v = A._causal_candidates(E, rows[137:], 30, "cpu", block_sessions=block_sessions, col_chunk=col_chunk)
+    np.testing.assert_array_equal(got_c, ref_c)
+
+
+def test_causal_topk_ties_and_short_prefix() -> None:
+    """Exact ties everywhere (quantised vectors) and prefixes shorter than k: still identical to dense."""
+    from memgas.pipeline import association as A
+
+    rng = np.random.default_rng(3)
+    E = np.round(rng.normal(size=(4 * 40, 8)), 0).astype(np.float32)  # many equal dot products
+    rows = np.arange(20, E.shape[0], dtype=np.int64)
+    ref = A._dense_candidates(E, rows, 30, "cpu")
+    for bs, cc in [(3, 16), (64, 1 << 16), (1, 7)]:
+        got = A._causal_candidates(E, rows, 30, "cpu", block_sessions=bs, col_chunk=cc)
+        np.testing.assert_array_equal(got[0], ref[0])
+        np.testing.assert_array_equal(got[1], ref[1])
+
+
+def test_default_search_is_causal_and_matches_dense(histories: list[np.ndarray]) -> None:
+    h = np.concatenate(histories[:3])
+    assert as_set(associate(h)) == as_set(associate(h, search="dense")) == as_set(associate(h, search="causal"))
+    with pytest.raises(ValueError):
+        associate(h, search="nope")
