@@ -121,9 +121,9 @@ def _with_caches(bank_dir: Path) -> None:
     bank.write_part("generations", "gen-00000", pa.Table.from_pylist([gen], schema=schema_for("generations")))
     bank.write_part("texts", "derived-m-v", pa.table({"text_hash": [text_hash("a summary")], "text": ["a summary"]}))
     bank.write("texts", bank.read("texts"))  # compaction as the index stage does it
-    emb = pa.table({"text_hash": [h], "encoder": ["e"], "vector": pa.array([[0.5, 0.25]], pa.list_(pa.float32(), 2)),
-                    "truncated": [False]})
-    bank.write_part("embeddings", "enc-00000", emb)
+    row = {f.name: None for f in schema_for("embeddings", 2)}
+    row.update(text_hash=h, encoder="e", vector=[0.5, 0.25], truncated=False)
+    bank.write_part("embeddings", "enc-00000", pa.Table.from_pylist([row], schema=schema_for("embeddings", 2)))
 
 
 CACHES = ("generations", "embeddings")
