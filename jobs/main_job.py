@@ -33,6 +33,7 @@ from memgas.jobs.executor import ActorPool, execute_units, init_ray, shutdown_ra
 from memgas.jobs.plan import finish_plan, load_or_make_plan
 from memgas.jobs.profiling import Profiler, percentiles_ms
 from memgas.jobs.stage import Stage, StageContext
+from memgas.pipeline import faults
 from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError, MemgasError
@@ -198,6 +199,7 @@ def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profi
                           "(finished sessions are kept)")
     entry["status"] = "executed" if complete else "incomplete"
     if complete and not stage.always_run:
+        faults.hit(f"runner:before-marker:{stage.name}")
         atomic_write_json(_marker_path(store, stage), {"fingerprint": fp, "units_total": entry["units_total"],
                                                        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
     return entry

@@ -1,7 +1,9 @@
 """A real job killed with SIGKILL resumes and ends with byte-identical tables, no lost or duplicated rows.
 
 The reference is an uninterrupted run; the killed run is interrupted twice (during generation and during
-encoding) and then completed. The Ray path must produce the same bytes as the in-process path.
+encoding) and then completed. The Ray path must produce the same bytes as the in-process path. Then a
+job is killed at named points (the fault hook, not timing) of every stage, the runner's marker write and
+compaction, one after the other, and still ends byte-identical.
 """
 
 from __future__ import annotations
@@ -107,3 +109,31 @@ def test_ray_path_matches_in_process_path(tmp_path, cli, reference) -> None:
     assert sorted(got) == sorted(want)
     assert [k for k in want if got[k] != want[k]] == []
     assert Bank(out / "results").count("rankings") > 0
+
+
+#: (fault spec) for one kill each, in pipeline order: after a unit of every unit stage, inside compaction,
+#: and between a stage's last unit and its completion marker.
+KILL_POINTS = [
+    "kill@generate:unit-done#2",
+    "kill@bank:compact:after-new",
+    "kill@encode:unit-done#1",
+    "kill@runner:before-marker:encode",
+    "kill@associate:unit-done#1",
+    "kill@rank:unit-done#1",
+    "kill@runner:before-marker:rank",
+]
+
+
+def test_kill_at_named_points_of_every_stage_then_resume(tmp_path, cli, memgas_exe, reference) -> None:
+    path, env, repo = memgas_exe
+    out = tmp_path / "points"
+    killed = []
+    for spec in KILL_POINTS:
+        proc = subprocess.run([path, *_args(out, "--no-ray")], cwd=repo, env={**env, "MEMGAS_FAULT": spec},
+                              capture_output=True, text=True, timeout=600)
+        killed.append((spec, proc.returncode))
+    assert all(rc == -signal.SIGKILL for _, rc in killed), killed
+    cli(*_args(out, "--no-ray"))
+    got, want = _tables(out), _tables(reference)
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if got[k] != want[k]] == []

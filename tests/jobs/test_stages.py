@@ -201,6 +201,7 @@ MATRIX = [
     ("retrieval.num_seeds", 10, ["rank", "read"], False),
     ("reading.top_k", 2, ["read"], True),
     ("evaluation.ks", [1, 5], [], False),
+    ("evaluation.judge", True, ["judge"], False),
     ("ray.shard_size", 3, [], False),
     ("llm.threads", 1, [], False),
 ]
