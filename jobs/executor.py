@@ -128,6 +128,7 @@ class ModelHost:
         self.model = resolve(factory_path)(kind, config)
 
     def call(self, fn_path: str, payload: Any, params: dict) -> dict[str, pa.Table]:
+        faults.hit(f"actor-call:{type(self.model).__name__}")
         return resolve(fn_path)(self.model, payload, params)
 
     def gpu_peak_mb(self, reset: bool = True) -> float | None:

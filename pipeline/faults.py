@@ -6,6 +6,10 @@ matters. Nothing happens unless the environment names that point:
     MEMGAS_FAULT=kill@compact:texts:after-write        SIGKILL this process the first time the point is hit
     MEMGAS_FAULT=kill@encode:unit-done#3               ... the 3rd time
     MEMGAS_FAULT=enospc@bank:write-part                raise OSError(ENOSPC) there (a full disk)
+    MEMGAS_FAULT=kill-once@actor-call:encoder          SIGKILL the first process of any that hits the point
+                                                       (needs MEMGAS_FAULT_STATE=<dir>: a flag file there
+                                                       remembers it across processes, e.g. a Ray actor
+                                                       that is replaced after the kill)
 
 Several specs may be given, separated by commas. Why a hook and not timing: a test that kills "after
 about 2 seconds" hits a different instruction on a loaded machine; a named point is hit exactly.
@@ -38,6 +42,14 @@ def hit(point: str) -> None:
         if where != point or _counts[point] != nth:
             continue
         if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "kill-once":
+            flag = os.path.join(os.environ["MEMGAS_FAULT_STATE"], point.replace("/", "_") + ".killed")
+            try:
+                fd = os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                continue
+            os.close(fd)
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "enospc":
             raise OSError(errno.ENOSPC, f"No space left on device (injected at {point})")

@@ -1,0 +1,93 @@
+"""The job runner under hostile use: --fresh on a directory that is not a run, an unreachable cluster, two
+runs on one output directory, a model actor killed mid-unit. Real `memgas` subprocesses, real Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXE = str(Path(sys.executable).with_name("memgas"))
+SMALL = ["--set", "data.limit=1", "--set", "reading.enabled=false", "--set", "retrieval.methods=[session,memgas]"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false", **extra}
+
+
+def _memgas(*args: str, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([EXE, *args], cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def _one_line_error(proc: subprocess.CompletedProcess) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and " INFO " not in ln and " WARNING " not in ln]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    return lines[0]
+
+
+def test_fresh_refuses_a_directory_that_is_not_a_run(tmp_path) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    proc = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={out}", "--fresh", *SMALL)
+    assert proc.returncode == 2 and "refusing to delete" in _one_line_error(proc)
+    assert (out / "thesis.tex").read_text() == "years of work"
+
+
+@pytest.mark.parametrize("value", ["", "."])
+def test_output_dir_empty_or_cwd_is_refused(value) -> None:
+    before = sorted(p.name for p in REPO.iterdir())
+    proc = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={value}", "--fresh", *SMALL)
+    assert proc.returncode == 2 and "output_dir" in _one_line_error(proc)
+    assert sorted(p.name for p in REPO.iterdir()) == before
+
+
+def test_unreachable_cluster_fails_fast_with_exit_3(tmp_path) -> None:
+    t0 = time.time()
+    proc = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={tmp_path / 'r'}", "--address",
+                   "127.0.0.1:1", *SMALL, timeout=120)
+    assert proc.returncode == 3 and "cannot connect" in _one_line_error(proc)
+    assert time.time() - t0 < 60
+
+
+@pytest.mark.slow
+def test_second_run_on_a_locked_output_dir_is_refused(tmp_path) -> None:
+    out = tmp_path / "busy"
+    first = subprocess.Popen([EXE, "run", "configs/demo.yaml", "--set", f"output_dir={out}", "--no-ray", *SMALL],
+                             cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and not (out / "RUNNING.json").exists():
+            time.sleep(0.2)
+        assert (out / "RUNNING.json").exists(), "the first run never started"
+        second = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={out}", "--no-ray", *SMALL, timeout=120)
+        line = _one_line_error(second)
+        assert second.returncode == 2 and "in use by pid" in line and str(first.pid) in line
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_a_killed_model_actor_is_replaced_and_its_unit_rerun(tmp_path) -> None:
+    """SIGKILL the encoder actor in its first call (as Ray's OOM killer would): the unit runs again on a
+    fresh actor and the job finishes; the run record counts the retry."""
+    state = tmp_path / "faults"
+    state.mkdir()
+    out = tmp_path / "run"
+    proc = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={out}", "--set", "ray.encode_unit=200", *SMALL,
+                   MEMGAS_FAULT="kill-once@actor-call:SentenceTransformerEncoder", MEMGAS_FAULT_STATE=str(state))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert list(state.iterdir()), "the fault was never injected"
+    record = {r["stage"]: r for r in json.loads((out / "run_record.json").read_text())}
+    assert record["encode"]["actor_retries"] == 1 and record["encode"]["status"] == "executed"
