@@ -5,6 +5,11 @@ lengths when the data file is missing. Prints texts/s, tokens/s, the speed ratio
 the embeddings (both paths see the same truncated inputs, so they must agree to float noise).
 
     .venv/bin/python benchmarks/bench_encoder.py [--locomo PATH] [--limit N] [--batch-size 64]
+    .venv/bin/python benchmarks/bench_encoder.py --runtimes torch,onnx,onnx-int8 [--repeats 3]
+
+``--runtimes``: the same texts through each ``encoder.runtime``, interleaved (torch, onnx, int8, torch, ...)
+``--repeats`` times so machine load hits all alike; reports the best and median tokens/s per runtime, the
+ratio to torch fp32, and the max cosine difference of the vectors against torch fp32.
 """
 
 from __future__ import annotations
@@ -44,15 +49,45 @@ def synthetic(limit: int) -> list[str]:
     return [" ".join(rng.choice(words) for _ in range(rng.choice([5, 20, 60, 200, 600]))) for _ in range(limit)]
 
 
+def compare_runtimes(texts: list[str], runtimes: list[str], batch_size: int, repeats: int) -> None:
+    encs = {rt: SentenceTransformerEncoder("minilm", device="cpu", batch_size=batch_size, runtime=rt) for rt in runtimes}
+    for e in encs.values():
+        e.encode(texts[:16])  # warm-up
+    times: dict[str, list[float]] = {rt: [] for rt in runtimes}
+    vecs: dict[str, np.ndarray] = {}
+    tokens = 0
+    for _ in range(repeats):
+        for rt, e in encs.items():
+            t0 = time.perf_counter()
+            vecs[rt] = e.encode(texts)
+            times[rt].append(time.perf_counter() - t0)
+            tokens = e.last_stats.tokens
+    ref = vecs.get("torch")
+    base = min(times["torch"]) if "torch" in times else None
+    print(f"{len(texts)} texts, {tokens:,} tokens encoded per pass, {repeats} interleaved passes")
+    print("| runtime | best s | tokens/s (best) | tokens/s (median) | vs torch fp32 | max cosine diff vs torch |")
+    print("|---|---|---|---|---|---|")
+    for rt in runtimes:
+        best, med = min(times[rt]), float(np.median(times[rt]))
+        cos = "" if ref is None else f"{1 - ((vecs[rt] * ref).sum(1) / np.linalg.norm(vecs[rt], axis=1) / np.linalg.norm(ref, axis=1)).min():.2e}"
+        ratio = "" if base is None else f"{base / best:.2f}x"
+        print(f"| {encs[rt].name} | {best:.2f} | {tokens / best:,.0f} | {tokens / med:,.0f} | {ratio} | {cos} |")
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--locomo", default="/work/shared/data/locomo/locomo10.json")
     ap.add_argument("--limit", type=int, default=1000)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--runtimes", default=None, help="e.g. torch,onnx,onnx-int8: compare runtimes instead")
+    ap.add_argument("--repeats", type=int, default=3)
     a = ap.parse_args()
     p = Path(a.locomo)
     texts = locomo_texts(p, a.limit) if p.is_file() else synthetic(a.limit)
-    enc = SentenceTransformerEncoder("minilm", device="cpu", batch_size=a.batch_size)
+    if a.runtimes:
+        compare_runtimes(texts, a.runtimes.split(","), a.batch_size, a.repeats)
+        return
+    enc = SentenceTransformerEncoder("minilm", device="cpu", batch_size=a.batch_size, runtime="torch")
     st = enc.sentence_transformer
     n_tok = int(np.minimum(enc.count_tokens(texts) + 2, enc.max_tokens).sum())
     print(f"texts: {len(texts)} ({'LoCoMo turn pairs + sessions' if p.is_file() else 'synthetic'}), "

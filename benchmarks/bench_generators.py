@@ -1,5 +1,7 @@
 """Compare summary/keyword generators on LoCoMo sessions: SmolLM2 with the paper's prompts (paper-v1) and
-with the small-model prompts (small-v1), against the LLM-free generator (YAKE + centroid sentences).
+with the small-model prompts (small-v1), against the LLM-free generator (tf-idf keyphrases + tf-idf/MMR
+sentences, the default; and the previous YAKE + encoder-centroid sentences). ``--skip-llm`` runs only the
+LLM-free ones (seconds instead of minutes).
 
 Measures per generator: share of usable summaries and keyword lists (after memgas' cleaning/validation),
 mean summary length (words), mean keyword count, seconds per session, and a quality proxy: the cosine
@@ -61,24 +63,32 @@ def main() -> None:
     ap.add_argument("--keywords-max-tokens", type=int, default=48)
     ap.add_argument("--max-input-tokens", type=int, default=1024)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--skip-llm", action="store_true", help="only the LLM-free generators")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
     sessions = load_sessions(args.data, args.n)
-    enc = SentenceTransformerEncoder("minilm", device="cpu")
+    enc = SentenceTransformerEncoder("minilm", device="cpu", runtime="torch")
     t0 = time.perf_counter()
-    llm = TransformersLLM("smollm2", context_tokens=4096, dtype=args.dtype)
+    llm = None if args.skip_llm else TransformersLLM("smollm2", context_tokens=4096, dtype=args.dtype)
     print(f"# {len(sessions)} LoCoMo sessions; SmolLM2 load {time.perf_counter() - t0:.1f}s")
     gold = enc.encode([s for _, s in sessions])
     items = [(text_hash(t), t, "locomo") for t, _ in sessions]
 
+    new_free = LLMFreeGenerator(None)
+    new_free.keywords(["warm up: load the background word list"])
+    old_free = LLMFreeGenerator(enc, keyword_method="yake", summary_method="centroid")
     runs = [
-        ("llm-free (yake+centroid)", GenerationConfig(generator="llm-free")),
-        ("smollm2 paper-v1", GenerationConfig(generator="llm", prompt_version="paper-v1")),
-        ("smollm2 small-v1", GenerationConfig(generator="llm", prompt_version="small-v1")),
+        ("llm-free (tf-idf keyphrases + tf-idf/MMR summary)", GenerationConfig(generator="llm-free"), new_free),
+        ("llm-free (yake + encoder centroid, previous)", GenerationConfig(generator="llm-free"), old_free),
     ]
+    if llm is not None:
+        runs += [
+            ("smollm2 paper-v1", GenerationConfig(generator="llm", prompt_version="paper-v1"), None),
+            ("smollm2 small-v1", GenerationConfig(generator="llm", prompt_version="small-v1"), None),
+        ]
     rows = []
-    for name, cfg in runs:
+    for name, cfg, free in runs:
         cfg = cfg.model_copy(
             update=dict(
                 summary_max_tokens=args.summary_max_tokens,
@@ -87,7 +97,7 @@ def main() -> None:
             )
         )
         t = time.perf_counter()
-        table = generate_for_sessions(items, llm, cfg, enc, llm_free=LLMFreeGenerator(enc))
+        table = generate_for_sessions(items, llm, cfg, key=(name, "bench"), llm_free=free)
         dt = time.perf_counter() - t
         d = table.to_pylist()
         summ = [r for r in d if r["kind"] == "summary"]

@@ -1,0 +1,208 @@
+"""CPU index benchmark: generate (LLM-free) + encode + associate with the CPU defaults on the 22-question
+LongMemEval-S sample, extrapolated to the full LongMemEval-S split (18,750 unique sessions).
+
+Calls the pipeline's library functions (loader, ``LLMFreeGenerator``, ``encode_texts``, ``associate_many``),
+not the job runner. Baseline in the same run: the previous defaults (YAKE keywords + encoder-centroid
+summaries, torch fp32 encoder) on a deterministic subsample (every n-th unique session / every n-th text
+of the length-sorted list), their per-session and per-token rates extrapolated.
+
+    python benchmarks/bench_index_cpu.py [--data ../shared/data/longmemeval/longmemeval_s_sample.json]
+        [--sessions N] [--baseline-sessions 48] [--baseline-texts 600] [--runtime auto] [--long-text truncate]
+
+Prints: unique sessions/s per stage, encoded tokens/s, the share of tokens lost to truncation, peak RSS,
+and the extrapolated wall time of the full split on this machine (ratios against the old default).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "longmemeval" / "longmemeval_s_sample.json"
+FULL_SESSIONS = 18_750
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load(path: Path):
+    from memgas.pipeline.data.common import Warnings
+    from memgas.pipeline.data.longmemeval import load as lme_load
+
+    recs = list(lme_load(path, Warnings(str(path))))
+    sessions: dict[str, str] = {}
+    pairs: dict[str, str] = {}
+    for r in recs:
+        for s in r.sessions:
+            sessions.setdefault(s["text_hash"], r.texts[s["text_hash"]])
+        for p in r.pairs:
+            pairs.setdefault(p["text_hash"], r.texts[p["text_hash"]])
+    questions = sorted({q["question"] for r in recs for q in r.queries})
+    return recs, sessions, pairs, questions
+
+
+def every_nth(items: list, n_keep: int) -> list:
+    if n_keep >= len(items):
+        return list(items)
+    idx = np.linspace(0, len(items) - 1, n_keep).round().astype(int)
+    return [items[i] for i in sorted(set(idx.tolist()))]
+
+
+CPU = {}  # stage -> process CPU seconds (all threads)
+
+
+def gen_stage(gen, texts: list[str], tag: str = "") -> tuple[list[str], list[str], float]:
+    t0, c0 = time.perf_counter(), time.process_time()
+    summ = gen.summaries(texts)
+    kws = gen.keywords(texts)
+    CPU[tag] = time.process_time() - c0
+    return summ, kws, time.perf_counter() - t0
+
+
+def enc_stage(enc, texts: list[str], tag: str = ""):
+    from memgas.pipeline.encode import encode_texts
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    res = encode_texts(enc, texts)
+    CPU[tag] = time.process_time() - c0
+    return res, time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default=str(DEFAULT_DATA))
+    ap.add_argument("--sessions", type=int, default=None, help="use only this many unique sessions (every n-th)")
+    ap.add_argument("--baseline-sessions", type=int, default=48, help="sessions the old generator runs on")
+    ap.add_argument("--baseline-texts", type=int, default=600, help="texts the old torch encoder runs on")
+    ap.add_argument("--runtime", default="auto", help="encoder.runtime of the new defaults")
+    ap.add_argument("--long-text", default="truncate", choices=["truncate", "mean-windows"])
+    ap.add_argument("--threads", type=int, default=None, help="torch/ONNX Runtime threads (default: all cores)")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from memgas.pipeline.association import associate_many
+    from memgas.pipeline.generate import hybrid_text
+    from memgas.pipeline.llm_free import LLMFreeGenerator
+    from memgas.pipeline.models.encoders import SentenceTransformerEncoder
+
+    t0 = time.perf_counter()
+    recs, sessions, pairs, questions = load(Path(args.data))
+    hashes = sorted(sessions)
+    if args.sessions:
+        hashes = every_nth(hashes, args.sessions)
+    keep = set(hashes)
+    s_texts = [sessions[h] for h in hashes]
+    print(f"{len(recs)} questions, {len(sessions)} unique sessions ({len(hashes)} used), "
+          f"{len(pairs)} unique turn pairs; loaded in {time.perf_counter() - t0:.1f}s", flush=True)
+
+    # -- generate: new default on all sessions, old default on a subsample ---------------------------
+    new_gen = LLMFreeGenerator()
+    new_gen.keywords(["warm up: load the background word list"])
+    load0 = os.getloadavg()[0]
+    summ, kws, t_gen = gen_stage(new_gen, s_texts, "gen")
+    print(f"generate (new: tf-idf keywords + tf-idf/MMR summary): {len(hashes)} sessions in {t_gen:.1f}s "
+          f"= {len(hashes) / t_gen:.1f} sessions/s", flush=True)
+
+    torch_enc = SentenceTransformerEncoder("minilm", device="cpu", runtime="torch", long_text=args.long_text)
+    old_gen = LLMFreeGenerator(torch_enc, keyword_method="yake", summary_method="centroid")
+    sub = every_nth(s_texts, args.baseline_sessions)
+    _, _, t_old = gen_stage(old_gen, sub)
+    old_gen_rate = len(sub) / t_old
+    print(f"generate (old: YAKE + torch-centroid summary) on {len(sub)} sessions: {t_old:.1f}s = "
+          f"{old_gen_rate:.2f} sessions/s; new/old = {len(hashes) / t_gen / old_gen_rate:.0f}x", flush=True)
+
+    # -- encode ------------------------------------------------------------------------------------------
+    p_texts = [t for r in recs for p in r.pairs if p["session_hash"] in keep for t in [r.texts[p["text_hash"]]]]
+    p_texts = list(dict.fromkeys(p_texts))
+    derived = list(dict.fromkeys([*summ, *kws, *(hybrid_text(a, b, c) for a, b, c in zip(summ, kws, s_texts))]))
+    texts = list(dict.fromkeys([*s_texts, *p_texts, *derived, *questions]))
+    enc = SentenceTransformerEncoder("minilm", device="cpu", runtime=args.runtime, long_text=args.long_text)
+    enc.encode(["warm up"])
+    res, t_enc = enc_stage(enc, texts, "enc")
+    tok, drop = res.total_tokens, res.total_dropped
+    seen = tok - 2 * len(texts) if args.long_text == "truncate" else tok  # text tokens kept (specials aside)
+    print(f"encode (new: {enc.name}): {len(texts)} texts ({len(s_texts)} sessions, {len(p_texts)} pairs, "
+          f"{len(derived)} derived, {len(questions)} questions), {tok:,} tokens in {t_enc:.1f}s = "
+          f"{tok / t_enc:,.0f} tokens/s, {len(hashes) / t_enc:.2f} sessions/s; {res.n_truncated} texts truncated, "
+          f"{drop:,} tokens dropped = {100 * drop / max(seen + drop, 1):.1f}% of the text tokens", flush=True)
+
+    by_len = sorted(texts, key=len)
+    bsub = every_nth(by_len, args.baseline_texts)
+    res_old, t_old_enc = enc_stage(torch_enc, bsub)
+    old_tok_rate = res_old.total_tokens / t_old_enc
+    res_new_sub, t_new_sub = enc_stage(enc, bsub)  # same subsample through the new runtime, same run
+    new_tok_rate_sub = res_new_sub.total_tokens / t_new_sub
+    ref = res_old.vectors
+    cos = (ref * res_new_sub.vectors).sum(1) / np.linalg.norm(ref, axis=1) / np.linalg.norm(res_new_sub.vectors, axis=1)
+    print(f"encode (old: {torch_enc.name}) on {len(bsub)} texts: {res_old.total_tokens:,} tokens in {t_old_enc:.1f}s "
+          f"= {old_tok_rate:,.0f} tokens/s; new on the same texts: {new_tok_rate_sub:,.0f} tokens/s "
+          f"({new_tok_rate_sub / old_tok_rate:.2f}x), max cosine difference {1 - cos.min():.2e}", flush=True)
+
+    # -- associate (per question history; stored vectors in the real job) --------------------------------
+    vec = dict(zip(texts, res.vectors))
+    hist = []
+    for r in recs:
+        sh = [s["text_hash"] for s in r.sessions if s["text_hash"] in keep]
+        if len(sh) < 6:
+            continue
+        idx = {h: i for i, h in enumerate(hashes)}
+        S = np.stack([vec[sessions[h]] for h in sh])
+        by_s: dict[str, list[np.ndarray]] = {}
+        for p in r.pairs:
+            if p["session_hash"] in keep:
+                by_s.setdefault(p["session_hash"], []).append(vec[r.texts[p["text_hash"]]])
+        T = np.stack([np.mean(by_s[h], 0) if h in by_s else vec[sessions[h]] for h in sh])
+        Y = np.stack([vec[summ[idx[h]]] for h in sh])
+        K = np.stack([vec[kws[idx[h]]] for h in sh])
+        hist.append(np.stack([S, T, Y, K], 1).astype(np.float32))
+    t0 = time.perf_counter()
+    edges = associate_many(hist)
+    t_assoc = time.perf_counter() - t0
+    print(f"associate: {len(hist)} histories, {sum(e.src.size for e in edges):,} edges in {t_assoc:.2f}s", flush=True)
+
+    # -- extrapolation --------------------------------------------------------------------------------
+    n = len(hashes)
+    per_sess_new = (t_gen + t_enc) / n
+    # associate scales with session references (23,744 in the full split), not unique sessions
+    refs = sum(len(r.sessions) for r in recs)
+    assoc_per_ref = t_assoc / max(refs, 1)
+    full_new = per_sess_new * FULL_SESSIONS + assoc_per_ref * 23_744
+    # old: generation at the measured old rate; encoding: the same tokens at the old runtime's rate (the old
+    # summaries were shorter, so this slightly overstates its encoding tokens, by ~1%)
+    t_enc_old_est = tok / old_tok_rate
+    full_old = (n / old_gen_rate + t_enc_old_est) / n * FULL_SESSIONS + assoc_per_ref * 23_744
+    print("\n| stage | new default | old default (same run) | ratio |")
+    print("|---|---|---|---|")
+    print(f"| generate, unique sessions/s | {n / t_gen:.1f} | {old_gen_rate:.2f} | {n / t_gen / old_gen_rate:.0f}x |")
+    print(f"| encode, tokens/s | {tok / t_enc:,.0f} | {old_tok_rate:,.0f} | {tok / t_enc / old_tok_rate:.2f}x |")
+    print(f"| encode, unique sessions/s | {n / t_enc:.2f} | {n / t_enc_old_est:.2f} | {t_enc_old_est / t_enc:.2f}x |")
+    print(f"| s per 1,000 sessions (generate + encode) | {1000 * per_sess_new:.0f} | "
+          f"{1000 * (n / old_gen_rate + t_enc_old_est) / n:.0f} | |")
+    print(f"| full LongMemEval-S (18,750 sessions), extrapolated | {full_new / 3600:.2f} h | {full_old / 3600:.2f} h | "
+          f"{full_old / full_new:.1f}x |")
+    # The machine may be shared (load average above the core count): the wall-clock figures above then
+    # include waiting for the CPU. The process's own CPU seconds / cores is what a quiet machine would take.
+    cores = os.cpu_count() or 1
+    cpu_new = (CPU["gen"] + CPU["enc"]) / n / cores * FULL_SESSIONS + assoc_per_ref * 23_744
+    print(f"| full LongMemEval-S, from process CPU time / {cores} cores (quiet-machine estimate) | "
+          f"{cpu_new / 3600:.2f} h | | |")
+    print(f"\nload average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end ({cores} cores); "
+          f"CPU seconds: generate {CPU['gen']:.1f}, encode {CPU['enc']:.1f} (wall {t_gen:.1f}, {t_enc:.1f})")
+    print(f"tokens encoded {tok:,} ({tok / n:,.0f} per session), truncated texts {res.n_truncated}, "
+          f"tokens lost to truncation {100 * drop / max(seen + drop, 1):.1f}%; peak RSS {peak_rss_mb():,.0f} MB; "
+          f"threads {torch.get_num_threads()}")
+
+
+if __name__ == "__main__":
+    main()
