@@ -13,7 +13,6 @@ from collections.abc import Callable
 from typing import Any
 
 from memgas.pipeline.bank import Bank, atomic_write_json
-from memgas.pipeline.schema import KEYS
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +34,6 @@ def finish_plan(bank: Bank, stage: str) -> None:
 
 
 def compact(bank: Bank, name: str, *, dim: int | None = None) -> int:
-    """Merge all parts of ``name`` into one part sorted by the table's key (deterministic bytes)."""
-    parts = bank.parts(name)
-    if not parts or parts == ["all"]:
-        return bank.count(name)
-    table = bank.read(name)
-    keys = KEYS[name]
-    table = table.sort_by([(k, "ascending") for k in keys])
-    bank.write(name, table, dim=dim)
-    return table.num_rows
+    """Merge the parts of ``name`` into one part sorted by the table's key (deterministic bytes), crash-safe
+    (see :meth:`Bank.compact`: the new part is complete before the old ones go)."""
+    return bank.compact(name, dim=dim)

@@ -347,6 +347,27 @@ def encoder_key(ctx: StageContext) -> str:
     return f"{slug(e.model)}@{EncodeStage().cache_key(ctx)}"
 
 
+def rederive_texts(ctx: StageContext, wanted: list[str]) -> dict[str, str]:
+    """Summary, keyword and hybrid texts of this config's generations, written back to ``texts``.
+
+    The generate stage stores them once; when a texts part was lost (deleted as unreadable) they are
+    rebuilt from ``generations`` and the session texts rather than failing the encode stage."""
+    from memgas.pipeline.generate import derived_texts
+
+    bank = ctx.bank
+    model, version = generation_key(ctx)
+    gens = bank.read("generations", ["text_hash", "kind", "output"],
+                     filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
+    sessions = texts_by_hash(bank, sorted(set(gens["text_hash"].to_pylist())))
+    derived = derived_texts(gens, sessions)
+    got = dict(zip(derived["text_hash"].to_pylist(), derived["text"].to_pylist()))
+    found = {h: got[h] for h in wanted if h in got}
+    if found:
+        log.warning("encode: %d texts were missing from 'texts' and were rebuilt from the generations", len(found))
+        bank.write_part("texts", f"derived-repair-{ctx.fingerprints['generate']}", derived)
+    return found
+
+
 # -- nodes -----------------------------------------------------------------------------------------------
 class NodesStage(Stage):
     """Per (history, session): the five node rows (session, turn, summary, keyword, hybrid) and their texts."""
@@ -421,6 +442,9 @@ class EncodeStage(Stage):
         texts = texts_by_hash(ctx.bank, unit["hashes"])
         texts.update({h: q for h, q in self._questions.items() if h not in texts})
         absent = [h for h in unit["hashes"] if h not in texts]
+        if absent:  # a deleted texts part: summaries/keywords/hybrids can be rebuilt from the generations
+            texts.update(rederive_texts(ctx, absent))
+            absent = [h for h in unit["hashes"] if h not in texts]
         if absent:
             raise BankError(f"{ctx.bank.path}: {len(absent)} texts to encode are missing from 'texts' (first "
                             f"text_hash {absent[0]}); re-run the generate stage (memgas index)")
