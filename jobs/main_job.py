@@ -96,6 +96,17 @@ def resolve_runtime(ctx: StageContext) -> None:
         device = "cuda" if ctx.cfg.ray.num_gpus_per_model_actor > 0 or (not ctx.use_ray and _torch_cuda()) else "cpu"
     dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     ctx.resolved["encoder"] = {"device": device, "dtype": dtype}
+    if hasattr(e, "runtime"):  # "auto" is torch on CUDA, the measured CPU default on CPU: key the cache by it
+        import torch
+
+        from memgas.pipeline.models.encoders import resolve_runtime as resolve_encoder_runtime
+
+        try:
+            ctx.resolved["encoder"]["runtime"] = resolve_encoder_runtime(e.runtime, torch.device(device))
+        except ValueError as exc:
+            raise MemgasError(str(exc)) from None
+        if ctx.resolved["encoder"]["runtime"] != "torch":
+            ctx.resolved["encoder"]["dtype"] = "float32"  # ONNX runtimes compute in float32 (or int8)
     resolve_device(ctx, ctx.cfg.retrieval.device)  # logs once when "auto" falls back to the CPU
 
 

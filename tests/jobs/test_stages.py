@@ -73,6 +73,7 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("encoder.backend", "hf", "ENC"),
     ("encoder.dtype", "bfloat16", "ENC"),
     ("encoder.device", "cuda", "ENC"),
+    ("encoder.runtime", "onnx", "ENC"),
     ("association.mem_threshold", 20, INDEX_DOWN),
     ("association.min_prior_nodes", 10, INDEX_DOWN),
     ("association.topk_edges", 3, INDEX_DOWN),
