@@ -2,7 +2,8 @@
 
 Exit codes (docs/reliability.md): 0 success; 1 an internal error (a bug: one line, the traceback with
 ``-v``); 2 bad input (arguments, config, data, a missing or damaged bank); 3 the environment (disk full,
-permission denied, read-only filesystem, an unreachable server); 130 interrupted (Ctrl-C).
+permission denied, read-only filesystem, an unreachable server); 4 the run finished but units failed
+after retries (counted in the report); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -239,7 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
               memgas report runs/a runs/b                      # compare runs side by side
 
             Exit codes: 0 ok, 1 internal error (re-run with -v), 2 bad input, 3 environment
-            (disk full, permissions, unreachable), 130 interrupted.
+            (disk full, permissions, unreachable), 4 finished but units failed after retries
+            (counted in the report; re-run to retry them), 130 interrupted.
             """
         ),
     )
