@@ -90,8 +90,9 @@ def _type_n(level: dict[str, Any], t: str) -> Any:
 def qa_table(qa: dict[str, Any]) -> str:
     metrics = ["f1", "exact_match", "bleu4", "rouge1", "rouge2", "rougeL", "judge_accuracy", "bertscore_f1"]
     present = [k for k in metrics if any(k in _d(_d(m).get("overall")) for m in qa.values())]
-    rows = [[method, _n(_d(m).get("n"))] + [_fmt(_d(_d(m).get("overall")).get(k)) for k in present] for method, m in qa.items()]
-    return _md_table(["method", "n"] + present, rows)
+    rows = [[method, _n(_d(m).get("n")), _n(_d(m).get("failed", 0))] + [_fmt(_d(_d(m).get("overall")).get(k)) for k in present]
+            for method, m in qa.items()]
+    return _md_table(["method", "n scored", "failed (not scored)"] + present, rows)
 
 
 def stage_table(stages: dict[str, Any]) -> str:
@@ -199,6 +200,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
         ("router", run.get("router")),
         ("code", f"memgas {run.get('version', '?')} ({run.get('git_commit', '?')})"),
         ("wall time", f"{_f(run.get('wall_s'), '.1f')} s"),
+        ("no-GMM ablation", f"top-{run['topk_edges']} edges per node" if run.get("topk_edges") is not None else None),
     ]
     parts += [f"- **{k}**: {v}" for k, v in info if v is not None]
     for level_name, level in _d(metrics.get("retrieval")).items():
@@ -211,7 +213,9 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
             f"## Retrieval ({level_name} level)",
             "",
             f"{any_m.get('n_evaluated', '?')} questions evaluated; skipped: {any_m.get('skipped', {})}. "
-            "R_all = all evidence sessions in the top K (the paper's Recall@K); NDCG = LongMemEval's ndcg_any.",
+            "R_all = all evidence sessions in the top K (the paper's Recall@K); NDCG = LongMemEval's ndcg_any."
+            + (f" Note: {_d(metrics.get('notes')).get('turn_level')}." if level_name == "turn"
+               and _d(metrics.get("notes")).get("turn_level") else ""),
             "",
             retrieval_table(level),
             "",
@@ -222,6 +226,10 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
     qa = {k: _d(v) for k, v in _d(metrics.get("qa")).items()}
     if qa:
         parts += ["", "## Question answering", "", qa_table(qa)]
+        failed = sum(int(_d(m).get("failed") or 0) for m in qa.values())
+        if failed:
+            parts += ["", f"**{failed} answers failed in the LLM backend after retries.** They are not scored "
+                      "(not counted as wrong either); re-run the same command to retry them."]
         for method, m in qa.items():
             for note in m.get("notes") or []:
                 parts.append(f"- {method}: {note}")
@@ -236,6 +244,13 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
                                + ([_fmt(m["by_type"][t].get("judge_accuracy"))] if "judge_accuracy" in m["by_type"][t] else [])
                                for t in types]),
                 ]
+    record = [r for r in metrics.get("record") or [] if isinstance(r, dict)]
+    if record:
+        rows = [[r.get("stage", "?"), r.get("status", "?"), str(r.get("units_done", "")), str(r.get("units_resumed", "")),
+                 str(r.get("fingerprint", ""))] for r in record]
+        parts += ["", "## What ran", "", "A stage is skipped when its outputs were computed under the same "
+                  "fingerprint (same declared config fields, upstream stages and dataset).", "",
+                  _md_table(["stage", "status", "units run", "units resumed", "fingerprint"], rows)]
     if _d(metrics.get("stages")):
         parts += ["", "## Stages", "", stage_table(metrics["stages"])]
     lat = _d(metrics.get("latency"))
