@@ -75,6 +75,64 @@ def enc_stage(enc, texts: list[str], tag: str = ""):
     return res, time.perf_counter() - t0
 
 
+def settings_table(recs, sessions, hashes, questions, sample_texts: int, repeats: int) -> None:
+    """Cost of each candidate CPU setting per 1,000 LongMemEval sessions: generator x long-text mode x runtime.
+
+    Tokens are exact (the tokenizer's counts of every text the setting encodes, windows included); seconds
+    = generation s/session (measured) + tokens / tokens-per-second of the runtime, measured on a
+    length-stratified sample of the texts, runtimes interleaved ``repeats`` times (best pass).
+    """
+    from memgas.pipeline.generate import hybrid_text
+    from memgas.pipeline.llm_free import LLMFreeGenerator
+    from memgas.pipeline.models.encoders import SentenceTransformerEncoder
+
+    keep = set(hashes)
+    s_texts = [sessions[h] for h in hashes]
+    p_texts = list(dict.fromkeys(r.texts[p["text_hash"]] for r in recs for p in r.pairs if p["session_hash"] in keep))
+    encs = {rt: SentenceTransformerEncoder("minilm", device="cpu", runtime=rt) for rt in ("torch", "onnx", "onnx-int8")}
+    torch_enc = encs["torch"]
+    gens = {"tfidf (new)": LLMFreeGenerator(None), "yake+centroid (old)": LLMFreeGenerator(
+        torch_enc, keyword_method="yake", summary_method="centroid")}
+    gens["tfidf (new)"].keywords(["warm up"])
+    sub = every_nth(s_texts, 24)
+    gen_rate, texts_by_gen = {}, {}
+    for g, gen in gens.items():
+        summ, kws, t = gen_stage(gen, sub, g)
+        gen_rate[g] = t / len(sub)
+        if g.startswith("tfidf"):
+            summ, kws = gen.summaries(s_texts), gen.keywords(s_texts)
+            texts_by_gen[g] = list(dict.fromkeys([*s_texts, *p_texts, *summ, *kws, *questions,
+                                                  *(hybrid_text(a, b, c) for a, b, c in zip(summ, kws, s_texts))]))
+    # window tokens per text: truncate = min(n, 254) + 2; mean-windows = n + 2 * ceil(n / 254)
+    texts = texts_by_gen["tfidf (new)"]
+    n_tok = torch_enc.count_tokens(texts)
+    win = torch_enc.max_tokens - 2
+    tok = {"truncate": int((np.minimum(n_tok, win) + 2).sum()),
+           "mean-windows": int((n_tok + 2 * np.maximum(1, -(-n_tok // win))).sum())}
+    bsub = every_nth(sorted(texts, key=len), sample_texts)
+    for e in encs.values():
+        e.encode(bsub[:8])
+    best = {rt: float("inf") for rt in encs}
+    sub_tok = 0
+    for _ in range(repeats):
+        for rt, e in encs.items():
+            t0 = time.perf_counter()
+            e.encode(bsub)
+            best[rt] = min(best[rt], time.perf_counter() - t0)
+            sub_tok = e.last_stats.tokens
+    rate = {rt: sub_tok / best[rt] for rt in encs}
+    n = len(hashes)
+    print(f"\nsettings on {n} LongMemEval-S sessions ({len(texts)} texts); runtime tokens/s on {len(bsub)} texts, "
+          f"best of {repeats} interleaved passes: " + ", ".join(f"{rt} {r:,.0f}" for rt, r in rate.items()))
+    print("| generator | long_text | runtime | tokens encoded per 1,000 sessions | s per 1,000 sessions (generate + encode) |")
+    print("|---|---|---|---|---|")
+    for g in gens:
+        for lt, t in tok.items():
+            for rt in encs:
+                secs = 1000 * gen_rate[g] + t / n * 1000 / rate[rt]
+                print(f"| {g} | {lt} | {rt} | {t / n * 1000:,.0f} | {secs:,.0f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
@@ -84,6 +142,10 @@ def main() -> None:
     ap.add_argument("--runtime", default="auto", help="encoder.runtime of the new defaults")
     ap.add_argument("--long-text", default="truncate", choices=["truncate", "mean-windows"])
     ap.add_argument("--threads", type=int, default=None, help="torch/ONNX Runtime threads (default: all cores)")
+    ap.add_argument("--settings-table", action="store_true",
+                    help="only the cost table of every candidate setting (generator x long_text x runtime)")
+    ap.add_argument("--sample-texts", type=int, default=400, help="texts per runtime pass in --settings-table")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -103,6 +165,9 @@ def main() -> None:
         hashes = every_nth(hashes, args.sessions)
     keep = set(hashes)
     s_texts = [sessions[h] for h in hashes]
+    if args.settings_table:
+        settings_table(recs, sessions, hashes, questions, args.sample_texts, args.repeats)
+        return
     print(f"{len(recs)} questions, {len(sessions)} unique sessions ({len(hashes)} used), "
           f"{len(pairs)} unique turn pairs; loaded in {time.perf_counter() - t0:.1f}s", flush=True)
 

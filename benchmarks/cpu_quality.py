@@ -7,10 +7,10 @@ score_retrieval), not the job runner, so each setting costs only what differs: v
     python benchmarks/cpu_quality.py [--data ../shared/data/locomo/locomo10.json]
         [--gens old,tfidf,...] [--encs torch:truncate,onnx-int8:truncate,...] [--methods all]
 
-Generator settings (``--gens``): ``old`` = YAKE + encoder-centroid summaries (the previous default, its
-sentences embedded by torch fp32 MiniLM), ``tfidf`` = the new default, ``yake+tfidf`` and ``tfidf+lead``
-mixes, ``tfidf5`` = tf-idf with 5 sentences / 1000 chars, ``dataset`` = LoCoMo's GPT session summaries +
-tf-idf keywords. Encoder settings (``--encs``): ``runtime:long_text`` with runtime in torch, onnx, onnx-int8.
+Generator settings (``--gens``, see ``GENS``): ``old`` = YAKE + encoder-centroid summaries at the previous
+sizes (10 keywords, 3 sentences / 600 chars; sentences embedded by torch fp32 MiniLM); ``tfidf`` = the new
+methods at the old sizes; ``tfidf12-kw30`` = the new default (12 sentences / 1200 chars, 30 keyphrases);
+mixes and size variants; ``dataset`` = LoCoMo's GPT session summaries + default tf-idf keywords. Encoder settings (``--encs``): ``runtime:long_text`` with runtime in torch, onnx, onnx-int8.
 Prints one Markdown table: R_all@3/5/10 per method per setting, plus generation s/session, the max
 cosine difference of each runtime's vectors against torch fp32, and encoded tokens.
 """
@@ -29,15 +29,24 @@ DEFAULT_DATA = ROOT.parent / "shared" / "data" / "locomo" / "locomo10.json"
 METHODS = ("session", "turn", "summary", "keyword", "hybrid", "memgas", "memgas-no-gmm", "memgas-no-ppr",
            "memgas-no-router", "memgas-no-association")
 
+OLD_SIZES = {"summary_sentences": 3, "max_summary_chars": 600, "top_keywords": 10}  # the previous defaults
 GENS = {
-    # name: (keyword_method, summary_method, kwargs)
-    "old": ("yake", "centroid", {}),
-    "tfidf": ("tfidf", "tfidf", {}),
-    "yake+tfidf": ("yake", "tfidf", {}),
-    "tfidf+centroid": ("tfidf", "centroid", {}),
-    "tfidf+lead": ("tfidf", "lead", {}),
-    "tfidf5": ("tfidf", "tfidf", {"summary_sentences": 5, "max_summary_chars": 1000}),
-    "tfidf-nommr": ("tfidf", "tfidf", {"mmr": 0.0}),
+    # name: (keyword_method, summary_method, kwargs); "tfidf" alone = the new methods at the old sizes
+    "old": ("yake", "centroid", OLD_SIZES),
+    "tfidf": ("tfidf", "tfidf", OLD_SIZES),
+    "yake+tfidf": ("yake", "tfidf", OLD_SIZES),
+    "tfidf+centroid": ("tfidf", "centroid", OLD_SIZES),
+    "tfidf+lead": ("tfidf", "lead", OLD_SIZES),
+    "tfidf5": ("tfidf", "tfidf", {**OLD_SIZES, "summary_sentences": 5, "max_summary_chars": 1000}),
+    "tfidf-nommr": ("tfidf", "tfidf", {**OLD_SIZES, "mmr": 0.0}),
+    "tfidf8": ("tfidf", "tfidf", {**OLD_SIZES, "summary_sentences": 8, "max_summary_chars": 1000}),
+    "tfidf5-kw20": ("tfidf", "tfidf", {"summary_sentences": 5, "max_summary_chars": 1000, "top_keywords": 20}),
+    "tfidf5-kw5": ("tfidf", "tfidf", {"summary_sentences": 5, "max_summary_chars": 1000, "top_keywords": 5}),
+    "yake+tfidf5": ("yake", "tfidf", {**OLD_SIZES, "summary_sentences": 5, "max_summary_chars": 1000}),
+    "tfidf8-kw20": ("tfidf", "tfidf", {"summary_sentences": 8, "max_summary_chars": 1000, "top_keywords": 20}),
+    # the new default (LLMFreeGenerator())
+    "tfidf12-kw30": ("tfidf", "tfidf", {"summary_sentences": 12, "max_summary_chars": 1200, "top_keywords": 30}),
+    "yake30+tfidf12": ("yake", "tfidf", {"summary_sentences": 12, "max_summary_chars": 1200, "top_keywords": 30}),
     "dataset": ("tfidf", "dataset", {}),
 }
 
