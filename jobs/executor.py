@@ -234,6 +234,21 @@ def _write(store: Bank, stage: Stage, part: str, tables: dict[str, pa.Table]) ->
     faults.hit(f"{stage.name}:unit-done")
 
 
+def _done(store: Bank, stage: Stage, unit: dict, tables: dict[str, pa.Table], t0: float, counts: dict, bar: Any) -> None:
+    """A unit's result: write it (marker last) and count it."""
+    size = int(unit.get("size", 1))
+    counts["unit_seconds"].append((size, time.perf_counter() - t0))
+    _write(store, stage, unit["part"], tables)
+    counts["done"] += 1
+    counts["items"] += size
+    bar.update(size)
+
+
+def _failed(stage: Stage, unit: dict, exc: BaseException, how: str = "failed") -> MemgasError:
+    return MemgasError(f"{stage.name}: unit {unit['part']} {how}: {_one_line(exc)}. Completed units are kept; "
+                       "re-run to resume.")
+
+
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
@@ -256,20 +271,15 @@ def execute_units(
         return counts
     fn = stage_fn(stage)
     params = stage.params(ctx)
-    size = lambda u: int(u.get("size", 1))  # noqa: E731 - tiny accessor
-    bar = tqdm(total=sum(size(u) for u in todo), desc=desc or stage.name, unit="item", leave=False)
+    bar = tqdm(total=sum(int(u.get("size", 1)) for u in todo), desc=desc or stage.name, unit="item", leave=False)
     try:
         if not ctx.use_ray:
             host = _local_host(factory, stage.model, stage.model_config(ctx)) if stage.where == "actor" else None
             for u in todo:
                 t0 = time.perf_counter()
                 payload = stage.inputs(ctx, u)
-                tables = host.call(fn, payload, params) if host else run_task(fn, payload, params)
-                counts["unit_seconds"].append((size(u), time.perf_counter() - t0))
-                _write(store, stage, u["part"], tables)
-                counts["done"] += 1
-                counts["items"] += size(u)
-                bar.update(size(u))
+                _done(store, stage, u, host.call(fn, payload, params) if host else run_task(fn, payload, params), t0,
+                      counts, bar)
             if host is not None:
                 counts["gpu_peak_mb"] = host.gpu_peak_mb()
             return counts
@@ -306,13 +316,8 @@ def _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store) -> None:
             try:
                 tables = ray.get(ready[0])
             except Exception as exc:  # the step raised, or its worker crashed past Ray's retries
-                raise MemgasError(f"{stage.name}: unit {u['part']} failed: {_one_line(exc)}. "
-                                  "Completed units are kept; re-run to resume.") from exc
-            counts["unit_seconds"].append((int(u.get("size", 1)), time.perf_counter() - t0))
-            _write(store, stage, u["part"], tables)
-            counts["done"] += 1
-            counts["items"] += int(u.get("size", 1))
-            bar.update(int(u.get("size", 1)))
+                raise _failed(stage, u, exc) from exc
+            _done(store, stage, u, tables, t0, counts, bar)
     finally:
         for ref in pending:
             ray.cancel(ref, force=True)
@@ -338,8 +343,7 @@ def _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, st
             tables = ray.get(ready[0])
         except died as exc:
             if attempt >= ACTOR_RETRIES:
-                raise MemgasError(f"{stage.name}: unit {u['part']} failed {attempt + 1} times on a fresh actor: "
-                                  f"{_one_line(exc)}. Completed units are kept; re-run to resume.") from exc
+                raise _failed(stage, u, exc, f"failed {attempt + 1} times on a fresh actor") from exc
             log.warning("%s: actor died on unit %s (%s); retrying on a fresh actor", stage.name, u["part"],
                         _one_line(exc))
             counts["retries"] += 1
@@ -347,13 +351,8 @@ def _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, st
             queue.insert(0, (u, attempt + 1))
             continue
         except Exception as exc:
-            raise MemgasError(f"{stage.name}: unit {u['part']} failed: {_one_line(exc)}. "
-                              "Completed units are kept; re-run to resume.") from exc
-        counts["unit_seconds"].append((int(u.get("size", 1)), time.perf_counter() - t0))
-        _write(store, stage, u["part"], tables)
-        counts["done"] += 1
-        counts["items"] += int(u.get("size", 1))
-        bar.update(int(u.get("size", 1)))
+            raise _failed(stage, u, exc) from exc
+        _done(store, stage, u, tables, t0, counts, bar)
         free.append(actor)
     try:
         counts["gpu_peak_mb"] = pool.gpu_peak_mb()

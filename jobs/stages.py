@@ -477,16 +477,11 @@ def node_matrix(m: dict[str, Any]) -> np.ndarray:
     return stack_nodes(m["session"], m["turn"], m["summary"], m["keyword"])
 
 
-class AssociateStage(Stage):
-    """Per history: GMM association edges (and the top-k edges of the "no GMM" ablation)."""
+class HistoryShardStage(Stage):
+    """A kernel stage run as Ray tasks over shards of histories, on the CPU or a GPU (``retrieval.device``)."""
 
-    name = "associate"
-    upstream = ("ingest", "encode")
-    config_fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
-                     "association.dense_max_nodes", "retrieval.device")
     where = "task"
-    check_table = "edges"
-    outputs = ("edges",)
+    part_prefix: str = ""
 
     def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
         return {"device": resolve_device(ctx, ctx.cfg.retrieval.device)}
@@ -494,13 +489,25 @@ class AssociateStage(Stage):
     def num_gpus(self, ctx: StageContext) -> float:
         return ctx.cfg.ray.num_gpus_per_task if self.resolved_inputs(ctx)["device"] == "cuda" else 0.0
 
-    def params(self, ctx: StageContext) -> dict[str, Any]:
-        return {"association": ctx.cfg.association.model_dump(), **self.resolved_inputs(ctx)}
-
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         fp = ctx.fingerprints[self.name]
-        return [{"part": f"assoc-{fp}-{i:05d}", "size": len(ids), "histories": ids}
+        return [{"part": f"{self.part_prefix}-{fp}-{i:05d}", "size": len(ids), "histories": ids}
                 for i, ids in enumerate(history_shards(ctx.bank, ctx.cfg.ray.shard_size))]
+
+
+class AssociateStage(HistoryShardStage):
+    """Per history: GMM association edges (and the top-k edges of the "no GMM" ablation)."""
+
+    name = "associate"
+    upstream = ("ingest", "encode")
+    config_fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
+                     "association.dense_max_nodes", "retrieval.device")
+    check_table = "edges"
+    outputs = ("edges",)
+    part_prefix = "assoc"
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        return {"association": ctx.cfg.association.model_dump(), **self.resolved_inputs(ctx)}
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         from memgas.pipeline.granularity import MatrixLoader
@@ -567,31 +574,20 @@ def edges_of(bank: Bank, history_ids: list[str], parts: list[str]) -> dict[tuple
     return out
 
 
-class RankStage(Stage):
+class RankStage(HistoryShardStage):
     """Per shard of histories: every query ranked by every method (router + seeds + batched PPR)."""
 
     name = "rank"
     upstream = ("ingest", "nodes", "encode", "associate")
     config_fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp",
                      "retrieval.router", "retrieval.store_top", "retrieval.device")
-    where = "task"
     store = "results"
     check_table = "rankings"
     outputs = ("rankings",)
-
-    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
-        return {"device": resolve_device(ctx, ctx.cfg.retrieval.device)}
-
-    def num_gpus(self, ctx: StageContext) -> float:
-        return ctx.cfg.ray.num_gpus_per_task if self.resolved_inputs(ctx)["device"] == "cuda" else 0.0
+    part_prefix = "rank"
 
     def params(self, ctx: StageContext) -> dict[str, Any]:
         return {"retrieval": ctx.cfg.retrieval.model_dump(), **self.resolved_inputs(ctx)}
-
-    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        fp = ctx.fingerprints[self.name]
-        return [{"part": f"rank-{fp}-{i:05d}", "size": len(ids), "histories": ids}
-                for i, ids in enumerate(history_shards(ctx.bank, ctx.cfg.ray.shard_size))]
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         from memgas.pipeline.granularity import MatrixLoader
