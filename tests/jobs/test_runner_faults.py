@@ -91,3 +91,16 @@ def test_a_killed_model_actor_is_replaced_and_its_unit_rerun(tmp_path) -> None:
     assert list(state.iterdir()), "the fault was never injected"
     record = {r["stage"]: r for r in json.loads((out / "run_record.json").read_text())}
     assert record["encode"]["actor_retries"] == 1 and record["encode"]["status"] == "executed"
+
+
+def test_unreachable_generation_server_stops_after_generate_with_one_line(tmp_path) -> None:
+    """generator=llm against a server that does not answer: no "generations missing" downstream, one line
+    naming the backend error; the failed sessions are retried by the next run (nothing is marked done)."""
+    out = tmp_path / "run"
+    proc = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={out}", *SMALL, "--set", "generation.generator=llm",
+                   "--set", "llm.backend=openai", "--set", "llm.base_url=http://127.0.0.1:1/v1", "--set",
+                   "llm.max_retries=0", "--set", "llm.timeout_s=2", "--no-ray", timeout=600)
+    line = _one_line_error(proc)
+    assert proc.returncode == 2 and "generate:" in line and "failed in the LLM backend" in line, line
+    assert not (out / "bank" / "_stages" / "generate.json").exists()
+    assert json.loads((out / "RUNNING.json").read_text())["status"] == "failed"
