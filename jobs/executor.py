@@ -92,6 +92,9 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         ray.init(address=address, log_to_driver=True)
         return f"cluster:{address}"
     ray.init(
+        # "local": always a new embedded instance, never a stale or foreign cluster that `ray start` left on
+        # this machine (ray.init() without an address would attach to the latest one)
+        address="local",
         num_cpus=num_cpus,
         include_dashboard=False,
         log_to_driver=True,

@@ -470,6 +470,22 @@ class EncodeStage(Stage):
         return stats
 
 
+def one_blas_thread() -> Any:
+    """Kernels of task stages run with one BLAS thread wherever they run: a Ray task gets one CPU (and Ray
+    sets OMP_NUM_THREADS=1), and multi-threaded BLAS sums in another order, so the in-process path would not
+    give the same bits (measured: 3.6e-7 on scores, enough to swap near-tied sessions)."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def owned(a: Any, dtype: Any = None) -> np.ndarray:
+    """A C-contiguous, aligned, writeable copy where needed. Arrays that come out of Ray's object store are
+    read-only views that may be unaligned; NumPy then skips BLAS for a matmul and sums in another order, so a
+    task would not give the bits of the same computation in-process."""
+    return np.require(a, dtype=dtype, requirements=["C", "A", "W", "O"])
+
+
 # -- associate -------------------------------------------------------------------------------------------
 def node_matrix(m: dict[str, Any]) -> np.ndarray:
     from memgas.pipeline.retrieve import stack_nodes
@@ -523,10 +539,13 @@ class AssociateStage(HistoryShardStage):
 
         a = params["association"]
         cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
-        for mode in ("gmm", "topk"):
-            edges = associate_many(payload["matrices"], mem_threshold=a["mem_threshold"],
-                                   min_prior_nodes=a["min_prior_nodes"], mode=mode, topk_edges=a["topk_edges"],
-                                   device=params["device"], dense_max_nodes=a["dense_max_nodes"])
+        with one_blas_thread():
+            per_mode = {mode: associate_many([owned(m, np.float32) for m in payload["matrices"]],
+                                             mem_threshold=a["mem_threshold"], min_prior_nodes=a["min_prior_nodes"],
+                                             mode=mode, topk_edges=a["topk_edges"], device=params["device"],
+                                             dense_max_nodes=a["dense_max_nodes"])
+                        for mode in ("gmm", "topk")}
+        for mode, edges in per_mode.items():
             for h, e in zip(payload["histories"], edges):
                 n = len(e.src)
                 cols["history_id"] += [h] * n
@@ -615,16 +634,13 @@ class RankStage(HistoryShardStage):
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
-        from memgas.pipeline.retrieve import rank_history
         from memgas.pipeline.schema import RANKINGS
 
         r = params["retrieval"]
         cols: dict[str, list] = {"method": [], "query_id": [], "rank": [], "session_id": [], "score": []}
-        for h in payload["histories"]:
-            m = h["matrices"]
-            ranked = rank_history(node_matrix(m), h["queries"], h["edges"], r["methods"], hybrid=m.get("hybrid"),
-                                  num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
-                                  router=r["router"], device=params["device"])
+        with one_blas_thread():
+            ranked_all = [RankStage.rank_one(h, r, params["device"]) for h in payload["histories"]]
+        for h, (m, ranked) in zip(payload["histories"], ranked_all):
             sids = np.asarray(m["session_ids"], dtype=object)
             top = min(r["store_top"], len(sids))
             for method, (order, scores) in ranked.items():
@@ -636,6 +652,16 @@ class RankStage(HistoryShardStage):
                     cols["session_id"] += sids[o].tolist()
                     cols["score"] += scores[qi, o].astype(float).tolist()
         return {"rankings": pa.table(cols, schema=RANKINGS)}
+
+    @staticmethod
+    def rank_one(h: dict[str, Any], r: dict[str, Any], device: str) -> tuple[dict, dict]:
+        from memgas.pipeline.retrieve import rank_history
+
+        m = {k: (owned(v, np.float32) if isinstance(v, np.ndarray) else v) for k, v in h["matrices"].items()}
+        edges = {mode: (owned(src, np.int64), owned(dst, np.int64)) for mode, (src, dst) in h["edges"].items()}
+        return m, rank_history(node_matrix(m), owned(h["queries"], np.float32), edges, r["methods"],
+                               hybrid=m.get("hybrid"), num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
+                               router=r["router"], device=device)
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         dropped = drop_other_parts(ctx.results, "rankings", f"rank-{ctx.fingerprints[self.name]}-")

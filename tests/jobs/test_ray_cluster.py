@@ -62,7 +62,7 @@ def test_kernel_tasks_request_gpus_and_see_the_ids_ray_gives_them(tmp_path) -> N
     import ray
 
     cfg = _cfg(tmp_path, "retrieval.device=cuda", "ray.num_gpus_per_task=0.5")
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=2, num_gpus=2, include_dashboard=False, configure_logging=False)
     try:
         ctx = StageContext(cfg, Bank.create(tmp_path / "bank"), None, use_ray=True)
         stage = _ProbeStage()
@@ -99,7 +99,7 @@ def test_tasks_never_open_the_bank(tmp_path, indexed) -> None:
     moved = tmp_path / "elsewhere"
     shutil.move(str(indexed), str(moved))
     try:
-        ray.init(num_cpus=1, include_dashboard=False, configure_logging=False)
+        ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False)
         try:
             for name, (stage, payload, params) in payloads.items():
                 got = ray.get(ray.remote(run_task).remote(stage_fn(stage), payload, params))[stage.check_table]
@@ -154,3 +154,7 @@ def test_two_node_local_cluster_runs_the_job(tmp_path, indexed) -> None:
                 p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
+        # `ray start` records its address for later ray.init() calls; ours is gone, so is the record
+        current = Path("/tmp/ray/ray_current_cluster")
+        if current.exists() and current.read_text().strip().endswith(f":{port}"):
+            current.unlink()
