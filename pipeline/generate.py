@@ -10,7 +10,8 @@ Generators (``GenerationConfig.generator``):
 * ``llm``: the LLM; an unusable output is stored with ``error`` set and an empty ``output``.
 * ``llm+fallback``: the LLM; an unusable output is replaced by the LLM-free output, ``fallback`` names
   the LLM-free generator and why (rows stay under the LLM's key so lookups are uniform).
-* ``llm-free``: YAKE + centroid sentences, no LLM (model = ``llm-free/yake+centroid``).
+* ``llm-free``: tf-idf keyphrases and a tf-idf/MMR extractive summary, no LLM and no encoder pass
+  (model = ``llm-free/tfidf``; see :mod:`memgas.pipeline.llm_free`).
 
 ``summary_source: dataset`` uses ``sessions.dataset_summary`` (LoCoMo's GPT summaries) where present
 (a declared field of the stage, so these rows never share a key with generated ones).
