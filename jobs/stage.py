@@ -63,6 +63,8 @@ class StageContext:
     resolved: dict[str, Any] = field(default_factory=dict)
     #: per-stage stats of this run, by stage name
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: per-run caches of the stages (stage objects are shared by every run in a process: no state on them)
+    cache: dict[str, Any] = field(default_factory=dict)
 
     def store(self, stage: Stage) -> Bank:
         if stage.store == "results":

@@ -305,15 +305,15 @@ class GenerateStage(Stage):
                          filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
         err = mine["error"].to_pylist()
         failed = [e for e in err if e is not None and e.startswith("llm:")]
-        self._llm_failures = len(failed)
+        n_failed = len(failed)
         return {"rows": mine.num_rows, "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
                 "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
-                "errors": sum(e is not None for e in err), "llm_failures": self._llm_failures,
+                "errors": sum(e is not None for e in err), "llm_failures": n_failed,
                 "first_error": failed[0][:200] if failed else None,
                 "fallbacks": int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0)}
 
     def complete(self, ctx: StageContext) -> bool:
-        return not getattr(self, "_llm_failures", 0)
+        return not ctx.stats.get(self.name, {}).get("llm_failures")
 
 
 def llm_identity(cfg: MemgasConfig) -> str:
@@ -437,10 +437,12 @@ class EncodeStage(Stage):
                 for i, b in enumerate(chunk(todo, ctx.cfg.ray.encode_unit))]
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        if not hasattr(self, "_questions"):
-            self._questions = self.needed(ctx)[1]
+        # stage objects are shared by every run in a process: per-run caches live on the context
+        if "encode:questions" not in ctx.cache:
+            ctx.cache["encode:questions"] = self.needed(ctx)[1]
+        questions = ctx.cache["encode:questions"]
         texts = texts_by_hash(ctx.bank, unit["hashes"])
-        texts.update({h: q for h, q in self._questions.items() if h not in texts})
+        texts.update({h: q for h, q in questions.items() if h not in texts})
         absent = [h for h in unit["hashes"] if h not in texts]
         if absent:  # a deleted texts part: summaries/keywords/hybrids can be rebuilt from the generations
             texts.update(rederive_texts(ctx, absent))
@@ -751,14 +753,14 @@ class ReadStage(Stage):
         drop_other_parts(ctx.results, "answers", f"ans-{ctx.fingerprints[self.name]}-")
         ans = current_answers(ctx)
         errors = ans["error"].to_pylist()
-        self._failed = sum(is_failed_answer(e) for e in errors)
-        return {"answers": ans.num_rows, "failed": self._failed,
+        failed = sum(is_failed_answer(e) for e in errors)
+        return {"answers": ans.num_rows, "failed": failed,
                 "prompt_tokens": int(pc.sum(ans["prompt_tokens"]).as_py() or 0),
                 "completion_tokens": int(pc.sum(ans["completion_tokens"]).as_py() or 0),
-                "notes": sum(e is not None for e in errors) - self._failed}
+                "notes": sum(e is not None for e in errors) - failed}
 
     def complete(self, ctx: StageContext) -> bool:
-        return not getattr(self, "_failed", 0)
+        return not ctx.stats.get(self.name, {}).get("failed")
 
 
 # -- judge -----------------------------------------------------------------------------------------------
