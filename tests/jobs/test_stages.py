@@ -165,8 +165,9 @@ def _executed(run_dir: Path) -> list[str]:
 def _outputs(run_dir: Path) -> dict[str, object]:
     """What a run produced: rankings and answers of its fingerprints, and the metrics' result sections.
 
-    Scores are compared to 6 decimals: a re-run reuses vectors encoded in other batches than a fresh run
-    encodes them in, which moves the last float bits (measured: 9e-8 on vectors, 1e-9 on scores)."""
+    Rankings are compared up to near-ties: a re-run reuses vectors encoded in other batches than a fresh run
+    encodes them in, which moves the last float bits (measured: 9e-8 on vectors, 1e-9 on scores), enough to
+    swap two sessions whose scores agree to 5 decimals. Metrics and answers are compared exactly."""
     metrics = json.loads((run_dir / "metrics.json").read_text())
     results = Bank(run_dir / "results")
     fps = metrics["run"]["fingerprints"]
@@ -174,11 +175,17 @@ def _outputs(run_dir: Path) -> dict[str, object]:
     for table, stage, prefix in (("rankings", "rank", "rank"), ("answers", "read", "ans")):
         parts = [p for p in results.parts(table) if p.startswith(f"{prefix}-{fps.get(stage)}-")]
         t = results.read(table, parts=parts) if parts else None
-        rows = None if t is None else t.sort_by([(k, "ascending") for k in t.column_names
-                                                  if k in ("method", "query_id", "rank")]).to_pylist()
-        for r in rows or []:  # a cached vector was encoded in another batch: scores agree to float rounding
-            if "score" in r:
-                r["score"] = round(r["score"], 6)
+        rows = None if t is None else t.to_pylist()
+        if rows and "score" in rows[0]:
+            # a cached vector was encoded in another batch than a fresh run encodes it in: scores agree to
+            # float rounding, so sessions whose scores tie at 5 decimals are ordered by id (up to exact ties)
+            for r in rows:
+                r["score"] = round(r["score"], 5)
+            rows.sort(key=lambda r: (r["method"], r["query_id"], -r["score"], r["session_id"]))
+            for r in rows:
+                r.pop("rank")
+        elif rows:
+            rows.sort(key=lambda r: (r["method"], r["query_id"]))
         out[table] = rows
     return out
 
