@@ -51,10 +51,14 @@ GENS = {
 }
 
 
-def load_locomo(path: Path):
+def load_records(path: Path, fmt: str = "locomo"):
+    """Every history of a LoCoMo or LongMemEval file, through the pipeline's own loaders."""
     from memgas.pipeline.data.common import Warnings
-    from memgas.pipeline.data.locomo import load
 
+    if fmt == "longmemeval":
+        from memgas.pipeline.data.longmemeval import load
+    else:
+        from memgas.pipeline.data.locomo import load
     return list(load(path, Warnings(str(path))))
 
 
@@ -115,7 +119,11 @@ def generate(records, gen: str, centroid_encoder) -> tuple[dict[str, tuple[str, 
     return {h: (s, k) for h, s, k in zip(hashes, sums, kws)}, dt / max(len(hashes), 1)
 
 
-def evaluate(records, gens: dict[str, tuple[str, str]], enc, cache: VecCache, methods) -> dict[str, dict[str, float]]:
+def evaluate(records, gens: dict[str, tuple[str, str]], enc, cache: VecCache, methods,
+             pair_enc=None) -> dict[str, dict[str, float]]:
+    """R_all@3/5/10 per method. ``pair_enc``: the encoder of turn-pair texts when it differs (a shorter
+    window for pairs); every other text goes through ``enc``."""
+    pair_enc = pair_enc or enc
     from memgas.pipeline.evaluate.retrieval import aggregate_retrieval, score_retrieval
     from memgas.pipeline.generate import hybrid_text
     from memgas.pipeline.retrieve import rank_sessions
@@ -134,7 +142,7 @@ def evaluate(records, gens: dict[str, tuple[str, str]], enc, cache: VecCache, me
         Y = cache.get(enc, summ)
         K = cache.get(enc, kws)
         H = cache.get(enc, hyb)
-        T = np.stack([cache.get(enc, pairs_by_sess[h]).mean(0) if pairs_by_sess.get(h) else S[i]
+        T = np.stack([cache.get(pair_enc, pairs_by_sess[h]).mean(0) if pairs_by_sess.get(h) else S[i]
                       for i, h in enumerate(sh)]).astype(np.float32)
         qs = [q for q in r.queries]
         Q = cache.get(enc, [q["question"] for q in qs])
@@ -156,6 +164,7 @@ def evaluate(records, gens: dict[str, tuple[str, str]], enc, cache: VecCache, me
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
+    ap.add_argument("--format", default="locomo", choices=("locomo", "longmemeval"))
     ap.add_argument("--gens", default="old,tfidf")
     ap.add_argument("--encs", default="torch:truncate,onnx-int8:truncate")
     ap.add_argument("--methods", default="all")
@@ -166,13 +175,16 @@ def main() -> None:
 
     from memgas.pipeline.models.encoders import SentenceTransformerEncoder
 
-    records = load_locomo(Path(args.data))[: args.limit]
+    records = load_records(Path(args.data), args.format)[: args.limit]
     methods = METHODS if args.methods == "all" else tuple(args.methods.split(","))
     cache = VecCache(Path(args.cache) if args.cache else None)
-    encs = {}
+    encs, pair_encs = {}, {}
     for spec in args.encs.split(","):
-        rt, lt = spec.split(":")
+        rt, lt, *pw = spec.split(":")  # runtime:long_text[:pwN] (N = max tokens of turn-pair texts)
         encs[spec] = SentenceTransformerEncoder("minilm", device="cpu", runtime=rt, long_text=lt)
+        if pw:
+            pair_encs[spec] = SentenceTransformerEncoder("minilm", device="cpu", runtime=rt, long_text=lt,
+                                                         max_tokens=int(pw[0].removeprefix("pw")))
     torch_enc = encs.get("torch:truncate") or SentenceTransformerEncoder("minilm", device="cpu", runtime="torch")
     gen_out, gen_cost = {}, {}
     for g in args.gens.split(","):
@@ -182,7 +194,7 @@ def main() -> None:
     for spec, enc in encs.items():
         for g in gen_out:
             t0 = time.perf_counter()
-            res = evaluate(records, gen_out[g], enc, cache, methods)
+            res = evaluate(records, gen_out[g], enc, cache, methods, pair_enc=pair_encs.get(spec))
             rows.append((g, spec, res))
             print(f"evaluated {g} x {spec} in {time.perf_counter() - t0:.0f}s: "
                   + ", ".join(f"{m} {v[5]:.1f}" for m, v in res.items()), flush=True)

@@ -134,6 +134,12 @@ class ModelHost:
         faults.hit(f"actor-call:{type(self.model).__name__}")
         return resolve(fn_path)(self.model, payload, params)
 
+    def torch_threads(self) -> int:
+        """torch's intra-op threads in this process (what ``make_model`` set from the stage's config)."""
+        import torch
+
+        return torch.get_num_threads()
+
     def gpu_peak_mb(self, reset: bool = True) -> float | None:
         """Peak GPU memory of this process since the last reset: torch's allocator plus CuPy's pool."""
         total, seen = 0.0, False
@@ -368,13 +374,13 @@ def _pool_for(stage: Stage, ctx: StageContext, factory: str, pools: dict[str, Ac
     cfg = ctx.cfg
     model_cfg = stage.model_config(ctx)
     num_gpus = float(cfg.ray.num_gpus_per_model_actor)
+    n = min(stage.actor_count(ctx), n_units)
     key = short_hash([factory, stage.model, model_cfg, num_gpus], 12)
     open_pool = pools.get("current")
     if open_pool is not None and open_pool.key == key:
         return open_pool
     if open_pool is not None:
         open_pool.close()
-    pool = ActorPool(factory, stage.model, model_cfg, min(cfg.ray.model_actors, n_units), num_cpus=1,
-                     num_gpus=num_gpus)
+    pool = ActorPool(factory, stage.model, model_cfg, n, num_cpus=1, num_gpus=num_gpus)
     pools["current"] = pool
     return pool

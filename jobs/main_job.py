@@ -481,8 +481,10 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
         "answered": int(ctx.stats.get("read", {}).get("answers", 0)), "failures": failures,
         "fingerprints": dict(ctx.fingerprints),
     }
-    metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(), "latency": latency,
-               "record": record}
+    from memgas.pipeline.encode import encoding_accounting
+
+    metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(),
+               "encoding": encoding_accounting(bank, S.encoder_key(ctx)), "latency": latency, "record": record}
     manifest = {
         "config": cfg.model_dump(mode="json"), "memgas_version": __version__, "git_commit": run_info["git_commit"],
         "dataset": ds, "models": _model_manifest(ctx), "host": {"hostname": socket.gethostname(),

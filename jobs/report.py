@@ -95,6 +95,18 @@ def qa_table(qa: dict[str, Any]) -> str:
     return _md_table(["method", "n scored", "failed (not scored)"] + present, rows)
 
 
+def encoding_table(encoding: dict[str, Any]) -> str:
+    """Texts, truncation and tokens per granularity (``pipeline.encode.encoding_accounting``)."""
+    rows = []
+    for g, v in encoding.items():
+        v = _d(v)
+        tok, drop = _num(v.get("tokens")), _num(v.get("tokens_dropped"))
+        share = f"{100 * drop / (tok + drop):.1f}%" if tok is not None and drop is not None and tok + drop else "-"
+        rows.append([g, _n(v.get("texts")), _n(v.get("truncated")), _n(v.get("tokens")), _n(v.get("tokens_dropped")),
+                     share])
+    return _md_table(["granularity", "texts", "truncated", "tokens encoded", "tokens dropped", "share dropped"], rows)
+
+
 def stage_table(stages: dict[str, Any]) -> str:
     rows = []
     for name, s in stages.items():
@@ -253,6 +265,12 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
                   _md_table(["stage", "status", "units run", "units resumed", "fingerprint"], rows)]
     if _d(metrics.get("stages")):
         parts += ["", "## Stages", "", stage_table(metrics["stages"])]
+    if _d(metrics.get("encoding")):
+        parts += ["", "## Encoding (tokens per granularity)", "", encoding_table(metrics["encoding"]), "",
+                  "Tokens the encoder ran on (special tokens included, every window of `mean-windows`), from the "
+                  "index's `embeddings` rows. A text whose truncated input equals another's (a session whose "
+                  "first turn pair fills the window) is run once and its tokens count on the other text; a text "
+                  "in two rows (a one-pair session is also its pair) counts in both, once in `all`."]
     lat = _d(metrics.get("latency"))
     if lat:
         rows = [[k, _fmt(v.get("p50_ms"), 1), _fmt(v.get("p95_ms"), 1), str(v.get("n", "?"))]

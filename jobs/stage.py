@@ -130,6 +130,10 @@ class Stage:
         """Actor stages: the config of the model the actor loads (actors with equal configs are reused)."""
         return {}
 
+    def actor_count(self, ctx: StageContext) -> int:
+        """Actor stages: how many model actors to start (at most one per unit)."""
+        return ctx.cfg.ray.model_actors
+
     def num_gpus(self, ctx: StageContext) -> float:
         return 0.0
 

@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 #: batch), and a resumed run keeps its units from the plan, so they never mix within one table.
 RUNTIME_ONLY: tuple[str, ...] = (
     "name", "output_dir", "bank_dir",
-    "encoder.batch_size",
+    "encoder.batch_size", "encoder.actors",
     "llm.api_key_env", "llm.concurrency", "llm.timeout_s", "llm.max_retries", "llm.gpu_memory_utilization",
     "llm.threads",
     "ray.address", "ray.num_cpus", "ray.num_gpus_per_model_actor", "ray.num_gpus_per_task", "ray.model_actors",
@@ -390,7 +390,7 @@ class EncodeStage(Stage):
     """Embed every text the nodes, turn pairs and queries need, once per encoder (content-addressed)."""
 
     name = "encode"
-    version = "2"
+    version = "3"  # 3: sessions grouped with their pairs in units (plan order)
     upstream = ("ingest", "nodes")
     config_fields = ENCODER_OUTPUT_FIELDS
     where = "actor"
@@ -405,7 +405,24 @@ class EncodeStage(Stage):
         return {"encoder": ctx.resolved.get("encoder")}
 
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
-        return {"encoder": encoder_config(ctx), "threads": ctx.cfg.llm.threads}
+        threads = 1 if self._per_cpu(ctx) else ctx.cfg.llm.threads
+        return {"encoder": encoder_config(ctx), "threads": threads}
+
+    def actor_count(self, ctx: StageContext) -> int:
+        """``encoder.actors``; auto: one per Ray CPU on CPU (one thread each), ``ray.model_actors`` on CUDA."""
+        if ctx.cfg.encoder.actors is not None:
+            return ctx.cfg.encoder.actors
+        if self._per_cpu(ctx):
+            import ray
+
+            return max(1, int(ray.cluster_resources().get("CPU", 1)))
+        return ctx.cfg.ray.model_actors
+
+    @staticmethod
+    def _per_cpu(ctx: StageContext) -> bool:
+        """Auto actors on a CPU encoder under Ray: one single-threaded actor per CPU."""
+        return (ctx.use_ray and ctx.cfg.encoder.actors is None
+                and ctx.resolved.get("encoder", {}).get("device", "cpu") == "cpu")
 
     def params(self, ctx: StageContext) -> dict[str, Any]:
         return {"encoder_key": encoder_key(ctx)}
@@ -431,10 +448,29 @@ class EncodeStage(Stage):
         if bank.exists("embeddings"):
             have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == key)
                        ["text_hash"].to_pylist())
-        todo = [h for h in need if h not in have]
+        todo = self._grouped([h for h in need if h not in have], bank)
         fp = ctx.fingerprints[self.name]
         return [{"part": f"enc-{fp}-{i:05d}", "size": len(b), "hashes": b}
                 for i, b in enumerate(chunk(todo, ctx.cfg.ray.encode_unit))]
+
+    @staticmethod
+    def _grouped(todo: list[str], bank: Any) -> list[str]:
+        """``todo`` with each session text next to its turn pairs (sessions in hash order, then every other
+        text in hash order), so that one unit holds both: the encoder runs a session whose truncated
+        tokens equal its first pair's only once (pipeline/models/encoders.py)."""
+        left = set(todo)
+        pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"]).sort_by(
+            [("session_hash", "ascending"), ("pair_index", "ascending")])
+        by_session: dict[str, list[str]] = {}
+        for sh, ph in zip(pairs["session_hash"].to_pylist(), pairs["text_hash"].to_pylist()):
+            by_session.setdefault(sh, []).append(ph)
+        out: list[str] = []
+        for sh in sorted(by_session):
+            for h in (sh, *by_session[sh]):
+                if h in left:
+                    left.discard(h)
+                    out.append(h)
+        return out + sorted(left)
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         # stage objects are shared by every run in a process: per-run caches live on the context

@@ -53,6 +53,11 @@ class EncoderConfig(_Strict):
     #: quantisation of the weights); auto = torch on CUDA, the measured CPU default on CPU (docs/benchmarks.md,
     #: "CPU indexing"). The ONNX runtimes are CPU-only; exports are cached under ~/.cache/memgas/onnx.
     runtime: Literal["auto", "torch", "onnx", "onnx-int8"] = "auto"
+    #: encode-stage actors. None = auto: on CPU one actor per Ray CPU, each with one torch thread (on 2
+    #: cores two 1-thread actors encode ~13% more tokens/s than one 2-thread actor: matmuls already run
+    #: near peak, the gain is the serial parts running side by side; docs/benchmarks.md); on CUDA
+    #: ``ray.model_actors``. A number: that many actors, with ``llm.threads`` threads each (None = all cores).
+    actors: int | None = Field(None, ge=1)
 
 
 class LLMConfig(_Strict):

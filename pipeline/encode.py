@@ -143,3 +143,45 @@ def embeddings_table(encoder: Encoder, hashes: Sequence[str], texts: Sequence[st
             cols[name] = pa.array(np.asarray(values, dtype=np.int32))
     return pa.table({n: cols[n] for n in schema.names if n in cols}).cast(
         pa.schema([schema.field(n) for n in schema.names if n in cols]))
+
+
+#: Rows of :func:`encoding_accounting`, in report order.
+ACCOUNTING_GROUPS = ("session", "turn pair", "summary", "keyword", "hybrid", "question")
+
+
+def encoding_accounting(bank: Any, key: str) -> dict[str, dict[str, int]]:
+    """Per granularity of the bank's index under encoder cache key ``key``: unique texts, texts truncated,
+    tokens the model ran on and tokens cut by truncation (the ``embeddings`` columns), plus ``all`` over
+    the unique texts. A text in two groups (a one-pair session is also its pair) counts in both; a text
+    whose truncated input equalled another's was run once and counts its tokens on that other text."""
+    import pyarrow.compute as pc
+
+    if not bank.exists("embeddings"):
+        return {}
+    emb = bank.read("embeddings", ["text_hash", "truncated", "tokens", "tokens_dropped"],
+                    filter=pc.field("encoder") == key)
+    row = {h: (bool(t), tok, drop) for h, t, tok, drop in zip(
+        emb["text_hash"].to_pylist(), emb["truncated"].to_pylist(), emb["tokens"].to_pylist(),
+        emb["tokens_dropped"].to_pylist())}
+    groups: dict[str, set[str]] = {g: set() for g in ACCOUNTING_GROUPS}
+    if bank.exists("sessions"):
+        groups["session"] = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
+    if bank.exists("pairs"):
+        groups["turn pair"] = set(bank.read("pairs", ["text_hash"])["text_hash"].to_pylist())
+    if bank.exists("nodes"):
+        nodes = bank.read("nodes", ["granularity", "text_hash"])
+        for g in ("summary", "keyword", "hybrid"):
+            groups[g] = set(nodes.filter(pc.field("granularity") == g)["text_hash"].to_pylist())
+    if bank.exists("queries"):
+        groups["question"] = {query_hash(q) for q in bank.read("queries", ["question"])["question"].to_pylist()}
+    groups["all"] = set().union(*groups.values())
+    out: dict[str, dict[str, int]] = {}
+    for g, hashes in groups.items():
+        rows = [row[h] for h in hashes if h in row]
+        if not rows:
+            continue
+        known = [r for r in rows if r[1] is not None]
+        out[g] = {"texts": len(rows), "truncated": sum(r[0] for r in rows),
+                  "tokens": sum(r[1] for r in known) if len(known) == len(rows) else None,
+                  "tokens_dropped": sum(r[2] or 0 for r in known) if len(known) == len(rows) else None}
+    return out

@@ -6,7 +6,11 @@ Both backends share one length-bucketed batching engine that works on token ids:
    length and can *report* truncation instead of hiding it (``last_truncated``, ``last_stats``);
 2. texts longer than the model's window are either truncated (default) or split into windows of
    ``max_tokens`` tokens whose embeddings are averaged (``long_text="mean-windows"``);
-3. pieces are sorted by length (stable sort, so the same input list always gives the same batches and the
+3. pieces whose token ids are identical are run once (a session truncated to the window is, token for
+   token, its first turn pair whenever that pair fills the window: 79% of LongMemEval-S sessions, ~10% of
+   the tokens a LongMemEval index encodes); the vector is shared, and the tokens count on the first text
+   that needs them (``last_tokens`` is what the model ran on for each text, so it sums to the real work);
+4. pieces are sorted by length (stable sort, so the same input list always gives the same batches and the
    same output), cut into batches under a token budget (short texts get large batches), run under
    ``torch.inference_mode`` and scattered back into the caller's order.
 
@@ -109,6 +113,8 @@ class EncodeStats:
     n_batches: int = 0
     #: tokens the model ran on (special tokens included, every window counted), padding excluded
     tokens: int = 0
+    #: tokens of pieces identical to an earlier piece of the same call: not run again, vector shared
+    tokens_reused: int = 0
     #: tokens cut off by truncation (0 with ``long_text="mean-windows"``)
     tokens_dropped: int = 0
     seconds: float = 0.0
@@ -131,8 +137,8 @@ class _BucketedEncoder:
         self.batch_size = batch_size
         self.long_text = long_text
         self.last_truncated: np.ndarray = np.zeros(0, dtype=bool)
-        #: per text of the last ``encode`` call: tokens encoded (specials included, all windows) and
-        #: tokens dropped by truncation
+        #: per text of the last ``encode`` call: tokens the model ran on for it (specials included, all
+        #: windows; 0 for a piece identical to an earlier one of the call) and tokens dropped by truncation
         self.last_tokens: np.ndarray = np.zeros(0, dtype=np.int64)
         self.last_tokens_dropped: np.ndarray = np.zeros(0, dtype=np.int64)
         self.last_stats = EncodeStats()
@@ -215,12 +221,18 @@ class _BucketedEncoder:
                 # count as much as a full one.
                 weights.append(float(max(len(c), 1)))
 
+        # Identical pieces run once: ``source[k]`` is the first piece with piece k's token ids.
+        first: dict[tuple[int, ...], int] = {}
+        source = np.fromiter((first.setdefault(tuple(p), k) for k, p in enumerate(pieces)), dtype=np.int64,
+                             count=len(pieces))
+        unique = np.flatnonzero(source == np.arange(len(pieces)))
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+        ran = np.where(source == np.arange(len(pieces)), lengths, 0)
         per_text = np.zeros(n, dtype=np.int64)
-        np.add.at(per_text, np.asarray(owners), lengths)
+        np.add.at(per_text, np.asarray(owners), ran)
         raw = np.fromiter((len(x) for x in ids), dtype=np.int64, count=n)
         dropped = np.maximum(raw - window, 0) if self.long_text == "truncate" else np.zeros(n, np.int64)
-        order = np.argsort(lengths, kind="stable")
+        order = unique[np.argsort(lengths[unique], kind="stable")]
         out = np.zeros((len(pieces), self.dim), dtype=np.float32)
         n_batches = 0
         # Token budget: batch_size sequences at full length; short sequences get proportionally more rows
@@ -249,6 +261,7 @@ class _BucketedEncoder:
                 out[idx] = emb.float().cpu().numpy()
                 n_batches += 1
                 start = end
+        out = out[source]  # reused pieces take their source's vector
 
         if len(pieces) == n:
             result = np.empty((n, self.dim), dtype=np.float32)
@@ -272,7 +285,8 @@ class _BucketedEncoder:
             n_truncated=int(truncated.sum()),
             n_pieces=len(pieces),
             n_batches=n_batches,
-            tokens=int(lengths.sum()),
+            tokens=int(ran.sum()),
+            tokens_reused=int(lengths.sum() - ran.sum()),
             tokens_dropped=int(dropped.sum()),
             seconds=time.perf_counter() - t0,
             extra={"long_text": self.long_text, "max_tokens": self.max_tokens, "runtime": self.runtime},

@@ -110,6 +110,52 @@ def test_tasks_never_open_the_bank(tmp_path, indexed) -> None:
         shutil.move(str(moved), str(indexed))
 
 
+def test_cpu_encoding_runs_one_single_threaded_actor_per_cpu(tmp_path, indexed) -> None:
+    """encoder.actors auto on CPU: one actor per Ray CPU, one torch thread each, and the vectors the bank
+    holds; a number of actors keeps llm.threads; a CUDA encoder keeps ray.model_actors."""
+    import numpy as np
+    import pyarrow.compute as pc
+    import ray
+
+    from memgas.jobs.executor import _pool_for
+
+    stage = S.EncodeStage()
+    bank = Bank(indexed / "bank")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
+    try:
+        ctx = StageContext(_cfg(indexed), bank, Bank(indexed / "results"), use_ray=True)
+        main_job.resolve_runtime(ctx)
+        main_job.compute_fingerprints(ctx)
+        assert ctx.resolved["encoder"]["device"] == "cpu"
+        assert stage.actor_count(ctx) == 2 and stage.model_config(ctx)["threads"] == 1
+        pool = _pool_for(stage, ctx, S.FACTORY, {}, n_units=10)
+        try:
+            assert len(pool.actors) == 2
+            assert ray.get([a.torch_threads.remote() for a in pool.actors]) == [1, 1]
+            key = S.encoder_key(ctx)
+            have = bank.read("embeddings", ["text_hash", "vector"], filter=pc.field("encoder") == key)
+            hashes = have["text_hash"].to_pylist()[:40]
+            payload = stage.inputs(ctx, {"part": "probe", "hashes": hashes})
+            got = ray.get(pool.actors[1].call.remote(stage_fn(stage), payload, stage.params(ctx)))["embeddings"]
+            want = np.asarray(have["vector"].to_pylist()[:40], np.float32)
+            assert got["text_hash"].to_pylist() == hashes
+            np.testing.assert_allclose(np.asarray(got["vector"].to_pylist(), np.float32), want, atol=1e-5)
+        finally:
+            pool.close()
+        fixed = StageContext(_cfg(indexed, "encoder.actors=3", "llm.threads=2"), bank, None, use_ray=True)
+        main_job.resolve_runtime(fixed)
+        assert stage.actor_count(fixed) == 3 and stage.model_config(fixed)["threads"] == 2
+        gpu = StageContext(_cfg(indexed, "encoder.device=cuda", "ray.model_actors=4"), bank, None, use_ray=True)
+        main_job.resolve_runtime(gpu)
+        assert stage.actor_count(gpu) == 4 and stage.model_config(gpu)["threads"] is None
+    finally:
+        ray.shutdown()
+    # without Ray the one in-process model uses the cores it is given (llm.threads)
+    local = StageContext(_cfg(indexed), bank, None, use_ray=False)
+    main_job.resolve_runtime(local)
+    assert stage.model_config(local)["threads"] is None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -45,6 +45,19 @@ def test_write_report_tables_and_plots(tmp_path: Path) -> None:
         assert f"({png})" in report
 
 
+def test_report_has_tokens_per_granularity(tmp_path: Path) -> None:
+    m = _metrics(0.6)
+    m["encoding"] = {"session": {"texts": 4, "truncated": 3, "tokens": 300, "tokens_dropped": 100},
+                     "question": {"texts": 2, "truncated": 0, "tokens": 20, "tokens_dropped": 0},
+                     "hybrid": {"texts": 1, "truncated": 0, "tokens": None, "tokens_dropped": None}}
+    (tmp_path / "metrics.json").write_text(json.dumps(m))
+    report = write_report(tmp_path).read_text()
+    assert "## Encoding (tokens per granularity)" in report
+    assert "| session | 4 | 3 | 300 | 100 | 25.0% |" in report
+    assert "| question | 2 | 0 | 20 | 0 | 0.0% |" in report
+    assert "| hybrid | 1 | 0 | ? | ? | - |" in report  # unknown counts are never guessed
+
+
 def test_compare_runs_side_by_side(tmp_path: Path) -> None:
     for name, r in (("a", 0.6), ("b", 0.8)):
         d = tmp_path / name

@@ -41,3 +41,47 @@ def test_encode_texts_without_token_record() -> None:
     assert res.tokens is None and res.tokens_dropped is None  # unknown, not guessed
     empty = encode_texts(_Plain(), [])
     assert empty.vectors.shape == (0, 3)
+
+
+def test_encode_plan_puts_each_session_beside_its_turn_pairs(tmp_path, make_bank) -> None:
+    """The encode stage's units hold a session next to its pairs (so the encoder can run a session that
+    truncates to its first pair once); every text is planned exactly once."""
+    from memgas.jobs.stages import EncodeStage
+    from memgas.pipeline.hashing import text_hash
+
+    bank = make_bank(tmp_path)
+    pairs = bank.read("pairs").to_pylist()
+    sessions = sorted({p["session_hash"] for p in pairs})
+    extra = [text_hash("a question?"), text_hash("a summary")]
+    todo = sorted({*sessions, *(p["text_hash"] for p in pairs), *extra})
+    got = EncodeStage._grouped(todo, bank)
+    assert sorted(got) == todo and len(got) == len(todo)
+    for sh in sessions:
+        mine = [p["text_hash"] for p in sorted(pairs, key=lambda p: p["pair_index"]) if p["session_hash"] == sh]
+        i = got.index(sh)
+        # a one-pair session's text is its pair's text: one hash, listed once
+        assert got[i : i + 1 + len([h for h in mine if h != sh])] == [sh, *[h for h in mine if h != sh]]
+    assert got[-2:] == sorted(extra)
+    assert EncodeStage._grouped([extra[0]], bank) == [extra[0]]  # texts already encoded are not re-planned
+
+
+@pytest.mark.slow
+def test_encoding_accounting_sums_the_embeddings_rows(tmp_path, make_bank, encoder) -> None:
+    """Per-granularity accounting = the encoder's own per-text counts, grouped by where the text is used."""
+    from memgas.pipeline.encode import embeddings_table, encoding_accounting
+
+    bank = make_bank(tmp_path)
+    texts = {r["text_hash"]: r["text"] for r in bank.read("texts").to_pylist()}
+    sessions = sorted(set(bank.read("sessions")["text_hash"].to_pylist()))
+    pairs = sorted(set(bank.read("pairs")["text_hash"].to_pylist()))
+    hashes = sorted(set(sessions) | set(pairs))
+    table = embeddings_table(encoder, hashes, [texts[h] for h in hashes], "k1")
+    bank.write("embeddings", table)
+    tok = dict(zip(table["text_hash"].to_pylist(), table["tokens"].to_pylist()))
+    acc = encoding_accounting(bank, "k1")
+    assert acc["session"]["texts"] == len(sessions) and acc["turn pair"]["texts"] == len(pairs)
+    assert acc["session"]["tokens"] == sum(tok[h] for h in sessions)
+    assert acc["turn pair"]["tokens"] == sum(tok[h] for h in pairs)
+    assert acc["all"] == {"texts": len(hashes), "truncated": 0, "tokens": sum(tok.values()), "tokens_dropped": 0}
+    assert acc["all"]["tokens"] == int(encoder.last_stats.tokens)  # what the model actually ran on
+    assert "summary" not in acc and encoding_accounting(bank, "other-key") == {}

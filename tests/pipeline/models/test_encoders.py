@@ -113,6 +113,27 @@ def test_token_counts_per_text(st_enc: SentenceTransformerEncoder) -> None:
     assert win.last_tokens[1] == int(raw[1]) + 2 * n_windows  # every window carries its own specials
 
 
+def test_identical_truncated_inputs_run_once(st_enc: SentenceTransformerEncoder) -> None:
+    """A session whose first turn pair fills the window truncates to that pair's tokens: one forward pass,
+    the same vector, the tokens counted once (on the first text of the call)."""
+    pair = "[user]: " + LONG
+    session = pair + "\n[assistant]: a different second turn that the window never reaches"
+    other = "My sister moved to Berlin for a job in robotics."
+    vecs = st_enc.encode([pair, session, other, other])
+    assert st_enc.last_tokens.tolist()[1] == 0 and st_enc.last_tokens.tolist()[3] == 0
+    assert st_enc.last_tokens[0] == 256
+    assert st_enc.last_stats.tokens_reused == 256 + st_enc.last_tokens[2]
+    assert st_enc.last_stats.tokens == int(st_enc.last_tokens.sum())
+    assert st_enc.last_tokens_dropped[1] > st_enc.last_tokens_dropped[0] > 0  # dropped stays per text
+    np.testing.assert_array_equal(vecs[0], vecs[1])
+    np.testing.assert_array_equal(vecs[2], vecs[3])
+    # the shared vector is the one the session gets alone (same tokens, same model)
+    np.testing.assert_allclose(vecs[1], st_enc.encode([session])[0], atol=1e-6)
+    # texts that differ inside the window are not merged
+    near = st_enc.encode(["[user]: " + LONG, "[user]:  " + LONG.replace("fox", "cat", 1)])
+    assert st_enc.last_stats.tokens_reused == 0 and not np.array_equal(near[0], near[1])
+
+
 def test_encoder_name_keys_runtime_dtype_device() -> None:
     from memgas.pipeline.models.encoders import encoder_name
 
