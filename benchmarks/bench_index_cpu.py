@@ -1,16 +1,24 @@
-"""CPU index benchmark: generate (LLM-free) + encode + associate with the CPU defaults on the 22-question
-LongMemEval-S sample, extrapolated to the full LongMemEval-S split (18,750 unique sessions).
+"""CPU index benchmark on the 22-question LongMemEval-S sample, extrapolated to the full LongMemEval-S
+split (18,750 unique sessions, 23,744 session references).
 
-Calls the pipeline's library functions (loader, ``LLMFreeGenerator``, ``encode_texts``, ``associate_many``),
-not the job runner. Baseline in the same run: the previous defaults (YAKE keywords + encoder-centroid
-summaries, torch fp32 encoder) on a deterministic subsample (every n-th unique session / every n-th text
-of the length-sorted list), their per-session and per-token rates extrapolated.
+Default (job mode): runs ``memgas index`` itself (ingest, LLM-free generate, nodes, encode, associate through
+Ray actors/tasks into a Parquet bank) with ``configs/longmemeval_s.yaml``, and prints per stage wall and CPU
+seconds, unique sessions/s, encoded tokens/s and peak RSS, the tokens encoded and dropped per granularity
+(the bank's own accounting), and the extrapolated wall time of the full split. Baseline in the same run: the
+previous encoder layout (one actor using every core, ``encoder.actors=1``) against the default (one
+single-threaded actor per core) on the first ``--baseline-questions`` questions.
 
     python benchmarks/bench_index_cpu.py [--data ../shared/data/longmemeval/longmemeval_s_sample.json]
-        [--sessions N] [--baseline-sessions 48] [--baseline-texts 600] [--runtime auto] [--long-text truncate]
+        [--baseline-questions 4]
 
-Prints: unique sessions/s per stage, encoded tokens/s, the share of tokens lost to truncation, peak RSS,
-and the extrapolated wall time of the full split on this machine (ratios against the old default).
+``--library``: the earlier library-call benchmark (loader, ``LLMFreeGenerator``, ``encode_texts``,
+``associate_many`` in one process): the new generator/encoder against the previous defaults (YAKE keywords
++ encoder-centroid summaries) on a deterministic subsample, rates extrapolated.
+
+    python benchmarks/bench_index_cpu.py --library [--sessions N] [--baseline-sessions 48] [--baseline-texts 600]
+
+``--settings-table``: tokens and seconds per 1,000 sessions of every candidate setting (generator x
+long-text mode x runtime).
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = ROOT.parent / "shared" / "data" / "longmemeval" / "longmemeval_s_sample.json"
 FULL_SESSIONS = 18_750
+FULL_REFS = 23_744  # session references (question x haystack session) of the full split
 
 
 def peak_rss_mb() -> float:
@@ -134,9 +143,93 @@ def settings_table(recs, sessions, hashes, questions, sample_texts: int, repeats
                 print(f"| {g} | {lt} | {rt} | {t / n * 1000:,.0f} | {secs:,.0f} |")
 
 
+def job_index(data: Path, out: Path, settings: list[str]) -> dict:
+    """``memgas index`` (the real runner: Ray, actors, Parquet bank) with configs/longmemeval_s.yaml on
+    ``data``; per-stage profile, token accounting and unique/referenced session counts."""
+    import pyarrow.compute as pc
+
+    from memgas.jobs import main_job
+    from memgas.jobs import stages as S
+    from memgas.jobs.profiling import Profiler
+    from memgas.jobs.stage import StageContext
+    from memgas.pipeline.bank import Bank
+    from memgas.pipeline.config import MemgasConfig
+    from memgas.pipeline.encode import encoding_accounting
+
+    cfg = MemgasConfig.load(ROOT / "configs" / "longmemeval_s.yaml",
+                            [f"output_dir={out}", f"data.path={data}", *settings])
+    prof = Profiler()
+    t0 = time.perf_counter()
+    bank, _ = main_job.ensure_ingested(cfg, prof)
+    main_job.index(cfg, bank.path, prof=prof, use_ray=True)
+    wall = time.perf_counter() - t0
+    ctx = StageContext(cfg, bank, None, use_ray=False)
+    main_job.resolve_runtime(ctx)
+    sessions = bank.read("sessions", ["text_hash"])
+    return {"stages": prof.to_dict(), "wall_s": wall, "unique": len(set(sessions["text_hash"].to_pylist())),
+            "refs": sessions.num_rows, "encoding": encoding_accounting(bank, S.encoder_key(ctx)),
+            "rows": bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == S.encoder_key(ctx)).num_rows}
+
+
+def job_main(args) -> None:
+    """The index job on the sample with the CPU defaults, and the previous encoder layout (one actor with
+    every core) on the first ``--baseline-questions`` questions, both in this run."""
+    import tempfile
+
+    cores = os.cpu_count() or 1
+    load0 = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="bench-index-") as tmp:
+        base = job_index(Path(args.data), Path(tmp) / "old",
+                         [f"data.limit={args.baseline_questions}", "encoder.actors=1"])
+        new = job_index(Path(args.data), Path(tmp) / "new", [])
+        new_sub = job_index(Path(args.data), Path(tmp) / "new-sub", [f"data.limit={args.baseline_questions}"])
+    st = new["stages"]
+    n = new["unique"]
+    acc = new["encoding"]
+    tok_all = acc["all"]["tokens"]
+    drop_all = acc["all"]["tokens_dropped"]
+    index_stages = [k for k in ("generate", "nodes", "encode", "associate") if k in st]
+    per_unique = sum(st[k]["wall_s"] for k in ("generate", "nodes", "encode") if k in st) / n
+    per_ref = st.get("associate", {}).get("wall_s", 0.0) / max(new["refs"], 1)
+    full = per_unique * FULL_SESSIONS + per_ref * FULL_REFS
+    cpu_unique = sum(st[k]["cpu_s"] for k in ("generate", "nodes", "encode") if k in st) / n / cores
+    full_cpu = cpu_unique * FULL_SESSIONS + per_ref * FULL_REFS
+    print(f"\n`memgas index` (configs/longmemeval_s.yaml, Ray, {cores} cores) on {new['refs']} session references, "
+          f"{n} unique sessions of {Path(args.data).name}; wall {new['wall_s']:.0f}s")
+    print("\n| stage | wall s | CPU s | unique sessions/s | tokens/s | peak RSS MB |")
+    print("|---|---|---|---|---|---|")
+    for k in index_stages:
+        s = st[k]
+        tps = f"{tok_all / s['wall_s']:,.0f}" if k == "encode" and s["wall_s"] > 0 else ""
+        print(f"| {k} | {s['wall_s']:.1f} | {s['cpu_s']:.1f} | {n / s['wall_s']:.2f} | {tps} | {s['peak_rss_mb']:,.0f} |")
+    print("\n| granularity | texts | truncated | tokens encoded | tokens dropped | tokens per unique session |")
+    print("|---|---|---|---|---|---|")
+    for g, v in acc.items():
+        print(f"| {g} | {v['texts']:,} | {v['truncated']:,} | {v['tokens']:,} | {v['tokens_dropped']:,} | "
+              f"{v['tokens'] / n:,.0f} |")
+    kept = tok_all - 2 * acc["all"]["texts"]
+    print(f"\ntokens lost to truncation: {100 * drop_all / max(kept + drop_all, 1):.1f}% of the text tokens")
+    # the previous layout (one actor, every core) vs the default on the same first questions, same run
+    b, ns = base["stages"]["encode"], new_sub["stages"]["encode"]
+    tb, tn = base["encoding"]["all"]["tokens"], new_sub["encoding"]["all"]["tokens"]
+    print(f"\nencode on the first {args.baseline_questions} questions ({new_sub['unique']} unique sessions, {tn:,} tokens): "
+          f"one actor x {cores} threads {tb / b['wall_s']:,.0f} tokens/s, default (one 1-thread actor per core) "
+          f"{tn / ns['wall_s']:,.0f} tokens/s = {tn / ns['wall_s'] / (tb / b['wall_s']):.2f}x")
+    print(f"\n| full LongMemEval-S ({FULL_SESSIONS:,} unique sessions, {FULL_REFS:,} references) | extrapolated |")
+    print("|---|---|")
+    print(f"| from wall time | {full / 3600:.2f} h |")
+    print(f"| from the process tree's CPU time / {cores} cores | {full_cpu / 3600:.2f} h |")
+    print(f"\nload average {load0:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
+    ap.add_argument("--library", action="store_true",
+                    help="the library-call benchmark (new vs old generator and encoder, in one process) instead "
+                         "of the index job")
+    ap.add_argument("--baseline-questions", type=int, default=4,
+                    help="job mode: questions the one-actor encoder baseline runs on")
     ap.add_argument("--sessions", type=int, default=None, help="use only this many unique sessions (every n-th)")
     ap.add_argument("--baseline-sessions", type=int, default=48, help="sessions the old generator runs on")
     ap.add_argument("--baseline-texts", type=int, default=600, help="texts the old torch encoder runs on")
@@ -169,6 +262,9 @@ def main() -> None:
         hashes = every_nth(hashes, args.sessions)
     keep = set(hashes)
     s_texts = [sessions[h] for h in hashes]
+    if not args.library and not args.settings_table:
+        job_main(args)
+        return
     if args.settings_table:
         settings_table(recs, sessions, hashes, questions, args.sample_texts, args.repeats, args.batch_size)
         return

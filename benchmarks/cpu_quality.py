@@ -129,6 +129,16 @@ def evaluate(records, gens: dict[str, tuple[str, str]], enc, cache: VecCache, me
     from memgas.pipeline.retrieve import rank_sessions
 
     recs_by_method: dict[str, list[dict]] = {m: [] for m in methods}
+    # every text of every history through each encoder once, in one call (long length-sorted batches)
+    main_texts, pair_texts = [], []
+    for r in records:
+        for s in r.sessions:
+            h = s["text_hash"]
+            main_texts += [r.texts[h], gens[h][0], gens[h][1], hybrid_text(gens[h][0], gens[h][1], r.texts[h])]
+        main_texts += [q["question"] for q in r.queries]
+        pair_texts += [r.texts[p["text_hash"]] for p in r.pairs]
+    cache.get(enc, sorted(set(main_texts)))
+    cache.get(pair_enc, sorted(set(pair_texts)))
     for r in records:
         sh = [s["text_hash"] for s in r.sessions]
         stext = [r.texts[h] for h in sh]

@@ -390,7 +390,7 @@ class EncodeStage(Stage):
     """Embed every text the nodes, turn pairs and queries need, once per encoder (content-addressed)."""
 
     name = "encode"
-    version = "3"  # 3: sessions grouped with their pairs in units (plan order)
+    version = "2"
     upstream = ("ingest", "nodes")
     config_fields = ENCODER_OUTPUT_FIELDS
     where = "actor"
