@@ -382,7 +382,7 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
         return {}
     hids = sorted(set(queries["history_id"]))
     key = S.encoder_key(ctx)
-    loader = MatrixLoader(bank, key, history_ids=hids)
+    loader = MatrixLoader(bank, key, history_ids=hids, pair_encoder=S.pair_encoder_key(ctx))
     edges = S.edges_of(bank, hids, S.parts_with_prefix(bank, "edges", f"assoc-{ctx.fingerprints['associate']}-"))
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     r = ctx.cfg.retrieval
@@ -484,7 +484,7 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
     from memgas.pipeline.encode import encoding_accounting
 
     metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(),
-               "encoding": encoding_accounting(bank, S.encoder_key(ctx)), "latency": latency, "record": record}
+               "encoding": encoding_accounting(bank, S.encoder_key(ctx), S.pair_encoder_key(ctx)), "latency": latency, "record": record}
     manifest = {
         "config": cfg.model_dump(mode="json"), "memgas_version": __version__, "git_commit": run_info["git_commit"],
         "dataset": ds, "models": _model_manifest(ctx), "host": {"hostname": socket.gethostname(),

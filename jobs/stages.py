@@ -347,6 +347,13 @@ def encoder_key(ctx: StageContext) -> str:
     return f"{slug(e.model)}@{EncodeStage().cache_key(ctx)}"
 
 
+def pair_encoder_key(ctx: StageContext) -> str:
+    """``embeddings.encoder`` of turn-pair vectors: :func:`encoder_key`, or with ``encoder.pair_max_tokens``
+    set its own key (that key + the pair window), so the other texts' vectors stay cached when it changes."""
+    n = ctx.cfg.encoder.pair_max_tokens
+    return encoder_key(ctx) if n is None else f"{encoder_key(ctx)}~pairs{n}"
+
+
 def rederive_texts(ctx: StageContext, wanted: list[str]) -> dict[str, str]:
     """Summary, keyword and hybrid texts of this config's generations, written back to ``texts``.
 
@@ -392,14 +399,20 @@ class EncodeStage(Stage):
     name = "encode"
     version = "2"
     upstream = ("ingest", "nodes")
-    config_fields = ENCODER_OUTPUT_FIELDS
+    config_fields = (*ENCODER_OUTPUT_FIELDS, "encoder.pair_max_tokens")
     where = "actor"
     model = "encoder"
     check_table = "embeddings"
     outputs = ("embeddings",)
 
     def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
+        # the cache key of every text but the turn pairs: the pair window keys the pairs only
         return _fields(cfg, ENCODER_OUTPUT_FIELDS)
+
+    def fingerprint(self, ctx: StageContext) -> str:
+        fp = super().fingerprint(ctx)
+        n = ctx.cfg.encoder.pair_max_tokens
+        return fp if n is None else short_hash([fp, "pairs", n])
 
     def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
         return {"encoder": ctx.resolved.get("encoder")}
@@ -427,31 +440,38 @@ class EncodeStage(Stage):
     def params(self, ctx: StageContext) -> dict[str, Any]:
         return {"encoder_key": encoder_key(ctx)}
 
-    def needed(self, ctx: StageContext) -> tuple[list[str], dict[str, str]]:
-        """Every text hash the nodes (all granularities), turn pairs and queries need; question texts by hash."""
+    def needed(self, ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """Text hashes to embed per cache key (every node text, turn pair and query; the pairs under
+        :func:`pair_encoder_key`), and the question texts by hash."""
         from memgas.pipeline.encode import query_hash
 
         bank = ctx.bank
-        need: set[str] = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
-        pairs = bank.read("pairs", ["text_hash"], filter=pc.field("session_hash").isin(sorted(need)))
-        need.update(pairs["text_hash"].to_pylist())
+        sessions: set[str] = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
+        pairs = set(bank.read("pairs", ["text_hash"], filter=pc.field("session_hash").isin(sorted(sessions)))
+                    ["text_hash"].to_pylist())
         nodes = bank.read("nodes", ["granularity", "text_hash"])
-        need.update(nodes.filter(pc.field("granularity") != "turn")["text_hash"].to_pylist())
+        main = sessions | set(nodes.filter(pc.field("granularity") != "turn")["text_hash"].to_pylist())
         questions = {query_hash(q): q for q in bank.read("queries", ["query_id", "question"])["question"].to_pylist()}
-        need.update(questions)
-        return sorted(need), questions
+        main.update(questions)
+        key, pair_key = encoder_key(ctx), pair_encoder_key(ctx)
+        if pair_key == key:
+            return {key: sorted(main | pairs)}, questions
+        return {key: sorted(main), pair_key: sorted(pairs)}, questions
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        bank, key = ctx.bank, encoder_key(ctx)
+        bank = ctx.bank
         need, _ = self.needed(ctx)
-        have: set[str] = set()
-        if bank.exists("embeddings"):
-            have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == key)
-                       ["text_hash"].to_pylist())
-        todo = self._grouped([h for h in need if h not in have], bank)
         fp = ctx.fingerprints[self.name]
-        return [{"part": f"enc-{fp}-{i:05d}", "size": len(b), "hashes": b}
-                for i, b in enumerate(chunk(todo, ctx.cfg.ray.encode_unit))]
+        units: list[dict[str, Any]] = []
+        for key, hashes in need.items():
+            have: set[str] = set()
+            if bank.exists("embeddings"):
+                have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == key)
+                           ["text_hash"].to_pylist())
+            todo = self._grouped([h for h in hashes if h not in have], bank)
+            window = ctx.cfg.encoder.pair_max_tokens if key != encoder_key(ctx) else None
+            units += [{"key": key, "max_tokens": window, "hashes": b} for b in chunk(todo, ctx.cfg.ray.encode_unit)]
+        return [{"part": f"enc-{fp}-{i:05d}", "size": len(u["hashes"]), **u} for i, u in enumerate(units)]
 
     @staticmethod
     def _grouped(todo: list[str], bank: Any) -> list[str]:
@@ -486,13 +506,16 @@ class EncodeStage(Stage):
         if absent:
             raise BankError(f"{ctx.bank.path}: {len(absent)} texts to encode are missing from 'texts' (first "
                             f"text_hash {absent[0]}); re-run the generate stage (memgas index)")
-        return {"hashes": unit["hashes"], "texts": [texts[h] for h in unit["hashes"]]}
+        # units of plans stored before pair windows existed carry no key: the encoder's own
+        return {"hashes": unit["hashes"], "texts": [texts[h] for h in unit["hashes"]],
+                "key": unit.get("key") or encoder_key(ctx), "max_tokens": unit.get("max_tokens")}
 
     @staticmethod
     def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
         from memgas.pipeline.encode import embeddings_table
 
-        return {"embeddings": embeddings_table(model, payload["hashes"], payload["texts"], params["encoder_key"])}
+        encoder = model.with_max_tokens(payload["max_tokens"]) if payload.get("max_tokens") else model
+        return {"embeddings": embeddings_table(encoder, payload["hashes"], payload["texts"], payload["key"])}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.jobs.plan import compact
@@ -500,7 +523,8 @@ class EncodeStage(Stage):
         bank = ctx.bank
         if bank.exists("embeddings"):
             compact(bank, "embeddings")
-        mine = bank.read("embeddings", filter=pc.field("encoder") == encoder_key(ctx))
+        keys = sorted({encoder_key(ctx), pair_encoder_key(ctx)})
+        mine = bank.read("embeddings", filter=pc.field("encoder").isin(keys))
         stats: dict[str, Any] = {"rows": mine.num_rows}
         for col in ("truncated", "tokens", "tokens_dropped"):
             if col in mine.column_names:
@@ -566,7 +590,8 @@ class AssociateStage(HistoryShardStage):
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         from memgas.pipeline.granularity import MatrixLoader
 
-        loader = MatrixLoader(ctx.bank, encoder_key(ctx), history_ids=unit["histories"])
+        loader = MatrixLoader(ctx.bank, encoder_key(ctx), history_ids=unit["histories"],
+                              pair_encoder=pair_encoder_key(ctx))
         ids = [h for h in unit["histories"] if h in loader.history_ids]
         return {"histories": ids, "matrices": [node_matrix(loader.get(h)) for h in ids]}
 
@@ -654,7 +679,7 @@ class RankStage(HistoryShardStage):
         if queries.num_rows == 0:
             return {"histories": []}
         key = encoder_key(ctx)
-        loader = MatrixLoader(bank, key, history_ids=ids)
+        loader = MatrixLoader(bank, key, history_ids=ids, pair_encoder=pair_encoder_key(ctx))
         edge_parts = parts_with_prefix(bank, "edges", f"assoc-{ctx.fingerprints['associate']}-")
         all_edges = edges_of(bank, ids, edge_parts)
         qdf = queries.to_pandas()

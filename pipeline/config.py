@@ -53,6 +53,11 @@ class EncoderConfig(_Strict):
     #: quantisation of the weights); auto = torch on CUDA, the measured CPU default on CPU (docs/benchmarks.md,
     #: "CPU indexing"). The ONNX runtimes are CPU-only; exports are cached under ~/.cache/memgas/onnx.
     runtime: Literal["auto", "torch", "onnx", "onnx-int8"] = "auto"
+    #: window (tokens, special tokens included) of turn-pair texts; None = ``max_tokens``. Turn pairs are
+    #: most of what an index encodes (LongMemEval-S: a user message and an assistant answer of median 412
+    #: tokens, ~60% of all tokens); measured quality and cost per window in docs/benchmarks.md. Their
+    #: vectors are cached under their own key, so changing this re-encodes the pairs only.
+    pair_max_tokens: int | None = Field(None, ge=8)
     #: encode-stage actors. None = auto: on CPU one actor per Ray CPU, each with one torch thread (on 2
     #: cores two 1-thread actors encode ~13% more tokens/s than one 2-thread actor: matmuls already run
     #: near peak, the gain is the serial parts running side by side; docs/benchmarks.md); on CUDA

@@ -149,20 +149,26 @@ def embeddings_table(encoder: Encoder, hashes: Sequence[str], texts: Sequence[st
 ACCOUNTING_GROUPS = ("session", "turn pair", "summary", "keyword", "hybrid", "question")
 
 
-def encoding_accounting(bank: Any, key: str) -> dict[str, dict[str, int]]:
+def encoding_accounting(bank: Any, key: str, pair_key: str | None = None) -> dict[str, dict[str, int]]:
     """Per granularity of the bank's index under encoder cache key ``key``: unique texts, texts truncated,
     tokens the model ran on and tokens cut by truncation (the ``embeddings`` columns), plus ``all`` over
     the unique texts. A text in two groups (a one-pair session is also its pair) counts in both; a text
-    whose truncated input equalled another's was run once and counts its tokens on that other text."""
+    whose truncated input equalled another's was run once and counts its tokens on that other text.
+    ``pair_key``: the cache key of the turn pairs when they have their own window."""
     import pyarrow.compute as pc
 
     if not bank.exists("embeddings"):
         return {}
-    emb = bank.read("embeddings", ["text_hash", "truncated", "tokens", "tokens_dropped"],
-                    filter=pc.field("encoder") == key)
-    row = {h: (bool(t), tok, drop) for h, t, tok, drop in zip(
-        emb["text_hash"].to_pylist(), emb["truncated"].to_pylist(), emb["tokens"].to_pylist(),
-        emb["tokens_dropped"].to_pylist())}
+
+    def rows(k: str) -> dict[str, tuple[bool, int | None, int | None]]:
+        emb = bank.read("embeddings", ["text_hash", "truncated", "tokens", "tokens_dropped"],
+                        filter=pc.field("encoder") == k)
+        return {h: (bool(t), tok, drop) for h, t, tok, drop in zip(
+            emb["text_hash"].to_pylist(), emb["truncated"].to_pylist(), emb["tokens"].to_pylist(),
+            emb["tokens_dropped"].to_pylist())}
+
+    row = rows(key)
+    pair_row = row if pair_key in (None, key) else rows(pair_key)
     groups: dict[str, set[str]] = {g: set() for g in ACCOUNTING_GROUPS}
     if bank.exists("sessions"):
         groups["session"] = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
@@ -174,14 +180,17 @@ def encoding_accounting(bank: Any, key: str) -> dict[str, dict[str, int]]:
             groups[g] = set(nodes.filter(pc.field("granularity") == g)["text_hash"].to_pylist())
     if bank.exists("queries"):
         groups["question"] = {query_hash(q) for q in bank.read("queries", ["question"])["question"].to_pylist()}
-    groups["all"] = set().union(*groups.values())
+    # "all": every (text, key) the index holds once; pairs under their own key are separate vectors
+    every = [(h, "p" if pair_row is not row else "m") for h in groups["turn pair"]]
+    every += [(h, "m") for g, hs in groups.items() if g != "turn pair" for h in hs]
     out: dict[str, dict[str, int]] = {}
-    for g, hashes in groups.items():
-        rows = [row[h] for h in hashes if h in row]
-        if not rows:
+    for g, got in [*((g, [(pair_row if g == "turn pair" else row).get(h) for h in hs]) for g, hs in groups.items()),
+                   ("all", [(pair_row if k == "p" else row).get(h) for h, k in set(every)])]:
+        got = [r for r in got if r is not None]
+        if not got:
             continue
-        known = [r for r in rows if r[1] is not None]
-        out[g] = {"texts": len(rows), "truncated": sum(r[0] for r in rows),
-                  "tokens": sum(r[1] for r in known) if len(known) == len(rows) else None,
-                  "tokens_dropped": sum(r[2] or 0 for r in known) if len(known) == len(rows) else None}
+        known = [r for r in got if r[1] is not None]
+        out[g] = {"texts": len(got), "truncated": sum(r[0] for r in got),
+                  "tokens": sum(r[1] for r in known) if len(known) == len(got) else None,
+                  "tokens_dropped": sum(r[2] or 0 for r in known) if len(known) == len(got) else None}
     return out

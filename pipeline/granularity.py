@@ -150,9 +150,13 @@ class MatrixLoader:
         *,
         history_ids: Sequence[str] | None = None,
         nodes: pa.Table | None = None,
+        pair_encoder: str | None = None,
     ) -> None:
+        """``pair_encoder``: the cache key of turn-pair vectors when pairs have their own window
+        (``encoder.pair_max_tokens``); default ``encoder_name``."""
         self.bank = bank
         self.encoder_name = encoder_name
+        pair_encoder = pair_encoder or encoder_name
         if nodes is None:
             nodes = bank.read("nodes")
             if nodes.num_rows == 0:
@@ -168,30 +172,22 @@ class MatrixLoader:
         pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"], filter=pc.field("session_hash").isin(sess_hashes))
         pairs = pairs.sort_by([("session_hash", "ascending"), ("pair_index", "ascending")])
         need = set(nodes.filter(pc.field("granularity") != "turn").column("text_hash").to_pylist())
-        need.update(pairs.column("text_hash").to_pylist())
-        emb = bank.read(
-            "embeddings",
-            ["text_hash", "encoder", "vector"],
-            filter=(pc.field("encoder") == encoder_name) & pc.field("text_hash").isin(sorted(need)),
-        )
-        self.vectors = _vectors(emb)
-        self.row: dict[str, int] = {h: i for i, h in enumerate(emb.column("text_hash").to_pylist())}
-        self.dim = self.vectors.shape[1] if self.vectors.size else 0
-        absent = sorted(need - self.row.keys())
-        if absent:
-            raise BankError(
-                f"{bank.path}: {len(absent)} texts have no '{encoder_name}' embedding (first text_hash {absent[0]}); "
-                "run `memgas index` with this config (its encode stage)"
-            )
+        pair_need = set(pairs.column("text_hash").to_pylist())
+        if pair_encoder == encoder_name:
+            need |= pair_need
+        self.vectors, self.row = self._read(bank, encoder_name, need)
+        pair_vectors, pair_row = (self.vectors, self.row) if pair_encoder == encoder_name else \
+            self._read(bank, pair_encoder, pair_need)
+        self.dim = self.vectors.shape[1] if self.vectors.size else pair_vectors.shape[1] if pair_vectors.size else 0
 
         # turn vector per unique session: mean of its pair vectors, one reduceat over all pairs
         self.turn_row: dict[str, int] = {}
         sh = pairs.column("session_hash").to_pylist()
         if sh:
-            idx = np.fromiter((self.row[h] for h in pairs.column("text_hash").to_pylist()), np.int64, len(sh))
+            idx = np.fromiter((pair_row[h] for h in pairs.column("text_hash").to_pylist()), np.int64, len(sh))
             starts = [0] + [i for i in range(1, len(sh)) if sh[i] != sh[i - 1]]
             counts = np.diff(np.array([*starts, len(sh)]))
-            sums = np.add.reduceat(self.vectors[idx], starts, axis=0)
+            sums = np.add.reduceat(pair_vectors[idx], starts, axis=0)
             self.turn_vectors = (sums / counts[:, None]).astype(np.float32)
             self.turn_row = {sh[s]: j for j, s in enumerate(starts)}
         else:
@@ -210,6 +206,20 @@ class MatrixLoader:
         self._gran = nodes.column("granularity").to_pylist()
         self._hash = nodes.column("text_hash").to_pylist()
         self._sid = nodes.column("session_id").to_pylist()
+
+    @staticmethod
+    def _read(bank: Bank, key: str, need: set[str]) -> tuple[np.ndarray, dict[str, int]]:
+        """Vectors of ``need`` under cache key ``key`` and their row per text hash; every one must exist."""
+        emb = bank.read("embeddings", ["text_hash", "encoder", "vector"],
+                        filter=(pc.field("encoder") == key) & pc.field("text_hash").isin(sorted(need)))
+        row = {h: i for i, h in enumerate(emb.column("text_hash").to_pylist())}
+        absent = sorted(need - row.keys())
+        if absent:
+            raise BankError(
+                f"{bank.path}: {len(absent)} texts have no '{key}' embedding (first text_hash {absent[0]}); "
+                "run `memgas index` with this config (its encode stage)"
+            )
+        return _vectors(emb), row
 
     @property
     def history_ids(self) -> list[str]:

@@ -27,6 +27,7 @@ the weights, the recipe and the library versions (the same key always names the 
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import logging
 import os
@@ -148,6 +149,7 @@ class _BucketedEncoder:
         self._tokenizer: Any = None
         self._wrap: tuple[list[int], list[int]] | None = None
         self._device = torch.device("cpu")
+        self.model_limit = 0  # the model's own window (set by subclasses)
 
     # -- subclass hooks ------------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -323,6 +325,19 @@ class _BucketedEncoder:
         return self._tokenizer(list(texts), add_special_tokens=False, truncation=False, verbose=False)[
             "input_ids"
         ]
+
+    def with_max_tokens(self, max_tokens: int | None) -> _BucketedEncoder:
+        """A view of this encoder with another window (``None`` or >= the model's limit: this encoder),
+        sharing the loaded model: the encode stage runs turn pairs with ``encoder.pair_max_tokens``."""
+        if max_tokens is None or max_tokens >= self.model_limit:
+            return self
+        if max_tokens < 8:
+            raise ValueError(f"max_tokens={max_tokens}: expected >= 8")
+        view = copy.copy(self)
+        view.max_tokens = int(max_tokens)
+        view.name = f"{self.name}#max{int(max_tokens)}"
+        view.last_stats = EncodeStats()
+        return view
 
     def __repr__(self) -> str:
         return (
@@ -519,6 +534,7 @@ class HFMeanPoolingEncoder(_BucketedEncoder):
         if isinstance(tok_limit, int) and 0 < tok_limit < 10**6:
             limit = min(limit, tok_limit)
         self.max_tokens = _clamp_max_tokens(max_tokens, limit, model)
+        self.model_limit = limit
         self.dim = int(self._model.config.hidden_size)
         self.normalize = False
         self.name = encoder_name("hf", model, max_tokens, long_text, runtime=runtime, dtype=dtype, device=device)
@@ -571,6 +587,7 @@ class SentenceTransformerEncoder(_BucketedEncoder):
         self._tokenizer = self._st.tokenizer
         limit = int(self._st.max_seq_length or 512)
         self.max_tokens = _clamp_max_tokens(max_tokens, limit, model)
+        self.model_limit = limit
         get_dim = getattr(self._st, "get_embedding_dimension", None) or self._st.get_sentence_embedding_dimension
         dim = get_dim()
         if dim is None:

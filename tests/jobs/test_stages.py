@@ -74,6 +74,7 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("encoder.dtype", "bfloat16", "ENC"),
     ("encoder.device", "cuda", "ENC"),
     ("encoder.runtime", "onnx", "ENC"),
+    ("encoder.pair_max_tokens", 128, "ENC"),
     ("association.mem_threshold", 20, INDEX_DOWN),
     ("association.min_prior_nodes", 10, INDEX_DOWN),
     ("association.topk_edges", 3, INDEX_DOWN),
@@ -147,7 +148,7 @@ def test_changing_a_field_changes_exactly_its_stage_and_downstream(tmp_path, fak
 
 @pytest.mark.parametrize("field,value", [("llm.threads", 1), ("llm.concurrency", 2), ("llm.timeout_s", 5.0),
                                          ("ray.shard_size", 3), ("ray.encode_unit", 7), ("ray.generate_unit", 5),
-                                         ("encoder.batch_size", 8), ("name", "other"), ("ray.model_actors", 2),
+                                         ("encoder.batch_size", 8), ("name", "other"), ("ray.model_actors", 2), ("encoder.actors", 2),
                                          ("llm.gpu_memory_utilization", 0.5), ("llm.max_retries", 1)])
 def test_runtime_only_fields_change_no_fingerprint(tmp_path, fake_bank, field, value) -> None:
     assert _fingerprints(_base(tmp_path), fake_bank) == _fingerprints(_base(tmp_path, **{field: value}), fake_bank)
@@ -212,6 +213,7 @@ MATRIX = [
     ("evaluation.judge", True, ["judge"], False),
     ("ray.shard_size", 3, [], False),
     ("llm.threads", 1, [], False),
+    ("encoder.pair_max_tokens", 32, None, True),
 ]
 
 
@@ -245,6 +247,36 @@ def test_config_change_matrix(tmp_path_factory, reference_run, field, value, exp
         assert _outputs(work) == _outputs(fresh)
     _run(_base(work))  # back to the reference config: the changed stages run again, and agree with it
     assert _outputs(work) == _outputs(reference_run)
+
+
+@pytest.mark.slow
+def test_a_pair_window_encodes_only_the_pairs_again(tmp_path_factory, reference_run) -> None:
+    """encoder.pair_max_tokens keys the pair vectors apart: the other texts stay cached, every pair is
+    encoded once under the pair key within its window, and the report's accounting reads that key."""
+    import shutil
+
+    import pyarrow.compute as pc
+
+    work = tmp_path_factory.mktemp("pairs")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    cfg = _base(work, **{"encoder.pair_max_tokens": 32})
+    bank = Bank(work / "bank")
+    ctx = StageContext(cfg, bank, None, use_ray=False)
+    main_job.resolve_runtime(ctx)
+    key, pair_key = S.encoder_key(ctx), S.pair_encoder_key(ctx)
+    ref_ctx = StageContext(_base(work), bank, None, use_ray=False)
+    main_job.resolve_runtime(ref_ctx)
+    assert pair_key != key and key == S.encoder_key(ref_ctx)  # the other texts keep their cache key
+    before = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == key).num_rows
+    _run(cfg)
+    pairs = set(bank.read("pairs", ["text_hash"])["text_hash"].to_pylist())
+    got = bank.read("embeddings", ["text_hash", "tokens", "tokens_dropped"], filter=pc.field("encoder") == pair_key)
+    assert sorted(got["text_hash"].to_pylist()) == sorted(pairs)  # every pair once, nothing else
+    assert max(got["tokens"].to_pylist()) <= 32 and sum(got["tokens_dropped"].to_pylist()) > 0
+    assert bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == key).num_rows == before
+    enc = json.loads((work / "metrics.json").read_text())["encoding"]
+    assert enc["turn pair"]["tokens"] == sum(got["tokens"].to_pylist())
+    assert enc["turn pair"]["texts"] == len(pairs)
 
 
 @pytest.mark.slow
