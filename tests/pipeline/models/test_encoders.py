@@ -134,6 +134,21 @@ def test_identical_truncated_inputs_run_once(st_enc: SentenceTransformerEncoder)
     assert st_enc.last_stats.tokens_reused == 0 and not np.array_equal(near[0], near[1])
 
 
+def test_with_max_tokens_is_a_window_view_on_the_same_model(st_enc: SentenceTransformerEncoder) -> None:
+    assert st_enc.with_max_tokens(None) is st_enc and st_enc.with_max_tokens(10_000) is st_enc
+    view = st_enc.with_max_tokens(64)
+    assert view.max_tokens == 64 and st_enc.max_tokens == 256 and view.name != st_enc.name
+    assert view._st is st_enc._st  # no second copy of the weights
+    short = "My sister moved to Berlin for a job in robotics."
+    np.testing.assert_allclose(view.encode([short])[0], st_enc.encode([short])[0], atol=1e-6)
+    v = view.encode([LONG])
+    assert view.last_tokens.tolist() == [64] and st_enc.max_tokens == 256
+    cut = SentenceTransformerEncoder("minilm", device="cpu", batch_size=4, max_tokens=64)
+    np.testing.assert_allclose(v, cut.encode([LONG]), atol=1e-6)  # = an encoder built with that window
+    with pytest.raises(ValueError, match=">= 8"):
+        st_enc.with_max_tokens(4)
+
+
 def test_encoder_name_keys_runtime_dtype_device() -> None:
     from memgas.pipeline.models.encoders import encoder_name
 
