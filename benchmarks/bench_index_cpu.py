@@ -152,7 +152,6 @@ def job_index(data: Path, out: Path, settings: list[str]) -> dict:
     from memgas.jobs import stages as S
     from memgas.jobs.profiling import Profiler
     from memgas.jobs.stage import StageContext
-    from memgas.pipeline.bank import Bank
     from memgas.pipeline.config import MemgasConfig
     from memgas.pipeline.encode import encoding_accounting
 

@@ -371,7 +371,6 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     """Latency of ranking one query at a time (router + seeds + PPR on its history's stored graph)."""
     import numpy as np
 
-    from memgas.pipeline.granularity import MatrixLoader
     from memgas.pipeline.retrieve import rank_history
 
     if method not in ctx.cfg.retrieval.methods:
@@ -382,7 +381,7 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
         return {}
     hids = sorted(set(queries["history_id"]))
     key = S.encoder_key(ctx)
-    loader = MatrixLoader(bank, key, history_ids=hids, pair_encoder=S.pair_encoder_key(ctx))
+    loader = S.matrix_loader(ctx, hids)
     edges = S.edges_of(bank, hids, S.parts_with_prefix(bank, "edges", f"assoc-{ctx.fingerprints['associate']}-"))
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     r = ctx.cfg.retrieval

@@ -347,6 +347,13 @@ def encoder_key(ctx: StageContext) -> str:
     return f"{slug(e.model)}@{EncodeStage().cache_key(ctx)}"
 
 
+def matrix_loader(ctx: StageContext, history_ids: list[str]) -> Any:
+    """Node matrices of ``history_ids`` under this config's encoder keys (pairs under their own window)."""
+    from memgas.pipeline.granularity import MatrixLoader
+
+    return MatrixLoader(ctx.bank, encoder_key(ctx), history_ids=history_ids, pair_encoder=pair_encoder_key(ctx))
+
+
 def pair_encoder_key(ctx: StageContext) -> str:
     """``embeddings.encoder`` of turn-pair vectors: :func:`encoder_key`, or with ``encoder.pair_max_tokens``
     set its own key (that key + the pair window), so the other texts' vectors stay cached when it changes."""
@@ -588,10 +595,7 @@ class AssociateStage(HistoryShardStage):
         return {"association": ctx.cfg.association.model_dump(), **self.resolved_inputs(ctx)}
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        from memgas.pipeline.granularity import MatrixLoader
-
-        loader = MatrixLoader(ctx.bank, encoder_key(ctx), history_ids=unit["histories"],
-                              pair_encoder=pair_encoder_key(ctx))
+        loader = matrix_loader(ctx, unit["histories"])
         ids = [h for h in unit["histories"] if h in loader.history_ids]
         return {"histories": ids, "matrices": [node_matrix(loader.get(h)) for h in ids]}
 
@@ -672,14 +676,12 @@ class RankStage(HistoryShardStage):
         return {"retrieval": ctx.cfg.retrieval.model_dump(), **self.resolved_inputs(ctx)}
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        from memgas.pipeline.granularity import MatrixLoader
-
         bank, ids = ctx.bank, unit["histories"]
         queries = bank.read("queries", ["query_id", "history_id", "question"], filter=pc.field("history_id").isin(ids))
         if queries.num_rows == 0:
             return {"histories": []}
         key = encoder_key(ctx)
-        loader = MatrixLoader(bank, key, history_ids=ids, pair_encoder=pair_encoder_key(ctx))
+        loader = matrix_loader(ctx, ids)
         edge_parts = parts_with_prefix(bank, "edges", f"assoc-{ctx.fingerprints['associate']}-")
         all_edges = edges_of(bank, ids, edge_parts)
         qdf = queries.to_pandas()
