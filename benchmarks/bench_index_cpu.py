@@ -146,8 +146,6 @@ def settings_table(recs, sessions, hashes, questions, sample_texts: int, repeats
 def job_index(data: Path, out: Path, settings: list[str]) -> dict:
     """``memgas index`` (the real runner: Ray, actors, Parquet bank) with configs/longmemeval_s.yaml on
     ``data``; per-stage profile, token accounting and unique/referenced session counts."""
-    import pyarrow.compute as pc
-
     from memgas.jobs import main_job
     from memgas.jobs import stages as S
     from memgas.jobs.profiling import Profiler
@@ -166,8 +164,8 @@ def job_index(data: Path, out: Path, settings: list[str]) -> dict:
     main_job.resolve_runtime(ctx)
     sessions = bank.read("sessions", ["text_hash"])
     return {"stages": prof.to_dict(), "wall_s": wall, "unique": len(set(sessions["text_hash"].to_pylist())),
-            "refs": sessions.num_rows, "encoding": encoding_accounting(bank, S.encoder_key(ctx)),
-            "rows": bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == S.encoder_key(ctx)).num_rows}
+            "refs": sessions.num_rows,
+            "encoding": encoding_accounting(bank, S.encoder_key(ctx), S.pair_encoder_key(ctx))}
 
 
 def job_main(args) -> None:
