@@ -7,6 +7,10 @@ score_retrieval), not the job runner, so each setting costs only what differs: v
     python benchmarks/cpu_quality.py [--data ../shared/data/locomo/locomo10.json]
         [--gens old,tfidf,...] [--encs torch:truncate,onnx-int8:truncate,...] [--methods all]
 
+``--format longmemeval`` reads a LongMemEval file instead (the 22-question S sample, or the oracle questions
+with distractor sessions that ``--make-lme-mix`` writes). Encoder settings may end in ``:pwN``: turn pairs
+encoded with an N-token window (``encoder.pair_max_tokens``), every other text with the model's window.
+
 Generator settings (``--gens``, see ``GENS``): ``old`` = YAKE + encoder-centroid summaries at the previous
 sizes (10 keywords, 3 sentences / 600 chars; sentences embedded by torch fp32 MiniLM); ``tfidf`` = the new
 methods at the old sizes; ``tfidf12-kw30`` = the new default (12 sentences / 1200 chars, 30 keyphrases);
@@ -49,6 +53,38 @@ GENS = {
     "yake30+tfidf12": ("yake", "tfidf", {"summary_sentences": 12, "max_summary_chars": 1200, "top_keywords": 30}),
     "dataset": ("tfidf", "dataset", {}),
 }
+
+
+LME_DIR = ROOT.parent / "shared" / "data" / "longmemeval"
+
+
+def make_lme_mix(out: Path, distractors: int = 40, seed: int = 0) -> None:
+    """A LongMemEval retrieval probe with 500 questions: each oracle question's evidence sessions plus
+    ``distractors`` sessions drawn (fixed seed) from the non-evidence haystack sessions of the 22-question S
+    sample, in date order. Easier than LongMemEval-S (the distractors come from other users' haystacks), but
+    real LongMemEval sessions and questions, enough of them to compare settings."""
+    import json
+    import random
+
+    oracle = json.loads((LME_DIR / "longmemeval_oracle.json").read_text())
+    sample = json.loads((LME_DIR / "longmemeval_s_sample.json").read_text())
+    pool: dict[str, tuple[str, list[dict]]] = {}
+    for q in sample:
+        for sid, date, sess in zip(q["haystack_session_ids"], q["haystack_dates"], q["haystack_sessions"]):
+            if not sid.startswith("answer_"):
+                pool[sid] = (date, [{k: v for k, v in t.items() if k != "has_answer"} for t in sess])
+    ids = sorted(pool)
+    rng = random.Random(seed)
+    mixed = []
+    for q in oracle:
+        evidence = set(q["answer_session_ids"])
+        items = list(zip(q["haystack_session_ids"], q["haystack_dates"], q["haystack_sessions"]))
+        items += [(i, *pool[i]) for i in rng.sample(ids, distractors) if i not in evidence]
+        items.sort(key=lambda x: x[1])  # "2023/05/21 (Sun) 19:50" sorts by date as text
+        mixed.append({**q, "haystack_session_ids": [x[0] for x in items], "haystack_dates": [x[1] for x in items],
+                      "haystack_sessions": [x[2] for x in items]})
+    out.write_text(json.dumps(mixed))
+    print(f"wrote {out}: {len(mixed)} questions, {sum(len(m['haystack_sessions']) for m in mixed)} session references")
 
 
 def load_records(path: Path, fmt: str = "locomo"):
@@ -180,8 +216,13 @@ def main() -> None:
     ap.add_argument("--methods", default="all")
     ap.add_argument("--cache", default="/tmp/memgas-bench-vectors", help="vector cache folder ('' = none)")
     ap.add_argument("--limit", type=int, default=None, help="first N conversations")
+    ap.add_argument("--make-lme-mix", metavar="OUT", default=None,
+                    help="write the LongMemEval oracle+distractors probe file to OUT and exit")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    if args.make_lme_mix:
+        make_lme_mix(Path(args.make_lme_mix))
+        return
 
     from memgas.pipeline.models.encoders import SentenceTransformerEncoder
 
@@ -225,7 +266,7 @@ def main() -> None:
     for g, spec, res in rows:
         print(f"| {g} | {spec} | " + " | ".join("/".join(f"{res[m][k]:.1f}" for k in (3, 5, 10)) for m in methods)
               + " |")
-    print("\ncells: R_all@3/5/10 (%), LoCoMo session level; generation ms/session: "
+    print(f"\ncells: R_all@3/5/10 (%), {args.format} session level, {Path(args.data).name}; generation ms/session: "
           + ", ".join(f"{g} {c * 1000:.1f}" for g, c in gen_cost.items()))
 
 
