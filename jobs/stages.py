@@ -63,6 +63,13 @@ def _fields(cfg: MemgasConfig, names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 # -- models held by actors ---------------------------------------------------------------------------
+def ray_cpus() -> int:
+    """CPUs of the Ray cluster this driver is connected to (one single-threaded actor each)."""
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
 def _threads(n: int | None) -> None:
     # Ray sets OMP_NUM_THREADS=1 in workers with num_cpus=1; a model worker owns its cores, so undo that.
     import torch
@@ -237,8 +244,17 @@ class GenerateStage(Stage):
 
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
         cfg = ctx.cfg
+        threads = 1 if self._per_cpu(ctx) else cfg.llm.threads
         return {"generation": cfg.generation.model_dump(), "llm": cfg.llm.model_dump(), "seed": cfg.seed,
-                "encoder": encoder_config(ctx) if self.uses_encoder(cfg) else None, "threads": cfg.llm.threads}
+                "encoder": encoder_config(ctx) if self.uses_encoder(cfg) else None, "threads": threads}
+
+    def actor_count(self, ctx: StageContext) -> int:
+        """The LLM-free generator (no model: tf-idf in Python/NumPy, one core each) gets one actor per Ray
+        CPU; a generator that holds an LLM keeps ``ray.model_actors``."""
+        return ray_cpus() if self._per_cpu(ctx) else ctx.cfg.ray.model_actors
+
+    def _per_cpu(self, ctx: StageContext) -> bool:
+        return ctx.use_ray and not self.uses_llm(ctx.cfg) and not self.uses_encoder(ctx.cfg)
 
     def params(self, ctx: StageContext) -> dict[str, Any]:
         model, version = self.key(ctx)
@@ -432,11 +448,7 @@ class EncodeStage(Stage):
         """``encoder.actors``; auto: one per Ray CPU on CPU (one thread each), ``ray.model_actors`` on CUDA."""
         if ctx.cfg.encoder.actors is not None:
             return ctx.cfg.encoder.actors
-        if self._per_cpu(ctx):
-            import ray
-
-            return max(1, int(ray.cluster_resources().get("CPU", 1)))
-        return ctx.cfg.ray.model_actors
+        return ray_cpus() if self._per_cpu(ctx) else ctx.cfg.ray.model_actors
 
     @staticmethod
     def _per_cpu(ctx: StageContext) -> bool:

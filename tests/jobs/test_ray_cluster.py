@@ -110,7 +110,7 @@ def test_tasks_never_open_the_bank(tmp_path, indexed) -> None:
         shutil.move(str(moved), str(indexed))
 
 
-def test_cpu_encoding_runs_one_single_threaded_actor_per_cpu(tmp_path, indexed) -> None:
+def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_cpu(tmp_path, indexed) -> None:
     """encoder.actors auto on CPU: one actor per Ray CPU, one torch thread each, and the vectors the bank
     holds; a number of actors keeps llm.threads; a CUDA encoder keeps ray.model_actors."""
     import numpy as np
@@ -128,6 +128,12 @@ def test_cpu_encoding_runs_one_single_threaded_actor_per_cpu(tmp_path, indexed) 
         main_job.compute_fingerprints(ctx)
         assert ctx.resolved["encoder"]["device"] == "cpu"
         assert stage.actor_count(ctx) == 2 and stage.model_config(ctx)["threads"] == 1
+        gen = S.GenerateStage()  # the LLM-free generator holds no model: one 1-thread actor per CPU too
+        assert ctx.cfg.generation.generator == "llm-free"
+        assert gen.actor_count(ctx) == 2 and gen.model_config(ctx)["threads"] == 1
+        with_llm = StageContext(_cfg(indexed, "generation.generator=llm+fallback"), bank, None, use_ray=True)
+        main_job.resolve_runtime(with_llm)
+        assert gen.actor_count(with_llm) == 1 and gen.model_config(with_llm)["threads"] is None
         pool = _pool_for(stage, ctx, S.FACTORY, {}, n_units=10)
         try:
             assert len(pool.actors) == 2
