@@ -215,7 +215,10 @@ def fill_bank(cfg, res: Result) -> dict:
     res.rows.append(Row("nodes (build_nodes)", nodes.num_rows, "node rows", t_nodes))
 
     t0 = time.perf_counter()
-    need = EncodeStage().needed(ctx)[0]  # sessions, pairs, summary/keyword/hybrid texts, questions
+    by_key = EncodeStage().needed(ctx)[0]  # sessions, pairs, summary/keyword/hybrid texts, questions
+    if list(by_key) != [enc]:
+        raise SystemExit(f"bench_end_to_end writes one encoder key ({enc}); this config asks for {list(by_key)}")
+    need = by_key[enc]
     pairs = bank.read("pairs", ["session_hash", "text_hash"])
     for sh, ph in zip(pairs.column("session_hash").to_pylist(), pairs.column("text_hash").to_pylist()):
         owner.setdefault(ph, sh)
