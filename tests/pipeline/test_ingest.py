@@ -309,7 +309,7 @@ def test_sigint_during_ingest_says_the_bank_is_unchanged(tmp_path: Path) -> None
     b = tmp_path / "b"
     ingest(LME, "longmemeval", b, progress=False)
     before = _visible(b)
-    big = synth(tmp_path / "big.json", questions=3000, sessions_per_history=8, turns_per_session=4)
+    big = synth(tmp_path / "big.json", questions=9000, sessions_per_history=8, turns_per_session=4)  # long enough to interrupt
     exe = Path(sys.executable).with_name("memgas")
     proc = subprocess.Popen([str(exe), "ingest", str(big), "--out", str(b)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
