@@ -121,6 +121,7 @@ def make_cfg(work: Path, shard_size: int):
     return MemgasConfig.load(ROOT / "configs" / "demo.yaml", [
         f"output_dir={work / 'run'}", f"bank_dir={work / 'bank'}", "retrieval.device=cpu",
         "data.format=longmemeval", f"data.path={work / 'synth.json'}", f"ray.shard_size={shard_size}",
+        "reading.enabled=false",  # no LLM here; the runner requires the stages after rank to be done or off
     ])
 
 
@@ -240,6 +241,8 @@ def fill_bank(cfg, res: Result) -> dict:
             pa.array(keys, pa.string()), pa.array([enc] * len(keys), pa.string()),
             pa.FixedSizeListArray.from_arrays(pa.array(vec.reshape(-1), pa.float32()), DIM),
             pa.array([False] * len(keys), pa.bool_()),
+            # synthetic vectors: no tokens were encoded (null = unknown, never a guess)
+            pa.nulls(len(keys), pa.int32()), pa.nulls(len(keys), pa.int32()),
         ], schema=schema)
         bank.write_part("embeddings", f"emb-bench-{i:05d}", table, dim=DIM)
     t_emb = time.perf_counter() - t0
@@ -324,7 +327,14 @@ def part_models(cfg, res: Result, n_sample: int, refs: int, uniq: int, n_queries
     kind = dialogue_kind_for("longmemeval")
     items = [(h, stext[h], kind, None) for h in sample]
     t0 = time.perf_counter()
-    gens = generate_for_sessions(items, None, cfg.generation, encoder=encoder)
+    from memgas.jobs import main_job
+    from memgas.jobs.stage import StageContext
+    from memgas.jobs.stages import generation_key
+    from memgas.pipeline.llm_free import LLMFreeGenerator
+
+    gctx = StageContext(cfg, bank, None, use_ray=False)
+    main_job.resolve_runtime(gctx)
+    gens = generate_for_sessions(items, None, cfg.generation, key=generation_key(gctx), llm_free=LLMFreeGenerator())
     derived = derived_texts(gens, stext)
     t_gen = time.perf_counter() - t0
     res.rows.append(Row("generate, LLM-free (sample)", len(sample), "sessions", t_gen, f"{gens.num_rows} outputs"))
