@@ -312,7 +312,11 @@ def test_sigint_during_ingest_says_the_bank_is_unchanged(tmp_path: Path) -> None
     big = synth(tmp_path / "big.json", questions=9000, sessions_per_history=8, turns_per_session=4)  # long enough to interrupt
     exe = Path(sys.executable).with_name("memgas")
     proc = subprocess.Popen([str(exe), "ingest", str(big), "--out", str(b)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TQDM_DISABLE": "1"})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "TQDM_DISABLE": "1"},
+                            # as from a shell: a child inherits an ignored SIGINT (earlier in-process Ray
+                            # tests leave the pytest process ignoring it), and Python then never raises
+                            # KeyboardInterrupt, so the interrupt this test sends would be lost
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None and not list(b.glob("histories/_done/ingest-b-*")):
         time.sleep(0.02)
