@@ -9,7 +9,9 @@ score_retrieval), not the job runner, so each setting costs only what differs: v
 
 ``--format longmemeval`` reads a LongMemEval file instead (the 22-question S sample, or the oracle questions
 with distractor sessions that ``--make-lme-mix`` writes). Encoder settings may end in ``:pwN``: turn pairs
-encoded with an N-token window (``encoder.pair_max_tokens``), every other text with the model's window.
+encoded with an N-token window (``encoder.pair_max_tokens``), every other text with the model's window; and
+in ``:swN``: session texts with an N-token window; and in ``:mtN``: every text with an N-token window
+(``encoder.max_tokens``; pairs and sessions too unless ``:pwN`` / ``:swN`` is given).
 
 Generator settings (``--gens``, see ``GENS``): ``old`` = YAKE + encoder-centroid summaries at the previous
 sizes (10 keywords, 3 sentences / 600 chars; sentences embedded by torch fp32 MiniLM); ``tfidf`` = the new
@@ -156,25 +158,28 @@ def generate(records, gen: str, centroid_encoder) -> tuple[dict[str, tuple[str, 
 
 
 def evaluate(records, gens: dict[str, tuple[str, str]], enc, cache: VecCache, methods,
-             pair_enc=None) -> dict[str, dict[str, float]]:
-    """R_all@3/5/10 per method. ``pair_enc``: the encoder of turn-pair texts when it differs (a shorter
-    window for pairs); every other text goes through ``enc``."""
+             pair_enc=None, session_enc=None) -> dict[str, dict[str, float]]:
+    """R_all@3/5/10 per method. ``pair_enc`` / ``session_enc``: the encoder of turn-pair / session texts when
+    it differs (a shorter window); every other text goes through ``enc``."""
     pair_enc = pair_enc or enc
+    session_enc = session_enc or enc
     from memgas.pipeline.evaluate.retrieval import aggregate_retrieval, score_retrieval
     from memgas.pipeline.generate import hybrid_text
     from memgas.pipeline.retrieve import rank_sessions
 
     recs_by_method: dict[str, list[dict]] = {m: [] for m in methods}
     # every text of every history through each encoder once, in one call (long length-sorted batches)
-    main_texts, pair_texts = [], []
+    main_texts, pair_texts, session_texts = [], [], []
     for r in records:
         for s in r.sessions:
             h = s["text_hash"]
-            main_texts += [r.texts[h], gens[h][0], gens[h][1], hybrid_text(gens[h][0], gens[h][1], r.texts[h])]
+            session_texts.append(r.texts[h])
+            main_texts += [gens[h][0], gens[h][1], hybrid_text(gens[h][0], gens[h][1], r.texts[h])]
         main_texts += [q["question"] for q in r.queries]
         pair_texts += [r.texts[p["text_hash"]] for p in r.pairs]
     cache.get(enc, sorted(set(main_texts)))
     cache.get(pair_enc, sorted(set(pair_texts)))
+    cache.get(session_enc, sorted(set(session_texts)))
     for r in records:
         sh = [s["text_hash"] for s in r.sessions]
         stext = [r.texts[h] for h in sh]
@@ -184,7 +189,7 @@ def evaluate(records, gens: dict[str, tuple[str, str]], enc, cache: VecCache, me
         pairs_by_sess: dict[str, list[str]] = {}
         for p in r.pairs:
             pairs_by_sess.setdefault(p["session_hash"], []).append(r.texts[p["text_hash"]])
-        S = cache.get(enc, stext)
+        S = cache.get(session_enc, stext)
         Y = cache.get(enc, summ)
         K = cache.get(enc, kws)
         H = cache.get(enc, hyb)
@@ -229,13 +234,22 @@ def main() -> None:
     records = load_records(Path(args.data), args.format)[: args.limit]
     methods = METHODS if args.methods == "all" else tuple(args.methods.split(","))
     cache = VecCache(Path(args.cache) if args.cache else None)
-    encs, pair_encs = {}, {}
+    encs, pair_encs, session_encs = {}, {}, {}
     for spec in args.encs.split(","):
-        rt, lt, *pw = spec.split(":")  # runtime:long_text[:pwN] (N = max tokens of turn-pair texts)
-        encs[spec] = SentenceTransformerEncoder("minilm", device="cpu", runtime=rt, long_text=lt)
-        if pw:
+        # runtime:long_text[:pwN][:swN][:mtN]: N = max tokens of turn-pair texts (pw), of session texts
+        # (sw), of every text (mt)
+        rt, lt, *opts = spec.split(":")
+        windows = {o[:2]: int(o[2:]) for o in opts}
+        if set(windows) - {"pw", "sw", "mt"}:
+            raise SystemExit(f"--encs {spec}: options are pwN, swN and mtN")
+        encs[spec] = SentenceTransformerEncoder("minilm", device="cpu", runtime=rt, long_text=lt,
+                                                max_tokens=windows.get("mt"))
+        if "pw" in windows:
             pair_encs[spec] = SentenceTransformerEncoder("minilm", device="cpu", runtime=rt, long_text=lt,
-                                                         max_tokens=int(pw[0].removeprefix("pw")))
+                                                         max_tokens=windows["pw"])
+        if "sw" in windows:
+            session_encs[spec] = SentenceTransformerEncoder("minilm", device="cpu", runtime=rt, long_text=lt,
+                                                            max_tokens=windows["sw"])
     torch_enc = encs.get("torch:truncate") or SentenceTransformerEncoder("minilm", device="cpu", runtime="torch")
     gen_out, gen_cost = {}, {}
     for g in args.gens.split(","):
@@ -245,7 +259,8 @@ def main() -> None:
     for spec, enc in encs.items():
         for g in gen_out:
             t0 = time.perf_counter()
-            res = evaluate(records, gen_out[g], enc, cache, methods, pair_enc=pair_encs.get(spec))
+            res = evaluate(records, gen_out[g], enc, cache, methods, pair_enc=pair_encs.get(spec),
+                           session_enc=session_encs.get(spec))
             rows.append((g, spec, res))
             print(f"evaluated {g} x {spec} in {time.perf_counter() - t0:.0f}s: "
                   + ", ".join(f"{m} {v[5]:.1f}" for m, v in res.items()), flush=True)

@@ -278,6 +278,7 @@ def execute_units(
                               "retries": 0, "gpu_peak_mb": None}
     if not todo:
         return counts
+    stage.will_run(ctx, todo)
     fn = stage_fn(stage)
     params = stage.params(ctx)
     bar = tqdm(total=sum(int(u.get("size", 1)) for u in todo), desc=desc or stage.name, unit="item", leave=False)

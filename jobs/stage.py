@@ -119,6 +119,10 @@ class Stage:
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         return []
 
+    def will_run(self, ctx: StageContext, units: list[dict[str, Any]]) -> None:
+        """Called once before ``inputs``, with the units about to run in dispatch order (a stage may batch
+        their reads: see EncodeStage)."""
+
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> Any:
         return unit
 

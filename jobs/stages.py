@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -156,6 +157,54 @@ def texts_by_hash(bank: Bank, hashes: list[str]) -> dict[str, str]:
     return dict(zip(t["text_hash"].to_pylist(), t["text"].to_pylist()))
 
 
+class TextBlocks:
+    """Texts of a stage's units, read from the bank once per block of consecutive units.
+
+    A filtered read of ``texts`` scans every row group whatever the number of hashes (measured on the
+    LongMemEval-S sample: 0.05-0.13 s for 32 to 6,576 hashes), so one read per unit grows with units x bank
+    size: at LongMemEval-S scale (~170k texts, ~1 s a scan) that was ~600 scans in generate (units of 32
+    sessions) and ~350 in encode, minutes of driver time while the actors wait for input. Units are
+    dispatched in order, so a block is read when its first unit is, and dropped when the next block is read;
+    a unit dispatched again later (a retry) re-reads its block.
+    """
+
+    def __init__(self, units: list[dict[str, Any]], hashes_of: Callable[[dict[str, Any]], list[str]],
+                 block_texts: int) -> None:
+        self._hashes_of = hashes_of
+        self._units = units
+        self._block_of: dict[str, int] = {}
+        block, filled = 0, 0
+        for u in units:
+            n = len(hashes_of(u))
+            if filled and filled + n > block_texts:
+                block, filled = block + 1, 0
+            self._block_of[u["part"]] = block
+            filled += n
+        self._held: tuple[int, dict[str, str]] | None = None
+        self.reads = 0
+
+    def get(self, bank: Bank, unit: dict[str, Any]) -> dict[str, str]:
+        block = self._block_of.get(unit["part"])
+        if block is None:  # not a unit of this run
+            return texts_by_hash(bank, self._hashes_of(unit))
+        if self._held is None or self._held[0] != block:
+            hashes = [h for u in self._units if self._block_of[u["part"]] == block for h in self._hashes_of(u)]
+            self._held = (block, texts_by_hash(bank, hashes))
+            self.reads += 1
+        held = self._held[1]
+        return {h: held[h] for h in self._hashes_of(unit) if h in held}
+
+
+def _unit_texts(ctx: StageContext, cache_key: str, unit: dict[str, Any], hashes: list[str]) -> dict[str, str]:
+    """A unit's texts through the run's TextBlocks (set by the stage's ``will_run``), else one read."""
+    blocks = ctx.cache.get(cache_key)
+    return blocks.get(ctx.bank, unit) if blocks is not None else texts_by_hash(ctx.bank, hashes)
+
+
+def _item_hashes(unit: dict[str, Any]) -> list[str]:
+    return [it[0] for it in unit["items"]]
+
+
 # -- ingest ----------------------------------------------------------------------------------------------
 class IngestStage(Stage):
     """The dataset file becomes the bank's ingest tables (histories, sessions, texts, turns, pairs, queries)."""
@@ -285,8 +334,14 @@ class GenerateStage(Stage):
                  "items": [[h, dsum[h], sorted({"summary", "keywords"} - have.get(h, set()))] for h in b]}
                 for i, b in enumerate(chunk(missing, ctx.cfg.ray.generate_unit))]
 
+    #: session texts per read of the bank (TextBlocks; sessions are long, ~9 kB on LongMemEval)
+    read_block_texts = 2048
+
+    def will_run(self, ctx: StageContext, units: list[dict[str, Any]]) -> None:
+        ctx.cache["generate:texts"] = TextBlocks(units, _item_hashes, self.read_block_texts)
+
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        texts = texts_by_hash(ctx.bank, [it[0] for it in unit["items"]])
+        texts = _unit_texts(ctx, "generate:texts", unit, _item_hashes(unit))
         absent = [it[0] for it in unit["items"] if it[0] not in texts]
         if absent:
             raise BankError(f"{ctx.bank.path}: {len(absent)} session texts missing from 'texts' (first text_hash "
@@ -313,6 +368,7 @@ class GenerateStage(Stage):
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.jobs.plan import compact
 
+        ctx.cache.pop("generate:texts", None)
         bank = ctx.bank
         compact(bank, "generations")
         compact(bank, "texts")
@@ -494,15 +550,27 @@ class EncodeStage(Stage):
 
     @staticmethod
     def _grouped(todo: list[str], bank: Any) -> list[str]:
-        """``todo`` with each session text next to its turn pairs (sessions in hash order, then every other
-        text in hash order), so that one unit holds both: the encoder runs a session whose truncated
-        tokens equal its first pair's only once (pipeline/models/encoders.py)."""
+        """``todo`` with each session's texts together: the session, its turn pairs, then its summary,
+        keyword and hybrid texts (sessions in hash order, then every other text in hash order). One unit then
+        holds texts whose truncated tokens may be equal, and the encoder runs those once
+        (pipeline/models/encoders.py): a session that truncates to its first pair, and with a short window
+        a hybrid text ("summary keywords session") that truncates to its summary."""
         left = set(todo)
         pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"]).sort_by(
             [("session_hash", "ascending"), ("pair_index", "ascending")])
         by_session: dict[str, list[str]] = {}
         for sh, ph in zip(pairs["session_hash"].to_pylist(), pairs["text_hash"].to_pylist()):
             by_session.setdefault(sh, []).append(ph)
+        if bank.exists("nodes"):
+            nodes = bank.read("nodes", ["history_id", "session_id", "granularity", "text_hash"])
+            node_hash: dict[tuple[str, str], dict[str, str]] = {}
+            for hid, sid, g, h in zip(*(nodes[c].to_pylist() for c in ("history_id", "session_id", "granularity",
+                                                                     "text_hash"))):
+                node_hash.setdefault((hid, sid), {})[g] = h
+            for row in node_hash.values():
+                if "session" in row:
+                    by_session.setdefault(row["session"], []).extend(
+                        row[g] for g in ("summary", "keyword", "hybrid") if g in row)
         out: list[str] = []
         for sh in sorted(by_session):
             for h in (sh, *by_session[sh]):
@@ -511,12 +579,18 @@ class EncodeStage(Stage):
                     out.append(h)
         return out + sorted(left)
 
+    #: texts per read of the bank (TextBlocks)
+    read_block_texts = 8192
+
+    def will_run(self, ctx: StageContext, units: list[dict[str, Any]]) -> None:
+        ctx.cache["encode:texts"] = TextBlocks(units, lambda u: u["hashes"], self.read_block_texts)
+
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         # stage objects are shared by every run in a process: per-run caches live on the context
         if "encode:questions" not in ctx.cache:
             ctx.cache["encode:questions"] = self.needed(ctx)[1]
         questions = ctx.cache["encode:questions"]
-        texts = texts_by_hash(ctx.bank, unit["hashes"])
+        texts = _unit_texts(ctx, "encode:texts", unit, unit["hashes"])
         texts.update({h: q for h, q in questions.items() if h not in texts})
         absent = [h for h in unit["hashes"] if h not in texts]
         if absent:  # a deleted texts part: summaries/keywords/hybrids can be rebuilt from the generations
@@ -539,6 +613,7 @@ class EncodeStage(Stage):
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.jobs.plan import compact
 
+        ctx.cache.pop("encode:texts", None)
         bank = ctx.bank
         if bank.exists("embeddings"):
             compact(bank, "embeddings")

@@ -319,3 +319,29 @@ def test_failed_answers_are_counted_not_scored_and_retried(tmp_path_factory, ref
     metrics = json.loads((work / "metrics.json").read_text())
     assert metrics["qa"]["memgas"]["failed"] == 0 and metrics["qa"]["memgas"]["n"] == 1
     assert not (work / "RUNNING.json").exists()
+
+
+def test_text_blocks_read_the_bank_once_per_block(tmp_path) -> None:
+    """Consecutive units share one read of ``texts`` (a filtered read scans the whole table); every unit
+    still gets exactly its own texts, also when a unit comes again out of order (a retry)."""
+    import pyarrow as pa
+
+    from memgas.pipeline.hashing import text_hash
+
+    bank = Bank.create(tmp_path / "bank")
+    texts = {text_hash(f"text {i}"): f"text {i}" for i in range(50)}
+    bank.write("texts", pa.Table.from_pylist([{"text_hash": h, "text": t} for h, t in sorted(texts.items())]))
+    hashes = sorted(texts)
+    units = [{"part": f"u{i}", "hashes": hashes[i * 10:(i + 1) * 10]} for i in range(5)]
+    blocks = S.TextBlocks(units, lambda u: u["hashes"], block_texts=25)  # blocks: u0+u1 | u2+u3 | u4
+    for u in units:
+        assert blocks.get(bank, u) == {h: texts[h] for h in u["hashes"]}
+    assert blocks.reads == 3
+    assert blocks.get(bank, units[0]) == {h: texts[h] for h in units[0]["hashes"]}  # a retry re-reads its block
+    assert blocks.reads == 4
+    stray = {"part": "other", "hashes": hashes[:2] + [text_hash("not in the bank")]}
+    assert blocks.get(bank, stray) == {h: texts[h] for h in hashes[:2]}  # absent texts stay absent
+    one_each = S.TextBlocks(units, lambda u: u["hashes"], block_texts=1)  # a unit larger than a block is one block
+    for u in units:
+        one_each.get(bank, u)
+    assert one_each.reads == 5

@@ -44,23 +44,40 @@ def test_encode_texts_without_token_record() -> None:
 
 
 def test_encode_plan_puts_each_session_beside_its_turn_pairs(tmp_path, make_bank) -> None:
-    """The encode stage's units hold a session next to its pairs (so the encoder can run a session that
-    truncates to its first pair once); every text is planned exactly once."""
+    """The encode stage's units hold a session next to its pairs, then its summary, keyword and hybrid texts
+    (so the encoder can run texts that truncate to the same tokens once: a session and its first pair, a
+    hybrid text and its summary); every text is planned exactly once."""
+    import pyarrow as pa
+
     from memgas.jobs.stages import EncodeStage
     from memgas.pipeline.hashing import text_hash
+    from memgas.pipeline.schema import NODES
 
     bank = make_bank(tmp_path)
     pairs = bank.read("pairs").to_pylist()
     sessions = sorted({p["session_hash"] for p in pairs})
-    extra = [text_hash("a question?"), text_hash("a summary")]
+    extra = [text_hash("a question?"), text_hash("an orphan text")]
     todo = sorted({*sessions, *(p["text_hash"] for p in pairs), *extra})
+    got = EncodeStage._grouped(todo, bank)  # before the nodes exist: sessions and pairs only
+    assert sorted(got) == todo and len(got) == len(todo)
+
+    def derived(sh: str) -> list[str]:
+        return [text_hash(f"{g} of {sh}") for g in ("summary", "keyword", "hybrid")]
+
+    rows = [{"history_id": s["history_id"], "session_id": s["session_id"], "position": s["position"],
+             "granularity": g, "text_hash": s["text_hash"] if g in ("session", "turn") else derived(s["text_hash"])[i - 2]}
+            for s in bank.read("sessions").to_pylist()
+            for i, g in enumerate(("session", "turn", "summary", "keyword", "hybrid"))]
+    bank.write("nodes", pa.Table.from_pylist(rows, schema=NODES))
+    todo = sorted({*todo, *(h for sh in sessions for h in derived(sh))})
     got = EncodeStage._grouped(todo, bank)
     assert sorted(got) == todo and len(got) == len(todo)
     for sh in sessions:
         mine = [p["text_hash"] for p in sorted(pairs, key=lambda p: p["pair_index"]) if p["session_hash"] == sh]
         i = got.index(sh)
         # a one-pair session's text is its pair's text: one hash, listed once
-        assert got[i : i + 1 + len([h for h in mine if h != sh])] == [sh, *[h for h in mine if h != sh]]
+        group = [sh, *[h for h in mine if h != sh], *derived(sh)]
+        assert got[i : i + len(group)] == group
     assert got[-2:] == sorted(extra)
     assert EncodeStage._grouped([extra[0]], bank) == [extra[0]]  # texts already encoded are not re-planned
 
