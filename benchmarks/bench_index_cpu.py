@@ -9,7 +9,7 @@ the previous defaults (``--baseline``: every text but the turn pairs at the mode
 the current ones on the first ``--baseline-questions`` questions: encode seconds and tokens, and the ratio.
 
     python benchmarks/bench_index_cpu.py [--data ../shared/data/longmemeval/longmemeval_s_sample.json]
-        [--baseline-questions 4] [--baseline encoder.max_tokens=null,encoder.pair_max_tokens=128]
+        [--baseline-questions 4] [--baseline encoder.session_max_tokens=null]
 
 ``--library``: the earlier library-call benchmark (loader, ``LLMFreeGenerator``, ``encode_texts``,
 ``associate_many`` in one process): the new generator/encoder against the previous defaults (YAKE keywords
@@ -165,7 +165,7 @@ def job_index(data: Path, out: Path, settings: list[str]) -> dict:
     sessions = bank.read("sessions", ["text_hash"])
     return {"stages": prof.to_dict(), "wall_s": wall, "unique": len(set(sessions["text_hash"].to_pylist())),
             "refs": sessions.num_rows,
-            "encoding": encoding_accounting(bank, S.encoder_key(ctx), S.pair_encoder_key(ctx))}
+            "encoding": encoding_accounting(bank, **S.accounting_keys(ctx))}
 
 
 def job_main(args) -> None:
@@ -228,7 +228,7 @@ def main() -> None:
                          "of the index job")
     ap.add_argument("--baseline-questions", type=int, default=4,
                     help="job mode: questions the baseline and the defaults run on for the same-run ratio")
-    ap.add_argument("--baseline", default="encoder.max_tokens=null,encoder.pair_max_tokens=128",
+    ap.add_argument("--baseline", default="encoder.session_max_tokens=null",
                     help="job mode: comma-separated config settings of the baseline (default: the previous "
                          "longmemeval_s.yaml, every text but the turn pairs at the model's window)")
     ap.add_argument("--sessions", type=int, default=None, help="use only this many unique sessions (every n-th)")

@@ -420,17 +420,39 @@ def encoder_key(ctx: StageContext) -> str:
 
 
 def matrix_loader(ctx: StageContext, history_ids: list[str]) -> Any:
-    """Node matrices of ``history_ids`` under this config's encoder keys (pairs under their own window)."""
+    """Node matrices of ``history_ids`` under this config's encoder keys (pairs and sessions under their
+    windows' keys)."""
     from memgas.pipeline.granularity import MatrixLoader
 
-    return MatrixLoader(ctx.bank, encoder_key(ctx), history_ids=history_ids, pair_encoder=pair_encoder_key(ctx))
+    keys = encoder_keys(ctx)
+    return MatrixLoader(ctx.bank, keys["main"], history_ids=history_ids, pair_encoder=keys["pair"],
+                        session_encoder=keys["session"])
+
+
+def window_key(ctx: StageContext, max_tokens: int | None) -> str:
+    """``embeddings.encoder`` of texts encoded with a window of ``max_tokens`` (None: the encoder's own):
+    :func:`encoder_key` + the window. The key names only the window, so sessions and turn pairs at one
+    window share it (and the encode units that let equal inputs run once)."""
+    return encoder_key(ctx) if max_tokens is None else f"{encoder_key(ctx)}~max{max_tokens}"
+
+
+def encoder_keys(ctx: StageContext) -> dict[str, str]:
+    """Cache key per text role: ``main`` (summaries, keywords, hybrids, questions), ``session`` and ``pair``
+    (``encoder.session_max_tokens`` / ``encoder.pair_max_tokens``, else ``main``'s)."""
+    e = ctx.cfg.encoder
+    return {"main": encoder_key(ctx), "session": window_key(ctx, e.session_max_tokens),
+            "pair": window_key(ctx, e.pair_max_tokens)}
+
+
+def accounting_keys(ctx: StageContext) -> dict[str, str]:
+    """Keyword arguments of :func:`memgas.pipeline.encode.encoding_accounting` for this config."""
+    keys = encoder_keys(ctx)
+    return {"key": keys["main"], "pair_key": keys["pair"], "session_key": keys["session"]}
 
 
 def pair_encoder_key(ctx: StageContext) -> str:
-    """``embeddings.encoder`` of turn-pair vectors: :func:`encoder_key`, or with ``encoder.pair_max_tokens``
-    set its own key (that key + the pair window), so the other texts' vectors stay cached when it changes."""
-    n = ctx.cfg.encoder.pair_max_tokens
-    return encoder_key(ctx) if n is None else f"{encoder_key(ctx)}~pairs{n}"
+    """``embeddings.encoder`` of turn-pair vectors (see :func:`encoder_keys`)."""
+    return encoder_keys(ctx)["pair"]
 
 
 def rederive_texts(ctx: StageContext, wanted: list[str]) -> dict[str, str]:
@@ -478,20 +500,21 @@ class EncodeStage(Stage):
     name = "encode"
     version = "2"
     upstream = ("ingest", "nodes")
-    config_fields = (*ENCODER_OUTPUT_FIELDS, "encoder.pair_max_tokens")
+    config_fields = (*ENCODER_OUTPUT_FIELDS, "encoder.pair_max_tokens", "encoder.session_max_tokens")
     where = "actor"
     model = "encoder"
     check_table = "embeddings"
     outputs = ("embeddings",)
 
     def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
-        # the cache key of every text but the turn pairs: the pair window keys the pairs only
+        # the cache key of the main texts: the pair and session windows key their own texts (window_key)
         return _fields(cfg, ENCODER_OUTPUT_FIELDS)
 
     def fingerprint(self, ctx: StageContext) -> str:
         fp = super().fingerprint(ctx)
-        n = ctx.cfg.encoder.pair_max_tokens
-        return fp if n is None else short_hash([fp, "pairs", n])
+        e = ctx.cfg.encoder
+        windows = {"pair": e.pair_max_tokens, "session": e.session_max_tokens}
+        return fp if not any(windows.values()) else short_hash([fp, "windows", windows])
 
     def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
         return {"encoder": ctx.resolved.get("encoder")}
@@ -516,8 +539,8 @@ class EncodeStage(Stage):
         return {"encoder_key": encoder_key(ctx)}
 
     def needed(self, ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, str]]:
-        """Text hashes to embed per cache key (every node text, turn pair and query; the pairs under
-        :func:`pair_encoder_key`), and the question texts by hash."""
+        """Text hashes to embed per cache key (every node text, turn pair and query; sessions and pairs under
+        their windows' keys, :func:`encoder_keys`), and the question texts by hash."""
         from memgas.pipeline.encode import query_hash
 
         bank = ctx.bank
@@ -525,18 +548,21 @@ class EncodeStage(Stage):
         pairs = set(bank.read("pairs", ["text_hash"], filter=pc.field("session_hash").isin(sorted(sessions)))
                     ["text_hash"].to_pylist())
         nodes = bank.read("nodes", ["granularity", "text_hash"])
-        main = sessions | set(nodes.filter(pc.field("granularity") != "turn")["text_hash"].to_pylist())
+        main = set(nodes.filter(~pc.field("granularity").isin(["session", "turn"]))["text_hash"].to_pylist())
         questions = {query_hash(q): q for q in bank.read("queries", ["query_id", "question"])["question"].to_pylist()}
         main.update(questions)
-        key, pair_key = encoder_key(ctx), pair_encoder_key(ctx)
-        if pair_key == key:
-            return {key: sorted(main | pairs)}, questions
-        return {key: sorted(main), pair_key: sorted(pairs)}, questions
+        keys = encoder_keys(ctx)
+        need: dict[str, set[str]] = {}
+        for role, hashes in (("main", main), ("session", sessions), ("pair", pairs)):
+            need.setdefault(keys[role], set()).update(hashes)
+        return {k: sorted(hs) for k, hs in need.items()}, questions
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         bank = ctx.bank
         need, _ = self.needed(ctx)
         fp = ctx.fingerprints[self.name]
+        e = ctx.cfg.encoder
+        windows = {window_key(ctx, n): n for n in (e.pair_max_tokens, e.session_max_tokens) if n is not None}
         units: list[dict[str, Any]] = []
         for key, hashes in need.items():
             have: set[str] = set()
@@ -544,7 +570,7 @@ class EncodeStage(Stage):
                 have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == key)
                            ["text_hash"].to_pylist())
             todo = self._grouped([h for h in hashes if h not in have], bank)
-            window = ctx.cfg.encoder.pair_max_tokens if key != encoder_key(ctx) else None
+            window = windows.get(key)
             units += [{"key": key, "max_tokens": window, "hashes": b} for b in chunk(todo, ctx.cfg.ray.encode_unit)]
         return [{"part": f"enc-{fp}-{i:05d}", "size": len(u["hashes"]), **u} for i, u in enumerate(units)]
 
@@ -617,7 +643,7 @@ class EncodeStage(Stage):
         bank = ctx.bank
         if bank.exists("embeddings"):
             compact(bank, "embeddings")
-        keys = sorted({encoder_key(ctx), pair_encoder_key(ctx)})
+        keys = sorted(set(encoder_keys(ctx).values()))
         mine = bank.read("embeddings", filter=pc.field("encoder").isin(keys))
         stats: dict[str, Any] = {"rows": mine.num_rows}
         for col in ("truncated", "tokens", "tokens_dropped"):

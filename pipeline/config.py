@@ -58,6 +58,11 @@ class EncoderConfig(_Strict):
     #: tokens, ~60% of all tokens); measured quality and cost per window in docs/benchmarks.md. Their
     #: vectors are cached under their own key, so changing this re-encodes the pairs only.
     pair_max_tokens: int | None = Field(None, ge=8)
+    #: window of session texts; None = ``max_tokens``. Truncated at the turn pairs' window, a session whose
+    #: first pair fills that window is token for token that pair, and is encoded once with it (on
+    #: LongMemEval-S at 128 tokens: ~17% fewer tokens; quality in docs/benchmarks.md). Texts at the same
+    #: window share one cache key, so changing this re-encodes the sessions only.
+    session_max_tokens: int | None = Field(None, ge=8)
     #: encode-stage actors. None = auto: on CPU one actor per Ray CPU, each with one torch thread (on 2
     #: cores two 1-thread actors encode ~13% more tokens/s than one 2-thread actor: matmuls already run
     #: near peak, the gain is the serial parts running side by side; docs/benchmarks.md); on CUDA

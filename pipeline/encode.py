@@ -149,26 +149,33 @@ def embeddings_table(encoder: Encoder, hashes: Sequence[str], texts: Sequence[st
 ACCOUNTING_GROUPS = ("session", "turn pair", "summary", "keyword", "hybrid", "question")
 
 
-def encoding_accounting(bank: Any, key: str, pair_key: str | None = None) -> dict[str, dict[str, int]]:
+def encoding_accounting(bank: Any, key: str, pair_key: str | None = None,
+                        session_key: str | None = None) -> dict[str, dict[str, int]]:
     """Per granularity of the bank's index under encoder cache key ``key``: unique texts, texts truncated,
     tokens the model ran on and tokens cut by truncation (the ``embeddings`` columns), plus ``all`` over
-    the unique texts. A text in two groups (a one-pair session is also its pair) counts in both; a text
-    whose truncated input equalled another's was run once and counts its tokens on that other text.
-    ``pair_key``: the cache key of the turn pairs when they have their own window."""
+    the unique (text, key) vectors. A text in two groups (a one-pair session is also its pair) counts in
+    both; a text whose truncated input equalled another's was run once and counts its tokens on that other
+    text. ``pair_key`` / ``session_key``: the cache key of the turn pairs / sessions when they have their
+    own window."""
     import pyarrow.compute as pc
 
     if not bank.exists("embeddings"):
         return {}
 
-    def rows(k: str) -> dict[str, tuple[bool, int | None, int | None]]:
-        emb = bank.read("embeddings", ["text_hash", "truncated", "tokens", "tokens_dropped"],
-                        filter=pc.field("encoder") == k)
-        return {h: (bool(t), tok, drop) for h, t, tok, drop in zip(
-            emb["text_hash"].to_pylist(), emb["truncated"].to_pylist(), emb["tokens"].to_pylist(),
-            emb["tokens_dropped"].to_pylist())}
+    read: dict[str, dict[str, tuple[bool, int | None, int | None]]] = {}
 
-    row = rows(key)
-    pair_row = row if pair_key in (None, key) else rows(pair_key)
+    def rows(k: str) -> dict[str, tuple[bool, int | None, int | None]]:
+        if k not in read:
+            emb = bank.read("embeddings", ["text_hash", "truncated", "tokens", "tokens_dropped"],
+                            filter=pc.field("encoder") == k)
+            read[k] = {h: (bool(t), tok, drop) for h, t, tok, drop in zip(
+                emb["text_hash"].to_pylist(), emb["truncated"].to_pylist(), emb["tokens"].to_pylist(),
+                emb["tokens_dropped"].to_pylist())}
+        return read[k]
+
+    key_of = {g: key for g in ACCOUNTING_GROUPS}
+    key_of["turn pair"] = pair_key or key
+    key_of["session"] = session_key or key
     groups: dict[str, set[str]] = {g: set() for g in ACCOUNTING_GROUPS}
     if bank.exists("sessions"):
         groups["session"] = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
@@ -180,12 +187,11 @@ def encoding_accounting(bank: Any, key: str, pair_key: str | None = None) -> dic
             groups[g] = set(nodes.filter(pc.field("granularity") == g)["text_hash"].to_pylist())
     if bank.exists("queries"):
         groups["question"] = {query_hash(q) for q in bank.read("queries", ["question"])["question"].to_pylist()}
-    # "all": every (text, key) the index holds once; pairs under their own key are separate vectors
-    every = [(h, "p" if pair_row is not row else "m") for h in groups["turn pair"]]
-    every += [(h, "m") for g, hs in groups.items() if g != "turn pair" for h in hs]
+    # "all": every (text, key) vector the index holds once
+    every = {(h, key_of[g]) for g, hs in groups.items() for h in hs}
     out: dict[str, dict[str, int]] = {}
-    for g, got in [*((g, [(pair_row if g == "turn pair" else row).get(h) for h in hs]) for g, hs in groups.items()),
-                   ("all", [(pair_row if k == "p" else row).get(h) for h, k in set(every)])]:
+    for g, got in [*((g, [rows(key_of[g]).get(h) for h in hs]) for g, hs in groups.items()),
+                   ("all", [rows(k).get(h) for h, k in every])]:
         got = [r for r in got if r is not None]
         if not got:
             continue

@@ -151,12 +151,14 @@ class MatrixLoader:
         history_ids: Sequence[str] | None = None,
         nodes: pa.Table | None = None,
         pair_encoder: str | None = None,
+        session_encoder: str | None = None,
     ) -> None:
-        """``pair_encoder``: the cache key of turn-pair vectors when pairs have their own window
-        (``encoder.pair_max_tokens``); default ``encoder_name``."""
+        """``pair_encoder`` / ``session_encoder``: the cache key of turn-pair / session vectors when they have
+        their own window (``encoder.pair_max_tokens`` / ``encoder.session_max_tokens``); default
+        ``encoder_name``."""
         self.bank = bank
         self.encoder_name = encoder_name
-        pair_encoder = pair_encoder or encoder_name
+        keys = {"main": encoder_name, "pair": pair_encoder or encoder_name, "session": session_encoder or encoder_name}
         if nodes is None:
             nodes = bank.read("nodes")
             if nodes.num_rows == 0:
@@ -171,14 +173,24 @@ class MatrixLoader:
         )
         pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"], filter=pc.field("session_hash").isin(sess_hashes))
         pairs = pairs.sort_by([("session_hash", "ascending"), ("pair_index", "ascending")])
-        need = set(nodes.filter(pc.field("granularity") != "turn").column("text_hash").to_pylist())
-        pair_need = set(pairs.column("text_hash").to_pylist())
-        if pair_encoder == encoder_name:
-            need |= pair_need
-        self.vectors, self.row = self._read(bank, encoder_name, need)
-        pair_vectors, pair_row = (self.vectors, self.row) if pair_encoder == encoder_name else \
-            self._read(bank, pair_encoder, pair_need)
-        self.dim = self.vectors.shape[1] if self.vectors.size else pair_vectors.shape[1] if pair_vectors.size else 0
+        need = {"main": set(nodes.filter(~pc.field("granularity").isin(["session", "turn"])).column("text_hash").to_pylist()),
+                "session": set(sess_hashes), "pair": set(pairs.column("text_hash").to_pylist())}
+        # one read per distinct key; self.row[role] maps a text hash to its row of self.vectors under that role's key
+        by_key: dict[str, set[str]] = {}
+        for role, hashes in need.items():
+            by_key.setdefault(keys[role], set()).update(hashes)
+        blocks, key_row, offset = [], {}, 0
+        for key, hashes in by_key.items():
+            vectors, row = self._read(bank, key, hashes)
+            blocks.append(vectors)
+            key_row[key] = {h: offset + r for h, r in row.items()}
+            offset += len(vectors)
+        nonempty = [b for b in blocks if b.size]
+        self.vectors = np.concatenate(nonempty) if len(nonempty) > 1 else nonempty[0] if nonempty else \
+            np.zeros((0, 0), np.float32)
+        self.row = {role: key_row[keys[role]] for role in need}
+        self.dim = self.vectors.shape[1] if self.vectors.size else 0
+        pair_vectors, pair_row = self.vectors, self.row["pair"]
 
         # turn vector per unique session: mean of its pair vectors, one reduceat over all pairs
         self.turn_row: dict[str, int] = {}
@@ -246,10 +258,11 @@ class MatrixLoader:
                 mat = np.empty((len(hs), self.dim), np.float32)
                 for j, h in enumerate(hs):
                     r = self.turn_row.get(h)
-                    mat[j] = self.turn_vectors[r] if r is not None else self.vectors[self.row[h]]
+                    mat[j] = self.turn_vectors[r] if r is not None else self.vectors[self.row["session"][h]]
                 out[g] = mat
             else:
-                out[g] = self.vectors[np.fromiter((self.row[h] for h in hs), np.int64, len(hs))]
+                row = self.row["session" if g == "session" else "main"]
+                out[g] = self.vectors[np.fromiter((row[h] for h in hs), np.int64, len(hs))]
             if len(hs) != len(session_ids):
                 raise BankError(
                     f"{self.bank.path}: history {history_id!r}: {len(hs)} {g} nodes for {len(session_ids)} sessions"

@@ -75,6 +75,7 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("encoder.device", "cuda", "ENC"),
     ("encoder.runtime", "onnx", "ENC"),
     ("encoder.pair_max_tokens", 128, "ENC"),
+    ("encoder.session_max_tokens", 128, "ENC"),
     ("association.mem_threshold", 20, INDEX_DOWN),
     ("association.min_prior_nodes", 10, INDEX_DOWN),
     ("association.topk_edges", 3, INDEX_DOWN),
@@ -214,6 +215,7 @@ MATRIX = [
     ("ray.shard_size", 3, [], False),
     ("llm.threads", 1, [], False),
     ("encoder.pair_max_tokens", 32, None, True),
+    ("encoder.session_max_tokens", 32, None, True),
 ]
 
 
@@ -277,6 +279,44 @@ def test_a_pair_window_encodes_only_the_pairs_again(tmp_path_factory, reference_
     enc = json.loads((work / "metrics.json").read_text())["encoding"]
     assert enc["turn pair"]["tokens"] == sum(got["tokens"].to_pylist())
     assert enc["turn pair"]["texts"] == len(pairs)
+
+
+@pytest.mark.slow
+def test_sessions_at_the_pair_window_share_its_key_and_cost_nothing_when_they_equal_their_first_pair(
+        tmp_path_factory, reference_run) -> None:
+    """encoder.session_max_tokens = encoder.pair_max_tokens: sessions and pairs live under one window key;
+    a session whose first pair fills the window is that pair token for token, so the model runs it once
+    (0 tokens on the session, the same vector), and the report counts what ran."""
+    import shutil
+
+    import numpy as np
+    import pyarrow.compute as pc
+
+    work = tmp_path_factory.mktemp("sessions")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    cfg = _base(work, **{"encoder.pair_max_tokens": 32, "encoder.session_max_tokens": 32})
+    bank = Bank(work / "bank")
+    ctx = StageContext(cfg, bank, None, use_ray=False)
+    main_job.resolve_runtime(ctx)
+    keys = S.encoder_keys(ctx)
+    assert keys["session"] == keys["pair"] != keys["main"]
+    before = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == keys["main"]).num_rows
+    _run(cfg)
+    assert bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == keys["main"]).num_rows == before
+    got = bank.read("embeddings", ["text_hash", "tokens", "vector"], filter=pc.field("encoder") == keys["pair"])
+    tokens = dict(zip(got["text_hash"].to_pylist(), got["tokens"].to_pylist()))
+    vec = dict(zip(got["text_hash"].to_pylist(), got["vector"].to_pylist()))
+    sessions = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
+    pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"]).to_pylist()
+    assert set(tokens) == sessions | {p["text_hash"] for p in pairs}  # each once, under the one key
+    first = {p["session_hash"]: p["text_hash"] for p in pairs if p["pair_index"] == 0}
+    reused = [h for h in sessions if h in first and first[h] != h and tokens[h] == 0]
+    assert len(reused) >= len(sessions) // 2  # the demo's first pairs fill 32 tokens
+    for h in reused:
+        assert tokens[first[h]] == 32 and np.array_equal(vec[h], vec[first[h]])
+    enc = json.loads((work / "metrics.json").read_text())["encoding"]
+    assert enc["session"]["tokens"] == sum(tokens[h] for h in sessions)
+    assert enc["turn pair"]["tokens"] == sum(tokens[h] for h in {p["text_hash"] for p in pairs})
 
 
 @pytest.mark.slow

@@ -63,3 +63,41 @@ def test_nodes_and_matrices_through_the_stages(tmp_path, encoder, make_bank, run
     assert query_vectors(bank, ["What is my cat's name? 🐱"], key).shape == (1, encoder.dim)
     again, _ = run_stage(bank, cfg, "encode")
     assert again["status"] == "skipped"
+
+
+def test_matrices_read_sessions_pairs_and_the_rest_from_their_own_keys(tmp_path, make_bank) -> None:
+    """With session and pair windows, each role's vectors come from its key, also for a one-pair session
+    whose text is its pair's (one hash, two vectors: the session under the session key, the pair under the
+    pair key)."""
+    import pyarrow as pa
+
+    from memgas.pipeline.hashing import text_hash
+    from memgas.pipeline.schema import NODES, embeddings_schema
+
+    bank = make_bank(tmp_path)
+    sessions = bank.read("sessions").to_pylist()
+    pairs = bank.read("pairs").to_pylist()
+    rows, derived = [], {}
+    for s in sessions:
+        for g in ("session", "turn", "summary", "keyword", "hybrid"):
+            h = s["text_hash"] if g in ("session", "turn") else text_hash(f"{g} {s['text_hash']}")
+            derived.setdefault(g, set()).add(h)
+            rows.append({"history_id": s["history_id"], "session_id": s["session_id"], "position": s["position"],
+                         "granularity": g, "text_hash": h})
+    bank.write("nodes", pa.Table.from_pylist(rows, schema=NODES))
+    level = {"main": 1.0, "sess": 2.0, "pair": 3.0}  # each key's vectors are constant: the source is visible
+    emb = []
+    for key, hashes in (("main", derived["summary"] | derived["keyword"] | derived["hybrid"]),
+                        ("sess", derived["session"]), ("pair", {p["text_hash"] for p in pairs})):
+        emb += [{"text_hash": h, "encoder": key, "vector": [level[key]] * 4, "truncated": False, "tokens": 1,
+                 "tokens_dropped": 0} for h in sorted(hashes)]
+    bank.write("embeddings", pa.Table.from_pylist(emb, schema=embeddings_schema(4)), dim=4)
+    one_pair = [s for s in {p["session_hash"] for p in pairs}
+                if [p["text_hash"] for p in pairs if p["session_hash"] == s] == [s]]
+    assert one_pair  # the fixture has a session whose only pair is its whole text
+
+    m = MatrixLoader(bank, "main", pair_encoder="pair", session_encoder="sess").get("h2")
+    assert (m["session"] == 2.0).all() and (m["turn"] == 3.0).all()
+    assert all((m[g] == 1.0).all() for g in ("summary", "keyword", "hybrid"))
+    with pytest.raises(BankError, match="no 'main' embedding"):  # sessions are not read from the main key
+        MatrixLoader(bank, "main", pair_encoder="pair")
