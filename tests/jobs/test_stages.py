@@ -385,3 +385,12 @@ def test_text_blocks_read_the_bank_once_per_block(tmp_path) -> None:
     for u in units:
         one_each.get(bank, u)
     assert one_each.reads == 5
+
+
+def test_unit_size_cuts_a_small_job_into_enough_units_and_never_exceeds_the_config() -> None:
+    assert S.unit_size(100_000, 512, floor=64) == 512  # large jobs: the configured size
+    assert S.unit_size(857, 512, floor=64) == 64  # the demo: 14 units for the actors to share, not 2
+    assert S.unit_size(2_000, 512, floor=64) == 125
+    assert S.unit_size(10, 512, floor=64) == 64  # never below the floor
+    assert S.unit_size(857, 48, floor=64) == 48  # nor above the configured size
+    assert S.unit_size(38, 32, floor=4) == 4 and S.unit_size(0, 32, floor=4) == 4
