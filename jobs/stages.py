@@ -64,20 +64,6 @@ def _fields(cfg: MemgasConfig, names: tuple[str, ...]) -> tuple[str, ...]:
 
 
 # -- models held by actors ---------------------------------------------------------------------------
-#: a plan gets at least this many units when its items allow: a small job in a few large units leaves
-#: actors idle (measured on the demo: 857 texts in two 512-text units of 58k and 8k tokens on two actors,
-#: encode +10% wall time)
-MIN_UNITS = 16
-
-
-def unit_size(total: int, configured: int, floor: int) -> int:
-    """Items per unit: ``configured`` (``ray.encode_unit`` / ``ray.generate_unit``), smaller for a small job
-    so that it has at least MIN_UNITS units for the actors to share, but not below ``floor`` items. It
-    depends on the data and the config only, never on the cluster, so a plan (and the encoder batches
-    inside its units) is the same on every machine."""
-    return max(1, min(configured, max(floor, -(-total // MIN_UNITS))))
-
-
 def ray_cpus() -> int:
     """CPUs of the Ray cluster this driver is connected to (one single-threaded actor each)."""
     import ray
@@ -127,6 +113,35 @@ FACTORY = "memgas.jobs.stages:make_model"
 # -- shared helpers -----------------------------------------------------------------------------------
 def chunk(items: list[Any], size: int) -> list[list[Any]]:
     return [items[i : i + size] for i in range(0, len(items), max(1, size))]
+
+
+def even_chunks(items: list[Any], size: int) -> list[list[Any]]:
+    """As many consecutive chunks as ``chunk`` makes (at most ``size`` items each), of equal sizes: 38
+    sessions in units of 32 become 19 + 19, not 32 + 6 (which left one of two actors idle)."""
+    n = -(-len(items) // max(1, size))
+    return chunk(items, -(-len(items) // n)) if n else []
+
+
+def cost_chunks(items: list[Any], costs: list[float], size: int) -> list[list[Any]]:
+    """As many consecutive chunks as ``chunk`` makes by count, cut where the running cost crosses equal
+    shares of the total, so that units of very different texts take about equal time; a chunk of many
+    cheap items may hold up to ``2 * size`` of them. (The demo's 857 texts in two 512-text units were 58k
+    and 8k tokens on two actors; cutting them into more, smaller units instead pads each encoder batch to
+    its longest text and was slower still.)"""
+    n = -(-len(items) // max(1, size))
+    if n <= 1:
+        return [list(items)] if items else []
+    share = sum(costs) / n
+    out: list[list[Any]] = []
+    cur: list[Any] = []
+    acc = 0.0
+    for item, c in zip(items, costs):
+        cur.append(item)
+        acc += c
+        if len(cur) == 2 * size or (acc >= share * (len(out) + 1) and len(out) < n - 1):
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
 
 
 def parts_with_prefix(bank: Bank, table: str, prefix: str) -> list[str]:
@@ -344,10 +359,9 @@ class GenerateStage(Stage):
         kind = dialogue_kind_for((bank.manifest.get("datasets") or [{}])[-1].get("format"))
         missing = sorted(h for h in dsum if not {"summary", "keywords"} <= have.get(h, set()))
         fp = ctx.fingerprints[self.name]
-        size = unit_size(len(missing), ctx.cfg.ray.generate_unit, floor=4)
         return [{"part": f"gen-{fp}-{i:05d}", "size": len(b), "kind": kind,
                  "items": [[h, dsum[h], sorted({"summary", "keywords"} - have.get(h, set()))] for h in b]}
-                for i, b in enumerate(chunk(missing, size))]
+                for i, b in enumerate(even_chunks(missing, ctx.cfg.ray.generate_unit))]
 
     #: session texts per read of the bank (TextBlocks; sessions are long, ~9 kB on LongMemEval)
     read_block_texts = 2048
@@ -585,10 +599,33 @@ class EncodeStage(Stage):
                 have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == key)
                            ["text_hash"].to_pylist())
             todo[key] = self._grouped([h for h in hashes if h not in have], bank)
-        size = unit_size(sum(map(len, todo.values())), ctx.cfg.ray.encode_unit, floor=64)
-        units = [{"key": key, "max_tokens": windows.get(key), "hashes": b}
-                 for key, hashes in todo.items() for b in chunk(hashes, size)]
+        chars = self._text_chars(ctx, {h for hs in todo.values() for h in hs})
+        units = []
+        for key, hashes in todo.items():
+            cap = windows.get(key) or ctx.cfg.encoder.max_tokens or 512
+            costs = [self._est_tokens(chars.get(h, 0), cap, ctx.cfg.encoder.long_text) for h in hashes]
+            units += [{"key": key, "max_tokens": windows.get(key), "hashes": b}
+                      for b in cost_chunks(hashes, costs, ctx.cfg.ray.encode_unit)]
         return [{"part": f"enc-{fp}-{i:05d}", "size": len(u["hashes"]), **u} for i, u in enumerate(units)]
+
+    def _text_chars(self, ctx: StageContext, hashes: set[str]) -> dict[str, int]:
+        """Characters of each text to encode (questions from the queries, the rest from ``texts``), to
+        balance units; one read of the lengths, not of the texts' bytes into Python."""
+        if not hashes:
+            return {}
+        t = ctx.bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(sorted(hashes)))
+        out = dict(zip(t["text_hash"].to_pylist(), pc.utf8_length(t["text"]).to_pylist()))
+        del t
+        for h, q in self.needed(ctx)[1].items():
+            out.setdefault(h, len(q))
+        return out
+
+    @staticmethod
+    def _est_tokens(chars: int, cap: int, long_text: str) -> float:
+        """A text's encoder cost, estimated from its length (~4 characters a token in English): capped at
+        the window when texts are truncated, every window when they are averaged."""
+        tokens = chars / 4 + 2
+        return min(tokens, cap) if long_text == "truncate" else tokens
 
     @staticmethod
     def _grouped(todo: list[str], bank: Any) -> list[str]:

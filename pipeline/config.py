@@ -164,8 +164,8 @@ class RayConfig(_Strict):
     model_actors: int = Field(1, ge=1)
     #: histories per CPU task
     shard_size: int = Field(16, ge=1)
-    #: sessions per checkpointed generation unit, texts per checkpointed encoding unit (at most: a small
-    #: job is cut into at least 16 units, of at least 4 sessions / 64 texts, so that its actors share it)
+    #: sessions per checkpointed generation unit, texts per checkpointed encoding unit (at most: the plan
+    #: makes as many units as this needs, of equal sizes (generate) or equal estimated tokens (encode))
     generate_unit: int = Field(32, ge=1)
     encode_unit: int = Field(512, ge=1)
 

@@ -387,10 +387,17 @@ def test_text_blocks_read_the_bank_once_per_block(tmp_path) -> None:
     assert one_each.reads == 5
 
 
-def test_unit_size_cuts_a_small_job_into_enough_units_and_never_exceeds_the_config() -> None:
-    assert S.unit_size(100_000, 512, floor=64) == 512  # large jobs: the configured size
-    assert S.unit_size(857, 512, floor=64) == 64  # the demo: 14 units for the actors to share, not 2
-    assert S.unit_size(2_000, 512, floor=64) == 125
-    assert S.unit_size(10, 512, floor=64) == 64  # never below the floor
-    assert S.unit_size(857, 48, floor=64) == 48  # nor above the configured size
-    assert S.unit_size(38, 32, floor=4) == 4 and S.unit_size(0, 32, floor=4) == 4
+def test_even_and_cost_chunks_balance_units_without_making_more_of_them() -> None:
+    assert [len(c) for c in S.even_chunks(list(range(38)), 32)] == [19, 19]
+    assert [len(c) for c in S.even_chunks(list(range(64)), 32)] == [32, 32]
+    assert S.even_chunks([], 32) == [] and S.even_chunks([1], 32) == [[1]]
+    # 857 texts, units of 512: two units by count, cut where half the cost is reached
+    costs = [250.0] * 400 + [10.0] * 457
+    got = S.cost_chunks(list(range(857)), costs, 512)
+    assert len(got) == 2 and sum(map(len, got)) == 857 and [x for c in got for x in c] == list(range(857))
+    halves = [sum(costs[i] for i in c) for c in got]
+    assert abs(halves[0] - halves[1]) <= 2 * 250  # the cut is after the text that crosses half
+    assert len(S.cost_chunks(list(range(1024)), [1.0] * 1024, 512)) == 2  # equal costs: equal counts
+    many_cheap = S.cost_chunks(list(range(2000)), [500.0] * 100 + [1.0] * 1900, 512)
+    assert all(len(c) <= 1024 for c in many_cheap) and sum(map(len, many_cheap)) == 2000
+    assert S.cost_chunks([], [], 512) == [] and S.cost_chunks([1, 2], [5.0, 1.0], 512) == [[1, 2]]
