@@ -479,11 +479,6 @@ def accounting_keys(ctx: StageContext) -> dict[str, str]:
     return {"key": keys["main"], "pair_key": keys["pair"], "session_key": keys["session"]}
 
 
-def pair_encoder_key(ctx: StageContext) -> str:
-    """``embeddings.encoder`` of turn-pair vectors (see :func:`encoder_keys`)."""
-    return encoder_keys(ctx)["pair"]
-
-
 def rederive_texts(ctx: StageContext, wanted: list[str]) -> dict[str, str]:
     """Summary, keyword and hybrid texts of this config's generations, written back to ``texts``.
 

@@ -265,7 +265,7 @@ def test_a_pair_window_encodes_only_the_pairs_again(tmp_path_factory, reference_
     bank = Bank(work / "bank")
     ctx = StageContext(cfg, bank, None, use_ray=False)
     main_job.resolve_runtime(ctx)
-    key, pair_key = S.encoder_key(ctx), S.pair_encoder_key(ctx)
+    key, pair_key = S.encoder_key(ctx), S.encoder_keys(ctx)["pair"]
     ref_ctx = StageContext(_base(work), bank, None, use_ray=False)
     main_job.resolve_runtime(ref_ctx)
     assert pair_key != key and key == S.encoder_key(ref_ctx)  # the other texts keep their cache key
