@@ -8,11 +8,12 @@ Both backends share one length-bucketed batching engine that works on token ids:
    ``max_tokens`` tokens whose embeddings are averaged (``long_text="mean-windows"``);
 3. pieces whose token ids are identical are run once (a session truncated to the window is, token for
    token, its first turn pair whenever that pair fills the window: 79% of LongMemEval-S sessions, ~10% of
-   the tokens a LongMemEval index encodes); the vector is shared, and the tokens count on the first text
-   that needs them (``last_tokens`` is what the model ran on for each text, so it sums to the real work);
-4. pieces are sorted by length (stable sort, so the same input list always gives the same batches and the
-   same output), cut into batches under a token budget (short texts get large batches), run under
-   ``torch.inference_mode`` and scattered back into the caller's order.
+   the tokens a LongMemEval index encodes); the vector is shared. ``last_tokens`` counts each text's own
+   model inputs (a function of the text); ``last_stats.tokens`` is what the model actually ran on;
+4. pieces are grouped by exact length and cut into unpadded batches under a token budget (short texts get
+   large batches), run under ``torch.inference_mode`` with a fixed thread count and scattered back into the
+   caller's order: a vector depends on its text and the encoder alone, never on which other texts shared
+   its batch or call (``_canonical_batches``).
 
 The model is loaded once per encoder object; Ray actors keep the object alive between batches.
 
@@ -33,6 +34,8 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +60,28 @@ RUNTIMES = ("auto", "torch", "onnx", "onnx-int8")
 CPU_DEFAULT_RUNTIME = "torch"
 #: Bump when the ONNX export / optimisation / quantisation recipe changes (part of the export cache key).
 ONNX_RECIPE = "onnx-v1"
+#: CUDA batches have a fixed shape per text length: this many tokens (see ``_canonical_batches``).
+CUDA_BATCH_TOKENS = 16384
+#: Intra-op threads of every CPU forward pass. Thread count changes the bits of some CPU kernels (about
+#: 1e-7 for some lengths on MiniLM), so it is fixed rather than taken from the machine; parallelism comes
+#: from several single-threaded workers (``encoder.actors``).
+CPU_THREADS = 1
+#: CPU batches hold at least this many tokens (short ones are topped up; see ``_canonical_batches``).
+CPU_MIN_BATCH_TOKENS = 64
+
+
+@contextmanager
+def _fixed_threads(device: torch.device) -> Iterator[None]:
+    """Run CPU forward passes with :data:`CPU_THREADS` intra-op threads, restoring the caller's setting."""
+    if device.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(CPU_THREADS)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def minilm_path() -> str:
@@ -169,7 +194,7 @@ class _BucketedEncoder:
             input_names.append("token_type_ids")
         blob = onnx_model_bytes(hf_model_loader, input_names, int8=runtime == "onnx-int8")
         so = ort.SessionOptions()
-        so.intra_op_num_threads = max(1, torch.get_num_threads())
+        so.intra_op_num_threads = CPU_THREADS  # fixed: see CPU_THREADS
         so.inter_op_num_threads = 1
         so.log_severity_level = 3
         self._ort = ort.InferenceSession(blob, so, providers=["CPUExecutionProvider"])
@@ -230,39 +255,25 @@ class _BucketedEncoder:
         unique = np.flatnonzero(source == np.arange(len(pieces)))
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
         ran = np.where(source == np.arange(len(pieces)), lengths, 0)
+        # per text: the tokens of its own model inputs (a function of the text alone, so the stored column
+        # does not depend on which other texts shared the call); what actually ran is ``last_stats.tokens``
         per_text = np.zeros(n, dtype=np.int64)
-        np.add.at(per_text, np.asarray(owners), ran)
+        np.add.at(per_text, np.asarray(owners), lengths)
         raw = np.fromiter((len(x) for x in ids), dtype=np.int64, count=n)
         dropped = np.maximum(raw - window, 0) if self.long_text == "truncate" else np.zeros(n, np.int64)
-        order = unique[np.argsort(lengths[unique], kind="stable")]
         out = np.zeros((len(pieces), self.dim), dtype=np.float32)
-        n_batches = 0
-        # Token budget: batch_size sequences at full length; short sequences get proportionally more rows
-        # (capped at 8x) because the attention/FFN cost scales with rows x length, not rows.
-        budget = self.batch_size * self.max_tokens
-        max_rows = self.batch_size * 8
-        pad_id = self._tokenizer.pad_token_id if self._tokenizer.pad_token_id is not None else 0
         forward = self._forward if self._ort is None else self._forward_ort
-        with torch.inference_mode():
-            start = 0
-            while start < len(order):
-                end = start + 1
-                while end < len(order) and end - start < max_rows:
-                    if (end + 1 - start) * lengths[order[end]] > budget:
-                        break
-                    end += 1
-                idx = order[start:end]
-                width = int(lengths[idx[-1]])
-                input_ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
-                mask = torch.zeros((len(idx), width), dtype=torch.long)
-                for row, j in enumerate(idx):
-                    p = pieces[j]
-                    input_ids[row, : len(p)] = torch.tensor(p, dtype=torch.long)
-                    mask[row, : len(p)] = 1
+        n_batches = 0
+        with torch.inference_mode(), _fixed_threads(self._device):
+            for idx, rows in self._canonical_batches(unique, lengths):
+                width = int(lengths[idx[0]])
+                batch = [pieces[j] for j in idx]
+                # rows beyond the pieces (CUDA's fixed batch shapes only) repeat the first piece
+                input_ids = torch.tensor(batch + [batch[0]] * (rows - len(batch)), dtype=torch.long)
+                mask = torch.ones((rows, width), dtype=torch.long)
                 emb = forward(input_ids.to(self._device), mask.to(self._device))
-                out[idx] = emb.float().cpu().numpy()
+                out[idx] = emb[: len(idx)].float().cpu().numpy()
                 n_batches += 1
-                start = end
         out = out[source]  # reused pieces take their source's vector
 
         if len(pieces) == n:
@@ -300,6 +311,42 @@ class _BucketedEncoder:
                 self.max_tokens, verb,
             )
         return result
+
+    def _canonical_batches(self, unique: np.ndarray, lengths: np.ndarray) -> Iterator[tuple[np.ndarray, int]]:
+        """Batches of pieces whose vectors depend on each piece alone: ``(piece indices, rows to run)``.
+
+        A piece's vector must not depend on which other texts share its batch (a resumed run, another
+        ``batch_size`` or ``ray.encode_unit``, another worker count must store the same bytes). Padding
+        breaks that: the padded width changes the kernels' reduction order (about 1e-7 on MiniLM, enough to
+        reorder near-tied sessions). So every batch holds pieces of one exact length and is never padded
+        in width.
+
+        Rows: on the CPU, a row's bits do not depend on the row count once a batch holds at least
+        :data:`CPU_MIN_BATCH_TOKENS` tokens (below about 16 tokens MKL takes a small-matrix path that sums
+        in another order), so a batch of short pieces is topped up to that many tokens with copies of its
+        first piece, and batches otherwise fill a budget of ``batch_size`` full-length sequences. This is
+        a property of the kernels, not a promise of the library: ``tests/pipeline/models/test_encoders.py``
+        checks it on every test run. On CUDA, cuBLAS may pick another algorithm (split-K) for another row
+        count, so a batch has one shape per length, ``CUDA_BATCH_TOKENS // length`` rows (topped up the
+        same way); ``benchmarks/gpu_check.py`` checks this on a GPU.
+        """
+        order = unique[np.lexsort((unique, lengths[unique]))]  # by length, then piece index
+        cuda = self._device.type == "cuda"
+        start = 0
+        while start < len(order):
+            length = int(lengths[order[start]])
+            end = start
+            while end < len(order) and lengths[order[end]] == length:
+                end += 1
+            if cuda:
+                rows = max(1, CUDA_BATCH_TOKENS // length)
+            else:
+                rows = max(1, min(self.batch_size * 8, (self.batch_size * self.max_tokens) // length))
+            floor = -(-CPU_MIN_BATCH_TOKENS // length)  # rows that make a batch CPU_MIN_BATCH_TOKENS long
+            for a in range(start, end, rows):
+                idx = order[a : min(a + rows, end)]
+                yield idx, (rows if cuda else max(len(idx), floor))
+            start = end
 
     def _special_wrap(self) -> tuple[list[int], list[int]]:
         """Special tokens the tokenizer puts before/after one text ([CLS] ... [SEP] for BERT).
