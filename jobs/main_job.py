@@ -35,7 +35,7 @@ from memgas.jobs.profiling import Profiler, percentiles_ms
 from memgas.jobs.stage import Stage, StageContext
 from memgas.pipeline import faults
 from memgas.pipeline.bank import Bank, atomic_write_json
-from memgas.pipeline.config import MemgasConfig
+from memgas.pipeline.config import MemgasConfig, check_ray_gpus
 from memgas.pipeline.errors import BankError, MemgasError
 from memgas.pipeline.hashing import file_sha256
 
@@ -87,13 +87,20 @@ def _marker(store: Bank, stage: Stage) -> dict[str, Any]:
 
 
 def resolve_runtime(ctx: StageContext) -> None:
-    """Facts the fingerprints need that the config leaves open: the encoder's device and dtype."""
-    from memgas.jobs.stages import resolve_device
+    """Facts the fingerprints need that the config leaves open: the encoder's and the LLM's device and dtype.
 
+    Under Ray a model runs on CUDA where its actor gets a GPU (``ray.num_gpus_per_model_actor`` > 0; whether
+    the cluster has one is checked before the actors are created, executor.require_gpus); in-process where
+    torch sees one."""
+    from memgas.jobs.stages import resolve_device, resolve_llm_runtime
+
+    if ctx.use_ray:
+        check_ray_gpus(ctx.cfg)
     e = ctx.cfg.encoder
     device = e.device
+    local_cuda = _torch_cuda()
     if device == "auto":
-        device = "cuda" if ctx.cfg.ray.num_gpus_per_model_actor > 0 or (not ctx.use_ray and _torch_cuda()) else "cpu"
+        device = "cuda" if (ctx.cfg.ray.num_gpus_per_model_actor > 0 if ctx.use_ray else local_cuda) else "cpu"
     dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     ctx.resolved["encoder"] = {"device": device, "dtype": dtype}
     if hasattr(e, "runtime"):  # "auto" is torch on CUDA, the measured CPU default on CPU: key the cache by it
@@ -107,6 +114,7 @@ def resolve_runtime(ctx: StageContext) -> None:
             raise MemgasError(str(exc)) from None
         if ctx.resolved["encoder"]["runtime"] != "torch":
             ctx.resolved["encoder"]["dtype"] = "float32"  # ONNX runtimes compute in float32 (or int8)
+    ctx.resolved["llm"] = resolve_llm_runtime(ctx.cfg, ctx.use_ray, local_cuda)
     resolve_device(ctx, ctx.cfg.retrieval.device)  # logs once when "auto" falls back to the CPU
 
 
@@ -190,8 +198,12 @@ def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profi
             entry.update(units_total=len(units), units_done=counts["done"], units_resumed=counts["skipped"],
                          actor_retries=counts["retries"])
             st.skipped = counts["skipped"]
-            if counts["gpu_peak_mb"] is not None:
-                st.gpu_peak_mb = counts["gpu_peak_mb"]
+            gpu = counts["gpu_memory"]
+            if gpu is not None:  # the actor process's peak; its scope says what it leaves out (vLLM's engine)
+                st.gpu_peak_mb = gpu["process_peak_mb"]
+                st.extra["gpu_peak_scope"] = gpu["scope"]
+                if "device_used_mb" in gpu:
+                    st.extra["gpu_device_used_mb"] = gpu["device_used_mb"]
             if stage.name == "read":
                 per_query = [sec / n for n, sec in counts["unit_seconds"][1:] if n]
                 st.extra["latency_per_query_s"] = per_query
@@ -261,7 +273,10 @@ def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
 def start_ray(cfg: MemgasConfig, use_ray: bool) -> bool:
     import ray
 
-    if not use_ray or ray.is_initialized():
+    if not use_ray:
+        return False
+    check_ray_gpus(cfg)  # before a local Ray takes seconds to start
+    if ray.is_initialized():
         return False
     log.info("ray: %s", init_ray(cfg.ray.address, cfg.ray.num_cpus))
     return True
@@ -303,6 +318,8 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
 
 def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ray: bool = True) -> Path:
     """The main job: ingest -> index -> answer -> evaluate -> report, in ``cfg.output_dir``."""
+    if use_ray:
+        check_ray_gpus(cfg)  # a refused config leaves the run directory as it was (even with --fresh)
     out = Path(cfg.output_dir)
     check_output_dir(out, fresh=fresh)
     started = time.time()

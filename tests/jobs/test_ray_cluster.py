@@ -3,6 +3,7 @@ the bank, and a real two-node local Ray cluster running the job end to end."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -17,7 +18,7 @@ import pytest
 
 from memgas.jobs import main_job
 from memgas.jobs import stages as S
-from memgas.jobs.executor import run_task, stage_fn
+from memgas.jobs.executor import forwarded_env, init_ray, run_task, stage_fn, task_options
 from memgas.jobs.stage import StageContext
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
@@ -55,7 +56,8 @@ class _ProbeStage(S.AssociateStage):
         import ray
 
         return {"probe": pa.table({"gpu_ids": [json.dumps([str(g) for g in ray.get_gpu_ids()])],
-                                   "cuda_visible": [os.environ.get("CUDA_VISIBLE_DEVICES", "")]})}
+                                   "cuda_visible": [os.environ.get("CUDA_VISIBLE_DEVICES", "")],
+                                   "pid": [os.getpid()]})}
 
 
 def test_kernel_tasks_request_gpus_and_see_the_ids_ray_gives_them(tmp_path) -> None:
@@ -73,8 +75,19 @@ def test_kernel_tasks_request_gpus_and_see_the_ids_ray_gives_them(tmp_path) -> N
             ids = json.loads(out["probe"]["gpu_ids"][0].as_py())
             assert len(ids) == 1 and ids[0] in ("0", "1")
             assert out["probe"]["cuda_visible"][0].as_py() == ids[0]
-        # device auto on a cluster that declares GPUs resolves to cuda (and to cpu without them)
-        assert S.resolve_device(StageContext(_cfg(tmp_path), ctx.bank, None, use_ray=True), "auto") == "cuda"
+        # the executor's GPU tasks run one per worker process (a reused worker keeps its first GPU's CUDA
+        # context): one after the other, each in a new process
+        assert task_options(0.0).get("max_calls") is None and task_options(0.5)["max_calls"] == 1
+        gpu_task = ray.remote(**task_options(stage.num_gpus(ctx)))(run_task)
+        pids = [ray.get(gpu_task.remote(stage_fn(stage), {}, {}))["probe"]["pid"][0].as_py() for _ in range(3)]
+        assert len(set(pids)) == 3, pids
+        # device auto: CUDA only where it can run. The cluster declares GPUs, but without CuPy (this machine)
+        # the kernels could not use them, so auto is the CPU path; so it is when tasks request no GPU
+        auto = StageContext(_cfg(tmp_path, "retrieval.device=auto"), ctx.bank, None, use_ray=True)
+        has_cupy = importlib.util.find_spec("cupy") is not None
+        assert S.resolve_device(auto, "auto") == ("cuda" if has_cupy else "cpu")
+        no_task_gpus = StageContext(_cfg(tmp_path, "ray.num_gpus_per_task=0"), ctx.bank, None, use_ray=True)
+        assert S.resolve_device(no_task_gpus, "auto") == "cpu"
     finally:
         ray.shutdown()
     assert S.resolve_device(StageContext(_cfg(tmp_path), ctx.bank, None, use_ray=False), "auto") == "cpu"
@@ -151,7 +164,8 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
         fixed = StageContext(_cfg(indexed, "encoder.actors=3", "llm.threads=2"), bank, None, use_ray=True)
         main_job.resolve_runtime(fixed)
         assert stage.actor_count(fixed) == 3 and stage.model_config(fixed)["threads"] == 2
-        gpu = StageContext(_cfg(indexed, "encoder.device=cuda", "ray.model_actors=4"), bank, None, use_ray=True)
+        gpu = StageContext(_cfg(indexed, "encoder.device=cuda", "ray.model_actors=4", "ray.num_gpus_per_model_actor=1"),
+                           bank, None, use_ray=True)
         main_job.resolve_runtime(gpu)
         assert stage.actor_count(gpu) == 4 and stage.model_config(gpu)["threads"] is None
     finally:
@@ -160,6 +174,58 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
     local = StageContext(_cfg(indexed), bank, None, use_ray=False)
     main_job.resolve_runtime(local)
     assert stage.model_config(local)["threads"] is None
+
+
+def test_gpu_request_the_cluster_cannot_meet_fails_fast_with_exit_3(tmp_path) -> None:
+    """A local Ray with no GPU (CUDA_VISIBLE_DEVICES="" makes Ray detect none, on any machine) and a config that
+    gives model actors a GPU: the LLM-free generator needs none and completes, the encoder resolves to CUDA
+    and its GPU request ends the run with one line and exit 3, where Ray alone would wait forever."""
+    out = tmp_path / "run"
+    exe = str(Path(sys.executable).with_name("memgas"))
+    args = [exe, "run", "configs/demo.yaml", "--set", f"output_dir={out}", "--set", "ray.num_gpus_per_model_actor=1"]
+    for setting in SETTINGS:
+        args += ["--set", setting]
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false", "CUDA_VISIBLE_DEVICES": ""}
+    t0 = time.monotonic()
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - t0
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("memgas run: error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "stage encode" in errors[0] and "needs 1 GPU per worker" in errors[0] and "has 0 GPUs" in errors[0], errors
+    assert took < 60, f"took {took:.0f} s"
+    done = {p.stem for p in (out / "bank" / "_stages").glob("*.json")}
+    assert {"generate", "nodes"} <= done and "encode" not in done, done
+
+
+def test_runtime_env_forwards_vllm_settings_and_no_secrets(monkeypatch) -> None:
+    """Workers get VLLM_* and the offline flags through the job's runtime_env, which Ray logs: no secret value
+    is in it. A local Ray's workers still see the secrets, inherited from the driver's process."""
+    import ray
+
+    secrets = {"HF_TOKEN": "hf_secret_value_1", "MEMGAS_DB_PASSWORD": "secret_value_2",
+               "VLLM_API_KEY": "secret_value_3", "HF_HUB_TOKEN": "secret_value_4"}
+    for k, v in {**secrets, "VLLM_BATCH_INVARIANT": "1", "HF_HUB_OFFLINE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    fwd = forwarded_env()
+    assert fwd["VLLM_BATCH_INVARIANT"] == "1" and fwd["HF_HUB_OFFLINE"] == "1"
+    assert not set(secrets) & set(fwd)
+    init_ray(None, num_cpus=1)
+    try:
+        runtime_env = ray.get_runtime_context().runtime_env
+        logged = json.dumps(dict(runtime_env))
+        assert runtime_env["env_vars"]["VLLM_BATCH_INVARIANT"] == "1"
+        assert not [v for v in secrets.values() if v in logged], logged
+
+        @ray.remote(num_cpus=0)
+        def worker_env() -> dict[str, str | None]:
+            return {k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT", *secrets)}
+
+        assert ray.get(worker_env.remote()) == {"VLLM_BATCH_INVARIANT": "1", **secrets}
+    finally:
+        ray.shutdown()
 
 
 def _free_port() -> int:

@@ -401,3 +401,73 @@ def test_even_and_cost_chunks_balance_units_without_making_more_of_them() -> Non
     many_cheap = S.cost_chunks(list(range(2000)), [500.0] * 100 + [1.0] * 1900, 512)
     assert all(len(c) <= 1024 for c in many_cheap) and sum(map(len, many_cheap)) == 2000
     assert S.cost_chunks([], [], 512) == [] and S.cost_chunks([1, 2], [5.0, 1.0], 512) == [[1, 2]]
+
+
+# -- resolved LLM device/dtype and GPU placement (issue 20, items 1, 3, 4) -------------------------------------
+def test_llm_device_and_dtype_key_everything_an_llm_writes(tmp_path, fake_bank) -> None:
+    """fp32 CPU and bf16 GPU generations, answers and judgments never share a cache key or a fingerprint."""
+    cfg = _base(tmp_path, **{"generation.generator": "llm+fallback", "evaluation.judge": True})
+
+    def keyed(llm: dict[str, str] | None) -> tuple[tuple[str, str], dict[str, str]]:
+        ctx = StageContext(cfg, fake_bank, None, use_ray=False)
+        main_job.resolve_runtime(ctx)
+        ctx.resolved["llm"] = llm
+        return S.generation_key(ctx), main_job.compute_fingerprints(ctx)
+
+    cpu_key, cpu_fps = keyed({"device": "cpu", "dtype": "float32"})
+    gpu_key, gpu_fps = keyed({"device": "cuda", "dtype": "bfloat16"})
+    bf16_cpu_key, _ = keyed({"device": "cpu", "dtype": "bfloat16"})
+    assert cpu_key[0] == gpu_key[0]  # the same readable model name ...
+    assert len({cpu_key[1], gpu_key[1], bf16_cpu_key[1]}) == 3  # ... under three cache keys
+    for stage in ("generate", "read", "judge"):
+        assert cpu_fps[stage] != gpu_fps[stage], stage
+    # the LLM-free generator holds no LLM: its rows do not depend on the LLM's device
+    free = _base(tmp_path)
+    keys = set()
+    for llm in ({"device": "cpu", "dtype": "float32"}, {"device": "cuda", "dtype": "bfloat16"}):
+        ctx = StageContext(free, fake_bank, None, use_ray=False)
+        main_job.resolve_runtime(ctx)
+        ctx.resolved["llm"] = llm
+        keys.add(S.generation_key(ctx))
+    assert len(keys) == 1
+
+
+def test_llm_runtime_is_resolved_where_the_model_will_run() -> None:
+    base = MemgasConfig.load(REPO / "configs" / "demo.yaml")
+    gpu = MemgasConfig.load(REPO / "configs" / "demo.yaml", ["ray.num_gpus_per_model_actor=1"])
+    assert S.resolve_llm_runtime(base, use_ray=True, local_cuda=False) == {"device": "cpu", "dtype": "float32"}
+    assert S.resolve_llm_runtime(gpu, use_ray=True, local_cuda=False) == {"device": "cuda", "dtype": "bfloat16"}
+    assert S.resolve_llm_runtime(gpu, use_ray=False, local_cuda=False) == {"device": "cpu", "dtype": "float32"}
+    vllm = MemgasConfig.load(REPO / "configs" / "gpu.yaml")
+    assert S.resolve_llm_runtime(vllm, use_ray=True, local_cuda=False) == {"device": "cuda", "dtype": "auto"}
+    http = MemgasConfig.load(REPO / "configs" / "demo.yaml", ["llm.backend=openai", "llm.base_url=http://h:1/v1"])
+    assert S.resolve_llm_runtime(http, use_ray=True, local_cuda=False) is None
+
+
+def test_stages_request_gpus_only_for_models_that_run_on_cuda(tmp_path, fake_bank) -> None:
+    """configs/gpu.yaml with the LLM-free generator: generate requests no GPU (it used to ask for one per CPU
+    actor), the CUDA encoder and the vLLM reader one each."""
+    cfg = MemgasConfig.load(REPO / "configs" / "gpu.yaml", [f"output_dir={tmp_path}", "generation.generator=llm-free"])
+    ctx = StageContext(cfg, fake_bank, None, use_ray=True)
+    ctx.resolved["encoder"] = {"device": "cuda", "dtype": "bfloat16"}
+    ctx.resolved["llm"] = S.resolve_llm_runtime(cfg, use_ray=True, local_cuda=False)
+    assert [S.STAGES[n].num_gpus(ctx) for n in ("generate", "encode", "read", "judge")] == [0.0, 1.0, 1.0, 1.0]
+    ctx.resolved["encoder"] = {"device": "cpu", "dtype": "float32"}
+    assert S.EncodeStage().num_gpus(ctx) == 0.0
+    with_llm = StageContext(MemgasConfig.load(REPO / "configs" / "gpu.yaml", [f"output_dir={tmp_path}"]), fake_bank,
+                            None, use_ray=True)
+    with_llm.resolved["llm"] = {"device": "cuda", "dtype": "auto"}
+    assert S.GenerateStage().num_gpus(with_llm) == 1.0
+
+
+def test_retrieval_device_auto_is_cpu_without_cupy(tmp_path, fake_bank) -> None:
+    """auto = CUDA only where it can run; this machine has no CuPy, so auto is the CPU path in-process (and
+    under Ray, tested with a cluster that declares GPUs in test_ray_cluster.py)."""
+    import importlib.util
+
+    if importlib.util.find_spec("cupy") is not None:
+        pytest.skip("CuPy is installed: the no-CuPy case cannot be observed here")
+    ctx = StageContext(_base(tmp_path), fake_bank, None, use_ray=False)
+    assert S.resolve_device(ctx, "auto") == "cpu"
+    assert S.HistoryShardStage().num_gpus(StageContext(_base(tmp_path, **{"retrieval.device": "auto"}), fake_bank,
+                                                       None, use_ray=False)) == 0.0
