@@ -629,7 +629,9 @@ class SentenceTransformerEncoder(_BucketedEncoder):
         t0 = time.perf_counter()
         self._st = SentenceTransformer(path, device=str(self._device))
         if self._dtype != torch.float32:
-            self._st = self._st.to(self._dtype)
+            # only the transformer body computes in bf16/fp16; pooling and normalisation (and any dense
+            # head) stay in float32, as on the HF path, so vectors are not rounded to 8 mantissa bits
+            self._st[0].to(self._dtype)
         self._st.eval()
         self._tokenizer = self._st.tokenizer
         limit = int(self._st.max_seq_length or 512)
@@ -661,7 +663,8 @@ class SentenceTransformerEncoder(_BucketedEncoder):
         # BERT-style models take token_type_ids; zeros is what their tokenizer emits for a single text.
         if "token_type_ids" in getattr(self._tokenizer, "model_input_names", []):
             features["token_type_ids"] = torch.zeros_like(input_ids)
-        return self._st(features)["sentence_embedding"]
+        hidden = self._st[0](features)["token_embeddings"]
+        return self._pool(hidden.float(), input_ids, attention_mask)
 
     def _pool(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # the modules after the transformer (Pooling, Normalize, ...) on the ONNX body's token embeddings

@@ -244,3 +244,15 @@ def test_factory() -> None:
     assert enc.last_stats.n_truncated == 1
     with pytest.raises(ValueError):
         SentenceTransformerEncoder("minilm", device="cpu", long_text="nope")
+
+
+def test_bf16_body_pools_and_normalises_in_float32() -> None:
+    """With a bf16 compute dtype only the transformer runs in bf16: pooling and normalisation are float32 on
+    both backends, so the vectors are unit-norm to float32 precision, not rounded to bf16's 8 mantissa bits."""
+    enc = SentenceTransformerEncoder("minilm", device="cpu", dtype="bfloat16")
+    assert next(enc.sentence_transformer[0].parameters()).dtype == torch.bfloat16
+    v = enc.encode(TEXTS[:3])
+    assert v.dtype == np.float32
+    assert np.abs(np.linalg.norm(v, axis=1) - 1.0).max() < 1e-6
+    as_bf16 = torch.from_numpy(v).to(torch.bfloat16).float().numpy()
+    assert not np.array_equal(as_bf16, v)  # values carry more than bf16's precision
