@@ -267,10 +267,11 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
         parts += ["", "## Stages", "", stage_table(metrics["stages"])]
     if _d(metrics.get("encoding")):
         parts += ["", "## Encoding (tokens per granularity)", "", encoding_table(metrics["encoding"]), "",
-                  "Tokens the encoder ran on (special tokens included, every window of `mean-windows`), from the "
-                  "index's `embeddings` rows. A text whose truncated input equals another's (a session whose "
-                  "first turn pair fills the window) is run once and its tokens count on the other text; a text "
-                  "in two rows (a one-pair session is also its pair) counts in both, once in `all`."]
+                  "Tokens of each text's encoder inputs (special tokens included, every window of `mean-windows`), "
+                  "from the index's `embeddings` rows. A text whose truncated input equals another's (a session "
+                  "whose first turn pair fills the window) shares its vector and is run once when both are in "
+                  "one encode unit, but counts its own tokens here; a text in two rows (a one-pair session is "
+                  "also its pair) counts in both, once in `all`."]
     lat = _d(metrics.get("latency"))
     if lat:
         rows = [[k, _fmt(v.get("p50_ms"), 1), _fmt(v.get("p95_ms"), 1), str(v.get("n", "?"))]

@@ -152,10 +152,11 @@ ACCOUNTING_GROUPS = ("session", "turn pair", "summary", "keyword", "hybrid", "qu
 def encoding_accounting(bank: Any, key: str, pair_key: str | None = None,
                         session_key: str | None = None) -> dict[str, dict[str, int]]:
     """Per granularity of the bank's index under encoder cache key ``key``: unique texts, texts truncated,
-    tokens the model ran on and tokens cut by truncation (the ``embeddings`` columns), plus ``all`` over
-    the unique (text, key) vectors. A text in two groups (a one-pair session is also its pair) counts in
-    both; a text whose truncated input equalled another's was run once and counts its tokens on that other
-    text. ``pair_key`` / ``session_key``: the cache key of the turn pairs / sessions when they have their
+    tokens of each text's model inputs and tokens cut by truncation (the ``embeddings`` columns), plus
+    ``all`` over the unique (text, key) vectors. A text in two groups (a one-pair session is also its pair)
+    counts in both. A text whose truncated input equals another's is run once by the encoder when both are
+    in one call, but counts its own tokens here: the stored columns are a function of the text alone, so
+    they do not depend on how texts were cut into units. ``pair_key`` / ``session_key``: the cache key of the turn pairs / sessions when they have their
     own window."""
     import pyarrow.compute as pc
 

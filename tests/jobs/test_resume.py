@@ -93,6 +93,25 @@ def test_kill9_twice_then_resume_is_byte_identical(tmp_path, cli, memgas_exe, re
             assert len({tuple(k.values()) for k in keys}) == len(keys), f"duplicate keys in {name}"
 
 
+def test_resume_and_fresh_runs_with_other_batch_and_unit_sizes_are_byte_identical(tmp_path, cli, memgas_exe,
+                                                                                 reference) -> None:
+    """Batch and unit sizes are runtime-only: a run killed in encode and resumed with other
+    ``encoder.batch_size`` / ``ray.encode_unit`` / ``ray.generate_unit``, and a fresh run with them, store the
+    same bytes as the reference (every vector is a function of its text and the encoder alone)."""
+    sizes = ["--set", "encoder.batch_size=3", "--set", "ray.encode_unit=20", "--set", "ray.generate_unit=3"]
+    out = tmp_path / "resized"
+    rc = _run_and_kill(memgas_exe, out, "embeddings", 2)
+    assert rc == -signal.SIGKILL, "the job finished before it could be killed during encoding"
+    (out / "bank" / "_plans").exists() and [p.unlink() for p in (out / "bank" / "_plans").glob("*.json")]
+    cli(*_args(out, "--no-ray", *sizes))  # new units for what is left, other batches
+    fresh = tmp_path / "fresh"
+    cli(*_args(fresh, "--no-ray", *sizes))
+    want = _tables(reference)
+    for got in (_tables(out), _tables(fresh)):
+        assert sorted(got) == sorted(want)
+        assert [k for k in want if got[k] != want[k]] == []
+
+
 def test_rerun_skips_everything(tmp_path, cli, reference) -> None:
     """A second run over a finished bank computes nothing new and leaves the tables unchanged."""
     before = _tables(reference)
