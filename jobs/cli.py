@@ -194,7 +194,8 @@ def _add_run_like(sub: Any, name: str, helptext: str) -> None:
           RAY_ADDRESS=auto memgas {name} configs/cluster.yaml
         """)
     _add_config_args(p, positional=True)
-    p.add_argument("--fresh", action="store_true", help="delete the run's output_dir first")
+    p.add_argument("--fresh", action="store_true",
+                   help="first remove what memgas wrote in output_dir (its own files only; never yours)")
 
 
 def _add_report(sub: Any) -> None:
