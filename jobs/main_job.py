@@ -274,7 +274,7 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
     try:
         check_output_dir(run_dir, fresh=False, bank_dir=bank.path)
         with locked(run_dir):
-            claim_run_dir(run_dir)
+            claim_run_dir(run_dir, bank.path)
             return _answer_in(cfg, bank, run_dir, Profiler(), [], use_ray, profile, time.time())
     finally:
         if own:
@@ -287,7 +287,7 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
     check_output_dir(out, fresh=fresh, bank_dir=cfg.bank_path)
     started = time.time()
     with locked(out):
-        claim_run_dir(out)  # again under the lock: the directory may have changed since the check
+        claim_run_dir(out, cfg.bank_path)  # again under the lock: the directory may have changed since the check
         if fresh:
             _empty_run_dir(out)
         own = start_ray(cfg, use_ray)
@@ -411,9 +411,21 @@ def is_run_dir(path: Path) -> bool:
     return _owner(path) is not None or _legacy_run_dir(path)
 
 
-def _foreign(out: Path) -> list[str]:
-    """Names in ``out`` that keep it from being claimed (anything but a lock file), sorted."""
-    return sorted(c.name for c in out.iterdir() if c.name != LOCK)
+def _own_bank_name(out: Path, bank_dir: Path | None) -> str | None:
+    """The name of the command's bank when it is a memgas bank directly inside ``out`` (the default
+    layout ``output_dir/bank``, which `memgas ingest` / `index` fill before `answer` writes the run)."""
+    if bank_dir is None:
+        return None
+    bank_dir = Path(bank_dir)
+    if bank_dir.parent.resolve() != out.resolve() or not (bank_dir / "manifest.json").is_file():
+        return None
+    return bank_dir.name
+
+
+def _foreign(out: Path, bank_dir: Path | None = None) -> list[str]:
+    """Names in ``out`` that keep it from being claimed (anything but a lock file and the bank), sorted."""
+    keep = {LOCK, _own_bank_name(out, bank_dir)}
+    return sorted(c.name for c in out.iterdir() if c.name not in keep)
 
 
 def check_output_dir(out: Path, *, fresh: bool, bank_dir: Path | None = None) -> None:
@@ -428,7 +440,7 @@ def check_output_dir(out: Path, *, fresh: bool, bank_dir: Path | None = None) ->
         raise MemgasError(f"bank_dir and output_dir are both {out}: a run writes its own manifest.json, which "
                           "would replace the bank's; give the bank its own directory")
     if out.is_dir() and not is_run_dir(out):
-        names = _foreign(out)
+        names = _foreign(out, bank_dir)
         if names:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             what = "--fresh: refusing to delete it" if fresh else "refusing to write into it"
@@ -436,14 +448,18 @@ def check_output_dir(out: Path, *, fresh: bool, bank_dir: Path | None = None) ->
                               f"{OWNER}); {what}: choose a new or empty directory")
 
 
-def claim_run_dir(out: Path) -> dict[str, Any]:
+def claim_run_dir(out: Path, bank_dir: Path | None = None) -> dict[str, Any]:
     """Under the directory's lock: its OWNER marker, written now if memgas may claim it (empty but for the
-    lock file, or a finished run of an older memgas), else the refusal of :func:`check_output_dir`."""
+    lock file and the command's own bank ``bank_dir``, or a finished run of an older memgas), else the
+    refusal of :func:`check_output_dir`."""
     marker = _owner(out)
     if marker is not None:
         return marker
-    check_output_dir(out, fresh=False)
+    check_output_dir(out, fresh=False, bank_dir=bank_dir)
     entries = ["bank"] if _legacy_run_dir(out) and (out / "bank" / "manifest.json").is_file() else []
+    name = _own_bank_name(out, bank_dir)
+    if name is not None and name not in entries:
+        entries.append(name)
     marker = {"memgas_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "entries": entries}
     atomic_write_json(out / OWNER, marker)

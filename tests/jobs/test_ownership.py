@@ -19,6 +19,7 @@ import pytest
 from memgas.jobs import cli, main_job
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
+from memgas.pipeline.errors import MemgasError
 from memgas.pipeline.locks import LOCK
 
 from .conftest import REPO, SAMPLE_LOCOMO, memgas_env
@@ -176,6 +177,20 @@ def test_bank_dir_equal_to_output_dir_is_refused(tmp_path, capsys) -> None:
     rc, err = main(capsys, *run_args(out, "--set", f"bank_dir={out}"))
     assert rc == 2 and "bank_dir and output_dir" in one_line(err)
     assert not out.exists()
+
+
+def test_the_split_flow_writes_its_run_beside_its_own_bank(tmp_path, capsys) -> None:
+    """ingest/index into output_dir/bank, then answer into output_dir: the bank is the command's own, so
+    the directory may be claimed (the marker records the bank); a non-bank directory by that name may not."""
+    out = tmp_path / "run"
+    rc, _ = main(capsys, "ingest", str(SAMPLE_LOCOMO), "--format", "locomo", "--out", str(out / "bank"), "--limit", "1")
+    assert rc == 0
+    main_job.check_output_dir(out, fresh=False, bank_dir=out / "bank")
+    assert main_job.claim_run_dir(out, out / "bank")["entries"] == ["bank"]
+    other = tmp_path / "other"
+    (other / "bank").mkdir(parents=True)
+    with pytest.raises(MemgasError, match=r"is not empty \(bank\) and was not created by memgas"):
+        main_job.check_output_dir(other, fresh=False, bank_dir=other / "bank")
 
 
 def test_fresh_removes_what_memgas_wrote_and_nothing_else(tmp_path) -> None:
