@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 from memgas import __version__
 from memgas.pipeline.data import AUTO, FORMATS
 from memgas.pipeline.errors import MemgasError
+from memgas.pipeline.redact import printable
 
 log = logging.getLogger("memgas")
 
@@ -193,7 +194,8 @@ def _add_run_like(sub: Any, name: str, helptext: str) -> None:
           RAY_ADDRESS=auto memgas {name} configs/cluster.yaml
         """)
     _add_config_args(p, positional=True)
-    p.add_argument("--fresh", action="store_true", help="delete the run's output_dir first")
+    p.add_argument("--fresh", action="store_true",
+                   help="first remove what memgas wrote in output_dir (its own files only; never yours)")
 
 
 def _add_report(sub: Any) -> None:
@@ -261,9 +263,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _SafeFormatter(logging.Formatter):
+    """Log lines (warnings included) as :func:`printable` makes them: no credentials, no control sequences
+    from data (a question type holding ``ESC ] 52 ;...`` would otherwise write the user's clipboard)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record))
+
+
 def _setup_logging(args: argparse.Namespace) -> None:
     level = logging.WARNING if args.quiet else logging.DEBUG if args.verbose else logging.INFO
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    fmt, datefmt = "%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"
+    logging.basicConfig(level=level, format=fmt, datefmt=datefmt)
+    for handler in logging.getLogger().handlers:
+        if type(handler.formatter) is logging.Formatter:  # the one basicConfig made (now or by an earlier main())
+            handler.setFormatter(_SafeFormatter(fmt, datefmt))
     for noisy in ("httpx", "urllib3", "filelock", "sentence_transformers", "transformers"):
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     if args.quiet:
@@ -294,8 +308,14 @@ def _unreachable(exc: BaseException) -> bool:
     return mod.startswith(("httpx", "httpcore")) and any(w in type(exc).__name__ for w in ("Connect", "Timeout", "Network"))
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split()) or "(no message)"
+def _one_line(text: Any) -> str:
+    """One printable line: whitespace collapsed, credentials redacted, control characters shown as ``\\xNN``."""
+    return printable(" ".join(str(text).split())) or "(no message)"
+
+
+def _show(text: str) -> None:
+    """Print text that may hold dataset strings (question types, paths, ids) to stdout, made printable."""
+    print(printable(text))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -317,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 0
     except KeyboardInterrupt as exc:
-        print(f"memgas {args.command}: {_interrupted(args.command, exc)}", file=sys.stderr)
+        print(f"memgas {args.command}: {_one_line(_interrupted(args.command, exc))}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as exc:
         code, line = _os_error(exc)
@@ -333,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{prefix} {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
             return EXIT_ENV
         if args.verbose:
-            traceback.print_exc()
+            traceback.print_exc()  # -v: the user asked for the raw traceback
         print(f"{prefix} internal error {type(exc).__name__}: {_one_line(exc)} (a bug; re-run with -v for the "
               "traceback)", file=sys.stderr)
         return EXIT_BUG
@@ -372,7 +392,7 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
     from memgas.pipeline.ingest import ingest
 
     summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit, progress=not args.quiet)
-    print(json.dumps(summary, indent=2, default=str) if args.verbose else _ingest_line(summary, args.out))
+    _show(json.dumps(summary, indent=2, default=str) if args.verbose else _ingest_line(summary, args.out))
     return 0
 
 
@@ -381,7 +401,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from memgas.pipeline.stats import compute_stats, format_stats
 
     stats = compute_stats(Bank(args.bank))
-    print(json.dumps(stats, indent=2, default=str) if args.json else format_stats(stats))
+    _show(json.dumps(stats, indent=2, default=str) if args.json else format_stats(stats))
     return 0
 
 
@@ -397,17 +417,17 @@ def _cmd_synth(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from memgas.jobs.report import compare_runs, write_report, write_text
+    from memgas.jobs.report import compare_runs, write_comparison, write_report
 
     if len(args.runs) == 1 and not args.out:
-        print(f"wrote {write_report(args.runs[0])}")
+        _show(f"wrote {write_report(args.runs[0])}")
         return 0
     text = compare_runs(args.runs)
     if args.out:
-        write_text(args.out, text)
-        print(f"wrote {args.out}")
+        write_comparison(args.out, text)
+        _show(f"wrote {args.out}")
     else:
-        print(text)
+        _show(text)
     return 0
 
 
@@ -457,7 +477,7 @@ def _cmd_answer(args: argparse.Namespace) -> int:
     else:
         cfg.check_paths(data=False)
     out = main_job.answer(cfg, args.bank, run_dir=args.out, use_ray=not args.no_ray)
-    print(f"report: {out}/report.md")
+    _show(f"report: {out}/report.md")
     return 0
 
 
@@ -483,9 +503,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         from memgas.pipeline.bank import Bank
         from memgas.pipeline.stats import compute_stats, format_stats
 
-        print(format_stats(compute_stats(Bank(cfg.bank_path))))
-        print(_headline(out))
-    print(f"report: {out}/report.md")
+        _show(format_stats(compute_stats(Bank(cfg.bank_path))))
+        _show(_headline(out))
+    _show(f"report: {out}/report.md")
     return 0
 
 

@@ -13,7 +13,6 @@ after it failed) ``RUNNING.json`` says which config was attempted and why it sto
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -38,40 +37,19 @@ from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.config import MemgasConfig, check_ray_gpus
 from memgas.pipeline.errors import BankError, MemgasError
 from memgas.pipeline.hashing import file_sha256
+from memgas.pipeline.locks import LOCK, locked
+from memgas.pipeline.redact import redact  # noqa: F401 - LOCK re-exported (one lock for ingest and runs)
 
 log = logging.getLogger(__name__)
 
 RUN_MARKER = "RUNNING.json"
 RUN_RECORD = "run_record.json"
-LOCK = ".memgas.lock"
 
 
 class IncompleteRun(MemgasError):
     """The run finished its work but some units failed after retries (counted in the report): exit 4."""
 
     exit_code = 4
-
-
-# -- locking ------------------------------------------------------------------------------------------
-@contextmanager
-def locked(directory: Path) -> Iterator[None]:
-    """Hold an exclusive lock on ``directory`` (two runs on one output dir would both do all the work)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another process"
-            raise MemgasError(f"{directory} is in use by {holder}; wait for it to finish or use another "
-                              "output_dir") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since "
-                      f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}".encode(), 0)
-        yield
-    finally:
-        os.close(fd)  # closing releases the lock
 
 
 # -- the runner ---------------------------------------------------------------------------------------
@@ -293,7 +271,7 @@ def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = N
             ctx = StageContext(cfg, bank, None, use_ray)
             resolve_runtime(ctx)
             record = run_stages(ctx, S.INDEX, prof)
-            bank.update_manifest(index={"config": cfg.model_dump(mode="json"), "stages": prof.to_dict(),
+            bank.update_manifest(index={"config": cfg.public_dump(), "stages": prof.to_dict(),
                                         "record": record})
             return record
     finally:
@@ -309,7 +287,9 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
     warn_if_stale_bank(cfg, bank)
     own = start_ray(cfg, use_ray)
     try:
+        check_output_dir(run_dir, fresh=False, bank_dir=bank.path)
         with locked(run_dir):
+            claim_run_dir(run_dir, bank.path)
             return _answer_in(cfg, bank, run_dir, Profiler(), [], use_ray, profile, time.time())
     finally:
         if own:
@@ -321,23 +301,27 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
     if use_ray:
         check_ray_gpus(cfg)  # a refused config leaves the run directory as it was (even with --fresh)
     out = Path(cfg.output_dir)
-    check_output_dir(out, fresh=fresh)
+    check_output_dir(out, fresh=fresh, bank_dir=cfg.bank_path)
     started = time.time()
     with locked(out):
+        claim_run_dir(out, cfg.bank_path)  # again under the lock: the directory may have changed since the check
         if fresh:
             _empty_run_dir(out)
         own = start_ray(cfg, use_ray)
         try:
-            atomic_write_json(out / RUN_MARKER, {"status": "running", "config": cfg.model_dump(mode="json"),
+            atomic_write_json(out / RUN_MARKER, {"status": "running", "config": cfg.public_dump(),
                                                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                                  "pid": os.getpid()})
             prof = Profiler()
-            bank, ingest_entry = ensure_ingested(cfg, prof)
-            with locked(bank.path) if bank.path.resolve() != out.resolve() else _nothing():
+            _record_own_bank(out, cfg.bank_path)
+            # the bank's lock before the first look at it: a second run sharing the bank (bank_dir) says
+            # "in use" here instead of re-ingesting under the first run's feet
+            with locked(cfg.bank_path):
+                bank, ingest_entry = ensure_ingested(cfg, prof)
                 ctx = StageContext(cfg, bank, None, use_ray)
                 resolve_runtime(ctx)
                 record = [ingest_entry, *run_stages(ctx, S.INDEX, prof)]
-                bank.update_manifest(index={"config": cfg.model_dump(mode="json"), "record": record[1:]})
+                bank.update_manifest(index={"config": cfg.public_dump(), "record": record[1:]})
                 return _answer_in(cfg, bank, out, prof, record, use_ray, profile, started)
         except BaseException as exc:
             _mark_failed(out, exc)
@@ -345,11 +329,6 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
         finally:
             if own:
                 shutdown_ray()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 def _answer_in(cfg: MemgasConfig, bank: Bank, run_dir: Path, prof: Profiler, record: list[dict], use_ray: bool,
@@ -417,35 +396,113 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     return percentiles_ms(samples)
 
 
-# -- run directory --------------------------------------------------------------------------------------
+# -- run directory: memgas writes only into an empty directory or one it created --------------------------
+#: written when memgas claims a run directory (creates it, or finds it empty), never after the fact: the
+#: one proof that the directory is memgas's. ``entries`` lists what it created there beyond RUN_FILES.
+OWNER = ".memgas-run.json"
+#: what a run writes into its directory (and ``--fresh`` removes, with OWNER's entries; nothing else)
+RUN_FILES = (RUN_MARKER, RUN_RECORD, "metrics.json", "manifest.json", "config.yaml", "report.md",
+             "recall_at_k.png", "recall_by_type.png", "stage_times.png", "results")
+
+
+def _owner(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((path / OWNER).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return data if isinstance(data, dict) and "memgas_version" in data else None
+
+
+def _legacy_run_dir(path: Path) -> bool:
+    """A finished run of a memgas from before OWNER existed: its run manifest (config, bank, version).
+    RUNNING.json alone does not count: an older memgas left it in any directory it was pointed at."""
+    try:
+        data = json.loads((path / "manifest.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and {"memgas_version", "config", "bank"} <= data.keys()
+
+
 def is_run_dir(path: Path) -> bool:
-    """A directory memgas made: its manifest or its running marker says so."""
-    for name in ("manifest.json", RUN_MARKER):
-        try:
-            data = json.loads((path / name).read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if isinstance(data, dict) and ("memgas_version" in data or data.get("status") in ("running", "failed")):
-            return True
-    return False
+    """A directory memgas made (its OWNER marker), or a finished run of an older memgas."""
+    return _owner(path) is not None or _legacy_run_dir(path)
 
 
-def check_output_dir(out: Path, *, fresh: bool) -> None:
-    """Refuse output dirs that cannot work, before any work; ``--fresh`` only on an empty or memgas run dir."""
+def _own_bank_name(out: Path, bank_dir: Path | None) -> str | None:
+    """The name of the command's bank when it is a memgas bank directly inside ``out`` (the default
+    layout ``output_dir/bank``, which `memgas ingest` / `index` fill before `answer` writes the run)."""
+    if bank_dir is None:
+        return None
+    bank_dir = Path(bank_dir)
+    if bank_dir.parent.resolve() != out.resolve() or not (bank_dir / "manifest.json").is_file():
+        return None
+    return bank_dir.name
+
+
+def _foreign(out: Path, bank_dir: Path | None = None) -> list[str]:
+    """Names in ``out`` that keep it from being claimed (anything but a lock file and the bank), sorted."""
+    keep = {LOCK, _own_bank_name(out, bank_dir)}
+    return sorted(c.name for c in out.iterdir() if c.name not in keep)
+
+
+def check_output_dir(out: Path, *, fresh: bool, bank_dir: Path | None = None) -> None:
+    """Refuse output dirs that cannot work or are not memgas's, before any work or write."""
     if str(out) in ("", "."):
         raise MemgasError("output_dir must name a directory for this run (not '' or '.')")
     if out.exists() and not out.is_dir():
         raise MemgasError(f"output_dir {out} exists and is not a directory")
     if out.exists() and not os.access(out, os.W_OK | os.X_OK):
         raise MemgasError(f"output_dir {out} is not writable")
-    if fresh and out.exists() and any(out.iterdir()) and not is_run_dir(out):
-        raise MemgasError(f"--fresh: {out} is not empty and is not a memgas run directory (no manifest.json); "
-                          "refusing to delete it")
+    if bank_dir is not None and Path(bank_dir).resolve() == out.resolve():
+        raise MemgasError(f"bank_dir and output_dir are both {out}: a run writes its own manifest.json, which "
+                          "would replace the bank's; give the bank its own directory")
+    if out.is_dir() and not is_run_dir(out):
+        names = _foreign(out, bank_dir)
+        if names:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            what = "--fresh: refusing to delete it" if fresh else "refusing to write into it"
+            raise MemgasError(f"output_dir {out} is not empty ({shown}) and was not created by memgas (no "
+                              f"{OWNER}); {what}: choose a new or empty directory")
+
+
+def claim_run_dir(out: Path, bank_dir: Path | None = None) -> dict[str, Any]:
+    """Under the directory's lock: its OWNER marker, written now if memgas may claim it (empty but for the
+    lock file and the command's own bank ``bank_dir``, or a finished run of an older memgas), else the
+    refusal of :func:`check_output_dir`."""
+    marker = _owner(out)
+    if marker is not None:
+        return marker
+    check_output_dir(out, fresh=False, bank_dir=bank_dir)
+    entries = ["bank"] if _legacy_run_dir(out) and (out / "bank" / "manifest.json").is_file() else []
+    name = _own_bank_name(out, bank_dir)
+    if name is not None and name not in entries:
+        entries.append(name)
+    marker = {"memgas_version": __version__, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "entries": entries}
+    atomic_write_json(out / OWNER, marker)
+    return marker
+
+
+def _record_own_bank(out: Path, bank_path: Path) -> None:
+    """A bank that this run is about to create inside its directory is memgas's (``--fresh`` removes it);
+    recorded before it exists, so a run killed while ingesting leaves no unlisted directory behind."""
+    if bank_path.parent.resolve() != out.resolve() or bank_path.exists():
+        return
+    marker = _owner(out) or {}
+    if bank_path.name not in marker.setdefault("entries", []):
+        marker["entries"].append(bank_path.name)
+        atomic_write_json(out / OWNER, marker)
 
 
 def _empty_run_dir(out: Path) -> None:
+    """``--fresh``: remove what memgas wrote here (RUN_FILES, OWNER's entries, their temp files), nothing
+    else: a user's files in a run directory, or a dataset beside it, stay."""
+    marker = _owner(out) or {}
+    ours = set(RUN_FILES) | {str(e) for e in marker.get("entries", []) if isinstance(e, str) and e and "/" not in e}
     for child in out.iterdir():
-        if child.name == LOCK:
+        name = child.name
+        temp = name.startswith(".") and name.endswith(".tmp") and name[1:].split(".tmp")[0].rsplit(".", 1)[0] in ours
+        if name not in ours and not temp:
             continue
         if child.is_dir() and not child.is_symlink():
             shutil.rmtree(child)
@@ -462,7 +519,8 @@ def _mark_failed(out: Path, exc: BaseException) -> None:
         marker["status"] = "incomplete"
     else:
         marker["status"] = "failed"
-    marker["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    # redacted: an error may quote a URL with its credentials (RUNNING.json is a file anyone may share)
+    marker["error"] = redact(f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
     marker["note"] = ("metrics.json, report.md and config.yaml (if present) describe the previous complete run "
                       "in this directory" if not isinstance(exc, IncompleteRun) else
                       "metrics.json and report.md describe this run; some units failed (see report.md)")
@@ -502,7 +560,7 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
     metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(),
                "encoding": encoding_accounting(bank, **S.accounting_keys(ctx)), "latency": latency, "record": record}
     manifest = {
-        "config": cfg.model_dump(mode="json"), "memgas_version": __version__, "git_commit": run_info["git_commit"],
+        "config": cfg.public_dump(), "memgas_version": __version__, "git_commit": run_info["git_commit"],
         "dataset": ds, "models": _model_manifest(ctx), "host": {"hostname": socket.gethostname(),
         "platform": platform.platform(), "python": platform.python_version()},
         "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),

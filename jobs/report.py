@@ -53,9 +53,23 @@ def _f(v: Any, spec: str) -> str:
     return format(x if x is not None else 0.0, spec)
 
 
+_MD_SPECIAL = {"\\": "\\\\", "|": "\\|", "`": "\\`", "*": "\\*", "[": "\\[", "]": "\\]", "<": "&lt;",
+               ">": "&gt;", "&": "&amp;"}
+
+
+def md_escape(value: Any) -> str:
+    """``value`` as inert Markdown text for one table cell or line: dataset strings (question types, paths,
+    names) may hold ``|`` (a new column), newlines (a new row or block), HTML (``<script>``, ``<img>``) or
+    link syntax; control characters become spaces. Our own numbers and dashes pass through unchanged."""
+    text = "".join(" " if ord(ch) < 32 or 0x7F <= ord(ch) <= 0x9F else _MD_SPECIAL.get(ch, ch) for ch in str(value))
+    return text
+
+
 def _md_table(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table; every cell escaped (:func:`md_escape`), whatever its source."""
+    header = [md_escape(h) for h in header]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["| " + " | ".join(md_escape(c) for c in r) + " |" for r in rows]
     return "\n".join(lines)
 
 
@@ -175,7 +189,9 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
         x = np.arange(len(types))
         for i, (method, vals) in enumerate(bars.items()):
             ax.bar(x + i * width, vals, width, label=method)
-        ax.set_xticks(x + 0.4 - width / 2, types, rotation=20, ha="right", fontsize=8)
+        # data strings: control characters would reach the terminal in matplotlib's missing-glyph warnings
+        labels = ["".join(" " if ord(c) < 32 or 0x7F <= ord(c) <= 0x9F else c for c in t) for t in types]
+        ax.set_xticks(x + 0.4 - width / 2, labels, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("Recall_all@5 (%)")
         ax.set_title("Recall_all@5 by question type")
         ax.legend(fontsize=6, ncol=2)
@@ -202,7 +218,7 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
 def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) -> str:
     run = _d(metrics.get("run"))
     dataset = _d(metrics.get("dataset"))
-    parts = [f"# memgas report: {run.get('name', '?')}", ""]
+    parts = [f"# memgas report: {md_escape(run.get('name', '?'))}", ""]
     info = [
         ("dataset", dataset.get("path")),
         ("dataset sha256", dataset.get("sha256")),
@@ -214,7 +230,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
         ("wall time", f"{_f(run.get('wall_s'), '.1f')} s"),
         ("no-GMM ablation", f"top-{run['topk_edges']} edges per node" if run.get("topk_edges") is not None else None),
     ]
-    parts += [f"- **{k}**: {v}" for k, v in info if v is not None]
+    parts += [f"- **{k}**: {md_escape(v)}" for k, v in info if v is not None]
     for level_name, level in _d(metrics.get("retrieval")).items():
         level = {k: _d(v) for k, v in _d(level).items()}
         if not level:
@@ -222,11 +238,12 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
         any_m = next(iter(level.values()))
         parts += [
             "",
-            f"## Retrieval ({level_name} level)",
+            f"## Retrieval ({md_escape(level_name)} level)",
             "",
-            f"{any_m.get('n_evaluated', '?')} questions evaluated; skipped: {any_m.get('skipped', {})}. "
+            f"{md_escape(any_m.get('n_evaluated', '?'))} questions evaluated; skipped: "
+            f"{md_escape(any_m.get('skipped', {}))}. "
             "R_all = all evidence sessions in the top K (the paper's Recall@K); NDCG = LongMemEval's ndcg_any."
-            + (f" Note: {_d(metrics.get('notes')).get('turn_level')}." if level_name == "turn"
+            + (f" Note: {md_escape(_d(metrics.get('notes')).get('turn_level'))}." if level_name == "turn"
                and _d(metrics.get("notes")).get("turn_level") else ""),
             "",
             retrieval_table(level),
@@ -244,12 +261,12 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
                       "(not counted as wrong either); re-run the same command to retry them."]
         for method, m in qa.items():
             for note in m.get("notes") or []:
-                parts.append(f"- {method}: {note}")
+                parts.append(f"- {md_escape(method)}: {md_escape(note)}")
             if _d(m.get("by_type")) and all(isinstance(v, dict) for v in m["by_type"].values()):
                 types = sorted(m["by_type"])
                 parts += [
                     "",
-                    f"### {method}: F1 by type",
+                    f"### {md_escape(method)}: F1 by type",
                     "",
                     _md_table(["type", "n", "F1"] + (["judge"] if any("judge_accuracy" in m["by_type"][t] for t in types) else []),
                               [[t, _n(m["by_type"][t].get("n")), _fmt(m["by_type"][t].get("f1"))]
@@ -278,7 +295,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
                 for k, v in lat.items() if isinstance(v, dict) and v]
         parts += ["", "## Query latency", "", _md_table(["step", "p50 ms", "p95 ms", "n"], rows)]
     for p in plots or []:
-        parts += ["", f"![{p.stem}]({p.name})"]
+        parts += ["", f"![{p.stem}]({p.name})"]  # our own file names
     return "\n".join(parts) + "\n"
 
 
@@ -321,6 +338,25 @@ def write_text(path: str | Path, text: str) -> Path:
     return p
 
 
+COMPARISON_TITLE = "# memgas run comparison"
+
+
+def write_comparison(path: str | Path, text: str) -> Path:
+    """``memgas report --out PATH``: write the comparison, replacing only an earlier comparison (its
+    first line says so); a run's metrics.json, its report.md or any other file is refused, not replaced."""
+    p = Path(path)
+    if p.is_file():
+        try:
+            with open(p, "rb") as f:
+                head = f.read(len(COMPARISON_TITLE.encode()))
+        except OSError:
+            head = b""
+        if head != COMPARISON_TITLE.encode():
+            raise MemgasError(f"--out {p}: exists and is not a comparison written by `memgas report`; refusing "
+                              "to overwrite it (give a new file name)")
+    return write_text(p, text)
+
+
 def write_report(run_dir: str | Path) -> Path:
     run_dir = Path(run_dir)
     metrics = load_metrics(run_dir)
@@ -338,9 +374,9 @@ def dataset_differences(runs: dict[str, dict[str, Any]]) -> str | None:
     for name, m in runs.items():
         ds = _d(m.get("dataset"))
         label = Path(str(ds.get("path"))).name if ds.get("path") else "?"
-        sha = (ds.get("sha256") or "unknown")[:12]
+        sha = str(ds.get("sha256") or "unknown")[:12]
         lim = f", limit {ds['limit']}" if ds.get("limit") is not None else ""
-        parts.append(f"{name}: {label} (sha256 {sha}{lim})")
+        parts.append(md_escape(f"{name}: {label} (sha256 {sha}{lim})"))
     if len(known) > 1:
         return "**Warning: these runs used different datasets; their numbers are not comparable.** " + "; ".join(parts)
     return ("**Note: not every run records its dataset (no sha256 in metrics.json), so whether they used the same "
@@ -368,7 +404,7 @@ def compare_runs(run_dirs: list[str | Path], metric: str = "recall_all@5") -> st
                         + [_fmt(o.get(f"ndcg_any@{k}")) for k in (5, 10)] + [_fmt(qa.get("f1"))])
     header = ["run", "method"] + [f"R_all@{k}" for k in HEADLINE_KS] + ["NDCG@5", "NDCG@10", "QA F1"]
     warning = dataset_differences(runs)
-    head = "# memgas run comparison\n\n" + (warning + "\n\n" if warning else "")
+    head = COMPARISON_TITLE + "\n\n" + (warning + "\n\n" if warning else "")
     if warning:
         log.warning("%s", warning.replace("**", ""))
     return head + _md_table(header, rows) + "\n"

@@ -312,8 +312,9 @@ class IngestStage(Stage):
         from memgas.pipeline.ingest import ingest
 
         cfg = ctx.cfg
+        # lock=False: the runner took the bank's lock before deciding to ingest (main_job.run)
         summary = ingest(cfg.data.path, cfg.data.format, ctx.bank.path, strict=cfg.data.strict, limit=cfg.data.limit,
-                         progress=True)
+                         progress=True, lock=False)
         ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
         if ds.get("limit") != cfg.data.limit:  # record the limit so a later run knows what this bank holds
             ctx.bank.update_manifest(datasets=[{**ds, "limit": cfg.data.limit}])

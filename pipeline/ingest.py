@@ -32,6 +32,7 @@ from memgas.pipeline.data import AUTO, FORMATS, loader
 from memgas.pipeline.data.common import HistoryRecord, Warnings
 from memgas.pipeline.errors import BankError, DataError, MemgasError
 from memgas.pipeline.hashing import file_sha256
+from memgas.pipeline.locks import LOCK, locked
 from memgas.pipeline.schema import schema_for
 
 log = logging.getLogger(__name__)
@@ -117,12 +118,28 @@ def _check_args(p: Path, fmt: str, out: Path, limit: Any, chunk_histories: Any, 
         log.debug("%s: detected format %s", p, fmt)
     if fmt not in FORMATS:
         raise DataError(str(p), f"unknown format {fmt!r}; expected one of {[*FORMATS, AUTO]}")
+    _check_out(out)
+    return fmt
+
+
+def _check_out(out: Path) -> None:
+    """``out`` is missing, empty (but for a lock file) or a bank: never write into a user's directory."""
     if out.exists():
         if not out.is_dir():
             raise BankError(f"{out}: exists and is not a directory (the bank to create or replace)")
-        if not (out / MANIFEST).exists() and any(out.iterdir()):
+        if not (out / MANIFEST).exists() and any(c.name != LOCK for c in out.iterdir()):
             raise BankError(f"{out}: a non-empty directory that is not a memory bank; choose a new or empty directory")
-    return fmt
+
+
+def _make_dir(out: Path) -> bool:
+    """Create ``out`` (and its parents); whether this call created ``out`` itself (then a failed first
+    ingest may remove it again; a directory that was there before is left as it was found)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir()
+    except FileExistsError:
+        return False
+    return True
 
 
 def ingest(
@@ -135,12 +152,17 @@ def ingest(
     progress: bool = True,
     chunk_histories: int = 500,
     chunk_chars: int = 16 << 20,
+    lock: bool = True,
 ) -> dict[str, Any]:
     """Load ``path`` (format ``fmt``, or ``"auto"``) into the bank at ``bank_dir``; returns a summary.
 
     ``strict`` turns data warnings (empty sessions, unparseable dates, missing evidence, repeated
     sessions, ...) into :class:`DataError`; ``limit`` keeps the first N histories. A chunk is flushed every
     ``chunk_histories`` histories or ``chunk_chars`` characters of new text, whichever comes first.
+
+    The bank's lock (:func:`memgas.pipeline.locks.locked`, the one ``memgas run`` takes) is held from
+    before the first write to the end, so two ingests into one bank cannot interleave, and the cleanup of
+    a failed first ingest can only ever remove what this call wrote. ``lock=False``: the caller holds it.
 
     Fault points: ``ingest:after-part`` (each staged part written), then the commit's
     (:meth:`Bank.commit_ingest`): ``ingest:before-commit``, ``ingest:after-commit``.
@@ -149,14 +171,28 @@ def ingest(
     p = Path(path)
     out = Path(bank_dir)
     fmt = _check_args(p, fmt, out, limit, chunk_histories, chunk_chars)
+    if not lock:
+        return _ingest(p, fmt, out, made=False, own_lock=False, strict=strict, limit=limit, progress=progress,
+                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0)
+    made = _make_dir(out)
+    with locked(out):
+        return _ingest(p, fmt, out, made=made, own_lock=True, strict=strict, limit=limit, progress=progress,
+                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0)
 
-    created = not out.exists()
+
+def _ingest(p: Path, fmt: str, out: Path, *, made: bool, own_lock: bool, strict: bool, limit: int | None,
+            progress: bool, chunk_histories: int, chunk_chars: int, t0: float) -> dict[str, Any]:
+    """The ingest proper, under the bank's lock. ``made``: this call created ``out``."""
+    _check_out(out)  # again under the lock: another ingest may have written into it since the first check
+    # decided under the lock, from what is there (not from whether the directory existed a moment ago:
+    # another ingest may have created it and committed its bank in between)
+    created = not (out / MANIFEST).exists()
     bank = Bank.create(out)
     try:
         slot = bank.begin_ingest()
     except BaseException:
         if created:
-            shutil.rmtree(out, ignore_errors=True)
+            _remove_new_bank(out, made, own_lock)
         raise
     warnings = Warnings(str(p), strict=strict)
     size = p.stat().st_size
@@ -232,12 +268,12 @@ def ingest(
     except KeyboardInterrupt:
         if committed():
             raise IngestInterrupted(f"interrupted after the new data was committed: {out} holds {p.name}") from None
-        _abort(bank, out, created)
+        _abort(bank, out, created, made, own_lock)
         raise IngestInterrupted(f"interrupted before the new data was committed: {out} is unchanged") from None
     except BaseException:
         # never leave a half-ingested bank behind: the committed data stays as it was
         if not committed():
-            _abort(bank, out, created)
+            _abort(bank, out, created, made, own_lock)
         raise
 
     summary: dict[str, Any] = {
@@ -257,14 +293,35 @@ def ingest(
     return summary
 
 
-def _abort(bank: Bank, out: Path, created: bool) -> None:
+def _abort(bank: Bank, out: Path, created: bool, made: bool, own_lock: bool) -> None:
     try:
         if created:
-            shutil.rmtree(out, ignore_errors=True)
+            _remove_new_bank(out, made, own_lock)
         else:
             bank.abort_ingest()
     except OSError as exc:  # e.g. the disk went away: the staged parts stay invisible, the next ingest drops them
         log.warning("could not remove the staged ingest parts in %s: %s", out, exc)
+
+
+def _remove_new_bank(out: Path, made: bool, own_lock: bool) -> None:
+    """Undo a first ingest that failed, under the lock: everything in ``out`` was written by this call
+    (there was no manifest when the lock was taken, and nothing but the lock file), so remove it; the lock
+    file last and only if this call holds it (a caller's lock must outlive us); ``out`` itself only if this
+    call created it and nobody started writing into it since (rmdir fails on a non-empty directory)."""
+    for child in out.iterdir():
+        if child.name == LOCK:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+    if own_lock:
+        (out / LOCK).unlink(missing_ok=True)  # a process waiting on it sees the inode gone and refuses
+        if made:
+            try:
+                out.rmdir()
+            except OSError:
+                pass
 
 
 def _add(

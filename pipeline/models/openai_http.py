@@ -21,6 +21,7 @@ import httpx
 
 from memgas.pipeline.models.base import ChatPrompt, GenerationResult, SamplingParams
 from memgas.pipeline.models.llms import validate_prompt, truncate_messages_middle
+from memgas.pipeline.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,9 @@ class OpenAIHTTPLLM:
         if not base_url:
             raise ValueError("openai backend: llm.base_url is required (e.g. http://localhost:8000/v1)")
         self.base_url = base_url.rstrip("/")
+        # what logs, errors and repr show: ``http://user:pass@host`` is a credential (this client runs in Ray
+        # actors, whose log lines reach the driver's terminal without passing through the CLI's formatter)
+        self.shown_url = redact(self.base_url)
         self.model = model
         self.name = model
         self.context_tokens = context_tokens
@@ -76,7 +80,7 @@ class OpenAIHTTPLLM:
     def __repr__(self) -> str:
         key = "set" if self.__api_key else "unset"
         return (
-            f"OpenAIHTTPLLM(base_url={self.base_url!r}, model={self.model!r}, concurrency={self.concurrency}, "
+            f"OpenAIHTTPLLM(base_url={self.shown_url!r}, model={self.model!r}, concurrency={self.concurrency}, "
             f"timeout_s={self.timeout_s}, max_retries={self.max_retries}, api_key=<{key} via ${self.api_key_env}>)"
         )
 
@@ -147,7 +151,7 @@ class OpenAIHTTPLLM:
             return await self._one_inner(client, sem, index, prompt, params)
         except Exception as exc:  # anything unforeseen fails this item only, never the gather()
             logger.warning("item %d failed: %s", index, type(exc).__name__)
-            return GenerationResult(error=f"{type(exc).__name__}: {exc}")
+            return GenerationResult(error=redact(f"{type(exc).__name__}: {exc}"))
 
     async def _one_inner(
         self, client: httpx.AsyncClient, sem: asyncio.Semaphore, index: int, prompt: ChatPrompt,
@@ -174,6 +178,7 @@ class OpenAIHTTPLLM:
             r.extra.update(truncated=True, dropped_tokens=dropped)
         body = self._body(msgs, params)
         url = f"{self.base_url}/chat/completions"
+        shown = f"{self.shown_url}/chat/completions"
         # Seeded per item so a re-run waits the same way; jitter spreads retries of a batch apart.
         rng = random.Random(self.seed * 1_000_003 + index)
         attempt = 0
@@ -183,7 +188,7 @@ class OpenAIHTTPLLM:
                 try:
                     resp = await client.post(url, json=body, headers=self._headers())
                 except (httpx.TimeoutException, httpx.TransportError) as exc:
-                    reason = f"{type(exc).__name__}: {exc or 'no detail'}"
+                    reason = redact(f"{type(exc).__name__}: {exc or 'no detail'}")  # httpx may quote the URL
                 else:
                     if resp.status_code == 200:
                         return self._parse(resp, r, attempt)
@@ -195,12 +200,12 @@ class OpenAIHTTPLLM:
                 if attempt >= self.max_retries:
                     r.error = f"{reason} (after {attempt} retries)"
                     r.retries = attempt
-                    logger.warning("%s item %d failed: %s", url, index, r.error)
+                    logger.warning("%s item %d failed: %s", shown, index, r.error)
                     return r
                 delay = min(self.backoff_max_s, self.backoff_base_s * (2**attempt)) * (0.5 + rng.random())
                 if retry_after is not None:
                     delay = max(delay, min(retry_after, self.backoff_max_s))
-                logger.info("%s item %d: %s; retry %d in %.2fs", url, index, reason, attempt + 1, delay)
+                logger.info("%s item %d: %s; retry %d in %.2fs", shown, index, reason, attempt + 1, delay)
                 await asyncio.sleep(delay)
                 attempt += 1
 

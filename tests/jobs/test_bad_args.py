@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from memgas.pipeline.ingest import ingest
+from memgas.pipeline.locks import LOCK
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE3 = REPO / "data" / "sample" / "longmemeval_s_sample3.json"
@@ -70,6 +71,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("report-out-is-dir", ["report", "{run}", "{run}", "--out", "{dir}"], 2, "is a directory"),
     ("report-out-missing-dir", ["report", "{run}", "{run}", "--out", "{nope}/cmp.md"], 2, "does not exist"),
     ("report-disk-full", ["report", "{run}", "{run}", "--out", "/dev/full"], 3, "No space left on device"),
+    ("report-out-over-metrics", ["report", "{run}", "{run}", "--out", "{run}/metrics.json"], 2, "refusing to overwrite"),
     # serve
     ("serve-port-too-big", ["serve", "--port", "70000"], 2, "--port"),
     ("serve-port-negative", ["serve", "--port", "-1"], 2, "--port"),
@@ -116,6 +118,10 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("run-data-path-dir", ["run", "{demo}", "--set", "data.path={dir}"], 2, "data.path"),
     ("run-data-path-missing", ["run", "{demo}", "--set", "data.path={nope}"], 2, "no such file"),
     ("run-output-dir-file", ["run", "{demo}", "--set", "output_dir={file}"], 2, "not a directory"),
+    ("run-output-dir-users-files", ["run", "{demo}", "--set", "output_dir={notbank}", "--no-ray"], 2,
+     "not created by memgas"),
+    ("run-api-key-pasted", ["run", "{demo}", "--set", "llm.api_key_env=sk-proj-0123456789abcdef"], 2,
+     "not the name of an environment variable"),
     ("run-output-dir-under-file", ["run", "{demo}", "--set", "output_dir={file}/run"], 2, "is a file"),
     ("profile-bad-set", ["profile", "{demo}", "--set", "encoder.batch_size=0"], 2, "encoder.batch_size"),
 ]
@@ -131,6 +137,8 @@ def _tree(path: Path) -> dict[str, tuple[int, int]]:
     """(size, mtime) of every file below ``path``, and the directories: a changed bank shows here."""
     out = {}
     for p in sorted(path.rglob("*")):
+        if p.name == LOCK:  # the lock file records its last holder (ingest takes the bank's lock): not data
+            continue
         st = p.stat()
         out[str(p.relative_to(path))] = (st.st_size, st.st_mtime_ns) if p.is_file() else (-1, 0)
     return out
