@@ -3,7 +3,7 @@
 Exit codes (docs/reliability.md): 0 success; 1 an internal error (a bug: one line, the traceback with
 ``-v``); 2 bad input (arguments, config, data, a missing or damaged bank); 3 the environment (disk full,
 permission denied, read-only filesystem, an unreachable server); 4 the run finished but units failed
-after retries (counted in the report); 130 interrupted (Ctrl-C).
+after retries (counted in the report); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled like Ctrl-C).
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ import errno
 import json
 import logging
 import os
+import signal
 import sys
 import textwrap
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
@@ -32,6 +34,36 @@ ENV_ERRNOS = {
     errno.ENETUNREACH, errno.ETIMEDOUT, errno.EBUSY, errno.ETXTBSY,
 }
 EXIT_BUG, EXIT_INPUT, EXIT_ENV, EXIT_INTERRUPTED = 1, 2, 3, 130
+#: 128 + SIGTERM: what a shell reports for a process that SIGTERM ended (`timeout`, `docker stop`, Kubernetes)
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as a KeyboardInterrupt so that every path that cleans up after Ctrl-C (ingest's
+    rollback, the runner's RUNNING.json, Ray's shutdown) cleans up after it the same way."""
+
+
+#: set by the SIGTERM handler: the interrupt that reaches main() was a SIGTERM (ingest re-raises
+#: its own KeyboardInterrupt subclass, so the exception's type alone cannot tell)
+_terminated = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    global _terminated
+    if _terminated:  # a second SIGTERM while cleaning up: let the cleanup finish (SIGKILL still ends it)
+        return
+    _terminated = True
+    raise Terminated()
+
+
+def install_sigterm_handler() -> None:
+    """Make SIGTERM raise :class:`Terminated` in the main thread (a no-op in other threads, where Python
+    cannot set handlers). ``ray.init`` replaces the handler with its own ``sys.exit``; the executor calls
+    this again after it (jobs/executor.py)."""
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread
+        pass
 
 
 def _fmt(text: str) -> str:
@@ -307,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     prefix = f"memgas {args.command}: error:"
+    global _terminated
+    _terminated = False
+    previous = signal.getsignal(signal.SIGTERM)
+    install_sigterm_handler()
     try:
         return _dispatch(args)
     except MemgasError as exc:
@@ -317,6 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 0
     except KeyboardInterrupt as exc:
+        if _terminated:
+            print(f"memgas {args.command}: terminated (SIGTERM): {_interrupted(args.command, exc)}", file=sys.stderr)
+            return EXIT_TERMINATED
         print(f"memgas {args.command}: {_interrupted(args.command, exc)}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as exc:
@@ -337,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prefix} internal error {type(exc).__name__}: {_one_line(exc)} (a bug; re-run with -v for the "
               "traceback)", file=sys.stderr)
         return EXIT_BUG
+    finally:
+        if threading.current_thread() is threading.main_thread() and previous is not None:
+            signal.signal(signal.SIGTERM, previous)  # in-process callers (tests) get their own handler back
 
 
 def _interrupted(command: str, exc: KeyboardInterrupt) -> str:
