@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 from memgas import __version__
 from memgas.pipeline.data import AUTO, FORMATS
+from memgas.pipeline.data.synth import SYNTH_MAX_QUESTIONS, SYNTH_MAX_SESSIONS, SYNTH_MAX_TURNS
 from memgas.pipeline.errors import MemgasError
 
 log = logging.getLogger("memgas")
@@ -32,6 +33,7 @@ ENV_ERRNOS = {
     errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EMFILE, errno.ENFILE,
     errno.ENOMEM, errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH,
     errno.ENETUNREACH, errno.ETIMEDOUT, errno.EBUSY, errno.ETXTBSY,
+    errno.EFBIG,  # a file-size limit (`ulimit -f`, a filesystem's maximum): the environment, like a full disk
 }
 EXIT_BUG, EXIT_INPUT, EXIT_ENV, EXIT_INTERRUPTED = 1, 2, 3, 130
 #: 128 + SIGTERM: what a shell reports for a process that SIGTERM ended (`timeout`, `docker stop`, Kubernetes)
@@ -78,7 +80,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -- argument types (argparse turns their ArgumentTypeError into a one-line usage error) ----------------
-def _int_at_least(low: int):
+def _int_at_least(low: int, high: int | None = None):
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -86,6 +88,8 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
         if v < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:,}, got {v:,}")
         return v
 
     parse.__name__ = f"int>={low}"
@@ -175,9 +179,9 @@ def _add_synth(sub: Any) -> None:
           memgas synth big.json --questions 1 --sessions 100000 --turns 4   # one huge history
         """)
     p.add_argument("out", help="output .json path")
-    p.add_argument("--questions", type=_int_at_least(0), default=20, help="questions (= histories)")
-    p.add_argument("--sessions", type=_int_at_least(1), default=40, help="sessions per history")
-    p.add_argument("--turns", type=_int_at_least(1), default=6, help="utterances per session")
+    p.add_argument("--questions", type=_int_at_least(0, SYNTH_MAX_QUESTIONS), default=20, help="questions (= histories)")
+    p.add_argument("--sessions", type=_int_at_least(1, SYNTH_MAX_SESSIONS), default=40, help="sessions per history")
+    p.add_argument("--turns", type=_int_at_least(1, SYNTH_MAX_TURNS), default=6, help="utterances per session")
     p.add_argument("--reuse", type=_share, default=0.5, help="share of sessions drawn from a pool shared across histories")
     p.add_argument("--multi-session", type=_share, default=0.3,
                    help="share of questions whose fact is split over two sessions")
@@ -314,6 +318,7 @@ def _os_error(exc: OSError) -> tuple[int, str]:
         errno.EDQUOT: "free some space and re-run; completed work is kept",
         errno.EROFS: "choose a writable location",
         errno.EADDRINUSE: "choose another --port",
+        errno.EFBIG: "raise the file-size limit (ulimit -f) or write elsewhere; completed work is kept",
     }
     if exc.errno in hints:
         line += f" ({hints[exc.errno]})"
