@@ -248,6 +248,7 @@ def _add_serve(sub: Any) -> None:
     p = _sub(sub, "serve", "serve the configured LLM as an OpenAI-compatible HTTP endpoint", """
         POST /v1/chat/completions, GET /v1/models, GET /health; one request at a time reaches the
         model (for tests, demos and sharing one CPU model; use `vllm serve` for throughput).
+        Completions are answered whole: `stream: true` is refused (400), as are invalid parameters.
 
         Example:
           memgas serve --port 8011   # then llm.backend=openai, llm.base_url=http://127.0.0.1:8011/v1
@@ -277,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
             Exit codes: 0 ok, 1 internal error (re-run with -v), 2 bad input, 3 environment
             (disk full, permissions, unreachable), 4 finished but units failed after retries
-            (counted in the report; re-run to retry them), 130 interrupted.
+            (counted in the report; re-run to retry them), 130 interrupted, 143 terminated (SIGTERM).
             """
         ),
     )
