@@ -3,7 +3,7 @@
 Exit codes (docs/reliability.md): 0 success; 1 an internal error (a bug: one line, the traceback with
 ``-v``); 2 bad input (arguments, config, data, a missing or damaged bank); 3 the environment (disk full,
 permission denied, read-only filesystem, an unreachable server); 4 the run finished but units failed
-after retries (counted in the report); 130 interrupted (Ctrl-C).
+after retries (counted in the report); 130 interrupted (Ctrl-C); 143 terminated (SIGTERM, handled like Ctrl-C).
 """
 
 from __future__ import annotations
@@ -13,14 +13,17 @@ import errno
 import json
 import logging
 import os
+import signal
 import sys
 import textwrap
+import threading
 import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
 from memgas import __version__
 from memgas.pipeline.data import AUTO, FORMATS
+from memgas.pipeline.data.synth import SYNTH_MAX_QUESTIONS, SYNTH_MAX_SESSIONS, SYNTH_MAX_TURNS
 from memgas.pipeline.errors import MemgasError
 from memgas.pipeline.redact import printable
 
@@ -31,8 +34,39 @@ ENV_ERRNOS = {
     errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EIO, errno.EMFILE, errno.ENFILE,
     errno.ENOMEM, errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH,
     errno.ENETUNREACH, errno.ETIMEDOUT, errno.EBUSY, errno.ETXTBSY,
+    errno.EFBIG,  # a file-size limit (`ulimit -f`, a filesystem's maximum): the environment, like a full disk
 }
 EXIT_BUG, EXIT_INPUT, EXIT_ENV, EXIT_INTERRUPTED = 1, 2, 3, 130
+#: 128 + SIGTERM: what a shell reports for a process that SIGTERM ended (`timeout`, `docker stop`, Kubernetes)
+EXIT_TERMINATED = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised as a KeyboardInterrupt so that every path that cleans up after Ctrl-C (ingest's
+    rollback, the runner's RUNNING.json, Ray's shutdown) cleans up after it the same way."""
+
+
+#: set by the SIGTERM handler: the interrupt that reaches main() was a SIGTERM (ingest re-raises
+#: its own KeyboardInterrupt subclass, so the exception's type alone cannot tell)
+_terminated = False
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    global _terminated
+    if _terminated:  # a second SIGTERM while cleaning up: let the cleanup finish (SIGKILL still ends it)
+        return
+    _terminated = True
+    raise Terminated()
+
+
+def install_sigterm_handler() -> None:
+    """Make SIGTERM raise :class:`Terminated` in the main thread (a no-op in other threads, where Python
+    cannot set handlers). ``ray.init`` replaces the handler with its own ``sys.exit``; the executor calls
+    this again after it (jobs/executor.py)."""
+    try:
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread
+        pass
 
 
 def _fmt(text: str) -> str:
@@ -47,7 +81,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # -- argument types (argparse turns their ArgumentTypeError into a one-line usage error) ----------------
-def _int_at_least(low: int):
+def _int_at_least(low: int, high: int | None = None):
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -55,6 +89,8 @@ def _int_at_least(low: int):
             raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
         if v < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {v}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high:,}, got {v:,}")
         return v
 
     parse.__name__ = f"int>={low}"
@@ -144,9 +180,9 @@ def _add_synth(sub: Any) -> None:
           memgas synth big.json --questions 1 --sessions 100000 --turns 4   # one huge history
         """)
     p.add_argument("out", help="output .json path")
-    p.add_argument("--questions", type=_int_at_least(0), default=20, help="questions (= histories)")
-    p.add_argument("--sessions", type=_int_at_least(1), default=40, help="sessions per history")
-    p.add_argument("--turns", type=_int_at_least(1), default=6, help="utterances per session")
+    p.add_argument("--questions", type=_int_at_least(0, SYNTH_MAX_QUESTIONS), default=20, help="questions (= histories)")
+    p.add_argument("--sessions", type=_int_at_least(1, SYNTH_MAX_SESSIONS), default=40, help="sessions per history")
+    p.add_argument("--turns", type=_int_at_least(1, SYNTH_MAX_TURNS), default=6, help="utterances per session")
     p.add_argument("--reuse", type=_share, default=0.5, help="share of sessions drawn from a pool shared across histories")
     p.add_argument("--multi-session", type=_share, default=0.3,
                    help="share of questions whose fact is split over two sessions")
@@ -214,6 +250,7 @@ def _add_serve(sub: Any) -> None:
     p = _sub(sub, "serve", "serve the configured LLM as an OpenAI-compatible HTTP endpoint", """
         POST /v1/chat/completions, GET /v1/models, GET /health; one request at a time reaches the
         model (for tests, demos and sharing one CPU model; use `vllm serve` for throughput).
+        Completions are answered whole: `stream: true` is refused (400), as are invalid parameters.
 
         Example:
           memgas serve --port 8011   # then llm.backend=openai, llm.base_url=http://127.0.0.1:8011/v1
@@ -243,7 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
 
             Exit codes: 0 ok, 1 internal error (re-run with -v), 2 bad input, 3 environment
             (disk full, permissions, unreachable), 4 finished but units failed after retries
-            (counted in the report; re-run to retry them), 130 interrupted.
+            (counted in the report; re-run to retry them), 130 interrupted, 143 terminated (SIGTERM).
             """
         ),
     )
@@ -296,6 +333,7 @@ def _os_error(exc: OSError) -> tuple[int, str]:
         errno.EDQUOT: "free some space and re-run; completed work is kept",
         errno.EROFS: "choose a writable location",
         errno.EADDRINUSE: "choose another --port",
+        errno.EFBIG: "raise the file-size limit (ulimit -f) or write elsewhere; completed work is kept",
     }
     if exc.errno in hints:
         line += f" ({hints[exc.errno]})"
@@ -327,6 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging(args)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     prefix = f"memgas {args.command}: error:"
+    global _terminated
+    _terminated = False
+    previous = signal.getsignal(signal.SIGTERM)
+    install_sigterm_handler()
     try:
         return _dispatch(args)
     except MemgasError as exc:
@@ -337,6 +379,10 @@ def main(argv: list[str] | None = None) -> int:
         _silence_stdout()
         return 0
     except KeyboardInterrupt as exc:
+        if _terminated:
+            print(f"memgas {args.command}: terminated (SIGTERM): {_one_line(_interrupted(args.command, exc))}",
+                  file=sys.stderr)
+            return EXIT_TERMINATED
         print(f"memgas {args.command}: {_one_line(_interrupted(args.command, exc))}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except OSError as exc:
@@ -357,6 +403,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{prefix} internal error {type(exc).__name__}: {_one_line(exc)} (a bug; re-run with -v for the "
               "traceback)", file=sys.stderr)
         return EXIT_BUG
+    finally:
+        if threading.current_thread() is threading.main_thread() and previous is not None:
+            signal.signal(signal.SIGTERM, previous)  # in-process callers (tests) get their own handler back
 
 
 def _interrupted(command: str, exc: KeyboardInterrupt) -> str:

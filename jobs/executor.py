@@ -17,7 +17,9 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+import signal
 import socket
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -70,8 +72,9 @@ def _check_reachable(address: str) -> None:
     else:
         hostport = address
     host, _, port = hostport.rpartition(":")
-    if not host or not port.isdigit():
-        raise MemgasError(f"ray address {address!r}: expected host:port, ray://host:port or auto")
+    # a port outside 1-65535 is bad input (exit 2), not an unreachable cluster: socket raises OverflowError
+    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
+        raise MemgasError(f"ray address {address!r}: expected host:port (port 1-65535), ray://host:port or auto")
     try:
         with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
             pass
@@ -115,9 +118,11 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         return "already-initialized"
     address = address or os.environ.get("RAY_ADDRESS") or None
     runtime_env = {"env_vars": forwarded_env()}
+    previous = signal.getsignal(signal.SIGTERM)  # ray.init replaces it (see _restore_sigterm)
     if address:
         _check_reachable(address)
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+        _restore_sigterm(previous)
         return f"cluster:{address}"
     ray.init(
         # "local": always a new embedded instance, never a stale or foreign cluster that `ray start` left on
@@ -129,7 +134,15 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         configure_logging=False,
         runtime_env=runtime_env,
     )
+    _restore_sigterm(previous)
     return f"local:{ray.available_resources().get('CPU', 0):.0f}cpu"
+
+
+def _restore_sigterm(previous: Any) -> None:
+    """``ray.init`` replaces the SIGTERM handler with ``sys.exit(15)`` (the CLI then ended with exit 1 and a
+    stack dump); put back a handler the caller installed (the CLI's: SIGTERM is handled like Ctrl-C)."""
+    if callable(previous) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, previous)
 
 
 def shutdown_ray() -> None:

@@ -21,8 +21,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,12 +238,25 @@ def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
     ds = (bank.manifest.get("datasets") or [{}])[-1]
     try:
         sha = file_sha256(cfg.data.path)
-    except OSError:
+    except (OSError, MemgasError):  # missing, unreadable, a FIFO: nothing to compare (only a warning)
         return
     if ds.get("sha256") and ds.get("sha256") != sha:
         log.warning("bank %s holds %s (sha256 %s...) but the config's data.path %s has sha256 %s...; "
                     "results describe the bank's dataset (memgas run re-ingests)", bank.path, ds.get("path"),
                     str(ds.get("sha256"))[:12], cfg.data.path, sha[:12])
+
+
+def require_data(bank: Bank, what: str) -> None:
+    """Refuse a bank whose dataset has no ``what`` ("sessions": nothing to index; "questions": nothing to
+    answer or evaluate) with one line that names the dataset, before any model loads or stage runs
+    (otherwise the first empty table further on said "run `memgas index` first", which does not help)."""
+    table = {"sessions": "sessions", "questions": "queries"}[what]
+    if bank.count(table) > 0:
+        return
+    ds = (bank.manifest.get("datasets") or [{}])[-1]
+    limit = f" with limit {ds['limit']}" if ds.get("limit") is not None else ""
+    raise MemgasError(f"the dataset {ds.get('path', '?')}{limit} (in bank {bank.path}) has no {what}; nothing to "
+                      f"{'index' if what == 'sessions' else 'answer or evaluate'}: check the file (and data.limit)")
 
 
 # -- commands -----------------------------------------------------------------------------------------
@@ -265,6 +277,7 @@ def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = N
     prof = prof or Profiler()
     bank = Bank(bank_path)
     warn_if_stale_bank(cfg, bank)
+    require_data(bank, "sessions")
     own = start_ray(cfg, use_ray)
     try:
         with locked(bank.path):
@@ -285,6 +298,7 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
     run_dir = Path(run_dir or cfg.output_dir)
     bank = Bank(bank_path)
     warn_if_stale_bank(cfg, bank)
+    require_data(bank, "questions")
     own = start_ray(cfg, use_ray)
     try:
         check_output_dir(run_dir, fresh=False, bank_dir=bank.path)
@@ -318,6 +332,7 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
             # "in use" here instead of re-ingesting under the first run's feet
             with locked(cfg.bank_path):
                 bank, ingest_entry = ensure_ingested(cfg, prof)
+                require_data(bank, "questions")
                 ctx = StageContext(cfg, bank, None, use_ray)
                 resolve_runtime(ctx)
                 record = [ingest_entry, *run_stages(ctx, S.INDEX, prof)]

@@ -318,7 +318,53 @@ def load_metrics(run_dir: str | Path) -> dict[str, Any]:
                           "`memgas answer` to rewrite it") from None
     if not isinstance(metrics, dict):
         raise MemgasError(f"{path}: corrupt metrics.json (expected a JSON object, got {type(metrics).__name__})")
+    problem = metrics_problem(metrics)
+    if problem:
+        raise MemgasError(f"{path}: corrupt metrics.json ({problem}); re-run `memgas answer` to rewrite it")
     return metrics
+
+
+#: fields the report prints as text: a number or an object there is not a metrics.json memgas wrote
+_TEXT_FIELDS = {
+    "run": ("name", "encoder", "generator", "llm", "router", "version", "git_commit"),
+    "dataset": ("path", "sha256", "format"),
+}
+
+
+def _json_type(v: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(v), "a number")
+
+
+def metrics_problem(metrics: dict[str, Any]) -> str | None:
+    """The first field of ``metrics`` whose type the report cannot print (None: all fine). Sections are
+    otherwise read leniently (a missing metric prints as "–"), so only what would crash is checked."""
+    for section in ("run", "dataset", "retrieval", "qa", "stages", "latency", "encoding", "notes"):
+        if metrics.get(section) is not None and not isinstance(metrics[section], dict):
+            return f"{section} should be an object, got {_json_type(metrics[section])}"
+    for section, keys in _TEXT_FIELDS.items():
+        for k in keys:
+            v = (metrics.get(section) or {}).get(k)
+            if v is not None and not isinstance(v, str):
+                return f"{section}.{k} should be a string, got {_json_type(v)}"
+    for method, m in (metrics.get("qa") or {}).items():
+        if not isinstance(m, dict):
+            continue
+        notes = m.get("notes")
+        if notes is not None and not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+            return f"qa.{method}.notes should be an array of strings"
+        failed = m.get("failed")
+        if failed is not None and _num(failed) is None:
+            return f"qa.{method}.failed should be a number, got {_json_type(failed)}"
+    record = metrics.get("record")
+    if record is not None and not isinstance(record, list):
+        return f"record should be an array, got {_json_type(record)}"
+    for i, r in enumerate(record or []):
+        for k in ("stage", "status", "fingerprint"):
+            v = r.get(k) if isinstance(r, dict) else None
+            if v is not None and not isinstance(v, str):
+                return f"record[{i}].{k} should be a string, got {_json_type(v)}"
+    return None
 
 
 def write_text(path: str | Path, text: str) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -26,7 +27,18 @@ ALL_METHODS: tuple[str, ...] = METHOD_NAMES
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # no NaN or infinity anywhere: `temp=inf` or `timeout_s=nan` pass a `gt=0` bound and break later
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+#: Upper bounds. Without them a 20-digit value passes `ge=1` and overflows a C integer deep inside NumPy,
+#: Arrow or Ray (exit 1, "a bug"); each bound is far above any real use.
+#: tokens of one text or context (the longest-context models take ~10^6 tokens)
+MAX_TOKENS = 10_000_000
+#: sessions ranked or evaluated per query (`evaluation.ks`, `retrieval.store_top`; LongMemEval-M has 500)
+MAX_RANKED = 1_000_000
+#: counts of items, workers, batches and units
+MAX_COUNT = 1_000_000_000
 
 
 def expand_user(v: Any) -> Any:
@@ -70,9 +82,10 @@ class EncoderConfig(_Strict):
     model: str = "minilm"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    batch_size: int = Field(64, ge=1)
+    batch_size: int = Field(64, ge=1, le=MAX_COUNT)
     #: None = the model's own limit
-    max_tokens: int | None = Field(None, ge=1)
+    #: (>= 8: a window must hold the special tokens and some text)
+    max_tokens: int | None = Field(None, ge=8, le=MAX_TOKENS)
     #: encode texts longer than max_tokens as windows and average them (else truncate, and count it)
     long_text: Literal["truncate", "mean-windows"] = "truncate"
     #: inference runtime: torch; onnx (ONNX Runtime, fp32); onnx-int8 (ONNX Runtime, int8 dynamic
@@ -83,17 +96,17 @@ class EncoderConfig(_Strict):
     #: most of what an index encodes (LongMemEval-S: a user message and an assistant answer of median 412
     #: tokens, ~60% of all tokens); measured quality and cost per window in docs/benchmarks.md. Their
     #: vectors are cached under their own key, so changing this re-encodes the pairs only.
-    pair_max_tokens: int | None = Field(None, ge=8)
+    pair_max_tokens: int | None = Field(None, ge=8, le=MAX_TOKENS)
     #: window of session texts; None = ``max_tokens``. Truncated at the turn pairs' window, a session whose
     #: first pair fills that window is token for token that pair, and is encoded once with it (on
     #: LongMemEval-S at 128 tokens: ~17% fewer tokens; quality in docs/benchmarks.md). Texts at the same
     #: window share one cache key, so changing this re-encodes the sessions only.
-    session_max_tokens: int | None = Field(None, ge=8)
+    session_max_tokens: int | None = Field(None, ge=8, le=MAX_TOKENS)
     #: encode-stage actors. None = auto: on CPU one actor per Ray CPU, each with one torch thread (on 2
     #: cores two 1-thread actors encode ~13% more tokens/s than one 2-thread actor: matmuls already run
     #: near peak, the gain is the serial parts running side by side; docs/benchmarks.md); on CUDA
     #: ``ray.model_actors``. A number: that many actors, with ``llm.threads`` threads each (None = all cores).
-    actors: int | None = Field(None, ge=1)
+    actors: int | None = Field(None, ge=1, le=MAX_COUNT)
 
     _expand = field_validator("model")(expand_user)  # a local model directory
 
@@ -105,16 +118,16 @@ class LLMConfig(_Strict):
     base_url: str | None = None
     #: name of the environment variable holding the API key (the key itself never enters a config)
     api_key_env: str = "OPENAI_API_KEY"
-    concurrency: int = Field(8, ge=1)
+    concurrency: int = Field(8, ge=1, le=MAX_COUNT)
     timeout_s: float = Field(120.0, gt=0)
-    max_retries: int = Field(3, ge=0)
-    context_tokens: int = Field(8192, ge=1)
-    batch_size: int = Field(8, ge=1)
+    max_retries: int = Field(3, ge=0, le=MAX_COUNT)
+    context_tokens: int = Field(8192, ge=1, le=MAX_TOKENS)
+    batch_size: int = Field(8, ge=1, le=MAX_COUNT)
     #: sampling temperature of every LLM call (generation, reading, judge); 0 = greedy, deterministic
     temperature: float = Field(0.0, ge=0)
-    tensor_parallel_size: int = Field(1, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=MAX_COUNT)
     gpu_memory_utilization: float = Field(0.85, gt=0, le=1)
-    threads: int | None = Field(None, ge=1)
+    threads: int | None = Field(None, ge=1, le=MAX_COUNT)
 
     _expand = field_validator("model")(expand_user)  # a local model directory or GGUF file
 
@@ -139,24 +152,24 @@ class GenerationConfig(_Strict):
     prompt_version: str = "paper-v1"
     #: one structured (JSON) call for summary + keywords instead of two calls
     single_call: bool = False
-    max_input_tokens: int = Field(3072, ge=1)
-    summary_max_tokens: int = Field(200, ge=1)
-    keywords_max_tokens: int = Field(80, ge=1)
+    max_input_tokens: int = Field(3072, ge=1, le=MAX_TOKENS)
+    summary_max_tokens: int = Field(200, ge=1, le=MAX_TOKENS)
+    keywords_max_tokens: int = Field(80, ge=1, le=MAX_TOKENS)
 
 
 class AssociationConfig(_Strict):
     #: candidates kept per node for the 2-component GMM (which needs at least 2 points)
-    mem_threshold: int = Field(30, ge=2)
-    min_prior_nodes: int = Field(20, ge=0)
+    mem_threshold: int = Field(30, ge=2, le=MAX_COUNT)
+    min_prior_nodes: int = Field(20, ge=0, le=MAX_COUNT)
     #: edges kept per node by the "no GMM" ablation
-    topk_edges: int = Field(5, ge=1)
+    topk_edges: int = Field(5, ge=1, le=MAX_COUNT)
     #: above this many nodes in one history, candidates are searched with faiss instead of a dense matrix
-    dense_max_nodes: int = Field(20000, ge=1)
+    dense_max_nodes: int = Field(20000, ge=1, le=MAX_COUNT)
 
 
 class RetrievalConfig(_Strict):
     methods: list[str] = Field(default_factory=lambda: list(ALL_METHODS), min_length=1)
-    num_seeds: int = Field(15, ge=1)
+    num_seeds: int = Field(15, ge=1, le=MAX_COUNT)
     #: probability of following an edge (igraph's meaning); 0 and 1 make PPR degenerate
     damping: float = Field(0.1, gt=0, lt=1)
     #: softmax temperature of the entropy router
@@ -164,7 +177,7 @@ class RetrievalConfig(_Strict):
     router: Literal["paper", "reference"] = "paper"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: how many ranked sessions to store per query (at least the largest evaluation.ks)
-    store_top: int = Field(50, ge=1)
+    store_top: int = Field(50, ge=1, le=MAX_RANKED)
 
     @field_validator("methods")
     @classmethod
@@ -176,12 +189,12 @@ class ReadingConfig(_Strict):
     enabled: bool = True
     #: methods whose rankings are read and answered
     methods: list[str] = Field(default_factory=lambda: ["memgas"])
-    top_k: int = Field(3, ge=1)
+    top_k: int = Field(3, ge=1, le=MAX_RANKED)
     filter: bool = True
     #: answer only the first N questions (CPU LLMs take seconds per question); None = all
     max_questions: int | None = Field(None, ge=0)
-    context_tokens: int = Field(6144, ge=1)
-    max_new_tokens: int = Field(64, ge=1)
+    context_tokens: int = Field(6144, ge=1, le=MAX_TOKENS)
+    max_new_tokens: int = Field(64, ge=1, le=MAX_TOKENS)
 
     @field_validator("methods")
     @classmethod
@@ -190,7 +203,7 @@ class ReadingConfig(_Strict):
 
 
 class EvalConfig(_Strict):
-    ks: list[Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: [1, 3, 5, 10, 30, 50], min_length=1)
+    ks: list[Annotated[int, Field(ge=1, le=MAX_RANKED)]] = Field(default_factory=lambda: [1, 3, 5, 10, 30, 50], min_length=1)
     judge: bool = False
     bertscore: bool = False
 
@@ -198,17 +211,17 @@ class EvalConfig(_Strict):
 class RayConfig(_Strict):
     #: None = start a local Ray (embedded); "auto" or "ray://host:port" for a cluster (RAY_ADDRESS works too)
     address: str | None = None
-    num_cpus: int | None = Field(None, ge=1)
+    num_cpus: int | None = Field(None, ge=1, le=MAX_COUNT)
     num_gpus_per_model_actor: float = Field(0.0, ge=0)
     #: GPUs each association/ranking task requests when its kernels run on CUDA (fractional: tasks share)
     num_gpus_per_task: float = Field(0.25, ge=0)
-    model_actors: int = Field(1, ge=1)
+    model_actors: int = Field(1, ge=1, le=MAX_COUNT)
     #: histories per CPU task
-    shard_size: int = Field(16, ge=1)
+    shard_size: int = Field(16, ge=1, le=MAX_COUNT)
     #: sessions per checkpointed generation unit, texts per checkpointed encoding unit (at most: the plan
     #: makes as many units as this needs, of equal sizes (generate) or equal estimated tokens (encode))
-    generate_unit: int = Field(32, ge=1)
-    encode_unit: int = Field(512, ge=1)
+    generate_unit: int = Field(32, ge=1, le=MAX_COUNT)
+    encode_unit: int = Field(512, ge=1, le=MAX_COUNT)
 
 
 class MemgasConfig(_Strict):
@@ -217,7 +230,8 @@ class MemgasConfig(_Strict):
     #: bank directory; default <output_dir>/bank
     bank_dir: str | None = None
     #: seed of every LLM call (sampling at temperature > 0, and backends that take one)
-    seed: int = 0
+    #: 0 .. 2^32-1: NumPy, torch and the LLM backends take 32-bit seeds
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     data: DataConfig = Field(default_factory=DataConfig)
     encoder: EncoderConfig = Field(default_factory=EncoderConfig)
     llm: LLMConfig = Field(default_factory=LLMConfig)
@@ -349,20 +363,71 @@ def check_ray_gpus(cfg: MemgasConfig) -> None:
         raise ConfigError(message)
 
 
+#: Largest config file read (bytes). The shipped configs are ~2 KB; a bound keeps `--config /dev/zero`-like
+#: input (a huge or endless file) from reading until memory runs out.
+MAX_CONFIG_BYTES = 1 << 20
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping that names one key twice (YAML forbids it; PyYAML silently keeps the last value)."""
+
+    def __init__(self, key: Any, first: yaml.Mark, again: yaml.Mark) -> None:
+        super().__init__(f"duplicate key {key!r}")
+        self.key, self.first, self.again = key, first, again
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping: a second ``retrieval:`` section
+    would otherwise replace the first one's settings without a word."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, yaml.Mark] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` overrides are the point of merges
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first is not None:
+                    raise _DuplicateKey(key, first, key_node.start_mark)
+                seen[key] = key_node.start_mark
+        return super().construct_mapping(node, deep=deep)
+
+
+def _safe_load(text: str) -> Any:
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _read_yaml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"{path}: config file not found")
-    if p.is_dir():
-        raise ConfigError(f"{path}: is a directory, expected a YAML config file")
     try:
-        text = p.read_bytes().decode("utf-8")
+        st = p.stat()
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{path}: is a directory, expected a YAML config file")
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open for ever, /dev/zero never ends
+        raise ConfigError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); expected a YAML config file")
+    if st.st_size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: {st.st_size} bytes, larger than a config can be ({MAX_CONFIG_BYTES} bytes)")
+    with open(p, "rb") as f:
+        data = f.read(MAX_CONFIG_BYTES + 1)  # bounded even if the file grows while it is read
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than a config can be ({MAX_CONFIG_BYTES} bytes)")
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not a text file (invalid UTF-8 at byte {exc.start}); expected a YAML config") from None
     if "\x00" in text:
         raise ConfigError(f"{path}: not a text file (NUL bytes); expected a YAML config")
     try:
-        raw = yaml.safe_load(text)
+        raw = _safe_load(text)
+    except _DuplicateKey as exc:
+        raise ConfigError(f"{path}: duplicate key {exc.key!r} on line {exc.again.line + 1} (first on line "
+                          f"{exc.first.line + 1}); the second would replace the first's settings: keep one") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     if raw is None:
@@ -371,6 +436,14 @@ def _read_yaml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: expected a mapping of sections (data:, retrieval:, ...) at the top level, "
                           f"got {type(raw).__name__}")
     return raw
+
+
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"
 
 
 def _yaml_problem(exc: yaml.YAMLError) -> str:
@@ -391,7 +464,9 @@ def _apply_override(raw: dict[str, Any], item: str) -> str:
     if not key or any(not p for p in parts):
         raise ConfigError(f"--set {item}: expected KEY=VALUE with a dotted key, e.g. retrieval.num_seeds=10")
     try:
-        parsed = yaml.safe_load(value)
+        parsed = _safe_load(value)
+    except _DuplicateKey as exc:
+        raise ConfigError(f"--set {item}: duplicate key {exc.key!r} in the value") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {item}: the value is not valid YAML: {_yaml_problem(exc)}") from None
     node = raw

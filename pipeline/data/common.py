@@ -14,6 +14,7 @@ from __future__ import annotations
 import codecs
 import io
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -441,6 +442,8 @@ def iter_json_array(path: str | Path, on_read: Callable[[int], None] | None = No
         except _DuplicateKey as exc:
             raise DataError(file, f"duplicate key {exc.args[0]!r} in one object near byte {reader.pos} (only one "
                             "value per key can be kept; remove or rename the other)", index=index) from None
+        except _LoneSurrogate:
+            raise DataError(file, f"{LONE_SURROGATE} (near byte {reader.pos})", index=index) from None
         except _TooDeep:
             raise DataError(
                 file, f"JSON nested deeper than {MAX_DEPTH} levels near byte {reader.pos} (the supported formats "
@@ -457,6 +460,34 @@ class _TooDeep(Exception):
     pass
 
 
+class _LoneSurrogate(Exception):
+    pass
+
+
+#: the one line for a string holding half of a UTF-16 surrogate pair (a JSON escape such as ``\ud800``):
+#: it is no Unicode text, and every later step (Parquet, the tokenizer, reports) would fail on it
+LONE_SURROGATE = ("a lone UTF-16 surrogate escape (such as \\ud800) in a string: not valid Unicode text; "
+                  "fix or remove the escape")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def has_lone_surrogate(obj: Any) -> bool:
+    """Whether any string (key or value) in the parsed JSON value ``obj`` holds a lone surrogate
+    (iterative; valid pairs like ``\ud83d\ude00`` were already joined into one character by the parser)."""
+    todo = [obj]
+    while todo:
+        o = todo.pop()
+        if type(o) is str:
+            if not o.isascii() and _SURROGATE.search(o):
+                return True
+        elif type(o) is dict:
+            todo.extend(o.keys())
+            todo.extend(o.values())
+        elif type(o) is list:
+            todo.extend(o)
+    return False
+
+
 class _DuplicateKey(Exception):
     pass
 
@@ -467,6 +498,9 @@ def _build_items(events: Iterator[tuple[str, Any]], reader: CountingReader) -> I
     keys: list[Any] = []  # the pending key of each open container (None for arrays)
     depth = 0
     for ev, val in events:
+        # ijson's C backend turns a lone surrogate escape into "?"; the Python backends pass it through
+        if type(val) is str and not val.isascii() and _SURROGATE.search(val):
+            raise _LoneSurrogate
         if ev == "map_key":
             if val in stack[-1]:  # JSON allows it; a loader would silently see only the last value
                 raise _DuplicateKey(val)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from memgas.pipeline.data.common import (
+    LONE_SURROGATE,
     MAX_DEPTH,
     stream_records,
     Ctx,
@@ -26,6 +27,7 @@ from memgas.pipeline.data.common import (
     Utterance,
     Warnings,
     check_evidence,
+    has_lone_surrogate,
     expect_dict,
     id_str,
     parse_date,
@@ -130,7 +132,10 @@ def iter_lines(path: str | Path, on_read: Callable[[int], None] | None = None) -
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_unique_keys)
+            except _DuplicateKey as exc:
+                raise DataError(str(p), f"line {lineno}: duplicate key {exc.args[0]!r} in one object (only one value "
+                                "per key can be kept; remove or rename the other)", index=index) from None
             except json.JSONDecodeError as exc:
                 what = "truncated JSON" if exc.pos >= len(line.rstrip()) else "malformed JSON"
                 raise DataError(str(p), f"line {lineno}: {what} at column {exc.colno} (byte offset ~{start + exc.pos}): {exc.msg}", index=index) from None
@@ -140,8 +145,26 @@ def iter_lines(path: str | Path, on_read: Callable[[int], None] | None = None) -
                 raise DataError(str(p), f"line {lineno}: {str(exc).splitlines()[0]}", index=index) from None
             if _depth_over(obj, MAX_DEPTH):
                 raise DataError(str(p), f"line {lineno}: JSON nested deeper than {MAX_DEPTH} levels; not a history", index=index)
+            if ("\\ud" in line or "\\uD" in line) and has_lone_surrogate(obj):  # only an escape can make one
+                raise DataError(str(p), f"line {lineno}: {LONE_SURROGATE}", index=index)
             yield index, obj
             index += 1
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``object_pairs_hook``: the standard library keeps the last of two equal keys without a word."""
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
+    return d
 
 
 def _depth_over(obj: Any, limit: int) -> bool:

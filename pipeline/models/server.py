@@ -2,6 +2,9 @@
 
 Endpoints: ``POST /v1/chat/completions`` (model, messages, max_tokens / max_completion_tokens,
 temperature, top_p, stop, seed, response_format), ``GET /v1/models``, ``GET /health``.
+Invalid requests get HTTP 400 with an OpenAI-style error body naming the parameter (``stream: true``
+included: completions are answered whole, never streamed), bodies over ``MAX_BODY_BYTES`` 413, and a body
+shorter than its Content-Length a 400 after ``BODY_TIMEOUT_S``.
 One request at a time reaches the model (a lock; batch size 1): this is for tests, demos and sharing one
 CPU model between processes, not for throughput (use ``vllm serve`` for that).
 
@@ -84,6 +87,24 @@ class Faults:
         return None
 
 
+#: Largest request body accepted (413 above it). A prompt for a small served model fits in a few hundred KB;
+#: without a bound a 5 MB prompt held the only model for 90 s.
+MAX_BODY_BYTES = 1 << 20
+#: Largest ``max_tokens`` a request may ask for (the served models' contexts are far smaller).
+MAX_COMPLETION_TOKENS = 1 << 20
+#: Seconds a connection may take to send its headers or body: a Content-Length larger than the body
+#: sent ends in a 400 after this instead of holding a handler thread for ever.
+BODY_TIMEOUT_S = 10.0
+
+
+class BadRequest(Exception):
+    """An invalid request: HTTP ``status`` (400 or 413) with an OpenAI-style error naming ``param``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
 class ChatServer(ThreadingHTTPServer):
     """``ThreadingHTTPServer`` holding the LLM, its lock, the fault knobs and simple counters."""
 
@@ -108,6 +129,7 @@ class ChatServer(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     server: ChatServer
     protocol_version = "HTTP/1.1"
+    timeout = BODY_TIMEOUT_S  # socket timeout of every read (StreamRequestHandler sets it on the connection)
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, never headers
         logger.debug("%s %s", self.address_string(), fmt % args)
@@ -124,8 +146,34 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _error(self, code: int, message: str, etype: str = "invalid_request_error",
-               headers: dict[str, str] | None = None) -> None:
-        self._send(code, {"error": {"message": message, "type": etype, "code": code}}, headers=headers)
+               headers: dict[str, str] | None = None, param: str | None = None) -> None:
+        """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
+        self._send(code, {"error": {"message": message, "type": etype, "param": param, "code": code}},
+                   headers=headers)
+
+    def _read_body(self) -> bytes:
+        """The request body, or BadRequest: a missing, non-numeric or negative Content-Length, a body over
+        MAX_BODY_BYTES (413), or fewer bytes than announced within BODY_TIMEOUT_S."""
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            raise BadRequest("chunked request bodies are not supported; send a Content-Length", "Content-Length")
+        text = (self.headers.get("Content-Length") or "").strip()
+        if not text:
+            return b""
+        if not (text.isascii() and text.isdigit()):
+            raise BadRequest(f"Content-Length must be a non-negative whole number, got {text[:40]!r}", "Content-Length")
+        length = int(text)
+        if length > MAX_BODY_BYTES:
+            raise BadRequest(f"request body of {length} bytes is larger than the limit of {MAX_BODY_BYTES} bytes",
+                             "Content-Length", status=413)
+        try:
+            raw = self.rfile.read(length)
+        except TimeoutError:  # the client sent fewer bytes than announced and waits
+            raise BadRequest(f"the body did not reach the {length} bytes that Content-Length announced within "
+                             f"{BODY_TIMEOUT_S:g} s", "Content-Length") from None
+        if len(raw) != length:  # the client closed its side early
+            raise BadRequest(f"the body ended after {len(raw)} of the {length} bytes that Content-Length announced",
+                             "Content-Length")
+        return raw
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's naming
         if self.path.rstrip("/") == "/health":
@@ -141,8 +189,12 @@ class _Handler(BaseHTTPRequestHandler):
         if self.path.rstrip("/") != "/v1/chat/completions":
             self._error(404, f"no route {self.path}")
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        try:
+            raw = self._read_body()
+        except BadRequest as exc:
+            self.close_connection = True  # the rest of a bad body must not be read as the next request
+            self._error(exc.status, str(exc), param=exc.param)
+            return
         srv = self.server
         srv.requests += 1
         srv.last_authorization = self.headers.get("Authorization")
@@ -158,26 +210,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(429, "injected rate limit", "rate_limit_error", headers=hdr)
             return
         try:
-            req = json.loads(raw or b"{}")
-            messages = req["messages"]
-            if not isinstance(messages, list):
-                raise TypeError("messages must be a list")
-            stop = req.get("stop") or ()
-            stop = (stop,) if isinstance(stop, str) else tuple(stop)
-            schema = None
-            rf = req.get("response_format") or {}
-            if rf.get("type") == "json_schema":
-                schema = (rf.get("json_schema") or {}).get("schema")
-            params = SamplingParams(
-                max_tokens=int(req.get("max_completion_tokens") or req.get("max_tokens") or 256),
-                temperature=float(req.get("temperature") or 0.0),
-                top_p=float(req.get("top_p") if req.get("top_p") is not None else 1.0),
-                stop=stop,
-                seed=int(req.get("seed") or 0),
-                json_schema=schema,
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            self._error(400, f"bad request: {type(exc).__name__}: {exc}")
+            messages, params = parse_chat_request(raw)
+        except BadRequest as exc:
+            self._error(exc.status, str(exc), param=exc.param)
             return
         with srv.model_lock:
             result = srv.llm.generate([messages], params)[0]
@@ -204,6 +239,81 @@ class _Handler(BaseHTTPRequestHandler):
             },
             "memgas": {"truncated": bool(result.extra.get("truncated", False))},
         })
+
+
+def _number(req: dict[str, Any], key: str, default: float, low: float, high: float) -> float:
+    v = req.get(key)
+    if v is None:
+        return default
+    # bool is an int in Python; NaN and infinity fail the range test (json.loads accepts NaN and Infinity)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not low <= v <= high:
+        raise BadRequest(f"{key} must be a number in [{low:g}, {high:g}], got {json.dumps(v)[:40]}", key)
+    return float(v)
+
+
+def _whole(req: dict[str, Any], key: str, low: int, high: int) -> int | None:
+    v = req.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= high:
+        raise BadRequest(f"{key} must be a whole number in [{low}, {high}], got {json.dumps(v)[:40]}", key)
+    return v
+
+
+def parse_chat_request(raw: bytes) -> tuple[ChatPrompt, SamplingParams]:
+    """(messages, sampling parameters) of a chat-completions body, or BadRequest naming the parameter.
+
+    Nothing is substituted silently: ``max_tokens`` 0 or negative is refused (only a missing one takes
+    the default, 256), and so is ``stream: true`` (this server answers whole completions only).
+    """
+    try:
+        req = json.loads(raw or b"{}")
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise BadRequest(f"the body is not valid JSON: {str(exc).splitlines()[0][:200]}") from None
+    except RecursionError:
+        raise BadRequest("the body is not valid JSON: nested too deeply") from None
+    if not isinstance(req, dict):
+        raise BadRequest("the body must be a JSON object")
+    messages = req.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty array of {role, content} objects", "messages")
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise BadRequest(f"messages[{i}] must be an object with a string role and a string content",
+                             f"messages[{i}]")
+    if req.get("stream") not in (None, False):
+        raise BadRequest("stream: true is not supported by memgas serve; send stream: false (or leave it out)",
+                         "stream")
+    max_key = "max_completion_tokens" if req.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _whole(req, max_key, 1, MAX_COMPLETION_TOKENS)
+    stop = req.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):
+        stop = (stop,)
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        stop = tuple(stop)
+    else:
+        raise BadRequest("stop must be a string or an array of strings", "stop")
+    rf = req.get("response_format")
+    if rf is not None and not isinstance(rf, dict):
+        raise BadRequest("response_format must be an object", "response_format")
+    schema = None
+    if (rf or {}).get("type") == "json_schema":
+        js = rf.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise BadRequest("response_format.json_schema.schema must be an object", "response_format")
+    seed = _whole(req, "seed", -(2**63), 2**63 - 1)
+    params = SamplingParams(
+        max_tokens=256 if max_tokens is None else max_tokens,
+        temperature=_number(req, "temperature", 0.0, 0.0, 2.0),
+        top_p=_number(req, "top_p", 1.0, 0.0, 1.0),
+        stop=stop,
+        seed=seed or 0,
+        json_schema=schema,
+    )
+    return messages, params
 
 
 def serve_in_thread(llm: LLM, host: str = "127.0.0.1", port: int = 0,

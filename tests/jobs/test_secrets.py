@@ -17,7 +17,7 @@ from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import ConfigError
 from memgas.pipeline.redact import printable, redact
 
-from .conftest import REPO, SAMPLE_LOCOMO, memgas_env
+from .conftest import REPO, memgas_env
 
 SMALL = ["--no-ray", "-q", "--set", "data.limit=1", "--set", "reading.enabled=false", "--set",
          "retrieval.methods=[session,memgas]"]

@@ -104,3 +104,131 @@ def test_memgas_serve_with_the_cpu_model() -> None:
             raise
     assert proc.returncode == 0, err[-2000:]
     assert "Traceback" not in err
+
+
+# -- invalid requests: 400/413 with an OpenAI-style error body, never a 500, a hang or a dropped connection --
+import http.client  # noqa: E402 - kept with the tests that use it
+import json  # noqa: E402
+
+from memgas.pipeline.models import server as server_mod  # noqa: E402
+from memgas.pipeline.models.server import serve_in_thread  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def echo_server():
+    srv, t = serve_in_thread(EchoLLM())
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+    t.join(10)
+
+
+def _post(srv, body: bytes | str, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    host, port = srv.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body,
+                     headers={"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+_MSG = [{"role": "user", "content": "one two three"}]
+
+#: (id, request body, HTTP status, the error's param)
+BAD_REQUESTS = [
+    ("not-json", "{oops", 400, None),
+    ("not-an-object", "[1, 2]", 400, None),
+    ("no-messages", {"model": "echo"}, 400, "messages"),
+    ("empty-messages", {"messages": []}, 400, "messages"),
+    ("messages-not-a-list", {"messages": "hi"}, 400, "messages"),
+    ("content-not-a-string", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0]"),
+    ("message-not-an-object", {"messages": ["hi"]}, 400, "messages[0]"),
+    ("nan-temperature", '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "temperature"),
+    ("temperature-a-string", {"messages": _MSG, "temperature": "hot"}, 400, "temperature"),
+    ("top-p-above-1", {"messages": _MSG, "top_p": 1.5}, 400, "top_p"),
+    ("huge-max-tokens", {"messages": _MSG, "max_tokens": 10**30}, 400, "max_tokens"),
+    ("max-tokens-zero", {"messages": _MSG, "max_tokens": 0}, 400, "max_tokens"),
+    ("max-tokens-negative", {"messages": _MSG, "max_tokens": -5}, 400, "max_tokens"),
+    ("max-tokens-a-float", {"messages": _MSG, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("max-completion-tokens-zero", {"messages": _MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ("stop-a-number", {"messages": _MSG, "stop": 3}, 400, "stop"),
+    ("seed-a-string", {"messages": _MSG, "seed": "x"}, 400, "seed"),
+    ("stream-true", {"messages": _MSG, "stream": True}, 400, "stream"),
+    ("response-format-a-string", {"messages": _MSG, "response_format": "json"}, 400, "response_format"),
+]
+
+
+@pytest.mark.parametrize("body, status, param", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_an_invalid_request_gets_a_400_with_an_openai_error_body(echo_server, body, status, param) -> None:
+    raw = body if isinstance(body, str) else json.dumps(body)
+    code, payload = _post(echo_server, raw)
+    assert code == status, payload
+    err = payload["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == status
+    assert isinstance(err["message"], str) and err["message"]
+    # the server is still there and answers the next request
+    assert _post(echo_server, json.dumps({"messages": _MSG, "max_tokens": 2}))[1]["choices"][0]["message"]["content"] == "one two"
+
+
+def test_max_tokens_is_honoured_never_replaced(echo_server) -> None:
+    code, payload = _post(echo_server, json.dumps({"messages": _MSG, "max_tokens": 1}))
+    assert code == 200 and payload["choices"][0]["message"]["content"] == "one"
+    code, payload = _post(echo_server, json.dumps({"messages": _MSG, "stream": False}))
+    assert code == 200 and payload["choices"][0]["message"]["content"] == "one two three"
+
+
+def test_a_body_over_the_limit_gets_413_before_it_is_read(echo_server) -> None:
+    big = json.dumps({"messages": [{"role": "user", "content": "w " * server_mod.MAX_BODY_BYTES}]})
+    code, payload = _post(echo_server, big)
+    assert code == 413 and payload["error"]["param"] == "Content-Length"
+    assert str(server_mod.MAX_BODY_BYTES) in payload["error"]["message"]
+
+
+def _raw_exchange(srv, head: bytes, body: bytes = b"", wait_s: float = 30) -> bytes:
+    """Send raw bytes (a request with a hand-written Content-Length) and read the whole answer."""
+    with socket.create_connection(srv.server_address[:2], timeout=wait_s) as s:
+        s.sendall(head + body)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _status_and_error(answer: bytes) -> tuple[int, dict]:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)["error"]
+
+
+@pytest.mark.parametrize("length", ["abc", "-5", "1e3", "12 34"])
+def test_a_malformed_content_length_gets_400_at_once(echo_server, length) -> None:
+    t0 = time.monotonic()
+    answer = _raw_exchange(echo_server, f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {length}\r\n"
+                                        "\r\n".encode(), b'{"messages": []}')
+    status, err = _status_and_error(answer)
+    assert status == 400 and err["param"] == "Content-Length" and err["type"] == "invalid_request_error"
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_body_shorter_than_its_content_length_gets_400_after_the_read_timeout(echo_server, monkeypatch) -> None:
+    # the handler's socket timeout is read when a connection is set up: shorten it for this test
+    monkeypatch.setattr(server_mod._Handler, "timeout", 1.0)
+    t0 = time.monotonic()
+    answer = _raw_exchange(echo_server, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n",
+                           b'{"messages": [')
+    status, err = _status_and_error(answer)
+    assert status == 400 and err["param"] == "Content-Length" and "500 bytes" in err["message"]
+    assert 0.9 < time.monotonic() - t0 < 10
+
+
+def test_a_client_that_closes_inside_the_body_does_not_hurt_the_server(echo_server) -> None:
+    with socket.create_connection(echo_server.server_address[:2], timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 500\r\n\r\n{")
+        s.shutdown(socket.SHUT_WR)
+        answer = b"".join(iter(lambda: s.recv(65536), b""))
+    status, err = _status_and_error(answer)
+    assert status == 400 and "after 1 of the 500 bytes" in err["message"]
+    assert _post(echo_server, json.dumps({"messages": _MSG}))[0] == 200
