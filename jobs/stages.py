@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -21,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memgas.jobs.stage import Stage, StageContext, config_value, short_hash
+from memgas.jobs.stage import Stage, StageContext, config_value, short_hash, table_digest
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError
@@ -143,6 +144,17 @@ def cost_chunks(items: list[Any], costs: list[float], size: int) -> list[list[An
             out.append(cur)
             cur = []
     return out + ([cur] if cur else [])
+
+
+def prefix_of(ctx: StageContext, name: str) -> str:
+    """Name prefix of stage ``name``'s unit parts under its current fingerprint."""
+    return STAGES[name].prefix(ctx)
+
+
+def attempt_of(part: str) -> int:
+    """The retry attempt a read part belongs to (``...-<method>-a0003-00001-<digest>``)."""
+    found = re.search(r"-a(\d+)-\d{5}(?:-|$)", part)
+    return int(found.group(1)) if found else 0
 
 
 def parts_with_prefix(bank: Bank, table: str, prefix: str) -> list[str]:
@@ -299,14 +311,17 @@ class IngestStage(Stage):
     def fingerprint(self, ctx: StageContext) -> str:
         # what the bank holds, not what the config names: index/answer on an existing bank use the same key
         ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
-        return short_hash([self.name, self.version, ds.get("sha256"), ds.get("format"), ds.get("limit")])
+        return short_hash([self.name, self.version, ds.get("sha256"), ds.get("format"), ds.get("limit"),
+                           ds.get("strict")])
 
     def holds_config_dataset(self, ctx: StageContext) -> bool:
         from memgas.pipeline.hashing import file_sha256
 
         ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
-        want = {"sha256": file_sha256(ctx.cfg.data.path), "format": ctx.cfg.data.format, "limit": ctx.cfg.data.limit}
-        return all(ds.get(k) == v for k, v in want.items()) and ctx.bank.exists("sessions")
+        want = {"sha256": file_sha256(ctx.cfg.data.path), "format": ctx.cfg.data.format, "limit": ctx.cfg.data.limit,
+                "strict": ctx.cfg.data.strict}
+        return (all(ds.get(k) == v for k, v in want.items()) and ctx.bank.exists("sessions")
+                and not ctx.bank.damaged_ingest_parts())
 
     def run_driver(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.pipeline.ingest import ingest
@@ -367,10 +382,16 @@ class GenerateStage(Stage):
         out: dict[str, Any] = {}
         if ctx.cfg.generation.generator != "llm":
             out["llm_free"] = LLM_FREE_VERSION
+        files = ctx.resolved.get("model_files") or {}
         if self.uses_encoder(ctx.cfg):
             out["encoder"] = ctx.resolved.get("encoder")
+            out["encoder_files"] = files.get("encoder")
         if self.uses_llm(ctx.cfg):  # fp32 CPU and bf16 GPU generations differ: never reused for each other
+            from memgas.pipeline.prompts import generation_prompt_digest
+
             out["llm"] = ctx.resolved.get("llm")
+            out["llm_files"] = files.get("llm")
+            out["prompts"] = generation_prompt_digest(ctx.cfg.generation.prompt_version)
         return out
 
     def key(self, ctx: StageContext) -> tuple[str, str]:
@@ -479,6 +500,13 @@ class GenerateStage(Stage):
 
     def complete(self, ctx: StageContext) -> bool:
         return not ctx.stats.get(self.name, {}).get("llm_failures")
+
+    def output_digest(self, ctx: StageContext, parts: dict[str, str]) -> str:
+        """This config's rows of ``generations`` (the table is shared by every config: other configs' rows
+        must not change what downstream stages see)."""
+        model, version = self.key(ctx)
+        rows = ctx.bank.read("generations", filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
+        return table_digest(rows.sort_by([("text_hash", "ascending"), ("kind", "ascending")]))
 
 
 def llm_identity(cfg: MemgasConfig) -> str:
@@ -605,7 +633,8 @@ class EncodeStage(Stage):
         return fp if not any(windows.values()) else short_hash([fp, "windows", windows])
 
     def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
-        return {"encoder": ctx.resolved.get("encoder")}
+        return {"encoder": ctx.resolved.get("encoder"),
+                "encoder_files": (ctx.resolved.get("model_files") or {}).get("encoder")}
 
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
         threads = 1 if self._per_cpu(ctx) else ctx.cfg.llm.threads
@@ -762,11 +791,22 @@ class EncodeStage(Stage):
             compact(bank, "embeddings")
         keys = sorted(set(encoder_keys(ctx).values()))
         mine = bank.read("embeddings", filter=pc.field("encoder").isin(keys))
+        ctx.cache["encode:digest"] = table_digest(mine.sort_by([("encoder", "ascending"), ("text_hash", "ascending")]))
         stats: dict[str, Any] = {"rows": mine.num_rows}
         for col in ("truncated", "tokens", "tokens_dropped"):
             if col in mine.column_names:
                 stats[col] = int(pc.sum(pc.cast(mine[col], pa.int64())).as_py() or 0)
         return stats
+
+    def output_digest(self, ctx: StageContext, parts: dict[str, str]) -> str:
+        """This config's rows of ``embeddings`` (shared by every config), digested by ``finish`` as it reads
+        them (other configs' rows must not change what downstream stages see)."""
+        digest = ctx.cache.pop("encode:digest", None)
+        if digest is None:
+            keys = sorted(set(encoder_keys(ctx).values()))
+            mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(keys))
+            digest = table_digest(mine.sort_by([("encoder", "ascending"), ("text_hash", "ascending")]))
+        return digest
 
 
 def one_blas_thread() -> Any:
@@ -796,7 +836,6 @@ class HistoryShardStage(Stage):
     """A kernel stage run as Ray tasks over shards of histories, on the CPU or a GPU (``retrieval.device``)."""
 
     where = "task"
-    part_prefix: str = ""
 
     def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
         return {"device": resolve_device(ctx, ctx.cfg.retrieval.device)}
@@ -853,7 +892,7 @@ class AssociateStage(HistoryShardStage):
         return {"edges": pa.table(cols, schema=EDGES)}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        prefix = f"assoc-{ctx.fingerprints[self.name]}-"
+        prefix = self.prefix(ctx)
         dropped = drop_other_parts(ctx.bank, "edges", prefix)
         edges = ctx.bank.read("edges", ["mode"])
         return {"edges_gmm": int(pc.sum(pc.equal(edges["mode"], "gmm")).as_py() or 0),
@@ -912,7 +951,7 @@ class RankStage(HistoryShardStage):
             return {"histories": []}
         key = encoder_key(ctx)
         loader = matrix_loader(ctx, ids)
-        edge_parts = parts_with_prefix(bank, "edges", f"assoc-{ctx.fingerprints['associate']}-")
+        edge_parts = parts_with_prefix(bank, "edges", prefix_of(ctx, "associate"))
         all_edges = edges_of(bank, ids, edge_parts)
         qdf = queries.to_pandas()
         qv = query_vectors(bank, qdf["question"].tolist(), key)
@@ -959,7 +998,7 @@ class RankStage(HistoryShardStage):
                                router=r["router"], device=device)
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        dropped = drop_other_parts(ctx.results, "rankings", f"rank-{ctx.fingerprints[self.name]}-")
+        dropped = drop_other_parts(ctx.results, "rankings", self.prefix(ctx))
         return {"queries": ctx.bank.count("queries"), "stale_parts_dropped": dropped}
 
 
@@ -983,6 +1022,7 @@ class ReadStage(Stage):
     store = "results"
     check_table = "answers"
     outputs = ("answers",)
+    part_prefix = "ans"
 
     def enabled(self, cfg: MemgasConfig) -> bool:
         return cfg.reading.enabled
@@ -992,7 +1032,10 @@ class ReadStage(Stage):
                 "threads": ctx.cfg.llm.threads}
 
     def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
-        return {"llm": ctx.resolved.get("llm")}
+        from memgas.pipeline.prompts import READING_PROMPT_DIGEST
+
+        return {"llm": ctx.resolved.get("llm"), "llm_files": (ctx.resolved.get("model_files") or {}).get("llm"),
+                "prompts": READING_PROMPT_DIGEST}
 
     def num_gpus(self, ctx: StageContext) -> float:
         return _model_gpus(ctx, llm_on_cuda(ctx))
@@ -1003,7 +1046,7 @@ class ReadStage(Stage):
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         from memgas.pipeline.read import is_failed_answer
 
-        cfg, fp = ctx.cfg, ctx.fingerprints[self.name]
+        cfg = ctx.cfg
         queries = ctx.bank.read("queries", ["query_id"])["query_id"].to_pylist()
         if cfg.reading.max_questions is not None:
             queries = queries[: cfg.reading.max_questions]
@@ -1014,13 +1057,13 @@ class ReadStage(Stage):
             for m, q, e in zip(prev["method"].to_pylist(), prev["query_id"].to_pylist(), prev["error"].to_pylist()):
                 if not is_failed_answer(e):
                     done.add((m, q))
-            attempt = 1 + max((int(p.split("-a")[-1].split("-")[0]) for p in
-                               parts_with_prefix(ctx.results, "answers", f"ans-{fp}-")), default=-1)
+            attempt = 1 + max((attempt_of(p) for p in parts_with_prefix(ctx.results, "answers", self.prefix(ctx))),
+                              default=-1)
         units = []
         for method in cfg.reading.methods:
             todo = [q for q in queries if (method, q) not in done]
             for i, batch in enumerate(chunk(todo, cfg.llm.batch_size)):
-                units.append({"part": f"ans-{fp}-{method}-a{attempt}-{i:05d}", "size": len(batch), "method": method,
+                units.append({"part": f"{self.prefix(ctx)}{method}-a{attempt:04d}-{i:05d}", "size": len(batch), "method": method,
                               "queries": batch})
         return units
 
@@ -1028,7 +1071,7 @@ class ReadStage(Stage):
         from memgas.pipeline.read import reading_payloads
 
         key = generation_key(ctx)
-        rank_parts = parts_with_prefix(ctx.results, "rankings", f"rank-{ctx.fingerprints['rank']}-")
+        rank_parts = parts_with_prefix(ctx.results, "rankings", prefix_of(ctx, "rank"))
         payload = reading_payloads(ctx.bank, ctx.results.read("rankings", parts=rank_parts,
                                                                filter=(pc.field("method") == unit["method"])
                                                                & (pc.field("rank") <= ctx.cfg.reading.top_k)),
@@ -1047,7 +1090,7 @@ class ReadStage(Stage):
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.pipeline.read import is_failed_answer
 
-        drop_other_parts(ctx.results, "answers", f"ans-{ctx.fingerprints[self.name]}-")
+        drop_other_parts(ctx.results, "answers", self.prefix(ctx))
         ans = current_answers(ctx)
         errors = ans["error"].to_pylist()
         failed = sum(is_failed_answer(e) for e in errors)
@@ -1072,13 +1115,19 @@ class JudgeStage(Stage):
     store = "results"
     check_table = "judgments"
     outputs = ("judgments",)
+    part_prefix = "judge"
 
     def enabled(self, cfg: MemgasConfig) -> bool:
         return cfg.evaluation.judge and cfg.reading.enabled
 
     model_config = ReadStage.model_config
-    resolved_inputs = ReadStage.resolved_inputs
     num_gpus = ReadStage.num_gpus
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.evaluate.judge import JUDGE_PROMPT_DIGEST
+
+        return {"llm": ctx.resolved.get("llm"), "llm_files": (ctx.resolved.get("model_files") or {}).get("llm"),
+                "prompts": JUDGE_PROMPT_DIGEST}
 
     def params(self, ctx: StageContext) -> dict[str, Any]:
         return {"temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
@@ -1086,7 +1135,6 @@ class JudgeStage(Stage):
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         from memgas.pipeline.read import is_failed_answer
 
-        fp = ctx.fingerprints[self.name]
         ans = current_answers(ctx)
         units = []
         by_method: dict[str, list[str]] = {}
@@ -1095,7 +1143,7 @@ class JudgeStage(Stage):
                 by_method.setdefault(m, []).append(q)
         for m in sorted(by_method):
             for i, batch in enumerate(chunk(sorted(by_method[m]), max(8, ctx.cfg.llm.batch_size))):
-                units.append({"part": f"judge-{fp}-{m}-{i:05d}", "size": len(batch), "method": m, "queries": batch})
+                units.append({"part": f"{self.prefix(ctx)}{m}-{i:05d}", "size": len(batch), "method": m, "queries": batch})
         return units
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
@@ -1120,7 +1168,7 @@ class JudgeStage(Stage):
         return {"judgments": pa.Table.from_pylist(rows, schema=JUDGMENTS)}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        drop_other_parts(ctx.results, "judgments", f"judge-{ctx.fingerprints[self.name]}-")
+        drop_other_parts(ctx.results, "judgments", self.prefix(ctx))
         return {"judged": ctx.results.count("judgments")}
 
 
@@ -1128,7 +1176,7 @@ def current_answers(ctx: StageContext) -> pa.Table:
     """The answers of the read stage's current fingerprint (empty table when none)."""
     from memgas.pipeline.schema import ANSWERS
 
-    parts = parts_with_prefix(ctx.results, "answers", f"ans-{ctx.fingerprints['read']}-")
+    parts = parts_with_prefix(ctx.results, "answers", prefix_of(ctx, "read"))
     return ctx.results.read("answers", parts=parts) if parts else ANSWERS.empty_table()
 
 
@@ -1146,10 +1194,10 @@ class EvaluateStage(Stage):
         from memgas.jobs.evaluate_run import evaluate_run
 
         parts = {
-            "rankings": parts_with_prefix(ctx.results, "rankings", f"rank-{ctx.fingerprints.get('rank')}-"),
-            "answers": parts_with_prefix(ctx.results, "answers", f"ans-{ctx.fingerprints.get('read')}-")
+            "rankings": parts_with_prefix(ctx.results, "rankings", prefix_of(ctx, "rank")),
+            "answers": parts_with_prefix(ctx.results, "answers", prefix_of(ctx, "read"))
             if ctx.cfg.reading.enabled else [],
-            "judgments": parts_with_prefix(ctx.results, "judgments", f"judge-{ctx.fingerprints.get('judge')}-")
+            "judgments": parts_with_prefix(ctx.results, "judgments", prefix_of(ctx, "judge"))
             if JudgeStage().enabled(ctx.cfg) else [],
         }
         metrics = evaluate_run(ctx.cfg, ctx.bank, ctx.results, parts=parts)

@@ -47,6 +47,7 @@ import pyarrow.parquet as pq
 from memgas import __version__
 from memgas.pipeline import faults
 from memgas.pipeline.errors import BankError
+from memgas.pipeline.hashing import file_digest
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, schema_for
 
 log = logging.getLogger(__name__)
@@ -272,6 +273,14 @@ class Bank:
             missing += [f"{name}/{p}" for p in sorted(committed - have)]
         return missing
 
+    def damaged_ingest_parts(self) -> list[str]:
+        """``table/part`` of every committed ingest part that is missing or whose bytes are not those
+        written (checked against the digest in its marker)."""
+        committed = self.ingest_parts()
+        if not committed:
+            return []
+        return [f"{name}/{p}" for name in INGEST_TABLES for p in sorted(committed) if not self.verify_part(name, p)]
+
     def ingest_complete(self) -> bool:
         """Whether every committed ingest part is present (a bank that needs no re-ingest)."""
         return not self.missing_ingest_parts()
@@ -281,8 +290,38 @@ class Bank:
             self._dir(name) / f"{part}.parquet"
         ).exists()
 
-    def part_info(self, name: str, part: str) -> dict[str, Any]:
-        return json.loads((self._dir(name) / "_done" / f"{part}.json").read_text())
+    def part_digest(self, name: str, part: str) -> str | None:
+        """The digest of a completed part's bytes as it was written (its marker; a compacted part's name),
+        or None when the part is not there (no marker or no file). Markers of banks written before digests
+        existed carry none: then the part's current bytes stand in (nothing to compare against)."""
+        marker = self._dir(name) / "_done" / f"{part}.json"
+        path = self._dir(name) / f"{part}.parquet"
+        try:
+            info = json.loads(marker.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if not path.is_file():
+            return None
+        digest = info.get("digest") if isinstance(info, dict) else None
+        if not digest and part.startswith(COMPACT_PREFIX) and len(part) == len(COMPACT_PREFIX) + 16:
+            digest = part[len(COMPACT_PREFIX):]
+        return str(digest) if digest else self.current_digest(name, part)
+
+    def current_digest(self, name: str, part: str) -> str | None:
+        """The digest of a part's bytes now (None when the file is gone)."""
+        path = self._dir(name) / f"{part}.parquet"
+        try:
+            return file_digest(path)
+        except FileNotFoundError:
+            return None
+
+    def verify_part(self, name: str, part: str, expected: str | None = None) -> bool:
+        """Whether a part is complete and its bytes are those written (and, given, equal ``expected``): a
+        deleted, truncated or altered part is not."""
+        recorded = self.part_digest(name, part)
+        if recorded is None or (expected is not None and recorded != expected):
+            return False
+        return self.current_digest(name, part) == recorded
 
     def write_part(
         self, name: str, part: str, table: pa.Table, *, dim: int | None = None, info: dict | None = None
@@ -303,7 +342,8 @@ class Bank:
         _sweep_temps(self._dir(name), f".{part}.parquet.")  # of an earlier write of this part, killed
         atomic_write_parquet(path, table, point="bank:write-part")
         faults.hit("bank:write-part:before-marker")
-        atomic_write_json(marker, {"rows": table.num_rows, **(info or {})}, point="bank:write-marker")
+        atomic_write_json(marker, {"rows": table.num_rows, "digest": _file_digest(path), **(info or {})},
+                          point="bank:write-marker")
         return path
 
     def write(self, name: str, table: pa.Table, *, dim: int | None = None, info: dict | None = None) -> str:
@@ -366,8 +406,9 @@ class Bank:
                 os.replace(tmp, d / f"{part}.parquet")
                 faults.hit("bank:compact:before-marker")
                 atomic_write_json(d / "_done" / f"{part}.json",
-                                  {"rows": table.num_rows, "replaces": sorted(p for p in replace if p != part),
-                                   **(info or {})}, point="bank:compact-marker")
+                                  {"rows": table.num_rows, "digest": part[len(COMPACT_PREFIX):],
+                                   "replaces": sorted(p for p in replace if p != part), **(info or {})},
+                                  point="bank:compact-marker")
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise

@@ -88,7 +88,7 @@ def is_current(bank_dir: str | Path, path: str | Path, fmt: str, limit: int | No
     except BankError:
         return False
     want = {"sha256": file_sha256(path), "format": fmt, "limit": limit}
-    return all(ds.get(k) == v for k, v in want.items()) and bank.ingest_complete() and bank.exists("sessions")
+    return all(ds.get(k) == v for k, v in want.items()) and not bank.damaged_ingest_parts() and bank.exists("sessions")
 
 
 class _Chunk:

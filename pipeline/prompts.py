@@ -23,6 +23,7 @@ the item keys, never on the text (tests/pipeline/test_generate.py checks this wi
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -205,6 +206,15 @@ ANSWER_TEMPLATE = (
 )
 
 READING_PROMPT_VERSION = "authors-v1"
+#: Digest of the reading prompts' texts: keys the read stage, so an edited template re-reads even when
+#: nobody bumps READING_PROMPT_VERSION.
+READING_PROMPT_DIGEST = hashlib.blake2b(
+    repr([READING_PROMPT_VERSION, FILTER_TEMPLATE, ANSWER_TEMPLATE]).encode(), digest_size=8).hexdigest()
+
+
+def generation_prompt_digest(name: str) -> str:
+    """Digest of a generation prompt set's texts (keys the generate stage with the set's name)."""
+    return hashlib.blake2b(repr(sorted(vars(get_prompt_set(name)).items())).encode(), digest_size=8).hexdigest()
 
 
 def session_block(

@@ -24,6 +24,7 @@ counts "no, not yes" as yes. Outputs with no yes/no word are ``None`` (unparseab
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 from collections.abc import Mapping
@@ -107,6 +108,12 @@ JUDGE_TEMPLATES: Mapping[str, str] = MappingProxyType(
         ABSTENTION_KEY: _ABSTENTION,
     }
 )
+
+#: Digest of every judge template and the sampling parameters: keys the judge stage, so an edited template
+#: re-judges even when nobody bumps JUDGE_PROMPT_VERSION.
+JUDGE_PROMPT_DIGEST = hashlib.blake2b(
+    repr([JUDGE_PROMPT_VERSION, sorted(JUDGE_TEMPLATES.items()), DEFAULT_JUDGE_PARAMS]).encode(), digest_size=8
+).hexdigest()
 
 _warned_types: set[str] = set()
 
@@ -280,6 +287,7 @@ def aggregate_judge(judged: pd.DataFrame, by: str = "question_type") -> pd.DataF
 __all__ = [
     "ABSTENTION_KEY",
     "DEFAULT_JUDGE_PARAMS",
+    "JUDGE_PROMPT_DIGEST",
     "JUDGE_PROMPT_VERSION",
     "JUDGE_TEMPLATES",
     "aggregate_judge",

@@ -336,7 +336,7 @@ def test_failed_answers_are_counted_not_scored_and_retried(tmp_path_factory, ref
 
     work = tmp_path_factory.mktemp("llmfail")
     shutil.copytree(reference_run, work, dirs_exist_ok=True)
-    cfg = _base(work, **{"reading.top_k": 2})  # a new read fingerprint: the reader runs again
+    cfg = _base(work, **{"reading.top_k": 2, "evaluation.judge": True})  # a new read fingerprint: it runs again
     monkeypatch.setenv("MEMGAS_FAULT", "raise@llm:reading-answer")
     with pytest.raises(main_job.IncompleteRun, match="1 read failures"):
         _run(cfg)
@@ -347,6 +347,8 @@ def test_failed_answers_are_counted_not_scored_and_retried(tmp_path_factory, ref
     _run(cfg)
     rec = _record(work)
     assert rec["read"]["status"] == "executed" and rec["read"]["units_done"] == 1
+    # the judge ran over the partial answers the first time; the retried answer changes what it judges
+    assert rec["judge"]["status"] == "executed" and rec["judge"]["units_done"] == 1
     metrics = json.loads((work / "metrics.json").read_text())
     assert metrics["qa"]["memgas"]["failed"] == 0 and metrics["qa"]["memgas"]["n"] == 1
     assert not (work / "RUNNING.json").exists()
@@ -462,3 +464,109 @@ def test_retrieval_device_auto_is_cpu_without_cupy(tmp_path, fake_bank) -> None:
     assert S.resolve_device(ctx, "auto") == "cpu"
     assert S.HistoryShardStage().num_gpus(StageContext(_base(tmp_path, **{"retrieval.device": "auto"}), fake_bank,
                                                        None, use_ray=False)) == 0.0
+
+
+# -- parts verified before use -----------------------------------------------------------------------------
+def _flip_bits(path: Path) -> None:
+    """Change a few bytes in the middle of a file, keeping its size (what a bad disk or a stray write does)."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    for i in range(mid, mid + 4):
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_missing_or_altered_parts_are_rebuilt_never_used(tmp_path_factory, reference_run) -> None:
+    """A finished run whose rankings part was deleted, one of whose edges parts was deleted and whose
+    embeddings part has flipped bits: the next run rebuilds exactly those stages (and what reads them) and
+    ends with the reference's results; nothing is skipped on a damaged part."""
+    import shutil
+
+    work = tmp_path_factory.mktemp("damaged")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    for p in (work / "results" / "rankings").glob("*.parquet"):
+        p.unlink()
+    next((work / "bank" / "edges").glob("*.parquet")).unlink()
+    _flip_bits(next((work / "bank" / "embeddings").glob("all-*.parquet")))
+    _run(_base(work))
+    rec = _record(work)
+    for stage in ("encode", "associate", "rank"):
+        assert rec[stage]["status"] == "executed", (stage, rec[stage])
+    assert rec["encode"]["rebuilt"] and rec["generate"]["status"] == "skipped"
+    assert _outputs(work) == _outputs(reference_run)
+    ref_bank = {p.relative_to(reference_run): p.read_bytes() for p in (reference_run / "bank").glob("*/*.parquet")}
+    assert {p.relative_to(work): p.read_bytes() for p in (work / "bank").glob("*/*.parquet")} == ref_bank
+
+
+@pytest.mark.slow
+def test_answer_refuses_an_index_whose_parts_are_gone(tmp_path_factory, reference_run) -> None:
+    """`answer` does not rebuild index stages: a deleted edges part is one line naming it and `memgas index`
+    (it used to rank on no edges and report lower metrics)."""
+    import shutil
+
+    from memgas.pipeline.errors import BankError
+
+    work = tmp_path_factory.mktemp("noedges")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    part = next((work / "bank" / "edges").glob("*.parquet"))
+    part.unlink()
+    with pytest.raises(BankError, match=rf"'associate' is missing or altered \(part edges/{part.stem} is missing\); "
+                                        "run `memgas index`"):
+        main_job.answer(_base(work), work / "bank", run_dir=work, use_ray=False)
+    main_job.index(_base(work), work / "bank", use_ray=False)  # rebuilds the missing unit only
+    main_job.answer(_base(work), work / "bank", run_dir=work, use_ray=False)
+    assert _outputs(work) == _outputs(reference_run)
+
+
+@pytest.mark.slow
+def test_a_damaged_ingest_part_is_refused_by_index_and_reingested_by_run(tmp_path_factory, reference_run) -> None:
+    import shutil
+
+    from memgas.pipeline.errors import BankError
+
+    work = tmp_path_factory.mktemp("ingestdamage")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    part = next((work / "bank" / "texts").glob("ingest-*.parquet"))
+    _flip_bits(part)
+    with pytest.raises(BankError, match=rf"the ingested dataset is damaged \(texts/{part.stem} is missing or altered\); "
+                                        r"re-ingest it: memgas ingest .*locomo_sample.json --format locomo --out "):
+        main_job.index(_base(work), work / "bank", use_ray=False)
+    _run(_base(work))  # `run` re-ingests the same file: identical parts, so nothing downstream re-runs
+    rec = _record(work)
+    assert rec["ingest"]["status"] == "executed"
+    assert [s for s in ("generate", "nodes", "encode", "associate", "rank") if rec[s]["status"] != "skipped"] == []
+    assert _outputs(work) == _outputs(reference_run)
+
+
+def test_model_files_and_prompt_texts_key_their_outputs(tmp_path, fake_bank, monkeypatch) -> None:
+    """A local encoder whose files change in place, and an edited reading/judge prompt, change the
+    fingerprints of what they computed (the manifest recorded the files' sha256; the keys did not)."""
+    import shutil
+
+    from memgas.pipeline.models.encoders import minilm_path
+
+    model = tmp_path / "my-encoder"
+    shutil.copytree(minilm_path(), model)
+    base = _fingerprints(_base(tmp_path, **{"encoder.model": str(model), "evaluation.judge": True}), fake_bank)
+    with open(model / "config.json", "a") as f:
+        f.write("\n")
+    changed = _fingerprints(_base(tmp_path, **{"encoder.model": str(model), "evaluation.judge": True}), fake_bank)
+    gen = ["generate", "nodes"] if S.GenerateStage.uses_encoder(_base(tmp_path)) else []
+    assert sorted(s for s in base if base[s] != changed[s]) == sorted([*gen, *ENC_DOWN, "judge", "evaluate"])
+    import memgas.pipeline.evaluate.judge as judge
+    import memgas.pipeline.prompts as prompts
+
+    monkeypatch.setattr(prompts, "READING_PROMPT_DIGEST", "edited")
+    edited = _fingerprints(_base(tmp_path, **{"encoder.model": str(model), "evaluation.judge": True}), fake_bank)
+    assert sorted(s for s in changed if changed[s] != edited[s]) == ["evaluate", "judge", "read"]
+    monkeypatch.setattr(judge, "JUDGE_PROMPT_DIGEST", "edited")
+    judged = _fingerprints(_base(tmp_path, **{"encoder.model": str(model), "evaluation.judge": True}), fake_bank)
+    assert sorted(s for s in edited if edited[s] != judged[s]) == ["evaluate", "judge"]
+
+
+def test_retry_attempts_sort_numerically() -> None:
+    names = [f"ans-f-memgas-a{a:04d}-00000-0a1b" for a in (9, 10, 2)]
+    assert [S.attempt_of(n) for n in names] == [9, 10, 2]
+    assert [S.attempt_of(n) for n in sorted(names)] == [2, 9, 10]  # parts are read in name order: last wins
+    assert S.attempt_of("ans-f-memgas-a0003-00012-a123") == 3  # a digest that starts with "a" is not an attempt
