@@ -10,6 +10,14 @@ the embeddings (both paths see the same truncated inputs, so they must agree to 
 ``--runtimes``: the same texts through each ``encoder.runtime``, interleaved (torch, onnx, int8, torch, ...)
 ``--repeats`` times so machine load hits all alike; reports the best and median tokens/s per runtime, the
 ratio to torch fp32, and the max cosine difference of the vectors against torch fp32.
+
+``--batching``: the cost of batch-invariant vectors. memgas's encoder (unpadded equal-length batches, one
+thread) against the engine it replaced (length-sorted batches padded to their longest text under the same
+token budget, one thread), interleaved ``--repeats`` times on the same texts and model; also checks on the
+same inputs that memgas's vectors equal each text encoded alone, bit for bit, and counts how many of the
+padded engine's do not.
+
+    .venv/bin/python benchmarks/bench_encoder.py --batching [--limit 1000] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -74,6 +82,64 @@ def compare_runtimes(texts: list[str], runtimes: list[str], batch_size: int, rep
         print(f"| {encs[rt].name} | {best:.2f} | {tokens / best:,.0f} | {tokens / med:,.0f} | {ratio} | {cos} |")
 
 
+def padded_baseline(enc: SentenceTransformerEncoder, texts: list[str]) -> np.ndarray:
+    """The engine before batch-invariant vectors: truncate, sort by length, pad each batch to its longest
+    piece under a budget of ``batch_size`` full-length rows (at most 8x rows for short pieces)."""
+    import torch
+
+    prefix, suffix = enc._special_wrap()
+    window = enc.max_tokens - len(prefix) - len(suffix)
+    pieces = [prefix + list(x[:window]) + suffix for x in enc._tokenize(texts)]
+    order = sorted(range(len(pieces)), key=lambda i: len(pieces[i]))
+    out = np.zeros((len(pieces), enc.dim), np.float32)
+    budget, max_rows, start = enc.batch_size * enc.max_tokens, enc.batch_size * 8, 0
+    pad = enc._tokenizer.pad_token_id or 0
+    with torch.inference_mode():
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and end - start < max_rows and (end + 1 - start) * len(pieces[order[end]]) <= budget:
+                end += 1
+            idx = order[start:end]
+            width = len(pieces[idx[-1]])
+            ids = torch.full((len(idx), width), pad, dtype=torch.long)
+            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            for r, j in enumerate(idx):
+                ids[r, : len(pieces[j])] = torch.tensor(pieces[j])
+                mask[r, : len(pieces[j])] = 1
+            out[idx] = enc._forward(ids, mask).float().numpy()
+            start = end
+    return out
+
+
+def compare_batching(texts: list[str], batch_size: int, repeats: int) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # memgas's encoder computes with one thread; the baseline gets the same
+    enc = SentenceTransformerEncoder("minilm", device="cpu", batch_size=batch_size)
+    enc.encode(texts[:16])
+    padded_baseline(enc, texts[:16])  # warm-up both
+    times: dict[str, list[float]] = {"memgas (unpadded, invariant)": [], "padded (previous)": []}
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        ours = enc.encode(texts)
+        times["memgas (unpadded, invariant)"].append(time.perf_counter() - t0)
+        tokens = enc.last_stats.tokens
+        t0 = time.perf_counter()
+        padded = padded_baseline(enc, texts)
+        times["padded (previous)"].append(time.perf_counter() - t0)
+    sample = list(range(0, len(texts), max(1, len(texts) // 100)))
+    alone = np.stack([enc.encode([texts[i]])[0] for i in sample])
+    base = min(times["padded (previous)"])
+    print(f"{len(texts)} texts, {tokens:,} tokens per pass, {repeats} interleaved passes, 1 thread")
+    print("| engine | best s | tokens/s (best) | tokens/s (median) | speed vs padded | rows equal to the text alone |")
+    print("|---|---|---|---|---|---|")
+    for name, vec in (("memgas (unpadded, invariant)", ours), ("padded (previous)", padded)):
+        best, med = min(times[name]), float(np.median(times[name]))
+        same = int((vec[sample] == alone).all(axis=1).sum())
+        print(f"| {name} | {best:.2f} | {tokens / best:,.0f} | {tokens / med:,.0f} | {base / best:.2f}x | "
+              f"{same}/{len(sample)} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--locomo", default="/work/shared/data/locomo/locomo10.json")
@@ -81,11 +147,15 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--runtimes", default=None, help="e.g. torch,onnx,onnx-int8: compare runtimes instead")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--batching", action="store_true", help="the cost of batch-invariant vectors (see above)")
     a = ap.parse_args()
     p = Path(a.locomo)
     texts = locomo_texts(p, a.limit) if p.is_file() else synthetic(a.limit)
     if a.runtimes:
         compare_runtimes(texts, a.runtimes.split(","), a.batch_size, a.repeats)
+        return
+    if a.batching:
+        compare_batching(texts, a.batch_size, a.repeats)
         return
     enc = SentenceTransformerEncoder("minilm", device="cpu", batch_size=a.batch_size, runtime="torch")
     st = enc.sentence_transformer

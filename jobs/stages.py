@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memgas.jobs.stage import Stage, StageContext, config_value, short_hash, table_digest
+from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError
@@ -30,8 +31,10 @@ from memgas.pipeline.errors import BankError
 log = logging.getLogger(__name__)
 
 #: Settings that never change an output: where and how fast work runs. Never part of a fingerprint.
-#: Batch and unit sizes are here too: they can move the last bits of a float (which texts share a padded
-#: batch), and a resumed run keeps its units from the plan, so they never mix within one table.
+#: Batch and unit sizes are here too: an encoder vector is a function of its text alone (the encoder never
+#: pads a batch, pipeline/models/encoders.py), and kernels run per history. The one exception left is an
+#: LLM's padded batches (``llm.batch_size`` is declared; which sessions share a unit is not): a resumed run
+#: keeps its units from the plan, and docs/reliability.md says what that leaves open.
 RUNTIME_ONLY: tuple[str, ...] = (
     "name", "output_dir", "bank_dir",
     "encoder.batch_size", "encoder.actors",
@@ -807,15 +810,6 @@ class EncodeStage(Stage):
             mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(keys))
             digest = table_digest(mine.sort_by([("encoder", "ascending"), ("text_hash", "ascending")]))
         return digest
-
-
-def one_blas_thread() -> Any:
-    """Kernels of task stages run with one BLAS thread wherever they run: a Ray task gets one CPU (and Ray
-    sets OMP_NUM_THREADS=1), and multi-threaded BLAS sums in another order, so the in-process path would not
-    give the same bits (measured: 3.6e-7 on scores, enough to swap near-tied sessions)."""
-    from threadpoolctl import threadpool_limits
-
-    return threadpool_limits(limits=1, user_api="blas")
 
 
 def owned(a: Any, dtype: Any = None) -> np.ndarray:

@@ -152,3 +152,12 @@ def scores_up_to_ties(scores: Any, ref_scores: Any, tol: float = 0.0) -> np.ndar
     with np.errstate(invalid="ignore"):  # inf - inf: equal infinities (masked entries) are ties via ==
         same = (a == b) | (np.abs(a - b) <= tol)
     return same.all(-1) if same.ndim else np.asarray(bool(same))
+
+
+def one_blas_thread() -> Any:
+    """Kernels run with one BLAS thread wherever they run: a Ray task gets one CPU (and Ray sets
+    OMP_NUM_THREADS=1), and multi-threaded BLAS sums in another order, so an in-process caller (the
+    ``--no-ray`` path, ``rank_sessions``) would not give the bits of the job's tasks."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from memgas.kernels.backend import get_xp, to_device, to_host
+from memgas.kernels.backend import get_xp, one_blas_thread, to_device, to_host
 from memgas.kernels.ppr import build_csr, personalized_pagerank
 from memgas.kernels.router import entropy_router
 from memgas.kernels.segment import segment_sum_contiguous
@@ -113,53 +113,59 @@ def rank_sessions(
     keyword_emb: Any,
     query_emb: Any,
     method: str = "memgas",
-    mem_threshold: int = 30,
-    min_prior_nodes: int = 20,
-    num_seeds: int = 15,
-    damping: float = 0.1,
-    temp: float = 0.2,
-    router: str = "paper",
+    mem_threshold: int | None = None,
+    min_prior_nodes: int | None = None,
+    num_seeds: int | None = None,
+    damping: float | None = None,
+    temp: float | None = None,
+    router: str | None = None,
     device: str = "cpu",
     *,
     hybrid_emb: Any | None = None,
     topk_edges: int | None = None,
+    dense_max_nodes: int | None = None,
     return_scores: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Session indices per query, best first (int64 [Q, S]); ties broken by the lower session index.
 
-    See the module docstring for the methods. ``hybrid`` needs ``hybrid_emb`` [S, d] (one embedding of
-    "summary keywords session" per session). ``return_scores=True`` also returns the scores [Q, S].
+    The array-level API over one history: it associates the nodes as the associate stage does and ranks
+    with :func:`rank_history`, the rank stage's own function, so it gives the job's ranking for the same
+    vectors and settings. Settings left ``None`` take the job's defaults (``AssociationConfig`` and
+    ``RetrievalConfig`` in ``pipeline/config.py``, the one place they live). See the module docstring for
+    the methods. ``hybrid`` needs ``hybrid_emb`` [S, d] (one embedding of "summary keywords session" per
+    session). ``return_scores=True`` also returns the scores [Q, S].
     """
+    from memgas.pipeline.config import AssociationConfig, RetrievalConfig
+
+    a, r = AssociationConfig(), RetrievalConfig()
     m = get_method(method)
+    router = r.router if router is None else router
     if router not in ("paper", "reference"):
         raise ValueError(f"router must be 'paper' or 'reference', got {router!r}")
     nodes = stack_nodes(session_emb, turn_emb, summary_emb, keyword_emb)
     q = np.asarray(query_emb, dtype=np.float32)
     if q.ndim != 2 or q.shape[1] != nodes.shape[1]:
         raise ValueError(f"query_emb must be [Q, {nodes.shape[1]}], got {q.shape}")
-    if not m.is_graph:
-        xp, _ = get_xp(device)
-        if m.granularity == "hybrid":
-            if hybrid_emb is None:
-                raise ValueError("method='hybrid' needs hybrid_emb=[S, d] (embeddings of 'summary keywords session')")
-            H = np.asarray(hybrid_emb, dtype=np.float32)
-            if H.shape != (nodes.shape[0] // N_GRAN, nodes.shape[1]):
-                raise ValueError(f"hybrid_emb must be [S, d] = {(nodes.shape[0] // N_GRAN, nodes.shape[1])}, got {H.shape}")
-        else:
-            H = nodes[GRANULARITIES.index(m.granularity) :: N_GRAN]
-        scores = to_device(q, xp) @ to_device(H, xp).T
-        order = to_host(stable_argsort_desc(scores)).astype(np.int64)
-        scores = to_host(scores).astype(np.float64)
-    else:
-        if m.edges is not None:
-            e = associate(nodes, mem_threshold=mem_threshold, min_prior_nodes=min_prior_nodes,
-                          mode=m.edges, topk_edges=topk_edges,
+    H = None
+    if m.granularity == "hybrid":
+        if hybrid_emb is None:
+            raise ValueError("method='hybrid' needs hybrid_emb=[S, d] (embeddings of 'summary keywords session')")
+        H = np.asarray(hybrid_emb, dtype=np.float32)
+        if H.shape != (nodes.shape[0] // N_GRAN, nodes.shape[1]):
+            raise ValueError(f"hybrid_emb must be [S, d] = {(nodes.shape[0] // N_GRAN, nodes.shape[1])}, got {H.shape}")
+    edges: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    with one_blas_thread():  # the job's kernels run with one BLAS thread: the same bits here
+        if m.is_graph and m.edges is not None:
+            e = associate(nodes, mem_threshold=a.mem_threshold if mem_threshold is None else mem_threshold,
+                          min_prior_nodes=a.min_prior_nodes if min_prior_nodes is None else min_prior_nodes,
+                          mode=m.edges, topk_edges=a.topk_edges if topk_edges is None else topk_edges,
+                          dense_max_nodes=a.dense_max_nodes if dense_max_nodes is None else dense_max_nodes,
                           device=device)
-            src, dst = e.src, e.dst
-        else:
-            src, dst = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        order, scores = score_with_edges(nodes, q, src, dst, method=method, num_seeds=num_seeds,
-                                         damping=damping, temp=temp, router=router, device=device)
+            edges[m.edges] = (e.src, e.dst)
+        order, scores = rank_history(nodes, q, edges, [method], hybrid=H,
+                                     num_seeds=r.num_seeds if num_seeds is None else num_seeds,
+                                     damping=r.damping if damping is None else damping,
+                                     temp=r.temp if temp is None else temp, router=router, device=device)[method]
     return (order, scores) if return_scores else order
 
 

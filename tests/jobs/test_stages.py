@@ -570,3 +570,39 @@ def test_retry_attempts_sort_numerically() -> None:
     assert [S.attempt_of(n) for n in names] == [9, 10, 2]
     assert [S.attempt_of(n) for n in sorted(names)] == [2, 9, 10]  # parts are read in name order: last wins
     assert S.attempt_of("ans-f-memgas-a0003-00012-a123") == 3  # a digest that starts with "a" is not an attempt
+
+
+@pytest.mark.slow
+def test_rank_sessions_equals_the_rank_stage_for_every_method(reference_run) -> None:
+    """The array-level API and the job share one implementation and one set of defaults: on the run's
+    bank vectors, ``rank_sessions(method=m)`` gives the rank stage's order and scores, bit for bit, for
+    every method (it used to keep its own ``topk_edges`` for memgas-no-gmm)."""
+    import numpy as np
+
+    from memgas.pipeline.methods import METHODS
+    from memgas.pipeline.retrieve import rank_sessions
+
+    methods = sorted(METHODS)
+    cfg = _base(reference_run, **{"retrieval.methods": methods})
+    bank = Bank(reference_run / "bank")
+    ctx = StageContext(cfg, bank, Bank(reference_run / "results"), use_ray=False)
+    main_job.resolve_runtime(ctx)
+    for stage in S.PIPELINE:
+        main_job.set_fingerprint(stage, ctx)
+    # the rank stage's own code path: its inputs from the bank, its run on them
+    ctx.fingerprints["associate"] = json.loads((bank.path / "_stages" / "associate.json").read_text())["fingerprint"]
+    unit = S.RankStage().plan(ctx)[0]
+    payload = S.RankStage().inputs(ctx, unit)
+    job = S.RankStage.run(None, payload, S.RankStage().params(ctx))["rankings"].to_pandas()
+    assert payload["histories"]
+    for h in payload["histories"]:
+        m = h["matrices"]
+        for method in methods:
+            order, scores = rank_sessions(m["session"], m["turn"], m["summary"], m["keyword"], h["queries"],
+                                          method=method, hybrid_emb=m.get("hybrid"), return_scores=True)
+            sids = np.asarray(m["session_ids"], dtype=object)
+            top = min(cfg.retrieval.store_top, len(sids))
+            for qi, qid in enumerate(h["query_ids"]):
+                got = job[(job["method"] == method) & (job["query_id"] == qid)].sort_values("rank")
+                assert got["session_id"].tolist() == sids[order[qi, :top]].tolist(), (method, qid)
+                assert got["score"].tolist() == scores[qi, order[qi, :top]].astype(float).tolist(), (method, qid)
