@@ -128,7 +128,9 @@ _INTERJECTIONS = frozenset(
     "hey hi hello wow yeah yes yep nope thanks thank haha hahaha lol omg cool awesome great nice good glad "
     "totally really sure okay amazing congrats congratulations bye see soon hear sounds awesome wonderful "
     "fantastic sweet lovely true absolutely definitely agree welcome talk later chat care".split())
-_STOP = frozenset(ENGLISH_STOP_WORDS) | _INTERJECTIONS
+# auxiliaries sklearn's list lacks ("do" is there, "did"/"does" are not)
+_AUX = frozenset("did does doing done has had having got gets getting gonna wanna let lets".split())
+_STOP = frozenset(ENGLISH_STOP_WORDS) | _INTERJECTIONS | _AUX
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'’]+")
 _FENCE_BLOCK_RE = re.compile(r"```.*?(?:```|\Z)", re.DOTALL)
 _LIST_LINE_RE = re.compile(r"^\s*(?:[-*•·]|\d{1,3}[.)])\s+\S")
@@ -175,9 +177,9 @@ def _is_assistant(role: str) -> bool:
 
 
 def content_words(text: str) -> list[str]:
-    """Words of three letters or more that are neither stop words nor interjections."""
-    return [w for w in (m.group(0).lower().replace("’", "'") for m in _WORD_RE.finditer(text))
-            if len(w) >= 3 and w not in _STOP and w.split("'")[0] not in _STOP]
+    """Words of three letters or more that are neither stop words nor interjections ("Melanie's" -> melanie)."""
+    words = (m.group(0).lower().replace("’", "'").removesuffix("'s") for m in _WORD_RE.finditer(text))
+    return [w for w in words if len(w) >= 3 and w not in _STOP and w.split("'")[0] not in _STOP]
 
 
 def split_sentences(text: str) -> list[str]:
