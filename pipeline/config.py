@@ -202,6 +202,43 @@ class ReadingConfig(_Strict):
         return _check_methods(v)
 
 
+class JustMemConfig(_Strict):
+    """JustMem (issue 17, DESIGN.md §6): atomic memory cards, a planner, Lookup / Compose / Replay access.
+    The defaults here are the only ones: the justmem modules take this object and keep no defaults of their own."""
+
+    #: cards: "llm-free" (CPU default: statements cut from the turns, justmem/extract.py) or "llm" (one call per
+    #: session with a JSON schema; invalid output gets one repair retry, then the LLM-free cards of that session,
+    #: recorded in ``cards.fallback``)
+    extractor: Literal["llm-free", "llm"] = "llm-free"
+    #: plans: "llm-free" (rules over the question's wording, justmem/plan.py) or "llm" (one call per question,
+    #: repair and fallback as for cards)
+    planner: Literal["llm-free", "llm"] = "llm-free"
+    #: N: candidate cards per retrieval view (by dense similarity), before reranking
+    candidates: int = Field(50, ge=1, le=MAX_RANKED)
+    #: K: cards the answer model reads (Lookup, Compose and Replay alike)
+    top_k: int = Field(10, ge=1, le=MAX_RANKED)
+    #: answer-free rewrites of a distributed question used by Compose (the paper: up to two)
+    rewrites: int = Field(2, ge=0, le=2)
+    #: tokens of source turns Replay adds to the reading prompt (reader's tokenizer)
+    replay_tokens: int = Field(1024, ge=1, le=MAX_TOKENS)
+    #: "bm25-dense": reciprocal-rank fusion of BM25 (bm25s) and the dense score; "dense": dense score only
+    reranker: Literal["bm25-dense", "dense"] = "bm25-dense"
+    #: output budgets of the LLM extractor (per session) and planner (per question)
+    extract_max_tokens: int = Field(1024, ge=1, le=MAX_TOKENS)
+    plan_max_tokens: int = Field(256, ge=1, le=MAX_TOKENS)
+    #: tokens of a session's text given to the LLM extractor (head kept beyond it, counted as truncated)
+    extract_max_input_tokens: int = Field(3072, ge=1, le=MAX_TOKENS)
+
+    @model_validator(mode="after")
+    def _k_within_n(self) -> JustMemConfig:
+        if self.top_k > self.candidates:
+            raise PydanticCustomError(
+                "cross_field", "{message}",
+                {"message": f"justmem.top_k={self.top_k} exceeds justmem.candidates={self.candidates}: "
+                            "K final cards are chosen from N candidates", "keys": "justmem.top_k,justmem.candidates"})
+        return self
+
+
 class EvalConfig(_Strict):
     ks: list[Annotated[int, Field(ge=1, le=MAX_RANKED)]] = Field(default_factory=lambda: [1, 3, 5, 10, 30, 50], min_length=1)
     judge: bool = False
@@ -240,6 +277,7 @@ class MemgasConfig(_Strict):
     retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
     reading: ReadingConfig = Field(default_factory=ReadingConfig)
     evaluation: EvalConfig = Field(default_factory=EvalConfig)
+    justmem: JustMemConfig = Field(default_factory=JustMemConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
 
     _expand = field_validator("output_dir", "bank_dir")(expand_user)

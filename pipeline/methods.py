@@ -52,3 +52,10 @@ def get_method(name: str) -> Method:
         return METHODS[name]
     except KeyError:
         raise ValueError(f"unknown retrieval method {name!r}; choose from {list(METHOD_NAMES)}") from None
+
+#: JustMem methods (issue 17; scoring in :mod:`memgas.pipeline.justmem.retrieve`): ``justmem`` (the planner's
+#: profile per question), the three fixed profiles, and ``cards`` (a session scores its best card).
+#: TODO(issue 17 stage wiring): not yet rows of METHODS: ``retrieval.methods`` defaults to every METHODS name and
+#: the rank stage scores them with ``retrieve.rank_history``, which cannot score these. Add them (with a
+#: ``family`` the rank stage dispatches on) together with the cards/plan stages.
+JUSTMEM_METHOD_NAMES: tuple[str, ...] = ("justmem", "justmem-lookup", "justmem-compose", "justmem-replay", "cards")

@@ -21,7 +21,14 @@ nodes            history_id, session_id, granularity           which text a memo
 edges            history_id, src, dst, mode                    an undirected association edge (src > dst)
 rankings         method, query_id, rank                        a ranked session
 answers          method, query_id                              filtered context and hypothesis
+cards            card_id                                       a JustMem atomic memory card of a session
+plans            query_id, planner                             a JustMem access plan of a question
 ===============  ============================================  ==========================================
+
+JustMem (issue 17, DESIGN.md §6): ``cards`` are keyed by content like ``generations``: ``card_id`` is
+derived from (session_hash, extractor, card_index) (:func:`memgas.pipeline.justmem.extract.card_id`), so a
+session shared by many histories is extracted once. A card's ``time`` is relative to the date of the session
+it came from (the same session text may carry different dates in different histories), resolved when read.
 """
 
 from __future__ import annotations
@@ -193,6 +200,55 @@ JUDGMENTS = pa.schema(
     ]
 )
 
+#: JustMem card types (paper §3.1); the LLM-free rules that assign them are in justmem/extract.py.
+CARD_TYPES: tuple[str, ...] = ("fact", "event", "preference", "state", "interaction")
+#: JustMem planner operations (paper §3.2.1).
+PLAN_OPERATIONS: tuple[str, ...] = ("lookup", "aggregation", "temporal_selection", "sorting", "comparison")
+#: JustMem access profiles (paper eq. 1).
+PROFILES: tuple[str, ...] = ("lookup", "compose", "replay")
+
+CARDS = pa.schema(
+    [
+        pa.field("card_id", pa.string(), nullable=False),  # hash of (session_hash, extractor, card_index)
+        pa.field("session_hash", pa.string(), nullable=False),  # as in ``turns``
+        pa.field("extractor", pa.string(), nullable=False),  # key of what made it (llm-free/... or model|prompt)
+        pa.field("card_index", pa.int32(), nullable=False),  # 0-based order within the session
+        pa.field("text", pa.string(), nullable=False),  # the statement, with its subject explicit
+        pa.field("text_hash", pa.string(), nullable=False),  # text_hash(text): how the encode stage keys it
+        pa.field("type", pa.string(), nullable=False),  # one of CARD_TYPES
+        # a time expression relative to the session date ("yesterday", "last week", "2022"); null = the date
+        pa.field("time", pa.string()),
+        pa.field("turn_start", pa.int32(), nullable=False),  # inclusive turn_index span of the session
+        pa.field("turn_end", pa.int32(), nullable=False),
+        # tokens of the session's extraction call(s), on card_index 0 only (null elsewhere): the column sums
+        # to the construction cost
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("input_truncated", pa.bool_()),
+        pa.field("fallback", pa.string()),  # set when the LLM output was unusable and the LLM-free cards were used
+        pa.field("error", pa.string()),
+    ]
+)
+
+PLANS = pa.schema(
+    [
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("planner", pa.string(), nullable=False),  # key of what made it (llm-free/... or model|prompt)
+        pa.field("entities", pa.list_(pa.string())),
+        pa.field("time_constraints", pa.list_(pa.string())),
+        pa.field("operation", pa.string(), nullable=False),  # one of PLAN_OPERATIONS
+        pa.field("d", pa.bool_(), nullable=False),  # the evidence is distributed
+        pa.field("f", pa.bool_(), nullable=False),  # source fidelity is needed
+        pa.field("rewrites", pa.list_(pa.string())),  # answer-free rewrites (at most 2)
+        pa.field("profile", pa.string(), nullable=False),  # one of PROFILES, by the fixed rule of d and f
+        pa.field("raw_output", pa.string()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("fallback", pa.string()),
+        pa.field("error", pa.string()),
+    ]
+)
+
 #: Static schemas by table name (``embeddings`` depends on the encoder's dimension).
 TABLES: dict[str, pa.Schema] = {
     "histories": HISTORIES,
@@ -207,6 +263,8 @@ TABLES: dict[str, pa.Schema] = {
     "rankings": RANKINGS,
     "answers": ANSWERS,
     "judgments": JUDGMENTS,
+    "cards": CARDS,
+    "plans": PLANS,
 }
 
 #: Key columns per table: rows sharing a key are one row (the last written wins on merge).
@@ -224,6 +282,8 @@ KEYS: dict[str, tuple[str, ...]] = {
     "rankings": ("method", "query_id", "rank"),
     "answers": ("method", "query_id"),
     "judgments": ("method", "query_id"),
+    "cards": ("card_id",),
+    "plans": ("query_id", "planner"),
 }
 
 

@@ -1,0 +1,528 @@
+"""JustMem cards: atomic memory cards per unique session, LLM-free (the CPU default) or by one LLM call.
+
+A card is one statement with its subject explicit, a type, a time relative to the session's date, and the
+inclusive span of ``turn_index`` values it comes from (its provenance, what Replay recovers). Cards are keyed
+by content: :func:`card_id` hashes (session_hash, extractor key, card_index), so a session shared by many
+histories is extracted once, and a changed extractor (method version, model, prompt) writes new keys.
+
+LLM-free method (``LLM_FREE_EXTRACTOR``; measured on LoCoMo in docs/benchmarks.md and
+``benchmarks/justmem_quality.py``), per turn:
+
+1. Code blocks (```` ``` ```` fences) and lists (two or more consecutive lines starting with ``-``, ``*``,
+   ``•`` or ``1.``/``1)``, with the line introducing them when it ends in ``:``) are cut out whole and each
+   becomes one ``interaction`` card: a compact card would lose exactly the details Replay exists for.
+2. The rest is split into sentences. A sentence is dropped when it has fewer than two content words (words
+   of three letters or more that are neither stop words nor interjections: "Wow!", "Hey Mel! Good to see
+   you!") or when it is a question: questions ask for memory rather than state it, and in LoCoMo they mostly
+   repeat the words of the answer that follows, which then competes with the answer for the same query.
+3. Each kept sentence is one card (``MAX_CARD_CHARS`` = 0; a positive value packs consecutive sentences of a
+   turn up to that many characters), prefixed with the speaker: "Caroline said: ...", "The user said: ...".
+4. A turn whose every sentence was dropped but which answers the previous turn's question ("Yes, I did!")
+   becomes one card holding the question and the answer, spanning both turns.
+5. A shared image (LoCoMo's BLIP caption) is appended to the turn's last card: "[Melanie shared an image:
+   a photo of ...]", or is the turn's only card.
+6. A session whose every turn was dropped keeps its longest turn as one card, so that every non-empty session
+   has at least one card (which also marks it as extracted).
+
+Types (first rule that matches): ``interaction`` for code/list cards and assistant turns; ``preference`` for
+likes/loves/enjoys/prefers/favourite/hates; ``event`` when the card holds a time expression or an event verb
+(went, visited, attended, joined, started, ...); ``state`` for "I am/I'm/I have/I feel/currently/these days";
+``fact`` otherwise. ``time`` is the card's first time expression ("yesterday", "last week", "two weeks ago",
+"2022"), lower-cased; null means the session's date. :func:`resolve_time` turns it into a date or a phrase
+against the session date of the history being read ("yesterday" on 8 May 2023 -> "7 May 2023").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+import pyarrow as pa
+from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+
+from memgas.pipeline.accounting import TokenLedger
+from memgas.pipeline.config import JustMemConfig
+from memgas.pipeline.data.locomo import CAPTION_SEP
+from memgas.pipeline.hashing import text_hash
+from memgas.pipeline.justmem.structured import InvalidOutput, call_structured
+from memgas.pipeline.models.base import LLM, SamplingParams
+from memgas.pipeline.prompts import (
+    JUSTMEM_EXTRACT_PROMPT_DIGEST,
+    dialogue_kind_for,
+    justmem_extract_prompt,
+    justmem_numbered_turns,
+)
+from memgas.pipeline.schema import CARD_TYPES, CARDS
+
+log = logging.getLogger(__name__)
+
+#: Key of the LLM-free extractor; bump the version whenever its output can change.
+LLM_FREE_EXTRACTOR = "llm-free/justmem-cards-v1"
+#: Longest card the LLM-free extractor packs consecutive sentences of a turn into; 0 = one sentence per card.
+#: Measured on the LoCoMo sample (benchmarks/justmem_quality.py, MiniLM): one sentence per card (38.5 cards per
+#: session, 77 chars) beat packing to 240 chars (19.9, 138) and 600 chars (18.6, 147) on R_all@3/@10 and
+#: NDCG@10 of every card method, and tied on R_all@5.
+MAX_CARD_CHARS = 0
+#: Content words a sentence needs to be kept.
+MIN_CONTENT_WORDS = 2
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One utterance of a session, as in the ``turns`` table."""
+
+    turn_index: int
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Card:
+    """A card before it gets its keys: statement, type, relative time, inclusive turn span."""
+
+    text: str
+    type: str
+    time: str | None
+    turn_start: int
+    turn_end: int
+
+
+# --------------------------------------------------------------------------------------------------
+# keys
+# --------------------------------------------------------------------------------------------------
+
+
+def card_id(session_hash: str, extractor: str, card_index: int) -> str:
+    """Content key of a card: 128-bit hash of (session_hash, extractor, card_index)."""
+    h = hashlib.blake2b(digest_size=16)
+    for part in (session_hash, extractor, str(card_index)):
+        h.update(part.encode("utf-8", "surrogatepass"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def extractor_key(cfg: JustMemConfig, llm_name: str | None = None) -> str:
+    """What the ``extractor`` column holds for ``cfg``: the LLM-free key, or ``model|prompt digest`` (the
+    fallback's key is part of it: a changed LLM-free method changes what fallback rows hold)."""
+    if cfg.extractor == "llm-free":
+        return LLM_FREE_EXTRACTOR
+    if not llm_name:
+        raise ValueError("justmem.extractor=llm needs the LLM's name for the cards key")
+    return (f"{llm_name}|{JUSTMEM_EXTRACT_PROMPT_DIGEST}|in{cfg.extract_max_input_tokens}"
+            f"|out{cfg.extract_max_tokens}|fb:{LLM_FREE_EXTRACTOR}")
+
+
+# --------------------------------------------------------------------------------------------------
+# LLM-free extractor
+# --------------------------------------------------------------------------------------------------
+
+# sklearn's English stop words plus chat interjections: words that carry no memory on their own
+
+
+_INTERJECTIONS = frozenset(
+    "hey hi hello wow yeah yes yep nope thanks thank haha hahaha lol omg cool awesome great nice good glad "
+    "totally really sure okay amazing congrats congratulations bye see soon hear sounds awesome wonderful "
+    "fantastic sweet lovely true absolutely definitely agree welcome talk later chat care".split())
+# auxiliaries sklearn's list lacks ("do" is there, "did"/"does" are not)
+_AUX = frozenset("did does doing done has had having got gets getting gonna wanna let lets".split())
+_STOP = frozenset(ENGLISH_STOP_WORDS) | _INTERJECTIONS | _AUX
+_WORD_RE = re.compile(r"[A-Za-z][A-Za-z'’]+")
+_FENCE_BLOCK_RE = re.compile(r"```.*?(?:```|\Z)", re.DOTALL)
+_LIST_LINE_RE = re.compile(r"^\s*(?:[-*•·]|\d{1,3}[.)])\s+\S")
+#: words after which a period does not end a sentence
+_ABBREV = frozenset("mr mrs ms dr st vs etc e.g i.e jr sr prof no approx".split())
+_SENT_BOUNDARY_RE = re.compile(r"([.!?]+)([\"')\]]*)\s+")
+
+_MONTHS = ("january|february|march|april|may|june|july|august|september|october|november|december")
+_WEEKDAYS = "monday|tuesday|wednesday|thursday|friday|saturday|sunday"
+_NUM = r"(?:\d+|a|an|one|two|three|four|five|six|seven|eight|nine|ten|a few|few|couple of|a couple of)"
+#: time expressions, most specific first (the first match is the card's ``time``)
+_TIME_RE = re.compile(
+    rf"\b(?:{_NUM}\s+(?:days?|weeks?|months?|years?)\s+ago"
+    rf"|(?:last|next|this)\s+(?:night|week|weekend|month|year|summer|winter|spring|fall|autumn|{_WEEKDAYS})"
+    rf"|yesterday|today|tonight|tomorrow|this\s+(?:morning|afternoon|evening)"
+    rf"|(?:in|since|during|back\s+in)\s+(?:19|20)\d\d"
+    rf"|(?:{_MONTHS})(?:\s+\d{{1,2}})?(?:,?\s+(?:19|20)\d\d)?"
+    rf"|recently|the other day)\b",
+    re.IGNORECASE)
+_PREFERENCE_RE = re.compile(
+    r"\b(?:love|loved|loves|like|likes|enjoy|enjoys|enjoyed|prefer|prefers|favou?rite|hate|hates|dislike|"
+    r"passionate about|fan of|big fan|really into|obsessed with|can't stand)\b", re.IGNORECASE)
+_EVENT_RE = re.compile(
+    r"\b(?:went|go(?:ing)? to|visited|attended|joined|started|finished|bought|got|met|took|moved|signed up|"
+    r"ran|made|painted|adopted|traveled|travelled|celebrated|won|lost|graduated|volunteered|hosted|planned|"
+    r"gave|received|tried|learned|learnt|completed|launched|watched|read|saw|camped|hiked|created|built)\b",
+    re.IGNORECASE)
+_STATE_RE = re.compile(
+    r"\b(?:i am|i'm|i’m|i have|i've|i’ve|i feel|i'm feeling|currently|these days|right now|still|"
+    r"i live|i work|my \w+ (?:is|are))\b", re.IGNORECASE)
+
+
+def _speaker(role: str) -> str:
+    low = role.strip().lower()
+    if low in ("user", "human"):
+        return "The user"
+    if low in ("assistant", "ai", "bot", "system"):
+        return "The assistant"
+    return role.strip() or "Someone"
+
+
+def _is_assistant(role: str) -> bool:
+    return role.strip().lower() in ("assistant", "ai", "bot")
+
+
+def content_words(text: str) -> list[str]:
+    """Words of three letters or more that are neither stop words nor interjections ("Melanie's" -> melanie)."""
+    words = (m.group(0).lower().replace("’", "'").removesuffix("'s") for m in _WORD_RE.finditer(text))
+    return [w for w in words if len(w) >= 3 and w not in _STOP and w.split("'")[0] not in _STOP]
+
+
+def split_sentences(text: str) -> list[str]:
+    """Sentences of a prose paragraph: ends at ``.``/``!``/``?`` before whitespace, except after an
+    abbreviation ("Dr.") or a single letter ("J.")."""
+    out: list[str] = []
+    start = 0
+    for m in _SENT_BOUNDARY_RE.finditer(text):
+        word = text[:m.start()].rsplit(None, 1)[-1].lower().rstrip(".") if text[:m.start()].strip() else ""
+        if m.group(1) == "." and (word in _ABBREV or len(word) == 1):
+            continue
+        piece = text[start:m.end()].strip()
+        if piece:
+            out.append(piece)
+        start = m.end()
+    tail = text[start:].strip()
+    if tail:
+        out.append(tail)
+    return out
+
+
+def split_blocks(content: str) -> tuple[list[str], list[str]]:
+    """(prose paragraphs, code/list blocks kept whole) of one turn's text."""
+    blocks: list[str] = []
+
+    def keep(m: re.Match[str]) -> str:
+        blocks.append(m.group(0).strip())
+        return "\n\n"
+
+    rest = _FENCE_BLOCK_RE.sub(keep, content)
+    prose: list[str] = []
+    lines = rest.split("\n")
+    i = 0
+    para: list[str] = []
+    while i < len(lines):
+        j = i
+        while j < len(lines) and _LIST_LINE_RE.match(lines[j]):
+            j += 1
+        if j - i >= 2:  # a list of two or more items, with the line that introduces it
+            head = [para.pop()] if para and para[-1].rstrip().endswith(":") else []
+            blocks.append("\n".join(head + lines[i:j]).strip())
+            i = j
+            continue
+        if lines[i].strip():
+            para.append(lines[i].strip())
+        elif para:
+            prose.append(" ".join(para))
+            para = []
+        i += 1
+    if para:
+        prose.append(" ".join(para))
+    return [p for p in prose if p.strip()], blocks
+
+
+def find_time(text: str) -> str | None:
+    """The first time expression of ``text``, lower-cased with single spaces (None: none)."""
+    m = _TIME_RE.search(text)
+    return " ".join(m.group(0).lower().split()) if m else None
+
+
+def card_type(text: str, *, block: bool = False, assistant: bool = False) -> str:
+    """The documented type rules (module docstring), in their order."""
+    if block or assistant:
+        return "interaction"
+    if _PREFERENCE_RE.search(text):
+        return "preference"
+    if find_time(text) or _EVENT_RE.search(text):
+        return "event"
+    if _STATE_RE.search(text):
+        return "state"
+    return "fact"
+
+
+def _pack(sentences: list[str], max_chars: int) -> list[str]:
+    out: list[str] = []
+    cur = ""
+    for s in sentences:
+        if cur and len(cur) + 1 + len(s) > max_chars:
+            out.append(cur)
+            cur = s
+        else:
+            cur = f"{cur} {s}" if cur else s
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _make(speaker: str, body: str, *, i0: int, i1: int, block: bool, assistant: bool,
+          verb: str = "said") -> Card:
+    text = f"{speaker} {verb}: {body}"
+    return Card(text=text, type=card_type(body, block=block, assistant=assistant), time=find_time(body),
+                turn_start=i0, turn_end=i1)
+
+
+def extract_llm_free(turns: Sequence[Turn], *, max_chars: int = MAX_CARD_CHARS,
+                     keep_questions: bool = False) -> list[Card]:
+    """Cards of one session by the documented rules (module docstring). Deterministic; at least one card when
+    any turn has text. ``max_chars``/``keep_questions``: the alternatives measured against the default
+    (benchmarks/justmem_quality.py); the extractor key names the defaults only."""
+    cards: list[Card] = []
+    prev_question: tuple[Turn, str] | None = None  # the previous turn's last question, for short replies
+    for t in turns:
+        text, _, caption = t.content.partition(CAPTION_SEP)
+        speaker, assistant = _speaker(t.role), _is_assistant(t.role)
+        prose, blocks = split_blocks(text)
+        sentences = [s for p in prose for s in split_sentences(p)]
+        kept = [s for s in sentences if (keep_questions or not s.rstrip("\"')] ").endswith("?"))
+                and len(content_words(s)) >= MIN_CONTENT_WORDS]
+        own = [_make(speaker, body, i0=t.turn_index, i1=t.turn_index, block=False, assistant=assistant)
+               for body in _pack(kept, max_chars)]
+        own += [_make(speaker, b, i0=t.turn_index, i1=t.turn_index, block=True, assistant=assistant, verb="wrote")
+                for b in blocks]
+        if not own and prev_question is not None and sentences and not caption:
+            q_turn, q = prev_question
+            body = f"{_speaker(q_turn.role)} asked: {q} {speaker} answered: {' '.join(sentences)}"
+            own = [Card(text=body, type=card_type(body, assistant=assistant), time=find_time(body),
+                        turn_start=q_turn.turn_index, turn_end=t.turn_index)]
+        if caption.strip():
+            note = f"[{speaker} shared an image: {caption.strip()}]"
+            if own:
+                last = own[-1]
+                own[-1] = Card(f"{last.text} {note}", last.type, last.time, last.turn_start, last.turn_end)
+            else:
+                own = [Card(note, "event", find_time(text), t.turn_index, t.turn_index)]
+        cards += own
+        questions = [s for s in sentences if s.rstrip("\"')] ").endswith("?")]
+        prev_question = (t, questions[-1]) if questions else None
+    if not cards:
+        longest = max(turns, key=lambda u: (len(u.content.strip()), -u.turn_index), default=None)
+        if longest is not None and longest.content.strip():
+            body = " ".join(longest.content.split())
+            cards = [_make(_speaker(longest.role), body, i0=longest.turn_index, i1=longest.turn_index,
+                           block=False, assistant=_is_assistant(longest.role))]
+    return cards
+
+
+# --------------------------------------------------------------------------------------------------
+# times
+# --------------------------------------------------------------------------------------------------
+
+_WORDNUM = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7,
+            "eight": 8, "nine": 9, "ten": 10, "a few": 3, "few": 3, "couple of": 2, "a couple of": 2}
+
+
+def fmt_date(d: datetime) -> str:
+    """``8 May 2023`` (LoCoMo's answers spell dates this way)."""
+    return f"{d.day} {d:%B %Y}"
+
+
+def resolve_time(time: str | None, session_date: datetime | None) -> str | None:
+    """A card's relative ``time`` against its session's date, as the reader should see it: a date
+    ("yesterday" -> "7 May 2023"), a phrase anchored to the date ("last week" -> "the week before 8 May
+    2023"), a year ("last year" -> "2022"), or the expression itself when it cannot be resolved. None when the
+    card has no time of its own (its date is the session's)."""
+    if not time:
+        return None
+    if session_date is None:
+        return time
+    t, d = time.lower().strip(), session_date
+    if t in ("yesterday", "last night"):
+        return fmt_date(d - timedelta(days=1))
+    if t in ("today", "tonight", "this morning", "this afternoon", "this evening"):
+        return fmt_date(d)
+    if t == "tomorrow":
+        return fmt_date(d + timedelta(days=1))
+    if t == "last year":
+        return str(d.year - 1)
+    if t == "next year":
+        return str(d.year + 1)
+    if t == "this year":
+        return str(d.year)
+    m = re.fullmatch(r"(last|next)\s+(\w+)", t)
+    if m:
+        return f"the {m.group(2)} {'before' if m.group(1) == 'last' else 'after'} {fmt_date(d)}"
+    m = re.fullmatch(rf"({_NUM})\s+(day|week|month|year)s?\s+ago", t)
+    if m:
+        n = int(m.group(1)) if m.group(1).isdigit() else _WORDNUM.get(m.group(1), 0)
+        unit = m.group(2)
+        if unit == "day" and n:
+            return fmt_date(d - timedelta(days=n))
+        if unit == "year" and n:
+            return str(d.year - n)
+        return f"{time} (before {fmt_date(d)})"
+    return f"{time} (said on {fmt_date(d)})"
+
+
+# --------------------------------------------------------------------------------------------------
+# LLM extractor
+# --------------------------------------------------------------------------------------------------
+
+
+def cards_json_schema() -> dict[str, Any]:
+    """Output schema of the extraction call (OpenAI strict mode: every property required, no extras)."""
+    card = {
+        "type": "object",
+        "properties": {
+            "text": {"type": "string"},
+            "type": {"type": "string", "enum": list(CARD_TYPES)},
+            "time": {"type": "string"},
+            "turn_start": {"type": "integer", "minimum": 0},
+            "turn_end": {"type": "integer", "minimum": 0},
+        },
+        "required": ["text", "type", "time", "turn_start", "turn_end"],
+        "additionalProperties": False,
+    }
+    return {"type": "object", "properties": {"cards": {"type": "array", "items": card, "minItems": 1}},
+            "required": ["cards"], "additionalProperties": False}
+
+
+#: Longest card text accepted from the LLM (a "card" longer than this is a copy of the session, not a card).
+MAX_LLM_CARD_CHARS = 4000
+
+
+def validate_cards(obj: dict[str, Any], turn_indices: Sequence[int]) -> list[Card]:
+    """Cards of a parsed extraction output, or InvalidOutput naming the first problem. ``turn_indices``: the
+    turns the prompt showed (provenance must point at one of them)."""
+    items = obj.get("cards")
+    if not isinstance(items, list):
+        raise InvalidOutput('"cards" must be a list of card objects')
+    if not items:
+        raise InvalidOutput('"cards" is empty: a session has at least one card')
+    shown = set(turn_indices)
+    lo, hi = min(shown), max(shown)
+    out: list[Card] = []
+    for k, c in enumerate(items):
+        where = f"cards[{k}]"
+        if not isinstance(c, dict):
+            raise InvalidOutput(f"{where} must be an object")
+        text = c.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidOutput(f'{where}.text must be a non-empty string')
+        if len(text) > MAX_LLM_CARD_CHARS:
+            raise InvalidOutput(f"{where}.text is {len(text)} characters; a card is one short statement")
+        typ = c.get("type")
+        typ = typ.strip().lower() if isinstance(typ, str) else typ
+        if typ not in CARD_TYPES:
+            raise InvalidOutput(f"{where}.type must be one of {', '.join(CARD_TYPES)} (got {c.get('type')!r})")
+        time = c.get("time", "")
+        if time is not None and not isinstance(time, str):
+            raise InvalidOutput(f'{where}.time must be a string ("" for the dialogue\'s date)')
+        span = []
+        for f in ("turn_start", "turn_end"):
+            v = c.get(f)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise InvalidOutput(f"{where}.{f} must be an integer turn number")
+            if v not in shown:
+                raise InvalidOutput(f"{where}.{f}={v} is not a turn number of the dialogue ({lo}..{hi})")
+            span.append(v)
+        if span[0] > span[1]:
+            raise InvalidOutput(f"{where}: turn_start={span[0]} is after turn_end={span[1]}")
+        t = " ".join(time.split()).lower() if time else ""
+        out.append(Card(" ".join(text.split()), typ, t or None, span[0], span[1]))
+    return out
+
+
+def _fit_turns(llm: LLM, turns: Sequence[Turn], max_tokens: int) -> tuple[list[Turn], bool]:
+    """The longest head of ``turns`` whose numbered rendering fits ``max_tokens`` (at least one turn)."""
+    rendered = [justmem_numbered_turns([(t.turn_index, t.role, t.content)]) for t in turns]
+    total, keep = 0, 0
+    for r in rendered:
+        total += llm.count_tokens(r) + 1
+        if total > max_tokens and keep:
+            break
+        keep += 1
+    return list(turns[:keep]), keep < len(turns)
+
+
+# --------------------------------------------------------------------------------------------------
+# the cards of many sessions
+# --------------------------------------------------------------------------------------------------
+
+
+def card_rows(session_hash: str, extractor: str, cards: Sequence[Card], *, prompt_tokens: int | None = None,
+              completion_tokens: int | None = None, input_truncated: bool | None = None,
+              fallback: str | None = None, error: str | None = None) -> list[dict[str, Any]]:
+    """``CARDS`` rows of one session; tokens go on card 0 only (the column then sums to the cost)."""
+    return [{
+        "card_id": card_id(session_hash, extractor, k), "session_hash": session_hash, "extractor": extractor,
+        "card_index": k, "text": c.text, "text_hash": text_hash(c.text), "type": c.type, "time": c.time,
+        "turn_start": c.turn_start, "turn_end": c.turn_end,
+        "prompt_tokens": prompt_tokens if k == 0 else None,
+        "completion_tokens": completion_tokens if k == 0 else None,
+        "input_truncated": input_truncated, "fallback": fallback, "error": error,
+    } for k, c in enumerate(cards)]
+
+
+def extract_cards(
+    sessions: Sequence[tuple[str, Sequence[Turn], str | None]],
+    cfg: JustMemConfig,
+    *,
+    key: str,
+    llm: LLM | None = None,
+    ledger: TokenLedger | None = None,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> pa.Table:
+    """``CARDS`` rows for ``sessions`` = ``(session_hash, turns, dataset or dialogue kind)``, under extractor
+    ``key`` (:func:`extractor_key`), in session order then card order. Never raises for a bad session:
+    with ``cfg.extractor == "llm"`` an output still invalid after one repair (or a failed call) is replaced by
+    the LLM-free cards of that session, with ``fallback`` naming why; the ledger counts them."""
+    rows: list[dict[str, Any]] = []
+    if cfg.extractor == "llm-free":
+        for h, turns, _ in sessions:
+            rows += card_rows(h, key, extract_llm_free(turns))
+        if ledger is not None:
+            ledger.count("justmem-cards-llm-free", "sessions", len(sessions))
+        return pa.Table.from_pylist(rows, schema=CARDS)
+    if llm is None:
+        raise ValueError("justmem.extractor=llm needs an LLM")
+    todo = [(h, list(turns), kind) for h, turns, kind in sessions if any(t.content.strip() for t in turns)]
+    fitted = [_fit_turns(llm, turns, cfg.extract_max_input_tokens) for _, turns, _ in todo]
+    prompts = [justmem_extract_prompt(justmem_numbered_turns([(t.turn_index, t.role, t.content) for t in shown]),
+                                      dialogue_kind_for(kind)) for (shown, _), (_, _, kind) in zip(fitted, todo)]
+    params = SamplingParams(max_tokens=cfg.extract_max_tokens, temperature=temperature, seed=seed,
+                            json_schema=cards_json_schema())
+    results = call_structured(llm, prompts, lambda obj, i: validate_cards(obj, [t.turn_index for t in fitted[i][0]]),
+                              params, ledger=ledger, stage="justmem-cards")
+    by_hash: dict[str, list[dict[str, Any]]] = {}
+    n_fallback = 0
+    for (h, turns, _), (_, truncated), res in zip(todo, fitted, results):
+        tokens = dict(prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
+                      input_truncated=truncated)
+        if res.value is not None:
+            by_hash[h] = card_rows(h, key, res.value, **tokens)
+        else:
+            n_fallback += 1
+            log.warning("justmem cards: session %s: %s; LLM-free cards used", h[:12], res.error)
+            by_hash[h] = card_rows(h, key, extract_llm_free(turns), fallback=f"{LLM_FREE_EXTRACTOR} ({res.error})",
+                                   **tokens)
+    for h, _, _ in sessions:
+        rows += by_hash.get(h, [])
+    if ledger is not None:
+        ledger.count("justmem-cards", "fallback", n_fallback)
+        ledger.count("justmem-cards", "sessions", len(todo))
+    return pa.Table.from_pylist(rows, schema=CARDS)
+
+
+def turns_by_session(turns: pa.Table) -> dict[str, list[Turn]]:
+    """``turns`` table rows -> {session_hash: turns in turn_index order}."""
+    out: dict[str, list[Turn]] = {}
+    cols = [turns.column(c).to_pylist() for c in ("session_hash", "turn_index", "role", "content")]
+    for h, i, role, content in zip(*cols):
+        out.setdefault(h, []).append(Turn(int(i), role, content))
+    for v in out.values():
+        v.sort(key=lambda t: t.turn_index)
+    return out

@@ -1,0 +1,252 @@
+"""JustMem retrieval over the cards of one history: Lookup, Compose, Replay, the adaptive method and ``cards``.
+
+All cards of all sessions of a history compete (several cards of one session may all win). Per query q:
+
+* **candidates** C(x) of a view x (the question or a rewrite): the ``justmem.candidates`` (N) cards with the
+  highest dense similarity x . card (float64 dot products of the caller's vectors; ties: lower card index).
+* **rerank** against the question: ``bm25-dense`` = reciprocal-rank fusion (k = ``RRF_K``) of the BM25 score
+  of the question over the candidate texts (the bm25s library; one index over all cards of the history, so
+  IDF is the history's) and the dense similarity to the question; ranks within the candidates, ties sharing
+  the better rank; then fused score descending, ties by dense score, then lower card index. ``dense``: the
+  dense score alone.
+* **Lookup**: top K (``justmem.top_k``) of rerank(q, C(q)).
+* **Compose**: top K of rerank(q, C(q) ∪ C(r1) ∪ C(r2)) (deduplicated; the same K: wider discovery, same
+  reading budget).
+* **Replay**: Lookup's cards; the reader then recovers their source turns (:mod:`.read`).
+* **justmem**: the plan's profile per query (``profile_for(d, f)``); ``justmem-lookup/-compose/-replay``:
+  that profile for every query.
+* **cards**: no selection: a session scores its best card's dense similarity.
+
+Session order for retrieval metrics (comparable with every MemGAS method on the same bank): the sessions of
+the final cards, in the order of their best card in the final order; then the other sessions by their best
+card's dense similarity (descending; ties: lower session position); sessions without cards last. The scores
+returned follow that order: a selected session scores ``top + (len(final) - r)`` (``top`` = 1 + the best
+dense similarity of any session, r = rank of its best card), the others their best dense similarity, a
+session without cards the lowest of those minus 1: they are for ordering and display, not calibrated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from memgas.pipeline.config import JustMemConfig
+from memgas.pipeline.justmem.plan import Plan, profile_for
+from memgas.pipeline.methods import JUSTMEM_METHOD_NAMES
+
+#: Reciprocal-rank fusion constant (Cormack et al., 2009: 60).
+RRF_K = 60
+#: Profile of each fixed-profile method (``justmem`` takes the plan's, ``cards`` selects nothing).
+FIXED_PROFILE: dict[str, str] = {"justmem-lookup": "lookup", "justmem-compose": "compose",
+                                 "justmem-replay": "replay"}
+
+
+@dataclass
+class HistoryCards:
+    """The cards of one history, in (session position, card_index) order, with their vectors."""
+
+    session_pos: np.ndarray  # int64 [C]: position (0..S-1) of each card's session in the history
+    texts: list[str]
+    vectors: np.ndarray  # float32 [C, d]
+    n_sessions: int
+    card_ids: list[str] = field(default_factory=list)
+    session_hashes: list[str] = field(default_factory=list)  # [C]
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)  # [C] inclusive turn_index spans
+    types: list[str] = field(default_factory=list)
+    times: list[str | None] = field(default_factory=list)
+    _bm25: Any = None
+    _vocab: dict[str, int] | None = None
+
+    def __post_init__(self) -> None:
+        self.session_pos = np.asarray(self.session_pos, dtype=np.int64)
+        self.vectors = np.asarray(self.vectors, dtype=np.float32)
+        if self.vectors.ndim != 2 or self.vectors.shape[0] != len(self.texts) or len(self.session_pos) != len(self.texts):
+            raise ValueError(f"{len(self.texts)} card texts, {len(self.session_pos)} session positions and vectors "
+                             f"of shape {self.vectors.shape}: one row per card expected")
+        if len(self.session_pos) and (self.session_pos.min() < 0 or self.session_pos.max() >= self.n_sessions):
+            raise ValueError(f"card session positions must be in 0..{self.n_sessions - 1}")
+
+    @classmethod
+    def from_table(cls, session_hashes: Sequence[str], cards: pa.Table,
+                   vectors: Mapping[str, np.ndarray] | np.ndarray) -> HistoryCards:
+        """The cards of a history whose sessions (in position order) have ``session_hashes``, from ``CARDS``
+        rows of one extractor; ``vectors``: {text_hash: vector} or an array aligned with ``cards``' rows. A
+        session hash repeated in one history (LongMemEval-S repeats a few) contributes its cards once, at
+        its first position."""
+        pos: dict[str, int] = {}
+        for p, h in enumerate(session_hashes):
+            pos.setdefault(h, p)
+        rows = cards.select(["card_id", "session_hash", "card_index", "text", "text_hash", "type", "time",
+                             "turn_start", "turn_end"]).to_pylist()
+        if isinstance(vectors, np.ndarray):
+            vec_rows = list(np.asarray(vectors, np.float32))
+            if len(vec_rows) != len(rows):
+                raise ValueError(f"{len(vec_rows)} vectors for {len(rows)} cards")
+        else:
+            vec_rows = [vectors[r["text_hash"]] for r in rows]
+        keep = sorted((pos[r["session_hash"]], r["card_index"], i) for i, r in enumerate(rows) if r["session_hash"] in pos)
+        sel = [rows[i] for _, _, i in keep]
+        dim = len(vec_rows[0]) if vec_rows else 0
+        mat = np.stack([vec_rows[i] for _, _, i in keep]).astype(np.float32) if keep else np.zeros((0, dim), np.float32)
+        return cls(session_pos=np.array([p for p, _, _ in keep], np.int64), texts=[r["text"] for r in sel],
+                   vectors=mat, n_sessions=len(session_hashes), card_ids=[r["card_id"] for r in sel],
+                   session_hashes=[r["session_hash"] for r in sel],
+                   turn_spans=[(r["turn_start"], r["turn_end"]) for r in sel], types=[r["type"] for r in sel],
+                   times=[r["time"] for r in sel])
+
+    def bm25_scores(self, query: str) -> np.ndarray:
+        """BM25 (bm25s, Lucene variant, English stop words) of ``query`` over every card, float64 [C]."""
+        import bm25s
+
+        if self._bm25 is None:
+            tok = bm25s.tokenize(self.texts, stopwords="en", show_progress=False)
+            self._bm25 = bm25s.BM25()
+            self._bm25.index(tok, show_progress=False)
+            self._vocab = dict(tok.vocab)
+        words = bm25s.tokenize([query], stopwords="en", show_progress=False, return_ids=False)[0]
+        words = [w for w in words if w in (self._vocab or {}) and w]  # unknown words score nothing
+        if not words or not self.texts:
+            return np.zeros(len(self.texts), np.float64)
+        return np.asarray(self._bm25.get_scores(words), dtype=np.float64)
+
+
+@dataclass
+class CardSelection:
+    """What a JustMem method returns for the queries of one history."""
+
+    order: np.ndarray  # int64 [Q, S]: session positions, best first
+    scores: np.ndarray  # float64 [Q, S]: session scores (indexed by position), consistent with ``order``
+    cards: list[np.ndarray]  # per query, the chosen card indices (into HistoryCards) in final order (<= K)
+    profiles: list[str]  # per query: lookup | compose | replay ("" for the ``cards`` method)
+
+
+def _desc_order(values: np.ndarray, tie: np.ndarray | None = None) -> np.ndarray:
+    """Indices by ``values`` descending, ties by ``tie`` descending, then lower index (lexsort: stable)."""
+    keys = [np.arange(len(values))]
+    if tie is not None:
+        keys.append(-tie)
+    keys.append(-values)
+    return np.lexsort(keys)
+
+
+def candidates(hc: HistoryCards, vec: np.ndarray, n: int) -> np.ndarray:
+    """C(x): the ``n`` cards most similar to ``vec`` (ties: lower card index)."""
+    sims = hc.vectors.astype(np.float64) @ np.asarray(vec, np.float64)
+    return _desc_order(sims)[:n]
+
+
+def _shared_rank(x: np.ndarray) -> np.ndarray:
+    """1-based rank of each value (descending); equal values share the better rank."""
+    s = np.sort(x)[::-1]
+    return 1 + np.searchsorted(-s, -x, side="left")
+
+
+def rerank(hc: HistoryCards, question: str, dense_q: np.ndarray, cand: np.ndarray, reranker: str) -> np.ndarray:
+    """``cand`` (card indices) reordered against the question (module docstring)."""
+    cand = np.unique(np.asarray(cand, np.int64))  # deduplicated; sorted, so ties fall to the lower index
+    d = dense_q[cand]
+    if reranker == "dense":
+        return cand[_desc_order(d)]
+    if reranker != "bm25-dense":
+        raise ValueError(f"justmem.reranker={reranker!r}: expected 'bm25-dense' or 'dense'")
+    b = hc.bm25_scores(question)[cand]
+    fused = 1.0 / (RRF_K + _shared_rank(b)) + 1.0 / (RRF_K + _shared_rank(d))
+    return cand[_desc_order(fused, d)]
+
+
+def select_cards(hc: HistoryCards, question: str, qvec: np.ndarray, profile: str, cfg: JustMemConfig,
+                 rewrite_vecs: np.ndarray | None = None) -> np.ndarray:
+    """The K cards of one query under ``profile`` (lookup | compose | replay), in final order."""
+    if not hc.texts:
+        return np.zeros(0, np.int64)
+    dense_q = hc.vectors.astype(np.float64) @ np.asarray(qvec, np.float64)
+    pool = [_desc_order(dense_q)[: cfg.candidates]]
+    if profile == "compose" and rewrite_vecs is not None:
+        for r in np.asarray(rewrite_vecs, np.float32)[: cfg.rewrites]:
+            pool.append(candidates(hc, r, cfg.candidates))
+    elif profile not in ("lookup", "compose", "replay"):
+        raise ValueError(f"unknown JustMem profile {profile!r}")
+    return rerank(hc, question, dense_q, np.concatenate(pool), cfg.reranker)[: cfg.top_k]
+
+
+def session_order(hc: HistoryCards, dense_q: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order [S], scores [S]) of one query from its chosen cards (module docstring)."""
+    S = hc.n_sessions
+    best = np.full(S, -np.inf)
+    np.maximum.at(best, hc.session_pos, dense_q)
+    has = np.isfinite(best)
+    floor = (best[has].min() - 1.0) if has.any() else 0.0
+    scores = np.where(has, best, floor)
+    first: list[int] = []
+    for c in chosen:
+        p = int(hc.session_pos[c])
+        if p not in first:
+            first.append(p)
+    top = (best[has].max() + 1.0) if has.any() else 1.0
+    for r, p in enumerate(first):
+        scores[p] = top + (len(first) - r)
+    rest = [p for p in _desc_order(np.where(has, best, floor)) if p not in set(first)]
+    return np.array(first + rest, dtype=np.int64), scores.astype(np.float64)
+
+
+def rank_cards(
+    hc: HistoryCards,
+    questions: Sequence[str],
+    query_vecs: np.ndarray,
+    method: str,
+    cfg: JustMemConfig,
+    *,
+    plans: Sequence[Plan] | None = None,
+    rewrite_vecs: Sequence[np.ndarray | None] | None = None,
+) -> CardSelection:
+    """One JustMem method over the queries of one history. ``query_vecs`` [Q, d]; ``plans`` (per query) are
+    needed by ``justmem`` (profiles) and, with ``rewrite_vecs`` (per query [R, d], the encoded
+    ``plan.rewrites``), by Compose."""
+    if method not in JUSTMEM_METHOD_NAMES:
+        raise ValueError(f"unknown JustMem method {method!r}; choose from {list(JUSTMEM_METHOD_NAMES)}")
+    q = np.asarray(query_vecs, np.float32)
+    if q.ndim != 2 or (len(hc.texts) and q.shape[1] != hc.vectors.shape[1]):
+        raise ValueError(f"query_vecs must be [Q, {hc.vectors.shape[1]}], got {q.shape}")
+    if len(questions) != len(q):
+        raise ValueError(f"{len(questions)} questions for {len(q)} query vectors")
+    if method == "justmem" and (plans is None or len(plans) != len(q)):
+        raise ValueError("method 'justmem' needs one plan per query (its profile)")
+    orders, scores, chosen, profiles = [], [], [], []
+    for i, (question, vec) in enumerate(zip(questions, q)):
+        dense_q = hc.vectors.astype(np.float64) @ vec.astype(np.float64)
+        if method == "cards":
+            profile, picked = "", np.zeros(0, np.int64)
+        else:
+            profile = FIXED_PROFILE.get(method) or profile_for(plans[i].d, plans[i].f)  # type: ignore[index]
+            rv = rewrite_vecs[i] if rewrite_vecs is not None else None
+            picked = select_cards(hc, question, vec, profile, cfg, rv)
+        o, s = session_order(hc, dense_q, picked)
+        orders.append(o)
+        scores.append(s)
+        chosen.append(picked)
+        profiles.append(profile)
+    S = hc.n_sessions
+    return CardSelection(np.array(orders, np.int64).reshape(len(q), S), np.array(scores, np.float64).reshape(len(q), S),
+                         chosen, profiles)
+
+
+def rank_history_cards(
+    hc: HistoryCards,
+    questions: Sequence[str],
+    query_vecs: np.ndarray,
+    methods: Sequence[str],
+    cfg: JustMemConfig,
+    *,
+    plans: Sequence[Plan] | None = None,
+    rewrite_vecs: Sequence[np.ndarray | None] | None = None,
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(order [Q, S], scores [Q, S]) per JustMem method, the shape ``retrieve.rank_history`` returns."""
+    out = {}
+    for m in methods:
+        sel = rank_cards(hc, questions, query_vecs, m, cfg, plans=plans, rewrite_vecs=rewrite_vecs)
+        out[m] = (sel.order, sel.scores)
+    return out

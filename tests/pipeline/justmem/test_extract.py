@@ -1,0 +1,202 @@
+"""JustMem cards: the LLM-free rules, the cards schema and keys, and the LLM extractor's schema, repair and
+fallback (fake backend: malformed JSON on demand)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+
+import pyarrow as pa
+import pytest
+
+from memgas.pipeline.accounting import TokenLedger
+from memgas.pipeline.config import JustMemConfig
+from memgas.pipeline.hashing import text_hash
+from memgas.pipeline.justmem.extract import (
+    LLM_FREE_EXTRACTOR,
+    Card,
+    Turn,
+    card_id,
+    cards_json_schema,
+    extract_cards,
+    extract_llm_free,
+    extractor_key,
+    resolve_time,
+    turns_by_session,
+    validate_cards,
+)
+from memgas.pipeline.justmem.structured import InvalidOutput
+from memgas.pipeline.schema import CARD_TYPES, CARDS, KEYS, TABLES
+
+from .conftest import FakeLLM
+
+TURNS = [
+    Turn(0, "Caroline", "Hey Mel! Good to see you! I went to a LGBTQ support group yesterday and it was so powerful."),
+    Turn(1, "Melanie", "Wow! Did you like the talks?"),
+    Turn(2, "Caroline", "Yes, I did!"),
+    Turn(3, "Melanie", "I love painting sunsets. Dr. Lee taught me last summer.\n The image Caption: a photo of a lake"),
+    Turn(4, "user", "Here is my plan:\n- buy flour\n- bake bread\nThanks!"),
+    Turn(5, "assistant", "Use this:\n```python\nprint(1)\n```\nIt prints one number."),
+]
+
+
+def test_llm_free_rules_exact() -> None:
+    assert extract_llm_free(TURNS) == [
+        # greeting sentences dropped; speaker explicit; "yesterday" is the card's time and makes it an event
+        Card("Caroline said: I went to a LGBTQ support group yesterday and it was so powerful.", "event",
+             "yesterday", 0, 0),
+        # a reply with no content of its own carries the question it answers, spanning both turns
+        Card("Melanie asked: Did you like the talks? Caroline answered: Yes, I did!", "preference", None, 1, 2),
+        Card("Melanie said: I love painting sunsets.", "preference", None, 3, 3),
+        # "Dr." does not end a sentence; the shared image goes on the turn's last card
+        Card("Melanie said: Dr. Lee taught me last summer. [Melanie shared an image: a photo of a lake]", "event",
+             "last summer", 3, 3),
+        # a list is kept whole with the line that introduces it, as an interaction card
+        Card("The user wrote: Here is my plan:\n- buy flour\n- bake bread", "interaction", None, 4, 4),
+        # assistant turns are interactions; a code block is kept whole
+        Card("The assistant said: It prints one number.", "interaction", None, 5, 5),
+        Card("The assistant wrote: ```python\nprint(1)\n```", "interaction", None, 5, 5),
+    ]
+
+
+def test_llm_free_keeps_one_card_for_a_session_of_fillers() -> None:
+    turns = [Turn(0, "A", "Hi!"), Turn(1, "B", "Hey there, hello!"), Turn(2, "A", "Bye!")]
+    assert extract_llm_free(turns) == [Card("B said: Hey there, hello!", "fact", None, 1, 1)]
+    assert extract_llm_free([]) == []
+
+
+@pytest.mark.parametrize("time, want", [
+    (None, None),
+    ("yesterday", "7 May 2023"),
+    ("last week", "the week before 8 May 2023"),
+    ("last year", "2022"),
+    ("two days ago", "6 May 2023"),
+    ("3 years ago", "2020"),
+    ("next month", "the month after 8 May 2023"),
+    ("recently", "recently (said on 8 May 2023)"),
+])
+def test_resolve_time_against_the_session_date(time, want) -> None:
+    assert resolve_time(time, datetime(2023, 5, 8, 13, 56)) == want
+
+
+def test_cards_table_schema_and_content_keys(locomo_bank) -> None:
+    assert TABLES["cards"] is CARDS and KEYS["cards"] == ("card_id",)
+    turns = turns_by_session(locomo_bank.read("turns"))
+    sessions = [(h, turns[h], "locomo") for h in sorted(turns)]
+    cfg = JustMemConfig()
+    key = extractor_key(cfg)
+    assert key == LLM_FREE_EXTRACTOR
+    t = extract_cards(sessions, cfg, key=key)
+    assert t.schema == CARDS
+    rows = t.to_pylist()
+    assert len({r["card_id"] for r in rows}) == len(rows)
+    for r in rows:
+        assert r["card_id"] == card_id(r["session_hash"], key, r["card_index"])
+        assert r["text_hash"] == text_hash(r["text"])
+        assert r["type"] in CARD_TYPES and r["fallback"] is None and r["error"] is None
+    # every session has cards numbered 0..n-1, and a session shared by two histories is one set of cards
+    per = {}
+    for r in rows:
+        per.setdefault(r["session_hash"], []).append(r["card_index"])
+    assert sorted(per) == sorted(turns) and all(v == list(range(len(v))) for v in per.values())
+    # keyed by content: the same sessions in another order give the same rows per session
+    again = extract_cards(list(reversed(sessions)), cfg, key=key)
+    assert sorted(again.to_pylist(), key=lambda r: r["card_id"]) == sorted(rows, key=lambda r: r["card_id"])
+
+
+# -- LLM extractor (fake backend) --------------------------------------------------------------------------
+
+SHORT = [Turn(0, "Caroline", "I adopted a dog named Max last week."), Turn(1, "Melanie", "I prefer cats, honestly.")]
+GOOD = {"cards": [
+    {"text": "Caroline adopted a dog named Max.", "type": "event", "time": "last week", "turn_start": 0, "turn_end": 0},
+    {"text": "Melanie prefers cats.", "type": "Preference", "time": "", "turn_start": 1, "turn_end": 1},
+]}
+GOOD_CARDS = [Card("Caroline adopted a dog named Max.", "event", "last week", 0, 0),
+              Card("Melanie prefers cats.", "preference", None, 1, 1)]
+
+
+def _llm_cfg() -> JustMemConfig:
+    return JustMemConfig(extractor="llm")
+
+
+def test_llm_extractor_valid_output_uses_the_schema() -> None:
+    llm = FakeLLM(lambda p, n: "```json\n" + json.dumps(GOOD) + "\n```")
+    key = extractor_key(_llm_cfg(), llm.name)
+    t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key=key, llm=llm)
+    assert len(llm.calls) == 1
+    prompt, params = llm.calls[0]
+    assert params.json_schema == cards_json_schema() and params.max_tokens == _llm_cfg().extract_max_tokens
+    assert "[0] Caroline: I adopted a dog" in prompt[0]["content"] and "[1] Melanie:" in prompt[0]["content"]
+    rows = t.to_pylist()
+    assert [Card(r["text"], r["type"], r["time"], r["turn_start"], r["turn_end"]) for r in rows] == GOOD_CARDS
+    assert [r["fallback"] for r in rows] == [None, None] and [r["error"] for r in rows] == [None, None]
+    # the session's tokens are on card 0 only, so the column sums to the cost
+    assert rows[0]["prompt_tokens"] == llm.count_tokens(prompt[0]["content"]) and rows[1]["prompt_tokens"] is None
+    assert rows[0]["completion_tokens"] == len((llm.reply(prompt, 0)).split())
+
+
+def test_llm_extractor_repairs_once() -> None:
+    bad = json.dumps({"cards": [{**GOOD["cards"][0], "turn_end": 7}]})
+    llm = FakeLLM(lambda p, n: bad if n == 0 else json.dumps(GOOD))
+    ledger = TokenLedger()
+    t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm, ledger=ledger)
+    assert len(llm.calls) == 2
+    repair = llm.calls[1][0]
+    # the repair call carries the prompt, the bad reply and the problem
+    assert repair[0] == llm.calls[0][0][0] and repair[1] == {"role": "assistant", "content": bad}
+    assert "cards[0].turn_end=7 is not a turn number of the dialogue (0..1)" in repair[2]["content"]
+    rows = t.to_pylist()
+    assert [Card(r["text"], r["type"], r["time"], r["turn_start"], r["turn_end"]) for r in rows] == GOOD_CARDS
+    assert rows[0]["fallback"] is None
+    assert rows[0]["prompt_tokens"] == sum(llm.count_tokens(c[0][-1]["content"]) for c in llm.calls)
+    assert ledger.stages["justmem-cards"].counters == {"repair": 1, "fallback": 0, "sessions": 1}
+    assert ledger.stages["justmem-cards-repair"].requests == 1
+
+
+@pytest.mark.parametrize("first, second, problem", [
+    ("not json at all", "{\"cards\": [", "the reply holds no complete JSON object"),
+    (json.dumps({"cards": []}), json.dumps({"cards": []}), '"cards" is empty'),
+    (json.dumps({"cards": [{**GOOD["cards"][0], "type": "opinion"}]}), json.dumps({"items": []}),
+     '"cards" must be a list'),
+])
+def test_llm_extractor_falls_back_to_llm_free_and_says_why(first, second, problem) -> None:
+    llm = FakeLLM(lambda p, n: first if n == 0 else second)
+    ledger = TokenLedger()
+    t = extract_cards([("h1", SHORT, "locomo"), ("h2", TURNS, "locomo")], _llm_cfg(), key="k", llm=llm,
+                      ledger=ledger)
+    assert len(llm.calls) == 4  # two sessions, one repair each
+    rows = t.to_pylist()
+    got = {h: [Card(r["text"], r["type"], r["time"], r["turn_start"], r["turn_end"]) for r in rows
+               if r["session_hash"] == h] for h in ("h1", "h2")}
+    assert got == {"h1": extract_llm_free(SHORT), "h2": extract_llm_free(TURNS)}
+    for r in rows:
+        assert r["fallback"].startswith(f"{LLM_FREE_EXTRACTOR} (invalid output after one repair: ")
+        assert problem in r["fallback"] and r["error"] is None
+    assert ledger.stages["justmem-cards"].counters["fallback"] == 2
+
+
+def test_llm_extractor_backend_error_falls_back_without_repair() -> None:
+    llm = FakeLLM(lambda p, n: RuntimeError("connection refused"))
+    t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm)
+    assert len(llm.calls) == 1
+    assert set(t.column("fallback").to_pylist()) == {f"{LLM_FREE_EXTRACTOR} (llm: connection refused)"}
+
+
+@pytest.mark.parametrize("obj, problem", [
+    ({"cards": "x"}, '"cards" must be a list of card objects'),
+    ({"cards": [1]}, "cards[0] must be an object"),
+    ({"cards": [{**GOOD["cards"][0], "text": " "}]}, "cards[0].text must be a non-empty string"),
+    ({"cards": [{**GOOD["cards"][0], "turn_start": True}]}, "cards[0].turn_start must be an integer turn number"),
+    ({"cards": [{**GOOD["cards"][1], "turn_start": 1, "turn_end": 0}]}, "cards[0]: turn_start=1 is after turn_end=0"),
+    ({"cards": [{**GOOD["cards"][0], "time": 5}]}, "cards[0].time must be a string"),
+])
+def test_validate_cards_names_the_problem(obj, problem) -> None:
+    with pytest.raises(InvalidOutput) as e:
+        validate_cards(obj, [0, 1])
+    assert str(e.value).startswith(problem)
+
+
+def test_empty_table_and_keys_are_consistent() -> None:
+    t = extract_cards([], JustMemConfig(), key=LLM_FREE_EXTRACTOR)
+    assert t.num_rows == 0 and t.schema == CARDS
+    assert isinstance(pa.Table.from_pylist([], schema=CARDS), pa.Table)

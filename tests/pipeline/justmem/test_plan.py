@@ -1,0 +1,120 @@
+"""JustMem planning: the fixed profile rule, the LLM-free rules, answer-free rewrites, and the LLM planner's
+schema, repair and fallback (fake backend)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from memgas.pipeline.accounting import TokenLedger
+from memgas.pipeline.config import JustMemConfig
+from memgas.pipeline.justmem.plan import (
+    LLM_FREE_PLANNER,
+    Plan,
+    plan_json_schema,
+    plan_llm_free,
+    plan_queries,
+    planner_key,
+    plans_from_table,
+    profile_for,
+)
+from memgas.pipeline.schema import KEYS, PLANS, TABLES
+
+from .conftest import FakeLLM
+
+
+def test_profile_rule() -> None:
+    # paper eq. 1: Replay if f; Compose if f = 0 and d = 1; Lookup otherwise
+    assert {(d, f): profile_for(d, f) for d in (False, True) for f in (False, True)} == {
+        (False, False): "lookup", (True, False): "compose", (False, True): "replay", (True, True): "replay"}
+    assert Plan(d=True, f=True).profile == "replay" and Plan(d=True).profile == "compose" and Plan().profile == "lookup"
+
+
+@pytest.mark.parametrize("question, operation, d, f", [
+    ("When did Caroline go to the LGBTQ support group?", "temporal_selection", False, False),
+    ("What did Melanie do last weekend?", "temporal_selection", False, False),
+    ("What activities does Melanie partake in?", "aggregation", True, False),
+    ("How many times did Melanie go to the beach in 2023?", "aggregation", True, False),
+    ("What books has Melanie read?", "aggregation", True, False),
+    ("Where has Melanie camped?", "aggregation", True, False),
+    ("Which did Caroline visit first, Paris or Rome?", "sorting", True, False),
+    ("Is Caroline older than Melanie?", "comparison", True, False),
+    ("What is Caroline's identity?", "lookup", False, False),
+    ("Can you remind me of the exact recipe you suggested for the bread?", "lookup", False, True),
+    ("What did you recommend for my trip to Tokyo?", "lookup", False, True),
+    ("How many of the steps you listed involve the oven?", "aggregation", True, True),
+])
+def test_llm_free_rules(question, operation, d, f) -> None:
+    p = plan_llm_free(question, 2)
+    assert (p.operation, p.d, p.f) == (operation, d, f)
+
+
+def test_llm_free_entities_constraints_and_answer_free_rewrites() -> None:
+    q = "How many times did Melanie go to the beach in 2023?"
+    p = plan_llm_free(q, 2)
+    assert p.entities == ["Melanie", "2023"] and p.time_constraints == ["in 2023"]
+    assert p.rewrites == ["Melanie 2023 times beach in 2023", "Melanie said: times beach"]
+    assert plan_llm_free(q, 1).rewrites == p.rewrites[:1] and plan_llm_free(q, 0).rewrites == []
+    # answer-free: every rewrite word is a word of the question (or the card-style "said")
+    words = set(re.findall(r"\w+", q.lower())) | {"said"}
+    assert all(set(re.findall(r"\w+", r.lower())) <= words for r in p.rewrites)
+
+
+def test_plans_table_schema_and_keys() -> None:
+    assert TABLES["plans"] is PLANS and KEYS["plans"] == ("query_id", "planner")
+    cfg = JustMemConfig()
+    t = plan_queries([("q1", "What books has Melanie read?", None), ("q2", "When did Caroline move?", "1 May 2023")],
+                     cfg, key=planner_key(cfg))
+    assert t.schema == PLANS and t.column("planner").to_pylist() == [f"{LLM_FREE_PLANNER}|r2"] * 2
+    assert t.column("profile").to_pylist() == ["compose", "lookup"]
+    back = plans_from_table(t)
+    assert back["q1"] == plan_llm_free("What books has Melanie read?", 2)
+
+
+# -- LLM planner (fake backend) ---------------------------------------------------------------------------
+
+GOOD = {"entities": ["Melanie"], "time_constraints": [], "operation": "aggregation", "d": True, "f": False,
+        "rewrites": ["books Melanie read", "novels Melanie mentioned", "a third one"]}
+
+
+def _cfg() -> JustMemConfig:
+    return JustMemConfig(planner="llm")
+
+
+def test_llm_planner_valid_output_uses_the_schema_and_trims_rewrites() -> None:
+    llm = FakeLLM(lambda p, n: json.dumps(GOOD))
+    t = plan_queries([("q1", "What books has Melanie read?", "2 June 2023")], _cfg(), key="k", llm=llm)
+    prompt, params = llm.calls[0]
+    assert params.json_schema == plan_json_schema(2) and params.max_tokens == _cfg().plan_max_tokens
+    assert "Question: What books has Melanie read?" in prompt[0]["content"]
+    row = t.to_pylist()[0]
+    assert (row["operation"], row["d"], row["f"], row["profile"]) == ("aggregation", True, False, "compose")
+    assert row["rewrites"] == ["books Melanie read", "novels Melanie mentioned"]  # justmem.rewrites = 2
+    assert row["fallback"] is None and row["prompt_tokens"] == llm.count_tokens(prompt[0]["content"])
+
+
+def test_llm_planner_repairs_once() -> None:
+    bad = json.dumps({**GOOD, "operation": "summarise"})
+    fixed = json.dumps({**GOOD, "d": 0, "f": 1})  # 0/1 is accepted for the flags
+    llm = FakeLLM(lambda p, n: bad if n == 0 else fixed)
+    ledger = TokenLedger()
+    t = plan_queries([("q1", "What books has Melanie read?", None)], _cfg(), key="k", llm=llm, ledger=ledger)
+    assert len(llm.calls) == 2
+    assert '"operation" must be one of lookup, aggregation' in llm.calls[1][0][-1]["content"]
+    row = t.to_pylist()[0]
+    assert (row["d"], row["f"], row["profile"], row["fallback"]) == (False, True, "replay", None)
+    assert ledger.stages["justmem-plan"].counters == {"repair": 1, "fallback": 0}
+
+
+@pytest.mark.parametrize("reply", ["", "{\"entities\": \"Melanie\"}", json.dumps({**GOOD, "d": "yes"})])
+def test_llm_planner_falls_back_to_the_rules_and_says_why(reply) -> None:
+    llm = FakeLLM(lambda p, n: reply)
+    q = "What books has Melanie read?"
+    t = plan_queries([("q1", q, None)], _cfg(), key="k", llm=llm)
+    assert len(llm.calls) == 2
+    row = t.to_pylist()[0]
+    rules = plan_llm_free(q, 2)
+    assert (row["operation"], row["d"], row["f"], row["rewrites"]) == (rules.operation, rules.d, rules.f, rules.rewrites)
+    assert row["fallback"].startswith(f"{LLM_FREE_PLANNER} (invalid output after one repair: ")
