@@ -508,7 +508,9 @@ class GenerateStage(Stage):
         """This config's rows of ``generations`` (the table is shared by every config: other configs' rows
         must not change what downstream stages see)."""
         model, version = self.key(ctx)
-        rows = ctx.bank.read("generations", filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
+        sessions = sorted(set(ctx.bank.read("sessions", ["text_hash"])["text_hash"].to_pylist()))
+        rows = ctx.bank.read("generations", filter=(pc.field("model") == model) & (pc.field("prompt_version") == version)
+                             & pc.field("text_hash").isin(sessions))
         return table_digest(rows.sort_by([("text_hash", "ascending"), ("kind", "ascending")]))
 
 
@@ -794,7 +796,7 @@ class EncodeStage(Stage):
             compact(bank, "embeddings")
         keys = sorted(set(encoder_keys(ctx).values()))
         mine = bank.read("embeddings", filter=pc.field("encoder").isin(keys))
-        ctx.cache["encode:digest"] = table_digest(mine.sort_by([("encoder", "ascending"), ("text_hash", "ascending")]))
+        ctx.cache["encode:digest"] = self._needed_digest(ctx, mine)
         stats: dict[str, Any] = {"rows": mine.num_rows}
         for col in ("truncated", "tokens", "tokens_dropped"):
             if col in mine.column_names:
@@ -807,9 +809,17 @@ class EncodeStage(Stage):
         digest = ctx.cache.pop("encode:digest", None)
         if digest is None:
             keys = sorted(set(encoder_keys(ctx).values()))
-            mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(keys))
-            digest = table_digest(mine.sort_by([("encoder", "ascending"), ("text_hash", "ascending")]))
+            digest = self._needed_digest(ctx, ctx.bank.read("embeddings", filter=pc.field("encoder").isin(keys)))
         return digest
+
+    def _needed_digest(self, ctx: StageContext, mine: pa.Table) -> str:
+        """Digest of the rows this config's index reads (its texts under their keys): not every row under
+        the key, which holds other configs' texts too, so that which texts the nodes name is in it."""
+        need, _ = self.needed(ctx)
+        wanted = pa.array([f"{k}\0{h}" for k, hs in need.items() for h in hs], pa.string())
+        key = pc.binary_join_element_wise(mine["encoder"], mine["text_hash"], "\0")
+        rows = mine.filter(pc.is_in(key, value_set=wanted))
+        return table_digest(rows.sort_by([("encoder", "ascending"), ("text_hash", "ascending")]))
 
 
 def owned(a: Any, dtype: Any = None) -> np.ndarray:
@@ -847,7 +857,7 @@ class AssociateStage(HistoryShardStage):
     """Per history: GMM association edges (and the top-k edges of the "no GMM" ablation)."""
 
     name = "associate"
-    upstream = ("ingest", "encode")
+    upstream = ("ingest", "nodes", "encode")  # node matrices: which texts (nodes) and their vectors (encode)
     config_fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
                      "association.dense_max_nodes", "retrieval.device")
     check_table = "edges"
