@@ -86,14 +86,17 @@ class NodeFile:
     vectors) be associated within a few GB. Supports ``shape``, ``dtype`` and ``len``, like an array.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, n_nodes: int | None = None) -> None:
         self.path = Path(path)
         mm = np.load(self.path, mmap_mode="r")  # reads the header only; the map is dropped at once
         shape, dtype, fortran, self.offset = mm.shape, mm.dtype, not mm.flags.c_contiguous, int(mm.offset)
         del mm
         if fortran or np.dtype(dtype) != np.float32 or len(shape) != 2 or shape[0] % N_GRAN:
             raise ValueError(f"{self.path}: expected a C-order float32 [4*S, d] array, got {dtype} {shape}")
-        self.shape: tuple[int, int] = (int(shape[0]), int(shape[1]))
+        n = int(shape[0]) if n_nodes is None else int(n_nodes)  # a prefix of the file: the history so far
+        if not 0 <= n <= shape[0] or n % N_GRAN:
+            raise ValueError(f"{self.path}: n_nodes={n_nodes} is not a whole-session prefix of {shape[0]} nodes")
+        self.shape: tuple[int, int] = (n, int(shape[1]))
         self.dtype = np.dtype(np.float32)
 
     def __len__(self) -> int:
@@ -108,6 +111,8 @@ class NodeFile:
             count = max(0, b - a)
             return np.fromfile(self.path, np.float32, count * d, offset=self.offset + 4 * a * d).reshape(count, d)
         idx = np.asarray(key)
+        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+            raise IndexError(f"node index outside [0, {n})")
         mm = np.memmap(self.path, np.float32, "r", self.offset, (n, d))
         try:
             return np.array(mm[idx])
