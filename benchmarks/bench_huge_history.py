@@ -102,13 +102,13 @@ def query_latency(nf, src, dst, n_queries: int, seed: int = 0, num_seeds: int = 
         lat.append(time.perf_counter() - t)
         orders.append(order[0])
     same = None
-    if check:
+    if check:  # same top-10 sessions as score_with_edges (its one [Q, n] float64 product rounds differently)
         E = nf[0:n]
         ref, _ = score_with_edges(E, q[:check], src, dst, num_seeds=num_seeds, damping=damping, temp=temp)
-        same = bool(all(np.array_equal(ref[j], orders[j]) for j in range(check)))
+        same = bool(all(np.array_equal(ref[j][:10], orders[j][:10]) for j in range(check)))
     lat_ms = 1e3 * np.array(lat)
     return {"csr_s": t_csr, "p50_ms": float(np.percentile(lat_ms, 50)), "p95_ms": float(np.percentile(lat_ms, 95)),
-            "queries": n_queries, "edges": int(src.size), "same_as_score_with_edges": same}
+            "queries": n_queries, "edges": int(src.size), "top10_same_as_score_with_edges": same}
 
 
 def run_size(S: int, args: argparse.Namespace, tmp: Path) -> dict:
@@ -317,7 +317,7 @@ def main() -> None:
               f" ({'measured' if 'exact_build_s' in r else 'exact extrapolated from a sample'}); "
               f"append approx vs exact x{r['append_approx_s'] / r['append_exact_s']:.3f}; "
               f"append split identical: {r['append_split_identical']}; "
-              f"query orders == score_with_edges: {r['query']['same_as_score_with_edges']}")
+              f"query top-10 == score_with_edges: {r['query']['top10_same_as_score_with_edges']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -80,8 +81,8 @@ class Candidates:
 class NodeFile:
     """Node vectors of one history in a ``.npy`` file (float32 [4*S, d]), read in blocks, never whole.
 
-    Slices (``nf[a:b]``) read those rows from the file; an index array (``nf[idx]``) gathers through a
-    memory map that is dropped right after, so the pages it touched leave the process again. Peak memory
+    Slices (``nf[a:b]``) read those rows from the file; an index array (``nf[idx]``) reads each run of
+    consecutive ids with one ``pread`` (no memory map: see ``__getitem__``). Peak memory
     is then the blocks in flight, not the history: what lets a 10^6-session history (6 GB of float32
     vectors) be associated within a few GB. Supports ``shape``, ``dtype`` and ``len``, like an array.
     """
@@ -110,14 +111,24 @@ class NodeFile:
                 raise IndexError("NodeFile slices must have step 1")
             count = max(0, b - a)
             return np.fromfile(self.path, np.float32, count * d, offset=self.offset + 4 * a * d).reshape(count, d)
-        idx = np.asarray(key)
+        idx = np.asarray(key, dtype=np.int64)
         if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
             raise IndexError(f"node index outside [0, {n})")
-        mm = np.memmap(self.path, np.float32, "r", self.offset, (n, d))
-        try:
-            return np.array(mm[idx])
-        finally:
-            del mm
+        # one pread per run of consecutive ids, not a memory map: each fault on a map brings its
+        # neighbouring pages in too (fault-around, readahead) and they count in RSS while mapped, which
+        # for candidates scattered over a 6 GB file was most of the file
+        flat = idx.ravel()
+        out = np.empty((flat.size, d), np.float32)
+        order = np.argsort(flat, kind="stable")
+        srt = flat[order]
+        cuts = np.flatnonzero(np.diff(srt) != 1) + 1
+        row = 4 * d
+        with open(self.path, "rb") as f:
+            fd = f.fileno()
+            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), srt.size]):
+                buf = os.pread(fd, (b - a) * row, self.offset + int(srt[a]) * row)
+                out[order[a:b]] = np.frombuffer(buf, np.float32).reshape(b - a, d)
+        return out.reshape(*idx.shape, d)
 
 
 def _as_nodes(emb_nodes: Any, whole_sessions: bool = True) -> Any:

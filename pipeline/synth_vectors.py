@@ -41,10 +41,11 @@ def write_nodes(path: str | Path, n_sessions: int, **kw: int) -> Path:
     """Write sessions ``[0, n_sessions)`` to a ``.npy`` file block by block (memory: one block)."""
     path = Path(path)
     dim = int(kw.get("dim", 384))
-    mm = np.lib.format.open_memmap(path, mode="w+", dtype=np.float32, shape=(N_GRAN * n_sessions, dim))
-    for s in range(0, n_sessions, GEN_BLOCK):
-        e = min(n_sessions, s + GEN_BLOCK)
-        mm[N_GRAN * s : N_GRAN * e] = clustered_nodes(s, e, **kw)
-    mm.flush()
-    del mm
+    # plain writes, not a writable map: a map's dirty pages would count in the writer's RSS
+    with open(path, "wb") as f:
+        np.lib.format.write_array_header_2_0(
+            f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float32)), "fortran_order": False,
+                "shape": (N_GRAN * n_sessions, dim)})
+        for s in range(0, n_sessions, GEN_BLOCK):
+            clustered_nodes(s, min(n_sessions, s + GEN_BLOCK), **kw).tofile(f)
     return path
