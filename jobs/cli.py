@@ -149,6 +149,13 @@ def _add_ingest(sub: Any) -> None:
           memgas ingest ../shared/data/locomo/locomo10.json --format locomo --out banks/locomo
           memgas ingest longmemeval_s.json --format longmemeval --out banks/lme_s --limit 50
           memgas ingest my_histories.jsonl --out banks/mine --strict        # format detected
+          memgas ingest new_sessions.jsonl --append --out banks/mine        # add sessions/histories
+
+        --append adds to the bank instead of replacing it: a record whose history id is in the bank adds
+        its new sessions after the existing ones (and its new questions); others add new histories. The
+        same file appended twice changes nothing. A new session dated before its history's last session
+        is refused unless --allow-reorder (then it goes into date order and the manifest records the
+        position from which that history's association must be recomputed).
         """)
     p.add_argument("file", help="dataset file (.json or .jsonl)")
     p.add_argument("--format", "-f", default=AUTO, choices=[*FORMATS, AUTO],
@@ -157,6 +164,10 @@ def _add_ingest(sub: Any) -> None:
     p.add_argument("--strict", action="store_true",
                    help="turn data warnings (bad dates, dangling evidence, repeated sessions) into errors")
     p.add_argument("--limit", type=_int_at_least(0), help="only the first N histories/questions")
+    p.add_argument("--append", action="store_true",
+                   help="add the file's sessions, histories and questions to the bank at --out (which must exist)")
+    p.add_argument("--allow-reorder", action="store_true",
+                   help="with --append: accept sessions dated before a history's last one (inserted in date order)")
 
 
 def _add_stats(sub: Any) -> None:
@@ -438,8 +449,21 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _cmd_ingest(args: argparse.Namespace) -> int:
-    from memgas.pipeline.ingest import ingest
+    from memgas.pipeline.ingest import append, ingest
 
+    if args.allow_reorder and not args.append:
+        raise MemgasError("--allow-reorder goes with --append")
+    if args.append:
+        if args.limit is not None:
+            raise MemgasError("--limit does not go with --append (an append takes the whole file)")
+        summary = append(args.file, args.format, args.out, strict=args.strict, allow_reorder=args.allow_reorder,
+                         progress=not args.quiet)
+        if not summary["committed"]:
+            _show(f"nothing to append to {args.out}: every session and question of {args.file} is there already")
+        else:
+            _show(json.dumps(summary, indent=2, default=str) if args.verbose else
+                  _ingest_line(summary, args.out).replace("ingested into", "appended to", 1))
+        return 0
     summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit, progress=not args.quiet)
     _show(json.dumps(summary, indent=2, default=str) if args.verbose else _ingest_line(summary, args.out))
     return 0

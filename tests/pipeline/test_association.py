@@ -125,3 +125,101 @@ def test_default_search_is_causal_and_matches_dense(histories: list[np.ndarray])
     assert as_set(associate(h)) == as_set(associate(h, search="dense")) == as_set(associate(h, search="causal"))
     with pytest.raises(ValueError):
         associate(h, search="nope")
+
+
+# -- huge histories: row blocks, approximate search, block reads ------------------------------------------
+def _edges_bytes(e) -> tuple[bytes, bytes, bytes]:
+    return e.src.tobytes(), e.dst.tobytes(), e.sim.tobytes()
+
+
+def test_row_blocks_equal_one_task_exactly(tmp_path: Path) -> None:
+    """Random row blocks [a, b) (any boundaries, prefix-only inputs, vectors read from a file) give the
+    candidates, scores and edges of one causal task over the whole history, byte for byte."""
+    from memgas.pipeline import association as A
+    from memgas.pipeline.synth_vectors import clustered_nodes
+
+    S = 700
+    E = clustered_nodes(0, S, dim=64, n_topics=40, seed=5)
+    ref_c = A.candidates(E, search="causal")
+    ref_e = associate(E, search="causal")
+    path = tmp_path / "nodes.npy"
+    np.save(path, E)
+    nf = A.NodeFile(path)
+    rng = np.random.default_rng(11)
+    for trial in range(3):
+        cuts = np.unique(np.concatenate([[0, E.shape[0]], rng.integers(1, E.shape[0], 6 + 3 * trial)]))
+        parts_c, parts_e = [], []
+        for a, b in zip(cuts[:-1].tolist(), cuts[1:].tolist()):
+            src = E[:b] if trial == 0 else nf  # only the prefix the rows may see (plus the rows), or a file
+            parts_c.append(A.causal_rows(src, a, b))
+            parts_e.append(A.associate_rows(src, a, b))
+        np.testing.assert_array_equal(np.concatenate([c.rows for c in parts_c]), ref_c.rows)
+        for f in ("cand", "valid", "scores"):
+            got = np.concatenate([getattr(c, f) for c in parts_c])
+            assert got.tobytes() == getattr(ref_c, f).tobytes(), (trial, f)
+        assert _edges_bytes(concat_edges(parts_e)) == _edges_bytes(ref_e)
+    # the split helper: equal-work blocks on tile edges, covering the eligible rows once
+    blocks = A.split_rows(E.shape[0], 4, start=20)
+    assert blocks[0][0] == 20 and blocks[-1][1] == E.shape[0]
+    assert all(b0[1] == b1[0] for b0, b1 in zip(blocks, blocks[1:]))
+    assert _edges_bytes(concat_edges([A.associate_rows(nf, a, b) for a, b in blocks])) == _edges_bytes(ref_e)
+
+
+def test_appended_rows_equal_fresh_build() -> None:
+    """Rows of appended sessions, computed alone against the longer history, equal a fresh build's rows."""
+    from memgas.pipeline import association as A
+    from memgas.pipeline.synth_vectors import clustered_nodes
+
+    E = clustered_nodes(0, 300, dim=48, n_topics=30, seed=2)
+    old = A.associate_rows(E[: 4 * 213], 0, 4 * 213)
+    new = A.associate_rows(E, 4 * 213, E.shape[0])
+    assert _edges_bytes(concat_edges([old, new])) == _edges_bytes(associate(E, search="causal"))
+
+
+def test_hnsw_recall_and_threshold() -> None:
+    """Approximate causal search: candidate recall@30 >= 0.95 against exact search on a seeded clustered
+    set, for every store; candidates only from strictly earlier sessions; exact rescored similarities;
+    below ``approx_min_nodes`` the search stays exact (identical edges)."""
+    from memgas.pipeline import association as A
+    from memgas.pipeline.synth_vectors import clustered_nodes
+
+    E = clustered_nodes(0, 600, dim=96, n_topics=40, seed=7)
+    ref = A.candidates(E, search="causal")
+    ref_edges = as_set(associate(E, search="causal"))
+    for store in ("flat", "fp16", "sq8"):
+        p = A.HNSWParams(store=store, block_sessions=100)
+        c = A.candidates(E, search="hnsw", hnsw=p)
+        np.testing.assert_array_equal(c.rows, ref.rows)
+        hit = [len(set(a[v].tolist()) & set(b[w].tolist())) / w.sum() for a, v, b, w in
+               zip(c.cand, c.valid, ref.cand, ref.valid)]
+        assert np.mean(hit) >= 0.95, (store, np.mean(hit))
+        ok = c.valid
+        assert np.all(c.cand[ok] // 4 < np.broadcast_to(c.rows[:, None] // 4, ok.shape)[ok])  # earlier sessions
+        # scores are the exact float64 dot products of the float32 vectors
+        rr = np.broadcast_to(c.rows[:, None], ok.shape)[ok]
+        exact = np.einsum("rd,rd->r", E[rr].astype(np.float64), E[c.cand[ok]].astype(np.float64))
+        np.testing.assert_array_equal(c.scores[ok], exact)
+        e = as_set(associate(E, search="hnsw", hnsw=p))
+        assert len(e & ref_edges) / len(ref_edges) >= 0.95
+    # below the threshold: exact, the same edges as today's default
+    assert as_set(associate(E, approx_min_nodes=E.shape[0] + 1)) == ref_edges
+    assert as_set(associate(E, approx_min_nodes=E.shape[0], hnsw=A.HNSWParams(block_sessions=100))) != set()
+
+
+def test_hnsw_append_with_saved_index(tmp_path: Path) -> None:
+    """An append searches a saved index for the new rows only: the old rows' edges are kept, the new
+    rows' candidates come only from earlier sessions, and the index ends up holding every node."""
+    from memgas.pipeline import association as A
+    from memgas.pipeline.synth_vectors import clustered_nodes
+
+    E = clustered_nodes(0, 500, dim=64, n_topics=40, seed=3)
+    p = A.HNSWParams(block_sessions=64, store="sq8")
+    e1, idx = A.associate_hnsw(E[: 4 * 400], hnsw=p)
+    idx.save(tmp_path / "h.faiss")
+    e2, idx2 = A.associate_hnsw(E, A.CausalHNSW.load(tmp_path / "h.faiss", p), n_sessions_done=400)
+    assert idx2.ntotal == E.shape[0]
+    assert e2.src.min() >= 4 * 400 and np.all(e2.dst // 4 < e2.src // 4)
+    exact_new = associate(E, n_sessions_done=400, search="causal")
+    assert len(as_set(e2) & as_set(exact_new)) / len(as_set(exact_new)) >= 0.9
+    with pytest.raises(ValueError):
+        A.associate_hnsw(E, A.CausalHNSW.load(tmp_path / "h.faiss", p), n_sessions_done=300)

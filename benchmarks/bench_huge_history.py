@@ -1,0 +1,326 @@
+"""Huge histories: one history of 10^4 / 10^5 / 10^6 sessions (4 nodes each, d=384, clustered synthetic
+vectors from ``memgas.pipeline.synth_vectors``, no encoder), vectors read from a ``.npy`` file in blocks.
+
+Per size, each in its own process (so peak RSS is that size's):
+- build: approximate association (``associate_hnsw``, faiss HNSW, fp16 store) over all rows; exact
+  association (``associate_rows``, the causal row-block search) over all rows where affordable
+  (``--exact-max-sessions``), else over a sample of row tiles, extrapolated by the causal work
+  (sum over rows of the prefix length), labelled as such. Ratio: approximate vs exact on the same rows.
+- append 1,000 sessions (new rows only): exact with ``associate_rows`` on the new rows; approximate with
+  the saved HNSW index (``CausalHNSW.load``). Correctness: the new rows split in two row blocks give the
+  same candidates as one block, byte for byte.
+- candidate recall@30 of the approximate search against exact search on the sampled rows; edge overlap.
+- query latency p50/p95 of router + seeds + PPR (``kernels.router.entropy_router``,
+  ``pipeline.retrieve.seed_reset``, ``kernels.ppr.personalized_pagerank``) per query, with the graph's CSR
+  built once (an index-time artefact); checked equal to ``pipeline.retrieve.score_with_edges`` on the
+  first queries where that function fits in memory.
+- GPU column: an estimate only: the exact search's FLOPs at the H200's FP32 peak vs the CPU's measured
+  sgemm rate (never measured here).
+
+    python benchmarks/bench_huge_history.py --sizes 10000,100000 [--append 1000] [--queries 32]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from memgas.pipeline.association import HNSWParams  # noqa: E402
+
+A_DEFAULTS = HNSWParams()  # the bench's HNSW defaults are the library's (one place)
+H200_FP32_FLOPS = 67e12  # NVIDIA H200 SXM peak FP32 (non-tensor); the exact search is float32 sgemm
+N_GRAN = 4
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def sgemm_rate() -> float:
+    """Measured float32 FLOP/s of one causal tile product (256 x 65536 x 384), best of 3."""
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((256, 384), dtype=np.float32)
+    c = rng.standard_normal((1 << 16, 384), dtype=np.float32)
+    best = 1e9
+    for _ in range(3):
+        t = time.perf_counter()
+        q @ c.T
+        best = min(best, time.perf_counter() - t)
+    return 2 * 256 * (1 << 16) * 384 / best
+
+
+def causal_work(rows: np.ndarray) -> float:
+    """Prefix columns summed over rows: the exact search's work is proportional to it."""
+    return float(((rows // N_GRAN) * N_GRAN).sum())
+
+
+def sample_tiles(n_nodes: int, n_tiles: int, start: int, tile: int = 256) -> list[tuple[int, int]]:
+    """``n_tiles`` whole row tiles spread evenly over ``[start, n_nodes)`` (tile-aligned)."""
+    first, last = -(-start // tile), n_nodes // tile
+    picks = sorted({int(t) for t in np.linspace(first, last - 1, n_tiles)})
+    return [(max(start, t * tile), min(n_nodes, (t + 1) * tile)) for t in picks]
+
+
+def query_latency(nf, src, dst, n_queries: int, seed: int = 0, num_seeds: int = 15, damping: float = 0.1,
+                  temp: float = 0.2, check: int = 0) -> dict:
+    """Per-query latency of router + seeds + PPR + session order; the CSR is built once (timed apart)."""
+    from memgas.kernels.ppr import build_csr, personalized_pagerank
+    from memgas.kernels.router import entropy_router
+    from memgas.kernels.segment import segment_sum_contiguous
+    from memgas.kernels.topk import stable_argsort_desc
+    from memgas.pipeline.retrieve import score_with_edges, seed_reset
+
+    n, d = nf.shape
+    S = n // N_GRAN
+    rng = np.random.default_rng(seed)
+    picks = np.sort(rng.choice(n, n_queries, replace=False))
+    q = nf[picks] + 0.05 * rng.standard_normal((n_queries, d)).astype(np.float32)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    t = time.perf_counter()
+    adj = build_csr(src, dst, n)
+    t_csr = time.perf_counter() - t
+    block = 1 << 18
+    lat, orders = [], []
+    for i in range(n_queries):
+        t = time.perf_counter()
+        qi = q[i : i + 1].astype(np.float64)
+        sims = np.empty((1, n))
+        for a in range(0, n, block):  # float64 similarities, node vectors read in blocks
+            sims[:, a : a + block] = qi @ nf[a : a + block].astype(np.float64).T
+        w, _ = entropy_router([sims[:, g::N_GRAN] for g in range(N_GRAN)], temp=temp, rule="paper")
+        reset = seed_reset(sims * np.tile(w, (1, S)), num_seeds)
+        ppr = personalized_pagerank(adj, reset, damping)
+        order = stable_argsort_desc(segment_sum_contiguous(ppr, N_GRAN))
+        lat.append(time.perf_counter() - t)
+        orders.append(order[0])
+    same = None
+    if check:  # same top-10 sessions as score_with_edges (its one [Q, n] float64 product rounds differently)
+        E = nf[0:n]
+        ref, _ = score_with_edges(E, q[:check], src, dst, num_seeds=num_seeds, damping=damping, temp=temp)
+        same = bool(all(np.array_equal(ref[j][:10], orders[j][:10]) for j in range(check)))
+    lat_ms = 1e3 * np.array(lat)
+    return {"csr_s": t_csr, "p50_ms": float(np.percentile(lat_ms, 50)), "p95_ms": float(np.percentile(lat_ms, 95)),
+            "queries": n_queries, "edges": int(src.size), "top10_same_as_score_with_edges": same}
+
+
+def run_size(S: int, args: argparse.Namespace, tmp: Path) -> dict:
+    from memgas.pipeline import association as A
+    from memgas.pipeline.synth_vectors import write_nodes
+
+    k, mp = 30, 20
+    n_app = args.append
+    path = tmp / f"nodes_{S}.npy"
+    t = time.perf_counter()
+    write_nodes(path, S + n_app, dim=args.dim, n_topics=args.topics, seed=0)
+    gen_s = time.perf_counter() - t
+    nf = A.NodeFile(path, n_nodes=N_GRAN * S)  # the history before the append
+    nf_all = A.NodeFile(path)  # after
+    n = N_GRAN * S
+    out: dict = {"sessions": S, "nodes": n, "generate_s": gen_s}
+    params = A.HNSWParams(store=args.store, threads=args.threads, block_sessions=args.hnsw_block, m=args.m,
+                          ef_construction=args.ef_construction, ef_search=args.ef_search)
+    first = A._first_row_session(0, mp) * N_GRAN
+    sample = sample_tiles(n, args.sample_tiles, first)
+    sample_rows = np.concatenate([np.arange(a, b) for a, b in sample])
+
+    # -- approximate build (all rows), keeping the sampled rows' candidates for recall ----------------------
+    t = time.perf_counter()
+    index = A.CausalHNSW(args.dim, params)
+    rows = np.arange(first, n, dtype=np.int64)
+    parts, kept = [], {}
+    want = set(sample_rows.tolist())
+    for sel, cand, valid in index.blocks(nf, rows, k):
+        r = rows[sel]
+        c = A.Candidates(r, *A._rescore(nf, r, cand, valid))
+        parts.append(A._edges(c, A._accept([c], "gmm", None, "cpu")[0]))
+        hit = np.flatnonzero(np.isin(r, sample_rows))
+        for j in hit.tolist():
+            kept[int(r[j])] = c.cand[j][c.valid[j]]
+    approx_edges = A.concat_edges(parts)
+    del parts
+    out["approx_build_s"] = time.perf_counter() - t
+    out["approx_edges"] = int(approx_edges.src.size)
+    out["approx_build_rss_gb"] = peak_rss_gb()
+    idx_path = tmp / f"hnsw_{S}.faiss"
+    index.save(idx_path)
+    out["index_gb"] = idx_path.stat().st_size / 2**30
+    del index
+
+    # -- exact on the sample (recall ground truth; cost per unit of causal work) ---------------------------
+    t = time.perf_counter()
+    ex = [A.causal_rows(nf, a, b) for a, b in sample]
+    t_sample = time.perf_counter() - t
+    rec = []
+    for c in ex:
+        for j, r in enumerate(c.rows.tolist()):
+            truth = set(c.cand[j][c.valid[j]].tolist())
+            if truth:
+                rec.append(len(truth & set(kept[r].tolist())) / len(truth))
+    out["recall_at_30"] = float(np.mean(rec))
+    out["recall_rows"] = len(rec)
+    total_work = causal_work(np.arange(first, n))
+    sample_work = causal_work(sample_rows)
+    out["exact_extrapolated_s"] = t_sample * total_work / max(sample_work, 1.0)
+    out["exact_flops"] = 2.0 * args.dim * total_work
+
+    # -- exact build over all rows where affordable ---------------------------------------------------------
+    if S <= args.exact_max_sessions:
+        t = time.perf_counter()
+        exact_edges = A.concat_edges([A.associate_rows(nf, a, b) for a, b in A.split_rows(n, 4, start=first)])
+        out["exact_build_s"] = time.perf_counter() - t
+        ea = set(zip(approx_edges.src.tolist(), approx_edges.dst.tolist()))
+        ee = set(zip(exact_edges.src.tolist(), exact_edges.dst.tolist()))
+        out["exact_edges"] = len(ee)
+        out["edge_recall"] = len(ea & ee) / max(len(ee), 1)
+        out["edge_precision"] = len(ea & ee) / max(len(ea), 1)
+        del exact_edges, ea, ee
+    out["rss_after_exact_gb"] = peak_rss_gb()
+
+    # -- append: exact new rows (row-block function), approximate with the saved index ----------------------
+    a0, a1 = n, N_GRAN * (S + n_app)
+    t = time.perf_counter()
+    app = A.associate_rows(nf_all, a0, a1)
+    out["append_exact_s"] = time.perf_counter() - t
+    out["append_edges"] = int(app.src.size)
+    # correctness on the same inputs: the first new rows in two blocks == in one block, byte for byte
+    m = min(a1, a0 + 256)
+    one = A.causal_rows(nf_all, a0, m)
+    two = [A.causal_rows(nf_all, a0, a0 + 101), A.causal_rows(nf_all, a0 + 101, m)]
+    out["append_split_identical"] = all(
+        np.concatenate([getattr(c, f) for c in two]).tobytes() == getattr(one, f).tobytes()
+        for f in ("cand", "valid", "scores"))
+    t = time.perf_counter()
+    idx = A.CausalHNSW.load(idx_path, params)
+    app_a, idx = A.associate_hnsw(nf_all, idx, n_sessions_done=S)
+    out["append_approx_s"] = time.perf_counter() - t
+    ae = set(zip(app.src.tolist(), app.dst.tolist()))
+    out["append_edge_recall"] = len(ae & set(zip(app_a.src.tolist(), app_a.dst.tolist()))) / max(len(ae), 1)
+    del idx
+
+    # -- queries: router + seeds + PPR on the approximate graph ---------------------------------------------
+    out["query"] = query_latency(nf, approx_edges.src, approx_edges.dst, args.queries,
+                                 check=3 if n <= 500_000 else 0)
+    out["peak_rss_gb"] = peak_rss_gb()
+    rate = sgemm_rate()
+    out["cpu_sgemm_gflops"] = rate / 1e9
+    out["gpu_exact_estimate_s"] = out["exact_flops"] / H200_FP32_FLOPS
+    out["cpu_exact_at_measured_rate_s"] = out["exact_flops"] / rate
+    path.unlink(missing_ok=True)
+    idx_path.unlink(missing_ok=True)
+    return out
+
+
+def sample_size(S: int, args: argparse.Namespace, tmp: Path) -> dict:
+    """Sizes too long to build here: the exact append's cost measured on a sample of the new rows (whole
+    256-row tiles against the real prefix, vectors read from the file) and extrapolated to all new rows;
+    memory of the approximate index extrapolated from its bytes per node (see the docs)."""
+    from memgas.pipeline import association as A
+    from memgas.pipeline.synth_vectors import write_nodes
+
+    path = tmp / f"nodes_{S}.npy"
+    t = time.perf_counter()
+    write_nodes(path, S + args.append, dim=args.dim, n_topics=args.topics, seed=0)
+    out: dict = {"sessions": S, "nodes": N_GRAN * S, "generate_s": time.perf_counter() - t, "sampled": True}
+    nf_all = A.NodeFile(path)
+    a0, a1 = N_GRAN * S, N_GRAN * (S + args.append)
+    tiles = sample_tiles(a1, 2, a0)
+    t = time.perf_counter()
+    for a, b in tiles:
+        A.causal_rows(nf_all, a, b)
+    dt = time.perf_counter() - t
+    rows = np.concatenate([np.arange(a, b) for a, b in tiles])
+    out["append_exact_sample_rows"] = int(rows.size)
+    out["append_exact_extrapolated_s"] = dt * causal_work(np.arange(a0, a1)) / causal_work(rows)
+    out["exact_flops"] = 2.0 * args.dim * causal_work(np.arange(20, a0))
+    out["peak_rss_gb"] = peak_rss_gb()
+    rate = sgemm_rate()
+    out["cpu_sgemm_gflops"] = rate / 1e9
+    out["gpu_exact_estimate_s"] = out["exact_flops"] / H200_FP32_FLOPS
+    out["cpu_exact_at_measured_rate_s"] = out["exact_flops"] / rate
+    path.unlink(missing_ok=True)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    def h(s: float) -> str:
+        return f"{s / 3600:.2f} h" if s >= 3600 else (f"{s / 60:.1f} min" if s >= 120 else f"{s:.1f} s")
+
+    lines = ["| sessions | approx build | exact build | approx/exact | append 1k exact | append 1k approx | "
+             "recall@30 | edges kept | query p50 / p95 | peak RSS | GPU exact (estimate) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if r.get("sampled"):
+            lines.append(f"| {r['sessions']:,} | (not built here) | - | - | ~{h(r['append_exact_extrapolated_s'])} "
+                         f"(sampled {r['append_exact_sample_rows']} rows) | - | - | - | - | "
+                         f"{r['peak_rss_gb']:.2f} GB (sample) | {h(r['gpu_exact_estimate_s'])} |")
+            continue
+        ex = r.get("exact_build_s")
+        ex_s = h(ex) if ex is not None else f"~{h(r['exact_extrapolated_s'])} (extrapolated)"
+        base = ex if ex is not None else r["exact_extrapolated_s"]
+        edge = f"{100 * r['edge_recall']:.1f}%" if "edge_recall" in r else "-"
+        q = r["query"]
+        lines.append(
+            f"| {r['sessions']:,} | {h(r['approx_build_s'])} | {ex_s} | {r['approx_build_s'] / base:.2f} | "
+            f"{h(r['append_exact_s'])} | {h(r['append_approx_s'])} | {r['recall_at_30']:.4f} | {edge} | "
+            f"{q['p50_ms']:.0f} / {q['p95_ms']:.0f} ms | {r['peak_rss_gb']:.2f} GB | "
+            f"{h(r['gpu_exact_estimate_s'])} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="10000,100000", help="comma-separated session counts")
+    ap.add_argument("--append", type=int, default=1000, help="sessions appended")
+    ap.add_argument("--queries", type=int, default=32)
+    ap.add_argument("--dim", type=int, default=384)
+    ap.add_argument("--topics", type=int, default=1000)
+    ap.add_argument("--store", default="fp16", choices=["flat", "fp16", "sq8"])
+    ap.add_argument("--m", type=int, default=A_DEFAULTS.m, help="HNSW links per node")
+    ap.add_argument("--ef-construction", type=int, default=A_DEFAULTS.ef_construction)
+    ap.add_argument("--ef-search", type=int, default=A_DEFAULTS.ef_search)
+    ap.add_argument("--threads", type=int, default=2, help="faiss threads while adding to the HNSW index")
+    ap.add_argument("--hnsw-block", type=int, default=1024, help="sessions per HNSW search/add block")
+    ap.add_argument("--sample-tiles", type=int, default=8, help="row tiles (256 rows) for exact recall/timing")
+    ap.add_argument("--exact-max-sessions", type=int, default=20_000, help="exact build over all rows up to this")
+    ap.add_argument("--tmp", default=None, help="directory for the vector files (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--sample-only", action="store_true", help="sizes too long to build: sampled append only")
+    ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.one is not None:  # child: one size, JSON on stdout's last line
+        with tempfile.TemporaryDirectory(dir=args.tmp) as d:
+            f = sample_size if args.sample_only else run_size
+            print(json.dumps(f(args.one, args, Path(d))), flush=True)
+        return
+    results = []
+    for S in [int(x) for x in args.sizes.split(",")]:
+        cmd = [sys.executable, __file__, "--one", str(S)] + [a for a in sys.argv[1:]]
+        t = time.perf_counter()
+        p = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        if p.returncode:
+            sys.exit(f"size {S} failed:\n{p.stderr[-4000:]}")
+        r = json.loads(p.stdout.strip().splitlines()[-1])
+        r["wall_s"] = time.perf_counter() - t
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    print(table(results))
+    for r in [r for r in results if not r.get("sampled")]:
+        print(f"{r['sessions']:,} sessions: approx vs exact build x{r['approx_build_s'] / (r.get('exact_build_s') or r['exact_extrapolated_s']):.3f}"
+              f" ({'measured' if 'exact_build_s' in r else 'exact extrapolated from a sample'}); "
+              f"append approx vs exact x{r['append_approx_s'] / r['append_exact_s']:.3f}; "
+              f"append split identical: {r['append_split_identical']}; "
+              f"query top-10 == score_with_edges: {r['query']['top10_same_as_score_with_edges']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

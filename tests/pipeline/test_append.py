@@ -1,0 +1,152 @@
+"""memgas ingest --append: sessions added to existing histories, new histories and questions, atomic,
+idempotent, out-of-order sessions refused (or recorded for recomputation with --allow-reorder)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from memgas.pipeline.bank import INGEST_TABLES, Bank
+from memgas.pipeline.errors import DataError
+from memgas.pipeline.ingest import append, ingest, is_current
+from memgas.pipeline.locks import LOCK
+
+
+def _session(sid: str, date: str, text: str) -> dict:
+    return {"session_id": sid, "date": date,
+            "turns": [{"role": "user", "content": text}, {"role": "assistant", "content": f"ok: {text}"}]}
+
+
+def _record(hid: str, sessions: list[dict], questions: list[dict] | None = None) -> dict:
+    return {"history_id": hid, "speakers": ["user", "assistant"], "sessions": sessions, "questions": questions or []}
+
+
+def _q(qid: str, hid: str, ev: list[str]) -> dict:
+    return {"query_id": qid, "question": f"what about {qid}?", "answer": "x", "question_date": "2024-12-01",
+            "question_type": "single-session-user", "evidence_session_ids": ev}
+
+
+def _write(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _tables(bank_dir: Path) -> dict[str, list]:
+    b = Bank(bank_dir)
+    return {n: sorted(json.dumps(r, sort_keys=True, default=str) for r in b.read(n).to_pylist()) for n in INGEST_TABLES}
+
+
+def _files(bank_dir: Path) -> dict[str, str]:
+    return {str(f.relative_to(bank_dir)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(bank_dir.rglob("*")) if f.is_file() and f.name != LOCK}
+
+
+@pytest.fixture()
+def base(tmp_path: Path) -> tuple[Path, Path]:
+    f = _write(tmp_path / "base.jsonl", [
+        _record("u1", [_session("s1", "2024-01-01 10:00", "I moved to Oslo."),
+                       _session("s2", "2024-02-01 10:00", "My cat is Tom.")], [_q("u1:q0", "u1", ["s1"])]),
+        _record("u2", [_session("t1", "2024-01-05 09:00", "I play chess.")]),
+    ])
+    bank = tmp_path / "bank"
+    ingest(f, "jsonl", bank, progress=False)
+    return f, bank
+
+
+def _delta(tmp_path: Path) -> Path:
+    return _write(tmp_path / "delta.jsonl", [
+        # u1 again: one session already there (skipped), two new ones, a new question
+        _record("u1", [_session("s2", "2024-02-01 10:00", "My cat is Tom."),
+                       _session("s3", "2024-03-01 10:00", "I started running."),
+                       _session("s4", "2024-04-01 10:00", "I ran 10 km.")], [_q("u1:q1", "u1", ["s3"])]),
+        _record("u3", [_session("v1", "2024-01-01 08:00", "New user here.")], [_q("u3:q0", "u3", ["v1"])]),
+    ])
+
+
+def test_append_extends_histories_and_adds_new_ones(base: tuple[Path, Path], tmp_path: Path) -> None:
+    f, bank = base
+    before = Bank(bank).read("sessions").to_pylist()
+    s = append(_delta(tmp_path), "jsonl", bank, progress=False)
+    assert s["committed"] and s["counts"]["sessions"] == 3 and s["counts"]["histories"] == 1
+    assert s["counts"]["histories_extended"] == 1 and s["counts"]["queries"] == 2
+    b = Bank(bank)
+    ses = {(r["history_id"], r["session_id"]): r for r in b.read("sessions").to_pylist()}
+    # positions continue after the existing ones; old rows untouched
+    assert [ses[("u1", x)]["position"] for x in ("s1", "s2", "s3", "s4")] == [0, 1, 2, 3]
+    assert ses[("u3", "v1")]["position"] == 0
+    assert all(ses[(r["history_id"], r["session_id"])] == r for r in before)
+    hist = {r["history_id"]: r["n_sessions"] for r in b.read("histories").to_pylist()}
+    assert hist == {"u1": 4, "u2": 1, "u3": 1}
+    assert sorted(b.read("queries", ["query_id"]).column("query_id").to_pylist()) == ["u1:q0", "u1:q1", "u3:q0"]
+    texts = set(b.read("texts", ["text_hash"]).column("text_hash").to_pylist())
+    assert {r["text_hash"] for r in ses.values()} <= texts and b.count("texts") == len(texts)
+    # the manifest records the append after the base ingest; the base file still counts as current
+    ds = b.manifest["datasets"]
+    assert len(ds) == 2 and ds[1]["kind"] == "append" and ds[1]["sessions_from"] == {"u1": 2}
+    assert ds[1]["recompute_from"] == {} and is_current(bank, f, "jsonl")
+
+
+def test_append_twice_changes_nothing(base: tuple[Path, Path], tmp_path: Path) -> None:
+    _, bank = base
+    d = _delta(tmp_path)
+    append(d, "jsonl", bank, progress=False)
+    tables, files = _tables(bank), _files(bank)
+    s = append(d, "jsonl", bank, progress=False)
+    assert not s["committed"]
+    assert _tables(bank) == tables and _files(bank) == files  # byte-identical parts and manifest
+
+
+def test_out_of_order_session_is_refused_then_reordered(base: tuple[Path, Path], tmp_path: Path) -> None:
+    _, bank = base
+    files = _files(bank)
+    late = _write(tmp_path / "late.jsonl", [
+        _record("u1", [_session("s0", "2024-01-15 10:00", "Between s1 and s2.")])])
+    with pytest.raises(DataError, match="dated before the last session"):
+        append(late, "jsonl", bank, progress=False)
+    assert _files(bank) == files
+    # the CLI: one line, exit 2, bank unchanged
+    p = subprocess.run([sys.executable, "-m", "memgas", "ingest", str(late), "--append", "--out", str(bank)],
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1 and "allow-reorder" in p.stderr
+    assert _files(bank) == files
+    s = append(late, "jsonl", bank, allow_reorder=True, progress=False)
+    assert s["recompute_from"] == {"u1": 1}
+    ses = {r["session_id"]: r["position"] for r in Bank(bank).read("sessions").to_pylist() if r["history_id"] == "u1"}
+    assert ses == {"s1": 0, "s0": 1, "s2": 2}
+    assert Bank(bank).manifest["datasets"][-1]["recompute_from"] == {"u1": 1}
+
+
+def test_bad_file_or_conflict_leaves_bank_as_it_was(base: tuple[Path, Path], tmp_path: Path) -> None:
+    _, bank = base
+    files = _files(bank)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(_record("u9", [_session("z1", "2024-01-01", "fine")])) + "\n{not json\n")
+    with pytest.raises(DataError):
+        append(bad, "jsonl", bank, progress=False, chunk_histories=1)  # a part was written before the error
+    assert _files(bank) == files
+    changed = _write(tmp_path / "changed.jsonl", [_record("u1", [_session("s2", "2024-02-01 10:00", "Other text.")])])
+    with pytest.raises(DataError, match="other content"):
+        append(changed, "jsonl", bank, progress=False)
+    assert _files(bank) == files
+
+
+def test_append_interrupted_by_kill_leaves_bank_unchanged(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """A kill after a part was written and before the commit: the bank reads as before; the next append
+    drops the leftover part and commits."""
+    _, bank = base
+    d = _delta(tmp_path)
+    tables = _tables(bank)
+    code = ("import os, sys\nfrom memgas.pipeline import faults, ingest\n"
+            "faults.hit = lambda name: os._exit(9) if name == 'ingest:before-commit' else None\n"
+            f"ingest.append({str(d)!r}, 'jsonl', {str(bank)!r}, progress=False)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 9, p.stderr
+    assert list((bank / "sessions").glob("ingest-*-x0001-*.parquet"))  # staged, not committed
+    assert _tables(bank) == tables
+    append(d, "jsonl", bank, progress=False)
+    assert Bank(bank).count("sessions") == 6
