@@ -111,6 +111,19 @@ def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
         assert g["rank"].tolist() == list(range(1, top + 1)), (m, q)
         assert g["session_id"].nunique() == top, (m, q)
     assert sorted(rk["method"].unique()) == sorted(METHODS)
+    # tokens per method: what each step's rows hold (LLM-free cards and plans: 0; the reader's answers: >0)
+    tokens = metrics["tokens"]
+    assert list(tokens) == METHODS
+    card_tokens = {"prompt": int(pc.sum(cards["prompt_tokens"]).as_py() or 0),
+                   "completion": int(pc.sum(cards["completion_tokens"]).as_py() or 0)}
+    for m in JUSTMEM_METHOD_NAMES:
+        assert tokens[m]["construction"] == card_tokens == {"prompt": 0, "completion": 0}, m
+    ans = results.read("answers", parts=S.parts_with_prefix(results, "answers", S.prefix_of(ctx, "read")))
+    want = {"prompt": sum(ans["prompt_tokens"].to_pylist()), "completion": sum(ans["completion_tokens"].to_pylist())}
+    assert want["prompt"] > 0 and tokens["memgas"]["answer"] == want
+    assert tokens["justmem"]["answer"] == {"prompt": 0, "completion": 0}  # reading.methods=[memgas]
+    report = (jm_run / "report.md").read_text()
+    assert "## LLM tokens per method" in report and f"| justmem-compose | 0 + 0 | 0 + 0 | 0 + 0 |" in report
 
 
 @pytest.mark.slow
@@ -158,12 +171,13 @@ def test_a_rerun_skips_everything_and_equals_a_fresh_run(tmp_path_factory, jm_ru
 
 @pytest.mark.slow
 def test_a_justmem_field_reruns_exactly_its_stages_and_matches_a_fresh_run(tmp_path_factory, jm_run) -> None:
-    """justmem.rewrites=1: new plans, their rewrites encoded (the cached vectors reused), ranked again; the
-    rankings equal a fresh run's exactly; then back to the original config."""
+    """justmem.rewrites=1: new plans, encode runs (their one rewrite each is the first of the two already
+    encoded: nothing new, the same committed rows, so associate is skipped), ranked again; the rankings equal
+    a fresh run's exactly; then back to the original config."""
     work = tmp_path_factory.mktemp("jmrewrites")
     shutil.copytree(jm_run, work, dirs_exist_ok=True)
     _run(_jm(work, **{"justmem.rewrites": 1}))
-    assert _executed(work) == ["associate", "encode", "plan", "rank", "read"]
+    assert _executed(work) == ["encode", "plan", "rank", "read"]
     fresh = tmp_path_factory.mktemp("jmfresh")
     _run(_jm(fresh, **{"justmem.rewrites": 1}))
     assert _outputs(work) == _outputs(fresh)
