@@ -793,7 +793,9 @@ class PlanStage(_JustMemActorStage):
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         ids = sorted(ctx.bank.read("queries", ["query_id"])["query_id"].to_pylist())
-        size = ctx.cfg.llm.batch_size if self.uses_llm(ctx.cfg) else 1024
+        # an LLM's padded batch can change its outputs (llm.batch_size is declared); the LLM-free planner plans
+        # each question alone, so its units follow the runtime-only ray.generate_unit
+        size = ctx.cfg.llm.batch_size if self.uses_llm(ctx.cfg) else ctx.cfg.ray.generate_unit
         return [{"part": f"{self.prefix(ctx)}{i:05d}", "size": len(b), "queries": b}
                 for i, b in enumerate(chunk(ids, size))]
 

@@ -197,3 +197,25 @@ def test_without_justmem_the_run_is_unchanged(tmp_path_factory, jm_run) -> None:
     rows = [r for r in _outputs(jm_run)["rankings"] if r["method"] in MEMGAS]
     assert _outputs(work)["rankings"] == rows
     assert np.all([r["method"] in MEMGAS for r in _outputs(work)["rankings"]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["cards", "plan"])
+def test_a_failure_inside_cards_or_plan_resumes_its_finished_units(tmp_path_factory, jm_run, monkeypatch,
+                                                                   stage) -> None:
+    """The job fails after the stage's 2nd unit committed (small units: ray.generate_unit is runtime-only);
+    the next run keeps those units, runs the rest and ends with the uninterrupted run's results."""
+    from memgas.pipeline import faults
+
+    work = tmp_path_factory.mktemp(f"jmresume-{stage}")
+    cfg = _jm(work, **{"ray.generate_unit": 5})
+    monkeypatch.setattr(faults, "_counts", {})
+    monkeypatch.setenv("MEMGAS_FAULT", f"raise@{stage}:unit-done#2")
+    with pytest.raises(Exception, match=f"injected failure at {stage}:unit-done"):
+        _run(cfg)
+    monkeypatch.delenv("MEMGAS_FAULT")
+    _run(cfg)
+    rec = _record(work)[stage]
+    assert rec["status"] == "executed" and rec["units_resumed"] == 2 and rec["units_done"] == rec["units_total"] - 2
+    assert rec["units_total"] > 2
+    assert _outputs(work) == _outputs(jm_run)
