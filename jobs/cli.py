@@ -214,7 +214,7 @@ def _add_index(sub: Any) -> None:
 
 
 def _add_answer(sub: Any) -> None:
-    from memgas.pipeline.methods import METHOD_NAMES as ALL_METHODS
+    from memgas.pipeline.methods import KNOWN_METHOD_NAMES as ALL_METHODS
 
     p = _sub(sub, "answer", "rank sessions, read, answer and evaluate", """
         rank (entropy router + PPR, batched) -> filter -> answer -> evaluate -> report.

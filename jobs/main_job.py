@@ -691,7 +691,8 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
     from memgas.pipeline.encode import encoding_accounting
 
     metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(),
-               "encoding": encoding_accounting(bank, **S.accounting_keys(ctx)), "latency": latency, "record": record}
+               "encoding": encoding_accounting(bank, **S.accounting_keys(ctx)), "tokens": S.method_tokens(ctx),
+               "latency": latency, "record": record}
     manifest = {
         "config": cfg.public_dump(), "memgas_version": __version__, "git_commit": run_info["git_commit"],
         "dataset": ds, "models": _model_manifest(ctx), "host": {"hostname": socket.gethostname(),

@@ -121,6 +121,15 @@ def encoding_table(encoding: dict[str, Any]) -> str:
     return _md_table(["granularity", "texts", "truncated", "tokens encoded", "tokens dropped", "share dropped"], rows)
 
 
+def tokens_table(tokens: dict[str, Any]) -> str:
+    """Prompt + completion tokens per method and step (``stages.method_tokens``)."""
+    rows = []
+    for m, v in tokens.items():
+        steps = [_d(_d(v).get(k)) for k in ("construction", "planner", "answer")]
+        rows.append([m, *[f"{_n(s.get('prompt'))} + {_n(s.get('completion'))}" for s in steps]])
+    return _md_table(["method", "construction (prompt + completion)", "planner", "answer"], rows)
+
+
 def stage_table(stages: dict[str, Any]) -> str:
     rows = []
     for name, s in stages.items():
@@ -289,6 +298,11 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
                   "whose first turn pair fills the window) shares its vector and is run once when both are in "
                   "one encode unit, but counts its own tokens here; a text in two rows (a one-pair session is "
                   "also its pair) counts in both, once in `all`."]
+    if _d(metrics.get("tokens")):
+        parts += ["", "## LLM tokens per method", "", tokens_table(metrics["tokens"]), "",
+                  "construction: the memory the method reads (MemGAS summaries/keywords, JustMem cards) over the "
+                  "bank's sessions; planner: JustMem plans over the bank's questions (methods that read them); "
+                  "answer: the read stage's prompts and answers of the method. LLM-free steps count 0."]
     lat = _d(metrics.get("latency"))
     if lat:
         rows = [[k, _fmt(v.get("p50_ms"), 1), _fmt(v.get("p95_ms"), 1), str(v.get("n", "?"))]
@@ -339,7 +353,7 @@ def _json_type(v: Any) -> str:
 def metrics_problem(metrics: dict[str, Any]) -> str | None:
     """The first field of ``metrics`` whose type the report cannot print (None: all fine). Sections are
     otherwise read leniently (a missing metric prints as "–"), so only what would crash is checked."""
-    for section in ("run", "dataset", "retrieval", "qa", "stages", "latency", "encoding", "notes"):
+    for section in ("run", "dataset", "retrieval", "qa", "stages", "latency", "encoding", "notes", "tokens"):
         if metrics.get(section) is not None and not isinstance(metrics[section], dict):
             return f"{section} should be an object, got {_json_type(metrics[section])}"
     for section, keys in _TEXT_FIELDS.items():

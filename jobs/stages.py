@@ -97,6 +97,19 @@ class Generator:
         self.free = LLMFreeGenerator(encoder) if self.cfg.generator != "llm" else None
 
 
+class JustMemModel:
+    """What a cards or plan actor holds: the ``justmem`` section and the LLM only where the extractor (cards)
+    or the planner (plan) is ``llm`` (the LLM-free ones need no model, so none is loaded)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        from memgas.pipeline.config import JustMemConfig, LLMConfig
+        from memgas.pipeline.models.factory import make_llm
+
+        self.cfg = JustMemConfig(**config["justmem"])
+        self.llm = (make_llm(LLMConfig(**config["llm"]), seed=config["seed"], **(config.get("llm_runtime") or {}))
+                    if config.get("use_llm") else None)
+
+
 def make_model(kind: str, config: dict[str, Any]) -> Any:
     """The model an actor (or the in-process host) holds for stages of ``model = kind``."""
     from memgas.pipeline.config import EncoderConfig, LLMConfig
@@ -109,6 +122,8 @@ def make_model(kind: str, config: dict[str, Any]) -> Any:
         return make_llm(LLMConfig(**config["llm"]), seed=config["seed"], **(config.get("llm_runtime") or {}))
     if kind == "generator":
         return Generator(config)
+    if kind == "justmem":
+        return JustMemModel(config)
     raise ValueError(f"unknown model kind {kind!r}")
 
 
@@ -597,6 +612,251 @@ def rederive_texts(ctx: StageContext, wanted: list[str]) -> dict[str, str]:
     return found
 
 
+# -- JustMem: cards and plans ----------------------------------------------------------------------------
+def justmem_enabled(cfg: MemgasConfig) -> bool:
+    """The cards and plan stages run (and encode/rank read them) only when a JustMem method is selected."""
+    from memgas.pipeline.methods import uses_justmem
+
+    return uses_justmem(cfg.retrieval.methods) or (cfg.reading.enabled and uses_justmem(cfg.reading.methods))
+
+
+class _JustMemActorStage(Stage):
+    """Shared by cards and plan: an actor that holds an LLM only when ``uses_llm`` (else one per Ray CPU)."""
+
+    where = "actor"
+    model = "justmem"
+
+    def enabled(self, cfg: MemgasConfig) -> bool:
+        return justmem_enabled(cfg)
+
+    def uses_llm(self, cfg: MemgasConfig) -> bool:
+        raise NotImplementedError
+
+    def _per_cpu(self, ctx: StageContext) -> bool:
+        return ctx.use_ray and not self.uses_llm(ctx.cfg)
+
+    def model_config(self, ctx: StageContext) -> dict[str, Any]:
+        cfg = ctx.cfg
+        llm = self.uses_llm(cfg)
+        return {"justmem": cfg.justmem.model_dump(), "llm": cfg.llm.model_dump(), "seed": cfg.seed, "use_llm": llm,
+                "llm_runtime": ctx.resolved.get("llm") if llm else None,
+                "threads": 1 if self._per_cpu(ctx) else cfg.llm.threads}
+
+    def num_gpus(self, ctx: StageContext) -> float:
+        return _model_gpus(ctx, self.uses_llm(ctx.cfg) and llm_on_cuda(ctx))
+
+    def actor_count(self, ctx: StageContext) -> int:
+        return ray_cpus() if self._per_cpu(ctx) else ctx.cfg.ray.model_actors
+
+    def _llm_resolved(self, ctx: StageContext, prompts: str) -> dict[str, Any]:
+        # fp32 CPU and bf16 GPU outputs differ: the LLM's device/dtype, files and prompt texts key the rows
+        return {"llm": ctx.resolved.get("llm"), "llm_files": (ctx.resolved.get("model_files") or {}).get("llm"),
+                "prompts": prompts}
+
+
+class CardsStage(_JustMemActorStage):
+    """JustMem memory cards per unique session (``extract_cards``; LLM-free by default).
+
+    Content-addressed like generate: rows are keyed by (session hash, ``extractor`` = extractor key @ this
+    stage's cache key), shared by every history, config and dataset of the bank; a unit holds only sessions
+    still without cards. The card texts stay in ``cards.text`` (not copied into ``texts``): the encode stage
+    reads them from there, as it reads questions from ``queries``, so no second stage writes (and compacts)
+    the shared ``texts`` table under the generate stage's marker.
+    """
+
+    name = "cards"
+    upstream = ("ingest",)
+    config_fields = ("justmem.extractor", "justmem.extract_max_tokens", "justmem.extract_max_input_tokens",
+                     *LLM_OUTPUT_FIELDS)
+    check_table = "cards"
+    outputs = ("cards",)
+
+    def uses_llm(self, cfg: MemgasConfig) -> bool:
+        return cfg.justmem.extractor == "llm"
+
+    def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
+        own = ["justmem.extractor"]
+        if self.uses_llm(cfg):
+            own += ["justmem.extract_max_tokens", "justmem.extract_max_input_tokens", *LLM_OUTPUT_FIELDS]
+        return _fields(cfg, tuple(own))
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.justmem.extract import LLM_FREE_EXTRACTOR
+        from memgas.pipeline.prompts import JUSTMEM_EXTRACT_PROMPT_DIGEST
+
+        if not self.uses_llm(ctx.cfg):
+            return {"llm_free": LLM_FREE_EXTRACTOR}
+        return self._llm_resolved(ctx, JUSTMEM_EXTRACT_PROMPT_DIGEST)
+
+    def key(self, ctx: StageContext) -> str:
+        """The ``extractor`` column of this config's rows: the readable extractor key @ the cache key."""
+        from memgas.pipeline.justmem.extract import extractor_key
+
+        cfg = ctx.cfg
+        return f"{extractor_key(cfg.justmem, llm_identity(cfg) if self.uses_llm(cfg) else None)}@{self.cache_key(ctx)}"
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        return {"key": self.key(ctx), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        bank = ctx.bank
+        sessions = sorted(set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist()))
+        have: set[str] = set()
+        if bank.exists("cards"):
+            have = set(bank.read("cards", ["session_hash"], filter=pc.field("extractor") == self.key(ctx))
+                       ["session_hash"].to_pylist())
+        missing = [h for h in sessions if h not in have]
+        kind = (bank.manifest.get("datasets") or [{}])[-1].get("format")
+        fp = ctx.fingerprints[self.name]
+        return [{"part": f"cards-{fp}-{i:05d}", "size": len(b), "kind": kind, "sessions": b}
+                for i, b in enumerate(even_chunks(missing, ctx.cfg.ray.generate_unit))]
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        from memgas.pipeline.justmem.extract import turns_by_session
+
+        turns = turns_by_session(ctx.bank.read("turns", ["session_hash", "turn_index", "role", "content"],
+                                               filter=pc.field("session_hash").isin(unit["sessions"])))
+        return {"kind": unit["kind"],
+                "sessions": [[h, [[t.turn_index, t.role, t.content] for t in turns.get(h, [])]]
+                             for h in unit["sessions"]]}
+
+    @staticmethod
+    def run(model: JustMemModel, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        from memgas.pipeline.justmem.extract import Turn, extract_cards
+
+        sessions = [(h, [Turn(int(i), r, c) for i, r, c in turns], payload["kind"]) for h, turns in payload["sessions"]]
+        return {"cards": extract_cards(sessions, model.cfg, key=params["key"], llm=model.llm,
+                                       temperature=params["temperature"], seed=params["seed"])}
+
+    def mine(self, ctx: StageContext) -> pa.Table:
+        """This config's rows of ``cards`` (the table is shared by every config)."""
+        return ctx.bank.read("cards", filter=pc.field("extractor") == self.key(ctx))
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.jobs.plan import compact
+
+        if ctx.bank.exists("cards"):
+            compact(ctx.bank, "cards")
+        mine = self.mine(ctx) if ctx.bank.exists("cards") else None
+        if mine is None:
+            return {"rows": 0, "sessions": 0}
+        return {"rows": mine.num_rows, "sessions": len(set(mine["session_hash"].to_pylist())),
+                "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
+                "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
+                "fallbacks": int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0)}
+
+    def output_digest(self, ctx: StageContext, parts: dict[str, str]) -> str:
+        """This config's rows (other configs' rows in the shared table must not change what downstream sees)."""
+        return table_digest(self.mine(ctx).sort_by([("card_id", "ascending")]))
+
+
+class PlanStage(_JustMemActorStage):
+    """A JustMem access plan per question (``plan_queries``; LLM-free by default).
+
+    On the index side, in the bank, beside the question vectors: Compose retrieves with the plans' rewrites,
+    which the encode stage embeds as it embeds the questions, so plans must exist before encode (the rank
+    stage runs no encoder). Plans are per query_id, which is the dataset's name, not content: the rows live in
+    this stage's own parts (``plan-<fingerprint>-...``, the fingerprint hashes the dataset) and other
+    fingerprints' parts are dropped once the new ones are complete, as for the associate stage's edges.
+    """
+
+    name = "plan"
+    upstream = ("ingest",)
+    config_fields = ("justmem.planner", "justmem.rewrites", "justmem.plan_max_tokens", *LLM_OUTPUT_FIELDS)
+    check_table = "plans"
+    outputs = ("plans",)
+    part_prefix = "plan"
+
+    def uses_llm(self, cfg: MemgasConfig) -> bool:
+        return cfg.justmem.planner == "llm"
+
+    def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
+        own = ["justmem.planner", "justmem.rewrites"]
+        if self.uses_llm(cfg):
+            own += ["justmem.plan_max_tokens", *LLM_OUTPUT_FIELDS]
+        return _fields(cfg, tuple(own))
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.justmem.plan import LLM_FREE_PLANNER
+        from memgas.pipeline.prompts import JUSTMEM_PLAN_PROMPT_DIGEST
+
+        if not self.uses_llm(ctx.cfg):
+            return {"llm_free": LLM_FREE_PLANNER}
+        return self._llm_resolved(ctx, JUSTMEM_PLAN_PROMPT_DIGEST)
+
+    def key(self, ctx: StageContext) -> str:
+        from memgas.pipeline.justmem.plan import planner_key
+
+        cfg = ctx.cfg
+        return planner_key(cfg.justmem, llm_identity(cfg) if self.uses_llm(cfg) else None)
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        return {"key": self.key(ctx), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        ids = sorted(ctx.bank.read("queries", ["query_id"])["query_id"].to_pylist())
+        # an LLM's padded batch can change its outputs (llm.batch_size is declared); the LLM-free planner plans
+        # each question alone, so its units follow the runtime-only ray.generate_unit
+        size = ctx.cfg.llm.batch_size if self.uses_llm(ctx.cfg) else ctx.cfg.ray.generate_unit
+        return [{"part": f"{self.prefix(ctx)}{i:05d}", "size": len(b), "queries": b}
+                for i, b in enumerate(chunk(ids, size))]
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        q = ctx.bank.read("queries", ["query_id", "question", "question_date_raw"],
+                          filter=pc.field("query_id").isin(unit["queries"])).to_pylist()
+        by_id = {r["query_id"]: r for r in q}
+        return {"queries": [[i, by_id[i]["question"], by_id[i]["question_date_raw"]] for i in unit["queries"]]}
+
+    @staticmethod
+    def run(model: JustMemModel, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        from memgas.pipeline.justmem.plan import plan_queries
+
+        return {"plans": plan_queries([tuple(q) for q in payload["queries"]], model.cfg, key=params["key"],
+                                      llm=model.llm, temperature=params["temperature"], seed=params["seed"])}
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        dropped = drop_other_parts(ctx.bank, "plans", self.prefix(ctx))
+        mine = current_plans(ctx)
+        profiles = mine["profile"].to_pylist()
+        return {"rows": mine.num_rows, "profiles": {p: profiles.count(p) for p in sorted(set(profiles))},
+                "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
+                "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
+                "fallbacks": int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0), "stale_parts_dropped": dropped}
+
+
+def current_plans(ctx: StageContext, query_ids: list[str] | None = None) -> pa.Table:
+    """The plans of the plan stage's current fingerprint (optionally of ``query_ids``)."""
+    from memgas.pipeline.schema import PLANS
+
+    parts = parts_with_prefix(ctx.bank, "plans", prefix_of(ctx, "plan"))
+    if not parts:
+        return PLANS.empty_table()
+    return ctx.bank.read("plans", parts=parts,
+                         filter=None if query_ids is None else pc.field("query_id").isin(query_ids))
+
+
+def current_cards(ctx: StageContext, session_hashes: list[str] | None = None) -> pa.Table:
+    """This config's cards (optionally of ``session_hashes``)."""
+    f = pc.field("extractor") == CardsStage().key(ctx)
+    if session_hashes is not None:
+        f = f & pc.field("session_hash").isin(session_hashes)
+    return ctx.bank.read("cards", filter=f)
+
+
+def justmem_texts(ctx: StageContext) -> dict[str, str]:
+    """{text_hash: text} of this config's card texts and plan rewrites (encoded under the main key)."""
+    from memgas.pipeline.hashing import text_hash
+
+    if not justmem_enabled(ctx.cfg):
+        return {}
+    cards = current_cards(ctx)
+    out = dict(zip(cards["text_hash"].to_pylist(), cards["text"].to_pylist()))
+    for rewrites in current_plans(ctx)["rewrites"].to_pylist():
+        for r in rewrites or []:
+            out[text_hash(r)] = r
+    return out
+
+
 # -- nodes -----------------------------------------------------------------------------------------------
 class NodesStage(Stage):
     """Per (history, session): the five node rows (session, turn, summary, keyword, hybrid) and their texts."""
@@ -635,7 +895,9 @@ class EncodeStage(Stage):
         fp = super().fingerprint(ctx)
         e = ctx.cfg.encoder
         windows = {"pair": e.pair_max_tokens, "session": e.session_max_tokens}
-        return fp if not any(windows.values()) else short_hash([fp, "windows", windows])
+        fp = fp if not any(windows.values()) else short_hash([fp, "windows", windows])
+        # cards and plans are upstream only when JustMem is selected: without it the fingerprint is as before
+        return fp if not justmem_enabled(ctx.cfg) else short_hash([fp, "justmem", _justmem_upstream(ctx)])
 
     def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
         return {"encoder": ctx.resolved.get("encoder"),
@@ -664,8 +926,9 @@ class EncodeStage(Stage):
         return {"encoder_key": encoder_key(ctx)}
 
     def needed(self, ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, str]]:
-        """Text hashes to embed per cache key (every node text, turn pair and query; sessions and pairs under
-        their windows' keys, :func:`encoder_keys`), and the question texts by hash."""
+        """Text hashes to embed per cache key (every node text, turn pair and query, and with JustMem every card
+        and plan rewrite; sessions and pairs under their windows' keys, :func:`encoder_keys`), and the texts that
+        are not in ``texts`` (questions, cards, rewrites) by hash."""
         from memgas.pipeline.encode import query_hash
 
         bank = ctx.bank
@@ -675,6 +938,8 @@ class EncodeStage(Stage):
         nodes = bank.read("nodes", ["granularity", "text_hash"])
         main = set(nodes.filter(~pc.field("granularity").isin(["session", "turn"]))["text_hash"].to_pylist())
         questions = {query_hash(q): q for q in bank.read("queries", ["query_id", "question"])["question"].to_pylist()}
+        # JustMem card texts and plan rewrites are not in ``texts``: they come with the questions' texts
+        questions.update({h: t for h, t in justmem_texts(ctx).items() if h not in questions})
         main.update(questions)
         keys = encoder_keys(ctx)
         need: dict[str, set[str]] = {}
@@ -822,6 +1087,12 @@ class EncodeStage(Stage):
         return table_digest(rows.sort_by([("encoder", "ascending"), ("text_hash", "ascending")]))
 
 
+def _justmem_upstream(ctx: StageContext) -> dict[str, str | None]:
+    """What the cards and plan stages committed (their fingerprints before they ran), for the fingerprints of
+    the stages that read them only when JustMem is selected (encode, rank)."""
+    return {u: ctx.outputs.get(u) or ctx.fingerprints.get(u) for u in ("cards", "plan")}
+
+
 def owned(a: Any, dtype: Any = None) -> np.ndarray:
     """A C-contiguous, aligned, writeable copy where needed. Arrays that come out of Ray's object store are
     read-only views that may be unaligned; NumPy then skips BLAS for a matmul and sums in another order, so a
@@ -905,6 +1176,10 @@ class AssociateStage(HistoryShardStage):
 
 
 # -- rank ------------------------------------------------------------------------------------------------
+#: JustMem retrieval settings the rank stage reads (active only when a JustMem method is ranked)
+JUSTMEM_RANK_FIELDS: tuple[str, ...] = ("justmem.candidates", "justmem.top_k", "justmem.rewrites",
+                                        "justmem.reranker")
+
 def query_vectors(bank: Bank, questions: list[str], key: str) -> np.ndarray:
     from memgas.pipeline.encode import query_hash
 
@@ -939,14 +1214,26 @@ class RankStage(HistoryShardStage):
     name = "rank"
     upstream = ("ingest", "nodes", "encode", "associate")
     config_fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp",
-                     "retrieval.router", "retrieval.store_top", "retrieval.device")
+                     "retrieval.router", "retrieval.store_top", "retrieval.device", *JUSTMEM_RANK_FIELDS)
     store = "results"
     check_table = "rankings"
     outputs = ("rankings",)
     part_prefix = "rank"
 
+    def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
+        from memgas.pipeline.methods import uses_justmem
+
+        base = tuple(f for f in self.config_fields if f not in JUSTMEM_RANK_FIELDS)
+        return (*base, *JUSTMEM_RANK_FIELDS) if uses_justmem(cfg.retrieval.methods) else base
+
+    def fingerprint(self, ctx: StageContext) -> str:
+        fp = super().fingerprint(ctx)
+        # as in EncodeStage.fingerprint: the cards and plans are upstream only when JustMem is selected
+        return fp if not justmem_enabled(ctx.cfg) else short_hash([fp, "justmem", _justmem_upstream(ctx)])
+
     def params(self, ctx: StageContext) -> dict[str, Any]:
-        return {"retrieval": ctx.cfg.retrieval.model_dump(), **self.resolved_inputs(ctx)}
+        return {"retrieval": ctx.cfg.retrieval.model_dump(), "justmem": ctx.cfg.justmem.model_dump(),
+                **self.resolved_inputs(ctx)}
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         bank, ids = ctx.bank, unit["histories"]
@@ -959,16 +1246,55 @@ class RankStage(HistoryShardStage):
         all_edges = edges_of(bank, ids, edge_parts)
         qdf = queries.to_pandas()
         qv = query_vectors(bank, qdf["question"].tolist(), key)
+        jm = self._justmem_inputs(ctx, ids, qdf) if justmem_enabled(ctx.cfg) else None
         out = []
         empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         for h, g in qdf.groupby("history_id", sort=True):
             if h not in loader.history_ids:
                 continue
             m = loader.get(h)
-            out.append({"history_id": h, "matrices": m, "query_ids": g["query_id"].tolist(),
-                        "queries": qv[g.index.to_numpy()],
-                        "edges": {mode: all_edges.get((h, mode), empty) for mode in ("gmm", "topk")}})
+            entry = {"history_id": h, "matrices": m, "query_ids": g["query_id"].tolist(),
+                     "queries": qv[g.index.to_numpy()],
+                     "edges": {mode: all_edges.get((h, mode), empty) for mode in ("gmm", "topk")}}
+            if jm is not None:
+                entry["justmem"] = self._justmem_history(jm, h, m["session_ids"], g)
+            out.append(entry)
         return {"histories": out}
+
+    @staticmethod
+    def _justmem_inputs(ctx: StageContext, ids: list[str], qdf: Any) -> dict[str, Any]:
+        """The shard's cards, plans and the vectors of cards and rewrites (main encoder key)."""
+        from memgas.pipeline.hashing import text_hash
+
+        bank, key = ctx.bank, encoder_key(ctx)
+        sess = bank.read("sessions", ["history_id", "session_id", "text_hash"], filter=pc.field("history_id").isin(ids))
+        hash_of = {(h, s): t for h, s, t in zip(*(sess[c].to_pylist() for c in ("history_id", "session_id", "text_hash")))}
+        cards = current_cards(ctx, sorted(set(hash_of.values())))
+        plans = {r["query_id"]: r for r in current_plans(ctx, qdf["query_id"].tolist()).to_pylist()}
+        rewrites = sorted({r for p in plans.values() for r in (p["rewrites"] or [])})
+        texts = sorted(set(cards["text"].to_pylist()) | set(rewrites))
+        vecs = query_vectors(bank, texts, key) if texts else np.zeros((0, 0), np.float32)
+        return {"hash_of": hash_of, "cards": cards, "plans": plans,
+                "vectors": {text_hash(t): vecs[i] for i, t in enumerate(texts)}}
+
+    @staticmethod
+    def _justmem_history(jm: dict[str, Any], h: str, session_ids: list[str], g: Any) -> dict[str, Any]:
+        """One history's JustMem payload: its sessions' hashes in the node matrices' session order (the
+        rankings name positions of that order), its cards and vectors, its queries' texts and plans."""
+        from memgas.pipeline.hashing import text_hash
+
+        hashes = [jm["hash_of"][(h, s)] for s in session_ids]
+        cards = jm["cards"].filter(pc.field("session_hash").isin(sorted(set(hashes))))
+        plans = [jm["plans"].get(q) for q in g["query_id"].tolist()]
+        missing = [q for q, p in zip(g["query_id"].tolist(), plans) if p is None]
+        if missing:
+            raise BankError(f"no JustMem plan for query {missing[0]!r}: run `memgas index` with this config")
+        vecs = jm["vectors"]
+        return {"session_hashes": hashes, "cards": cards,
+                "card_vectors": {t: vecs[t] for t in cards["text_hash"].to_pylist()},
+                "questions": g["question"].tolist(), "plans": plans,
+                "rewrite_vectors": [np.stack([vecs[text_hash(r)] for r in p["rewrites"]]) if p["rewrites"] else None
+                                    for p in plans]}
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
@@ -977,7 +1303,8 @@ class RankStage(HistoryShardStage):
         r = params["retrieval"]
         cols: dict[str, list] = {"method": [], "query_id": [], "rank": [], "session_id": [], "score": []}
         with one_blas_thread():
-            ranked_all = [RankStage.rank_one(h, r, params["device"]) for h in payload["histories"]]
+            ranked_all = [RankStage.rank_one(h, r, params["device"], params.get("justmem"))
+                          for h in payload["histories"]]
         for h, (m, ranked) in zip(payload["histories"], ranked_all):
             sids = np.asarray(m["session_ids"], dtype=object)
             top = min(r["store_top"], len(sids))
@@ -992,14 +1319,36 @@ class RankStage(HistoryShardStage):
         return {"rankings": pa.table(cols, schema=RANKINGS)}
 
     @staticmethod
-    def rank_one(h: dict[str, Any], r: dict[str, Any], device: str) -> tuple[dict, dict]:
+    def rank_one(h: dict[str, Any], r: dict[str, Any], device: str,
+                 justmem: dict[str, Any] | None = None) -> tuple[dict, dict]:
+        """(matrices, {method: (order, scores)}): MemGAS methods from the node matrices, JustMem methods
+        (:func:`memgas.pipeline.methods.get_method` family) from the history's cards, in ``r["methods"]`` order."""
+        from memgas.pipeline.methods import get_method
         from memgas.pipeline.retrieve import rank_history
 
         m = {k: (owned(v, np.float32) if isinstance(v, np.ndarray) else v) for k, v in h["matrices"].items()}
         edges = {mode: (owned(src, np.int64), owned(dst, np.int64)) for mode, (src, dst) in h["edges"].items()}
-        return m, rank_history(node_matrix(m), owned(h["queries"], np.float32), edges, r["methods"],
-                               hybrid=m.get("hybrid"), num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
-                               router=r["router"], device=device)
+        memgas = [x for x in r["methods"] if get_method(x).family == "memgas"]
+        jm = [x for x in r["methods"] if get_method(x).family == "justmem"]
+        ranked = rank_history(node_matrix(m), owned(h["queries"], np.float32), edges, memgas,
+                              hybrid=m.get("hybrid"), num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
+                              router=r["router"], device=device) if memgas else {}
+        if jm:
+            ranked.update(RankStage.rank_cards(h, jm, justmem or {}))
+        return m, {x: ranked[x] for x in r["methods"]}
+
+    @staticmethod
+    def rank_cards(h: dict[str, Any], methods: list[str], justmem: dict[str, Any]) -> dict[str, tuple]:
+        from memgas.pipeline.config import JustMemConfig
+        from memgas.pipeline.justmem.plan import Plan
+        from memgas.pipeline.justmem.retrieve import HistoryCards, rank_history_cards
+
+        j = h["justmem"]
+        hc = HistoryCards.from_table(j["session_hashes"], j["cards"], j["card_vectors"])
+        plans = [Plan(list(p["entities"] or []), list(p["time_constraints"] or []), p["operation"], bool(p["d"]),
+                      bool(p["f"]), list(p["rewrites"] or [])) for p in j["plans"]]
+        return rank_history_cards(hc, j["questions"], owned(h["queries"], np.float32), methods,
+                                  JustMemConfig(**justmem), plans=plans, rewrite_vecs=j["rewrite_vectors"])
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         dropped = drop_other_parts(ctx.results, "rankings", self.prefix(ctx))
@@ -1208,10 +1557,57 @@ class EvaluateStage(Stage):
         return {"items": metrics.get("n_queries", 0), "metrics": metrics}
 
 
-PIPELINE: tuple[Stage, ...] = (IngestStage(), GenerateStage(), NodesStage(), EncodeStage(), AssociateStage(),
-                               RankStage(), ReadStage(), JudgeStage(), EvaluateStage())
+# -- tokens per method -----------------------------------------------------------------------------------
+#: JustMem methods whose retrieval reads the plans (the profile, or the rewrites): they pay the planner
+PLANNED_METHODS: tuple[str, ...] = ("justmem", "justmem-compose")
+#: MemGAS methods that read generated texts (summaries, keywords): they pay the generate stage
+GENERATED_METHODS: tuple[str, ...] = ("summary", "keyword", "hybrid", "memgas", "memgas-no-gmm", "memgas-no-ppr",
+                                      "memgas-no-router", "memgas-no-association")
+
+
+def _token_sums(t: pa.Table) -> dict[str, int]:
+    return {"prompt": int(pc.sum(t["prompt_tokens"]).as_py() or 0),
+            "completion": int(pc.sum(t["completion_tokens"]).as_py() or 0)}
+
+
+def method_tokens(ctx: StageContext) -> dict[str, dict[str, Any]]:
+    """LLM tokens per retrieval method (metrics.json ``tokens``): ``construction`` = the memory it reads
+    (MemGAS: this config's generations, for the methods that read summaries or keywords; JustMem: this config's
+    cards), ``planner`` = this config's plans for the methods that read them (:data:`PLANNED_METHODS`),
+    ``answer`` = the read stage's answers of that method (prompt includes the filter step). LLM-free
+    construction and planning count 0 tokens. Over the whole bank's sessions and questions (the same for every
+    method of the run), answers over the questions read."""
+    from memgas.pipeline.methods import get_method
+
+    bank, cfg = ctx.bank, ctx.cfg
+    zero = {"prompt": 0, "completion": 0}
+    gen = zero
+    if any(m in GENERATED_METHODS for m in cfg.retrieval.methods) and bank.exists("generations"):
+        model, version = generation_key(ctx)
+        gen = _token_sums(bank.read("generations", ["prompt_tokens", "completion_tokens"],
+                                    filter=(pc.field("model") == model) & (pc.field("prompt_version") == version)))
+    cards = plans = zero
+    if justmem_enabled(cfg):
+        cards = _token_sums(current_cards(ctx)) if bank.exists("cards") else zero
+        plans = _token_sums(current_plans(ctx))
+    answers: dict[str, dict[str, int]] = {}
+    if cfg.reading.enabled and ctx.results is not None:
+        ans = current_answers(ctx)
+        for m in set(ans["method"].to_pylist()):
+            answers[m] = _token_sums(ans.filter(pc.field("method") == m))
+    out = {}
+    for m in cfg.retrieval.methods:
+        jm = get_method(m).family == "justmem"
+        construction = cards if jm else (gen if m in GENERATED_METHODS else zero)
+        planner = plans if m in PLANNED_METHODS else zero
+        out[m] = {"construction": construction, "planner": planner, "answer": answers.get(m, zero)}
+    return out
+
+
+PIPELINE: tuple[Stage, ...] = (IngestStage(), GenerateStage(), CardsStage(), PlanStage(), NodesStage(), EncodeStage(),
+                               AssociateStage(), RankStage(), ReadStage(), JudgeStage(), EvaluateStage())
 STAGES: dict[str, Stage] = {s.name: s for s in PIPELINE}
-INDEX: tuple[str, ...] = ("generate", "nodes", "encode", "associate")
+INDEX: tuple[str, ...] = ("generate", "cards", "plan", "nodes", "encode", "associate")
 ANSWER: tuple[str, ...] = ("rank", "read", "judge", "evaluate")
 
 

@@ -19,7 +19,7 @@ from pydantic_core import PydanticCustomError
 
 from memgas.pipeline.data import FORMATS
 from memgas.pipeline.errors import ConfigError
-from memgas.pipeline.methods import METHOD_NAMES
+from memgas.pipeline.methods import KNOWN_METHOD_NAMES, METHOD_NAMES
 from memgas.pipeline.redact import redact_obj
 
 #: Retrieval methods of the paper (single granularities, hybrid, MemGAS and its ablations): one registry.
@@ -343,10 +343,11 @@ class MemgasConfig(_Strict):
 
 
 def _check_methods(v: list[str]) -> list[str]:
-    unknown = [m for m in v if m not in ALL_METHODS]
+    # every registry name is accepted (MemGAS and JustMem); ALL_METHODS is only the default list
+    unknown = [m for m in v if m not in KNOWN_METHOD_NAMES]
     if unknown:
         raise PydanticCustomError("unknown_method", "unknown method(s) {unknown}; choose from {known}",
-                                  {"unknown": ", ".join(map(str, unknown)), "known": ", ".join(ALL_METHODS)})
+                                  {"unknown": ", ".join(map(str, unknown)), "known": ", ".join(KNOWN_METHOD_NAMES)})
     return v
 
 

@@ -22,11 +22,15 @@ class Method:
     #: graph methods only: entropy-router weights (False: equal weights 1/4)
     router: bool = True
     description: str = ""
+    #: "memgas": scored by :func:`memgas.pipeline.retrieve.rank_history` from the node matrices; "justmem":
+    #: scored by :func:`memgas.pipeline.justmem.retrieve.rank_history_cards` from the cards (the rank stage
+    #: dispatches on it)
+    family: str = "memgas"
 
     @property
     def is_graph(self) -> bool:
         """Methods scored from the four MemGAS node granularities (router, seeds, PPR)."""
-        return self.granularity is None
+        return self.family == "memgas" and self.granularity is None
 
 
 _ALL = (
@@ -42,20 +46,33 @@ _ALL = (
     Method("memgas-no-association", edges=None, description="PPR on a graph without edges"),
 )
 
-METHODS: dict[str, Method] = {m.name: m for m in _ALL}
-#: Names in the paper's table order (the default of ``retrieval.methods``).
-METHOD_NAMES: tuple[str, ...] = tuple(METHODS)
+#: JustMem methods (issue 17; scoring in :mod:`memgas.pipeline.justmem.retrieve`): ``justmem`` (the planner's
+#: profile per question), the three fixed profiles, and ``cards`` (a session scores its best card). Selecting
+#: any of them enables the cards and plan stages (jobs/stages.py).
+_JUSTMEM = (
+    Method("justmem", family="justmem", description="planner's profile per question (Lookup/Compose/Replay)"),
+    Method("justmem-lookup", family="justmem", description="top-K cards reranked against the question"),
+    Method("justmem-compose", family="justmem", description="union of the question's and rewrites' candidates"),
+    Method("justmem-replay", family="justmem", description="Lookup's cards; the reader recovers their turns"),
+    Method("cards", family="justmem", description="a session scores its best card"),
+)
+
+METHODS: dict[str, Method] = {m.name: m for m in (*_ALL, *_JUSTMEM)}
+#: MemGAS names in the paper's table order: the default of ``retrieval.methods`` (JustMem methods are opt-in:
+#: they add two stages, and a default that changed would re-run every existing config's rank stage).
+METHOD_NAMES: tuple[str, ...] = tuple(m.name for m in _ALL)
+JUSTMEM_METHOD_NAMES: tuple[str, ...] = tuple(m.name for m in _JUSTMEM)
+#: Every name ``retrieval.methods`` and ``reading.methods`` accept.
+KNOWN_METHOD_NAMES: tuple[str, ...] = (*METHOD_NAMES, *JUSTMEM_METHOD_NAMES)
 
 
 def get_method(name: str) -> Method:
     try:
         return METHODS[name]
     except KeyError:
-        raise ValueError(f"unknown retrieval method {name!r}; choose from {list(METHOD_NAMES)}") from None
+        raise ValueError(f"unknown retrieval method {name!r}; choose from {list(KNOWN_METHOD_NAMES)}") from None
 
-#: JustMem methods (issue 17; scoring in :mod:`memgas.pipeline.justmem.retrieve`): ``justmem`` (the planner's
-#: profile per question), the three fixed profiles, and ``cards`` (a session scores its best card).
-#: TODO(issue 17 stage wiring): not yet rows of METHODS: ``retrieval.methods`` defaults to every METHODS name and
-#: the rank stage scores them with ``retrieve.rank_history``, which cannot score these. Add them (with a
-#: ``family`` the rank stage dispatches on) together with the cards/plan stages.
-JUSTMEM_METHOD_NAMES: tuple[str, ...] = ("justmem", "justmem-lookup", "justmem-compose", "justmem-replay", "cards")
+
+def uses_justmem(methods: list[str] | tuple[str, ...]) -> bool:
+    """Whether any of ``methods`` is a JustMem method (then the cards and plan stages run)."""
+    return any(m in JUSTMEM_METHOD_NAMES for m in methods)

@@ -139,6 +139,9 @@ def rank_sessions(
 
     a, r = AssociationConfig(), RetrievalConfig()
     m = get_method(method)
+    if m.family != "memgas":
+        raise ValueError(f"rank_sessions scores the MemGAS methods; {method!r} needs cards "
+                         "(memgas.pipeline.justmem.retrieve.rank_cards)")
     router = r.router if router is None else router
     if router not in ("paper", "reference"):
         raise ValueError(f"router must be 'paper' or 'reference', got {router!r}")
@@ -190,6 +193,8 @@ def rank_history(
     out = {}
     for name in methods:
         m = get_method(name)
+        if m.family != "memgas":  # scored from cards, not node matrices: justmem.retrieve.rank_history_cards
+            raise ValueError(f"rank_history scores the MemGAS methods; {name!r} is a {m.family} method")
         if not m.is_graph:
             g = m.granularity
             H = hybrid if g == "hybrid" else nodes[GRANULARITIES.index(g) :: N_GRAN]

@@ -1,0 +1,221 @@
+"""JustMem in the job (issue 17): the cards and plan stages, encode embedding cards and rewrites, and the rank
+stage scoring the JustMem methods beside the MemGAS ones, in one real in-process run on the LoCoMo sample."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import pytest
+
+from memgas.jobs import main_job
+from memgas.jobs import stages as S
+from memgas.jobs.stage import StageContext
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.config import MemgasConfig
+from memgas.pipeline.methods import JUSTMEM_METHOD_NAMES
+from tests.jobs.test_stages import _base, _executed, _fingerprints, _outputs, _record, _run, fake_bank  # noqa: F401
+
+MEMGAS = ["session", "memgas"]
+METHODS = [*MEMGAS, *JUSTMEM_METHOD_NAMES]
+
+
+def _jm(tmp: Path, **extra: object) -> MemgasConfig:
+    return _base(tmp, **{"retrieval.methods": METHODS, **extra})
+
+
+def _ctx(cfg: MemgasConfig, run_dir: Path) -> StageContext:
+    """A context with the run's own fingerprints (they name the plan and rank parts; computed afresh they
+    would hash upstream fingerprints instead of the committed outputs the runner hashed)."""
+    ctx = StageContext(cfg, Bank(run_dir / "bank"), Bank(run_dir / "results"), use_ray=False)
+    main_job.resolve_runtime(ctx)
+    ctx.fingerprints.update(json.loads((run_dir / "metrics.json").read_text())["run"]["fingerprints"])
+    return ctx
+
+
+@pytest.fixture(scope="module")
+def jm_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("jm")
+    _run(_jm(out))
+    return out
+
+
+def test_cards_and_plan_run_only_with_a_justmem_method(tmp_path, fake_bank) -> None:
+    plain = _fingerprints(_base(tmp_path), fake_bank)
+    assert plain["cards"] == plain["plan"] == "disabled"
+    jm = _fingerprints(_jm(tmp_path), fake_bank)
+    assert "disabled" not in (jm["cards"], jm["plan"])
+    # selecting a JustMem method changes nothing upstream of what reads cards and plans (associate follows
+    # encode, whose output now also holds the card and rewrite vectors: its edges are recomputed, equal)
+    assert [s for s in ("ingest", "generate", "nodes") if plain[s] != jm[s]] == []
+
+
+# (field, value, stages whose fingerprint changes) with JustMem selected (LLM-free extractor and planner)
+JM_CASES: list[tuple[str, object, list[str]]] = [
+    ("justmem.extractor", "llm", ["cards", "encode", "associate", "rank", "read"]),
+    ("justmem.planner", "llm", ["plan", "encode", "associate", "rank", "read"]),
+    ("justmem.rewrites", 1, ["plan", "encode", "associate", "rank", "read"]),
+    ("justmem.candidates", 20, ["rank", "read"]),
+    ("justmem.top_k", 5, ["rank", "read"]),
+    ("justmem.reranker", "dense", ["rank", "read"]),
+    # inactive under the LLM-free extractor and planner
+    ("justmem.extract_max_tokens", 64, []),
+    ("justmem.extract_max_input_tokens", 64, []),
+    ("justmem.plan_max_tokens", 64, []),
+]
+
+
+@pytest.mark.parametrize("field,value,expected", JM_CASES, ids=[c[0] for c in JM_CASES])
+def test_justmem_fields_change_exactly_their_stages(tmp_path, fake_bank, field, value, expected) -> None:
+    expected = sorted({*expected, "evaluate"}) if expected else []
+    base = _fingerprints(_jm(tmp_path), fake_bank)
+    changed = _fingerprints(_jm(tmp_path, **{field: value}), fake_bank)
+    assert sorted(s for s in base if base[s] != changed[s]) == expected
+
+
+@pytest.mark.slow
+def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
+    rec = _record(jm_run)
+    for stage in ("cards", "plan", "encode", "rank"):
+        assert rec[stage]["status"] == "executed", (stage, rec[stage])
+    metrics = json.loads((jm_run / "metrics.json").read_text())
+    session = metrics["retrieval"]["session"]
+    assert sorted(session) == sorted(METHODS)
+    for m in METHODS:
+        assert session[m]["n_evaluated"] > 0, m
+    cfg = _jm(jm_run)
+    ctx = _ctx(cfg, jm_run)
+    bank = ctx.bank
+    # every session of the bank has cards under this config's key, and every card vector is encoded
+    cards = S.current_cards(ctx)
+    sessions = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
+    assert set(cards["session_hash"].to_pylist()) == sessions
+    enc = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == S.encoder_key(ctx))
+    encoded = set(enc["text_hash"].to_pylist())
+    assert set(cards["text_hash"].to_pylist()) <= encoded
+    plans = S.current_plans(ctx)
+    assert sorted(plans["query_id"].to_pylist()) == sorted(bank.read("queries", ["query_id"])["query_id"].to_pylist())
+    from memgas.pipeline.hashing import text_hash
+
+    rewrites = {text_hash(r) for rs in plans["rewrites"].to_pylist() for r in rs or []}
+    assert rewrites and rewrites <= encoded
+    # rankings: every query, every method, a permutation of the history's sessions (top store_top)
+    results = Bank(jm_run / "results")
+    rk = results.read("rankings", parts=S.parts_with_prefix(results, "rankings", S.prefix_of(ctx, "rank"))).to_pandas()
+    n_sessions = bank.read("sessions", ["history_id"]).num_rows  # data.limit=1: one history
+    top = min(cfg.retrieval.store_top, n_sessions)
+    for (m, q), g in rk.groupby(["method", "query_id"]):
+        assert g["rank"].tolist() == list(range(1, top + 1)), (m, q)
+        assert g["session_id"].nunique() == top, (m, q)
+    assert sorted(rk["method"].unique()) == sorted(METHODS)
+    # tokens per method: what each step's rows hold (LLM-free cards and plans: 0; the reader's answers: >0)
+    tokens = metrics["tokens"]
+    assert list(tokens) == METHODS
+    card_tokens = {"prompt": int(pc.sum(cards["prompt_tokens"]).as_py() or 0),
+                   "completion": int(pc.sum(cards["completion_tokens"]).as_py() or 0)}
+    for m in JUSTMEM_METHOD_NAMES:
+        assert tokens[m]["construction"] == card_tokens == {"prompt": 0, "completion": 0}, m
+    ans = results.read("answers", parts=S.parts_with_prefix(results, "answers", S.prefix_of(ctx, "read")))
+    want = {"prompt": sum(ans["prompt_tokens"].to_pylist()), "completion": sum(ans["completion_tokens"].to_pylist())}
+    assert want["prompt"] > 0 and tokens["memgas"]["answer"] == want
+    assert tokens["justmem"]["answer"] == {"prompt": 0, "completion": 0}  # reading.methods=[memgas]
+    report = (jm_run / "report.md").read_text()
+    assert "## LLM tokens per method" in report and f"| justmem-compose | 0 + 0 | 0 + 0 | 0 + 0 |" in report
+
+
+@pytest.mark.slow
+def test_rank_stage_equals_the_library_for_every_justmem_method(jm_run) -> None:
+    """The job's JustMem rankings are rank_history_cards on the bank's cards, vectors and plans, bit for bit."""
+    from memgas.pipeline.justmem.plan import plans_from_table
+    from memgas.pipeline.justmem.retrieve import HistoryCards, rank_history_cards
+
+    cfg = _jm(jm_run)
+    ctx = _ctx(cfg, jm_run)
+    bank, results = ctx.bank, ctx.results
+    key = S.encoder_key(ctx)
+    rk = results.read("rankings", parts=S.parts_with_prefix(results, "rankings", S.prefix_of(ctx, "rank"))).to_pandas()
+    plans = plans_from_table(S.current_plans(ctx))
+    sess = bank.read("sessions", ["history_id", "session_id", "text_hash"]).to_pandas()
+    q = bank.read("queries", ["query_id", "history_id", "question"]).to_pandas()
+    loader = S.matrix_loader(ctx, sorted(sess["history_id"].unique()))
+    for h, g in q.groupby("history_id"):
+        sids = loader.get(h)["session_ids"]
+        hashes = [sess[(sess["history_id"] == h) & (sess["session_id"] == s)]["text_hash"].iloc[0] for s in sids]
+        cards = S.current_cards(ctx, sorted(set(hashes)))
+        vec = S.query_vectors(bank, cards["text"].to_pylist(), key)
+        hc = HistoryCards.from_table(hashes, cards, vec)
+        qv = S.query_vectors(bank, g["question"].tolist(), key)
+        pl = [plans[x] for x in g["query_id"]]
+        rv = [S.query_vectors(bank, p.rewrites, key) if p.rewrites else None for p in pl]
+        want = rank_history_cards(hc, g["question"].tolist(), qv, list(JUSTMEM_METHOD_NAMES), cfg.justmem, plans=pl,
+                                  rewrite_vecs=rv)
+        top = min(cfg.retrieval.store_top, len(sids))
+        for m, (order, scores) in want.items():
+            for qi, qid in enumerate(g["query_id"]):
+                got = rk[(rk["method"] == m) & (rk["query_id"] == qid)].sort_values("rank")
+                assert got["session_id"].tolist() == [sids[i] for i in order[qi, :top]], (m, qid)
+                assert got["score"].tolist() == scores[qi, order[qi, :top]].tolist(), (m, qid)
+
+
+@pytest.mark.slow
+def test_a_rerun_skips_everything_and_equals_a_fresh_run(tmp_path_factory, jm_run) -> None:
+    work = tmp_path_factory.mktemp("jmrerun")
+    shutil.copytree(jm_run, work, dirs_exist_ok=True)
+    _run(_jm(work))
+    assert _executed(work) == []
+    assert _outputs(work) == _outputs(jm_run)
+
+
+@pytest.mark.slow
+def test_a_justmem_field_reruns_exactly_its_stages_and_matches_a_fresh_run(tmp_path_factory, jm_run) -> None:
+    """justmem.rewrites=1: new plans, encode runs (their one rewrite each is the first of the two already
+    encoded: nothing new, the same committed rows, so associate is skipped), ranked again; the rankings equal
+    a fresh run's exactly; then back to the original config."""
+    work = tmp_path_factory.mktemp("jmrewrites")
+    shutil.copytree(jm_run, work, dirs_exist_ok=True)
+    _run(_jm(work, **{"justmem.rewrites": 1}))
+    assert _executed(work) == ["encode", "plan", "rank", "read"]
+    fresh = tmp_path_factory.mktemp("jmfresh")
+    _run(_jm(fresh, **{"justmem.rewrites": 1}))
+    assert _outputs(work) == _outputs(fresh)
+    _run(_jm(work))
+    assert _outputs(work) == _outputs(jm_run)
+
+
+@pytest.mark.slow
+def test_without_justmem_the_run_is_unchanged(tmp_path_factory, jm_run) -> None:
+    """The same directory back to MemGAS methods only: cards and plan are disabled, and the MemGAS rankings are
+    those of the JustMem run (the JustMem stages change nothing the MemGAS methods read)."""
+    work = tmp_path_factory.mktemp("jmoff")
+    shutil.copytree(jm_run, work, dirs_exist_ok=True)
+    _run(_base(work, **{"retrieval.methods": MEMGAS}))
+    rec = _record(work)
+    assert rec["cards"]["status"] == rec["plan"]["status"] == "disabled"
+    rows = [r for r in _outputs(jm_run)["rankings"] if r["method"] in MEMGAS]
+    assert _outputs(work)["rankings"] == rows
+    assert np.all([r["method"] in MEMGAS for r in _outputs(work)["rankings"]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["cards", "plan"])
+def test_a_failure_inside_cards_or_plan_resumes_its_finished_units(tmp_path_factory, jm_run, monkeypatch,
+                                                                   stage) -> None:
+    """The job fails after the stage's 2nd unit committed (small units: ray.generate_unit is runtime-only);
+    the next run keeps those units, runs the rest and ends with the uninterrupted run's results."""
+    from memgas.pipeline import faults
+
+    work = tmp_path_factory.mktemp(f"jmresume-{stage}")
+    cfg = _jm(work, **{"ray.generate_unit": 5})
+    monkeypatch.setattr(faults, "_counts", {})
+    monkeypatch.setenv("MEMGAS_FAULT", f"raise@{stage}:unit-done#2")
+    with pytest.raises(Exception, match=f"injected failure at {stage}:unit-done"):
+        _run(cfg)
+    monkeypatch.delenv("MEMGAS_FAULT")
+    _run(cfg)
+    rec = _record(work)[stage]
+    assert rec["status"] == "executed" and rec["units_resumed"] == 2 and rec["units_done"] == rec["units_total"] - 2
+    assert rec["units_total"] > 2
+    assert _outputs(work) == _outputs(jm_run)
