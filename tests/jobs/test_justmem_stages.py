@@ -123,7 +123,7 @@ def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
     assert want["prompt"] > 0 and tokens["memgas"]["answer"] == want
     assert tokens["justmem"]["answer"] == {"prompt": 0, "completion": 0}  # reading.methods=[memgas]
     report = (jm_run / "report.md").read_text()
-    assert "## LLM tokens per method" in report and f"| justmem-compose | 0 + 0 | 0 + 0 | 0 + 0 |" in report
+    assert "## LLM tokens per method" in report and "| justmem-compose | 0 + 0 | 0 + 0 | 0 + 0 |" in report
 
 
 @pytest.mark.slow
