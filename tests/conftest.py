@@ -14,6 +14,9 @@ from pathlib import Path
 # Set before anything imports torch; subprocesses and Ray workers (OMP_* is forwarded) inherit it. It
 # changes scheduling only, never a result.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# No progress bars, as in the environment the `memgas` subprocesses get (tests/jobs/conftest.py): tqdm reads
+# TQDM_* once, when it is imported, so `memgas` run in-process (cli.main) needs it set before that.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE_LOCOMO = REPO / "data" / "sample" / "locomo_sample.json"
