@@ -1,11 +1,12 @@
 """Bad arguments and bad files, for every command: one line on stderr, the right exit code, no traceback,
 and the bank and the run directory untouched.
 
-Each row runs the installed `memgas` console script as a real subprocess. To add a case, add a row to
-CASES: ``(id, args, exit code, words the error line must hold)``; args may name the prepared files below
-in braces ({bank}, {run}, {file}, ...). Every case must fail during validation: no model is loaded and
-no Ray is started, so the whole table runs in about a second per row. docs/reliability.md lists the
-cases and what each gets.
+Each row runs `memgas` in-process through ``cli.main`` (tests/jobs/conftest.py: the console script's working
+directory, environment and stderr with the CLI's own log handler; test_cli.py keeps real-process smoke
+tests). To add a case, add a row to CASES: ``(id, args, exit code, words the error line must hold)``; args
+may name the prepared files below in braces ({bank}, {run}, {file}, ...). Every case must fail during
+validation: no model is loaded and no Ray is started, so the whole table runs in a few seconds.
+docs/reliability.md lists the cases and what each gets.
 """
 
 from __future__ import annotations
@@ -14,14 +15,14 @@ import json
 import os
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from memgas.pipeline.ingest import ingest
 from memgas.pipeline.locks import LOCK
+
+from .conftest import run_memgas
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE3 = REPO / "data" / "sample" / "longmemeval_s_sample3.json"
@@ -194,10 +195,7 @@ def world(tmp_path_factory) -> dict[str, str]:
 def _check(world: dict[str, str], args: list[str], code: int, needle: str) -> None:
     argv = [a.format(**world) for a in args]
     watched = {k: _tree(Path(world[k])) for k in ("bank", "run", "notbank", "dir")}
-    env = {**os.environ, "TQDM_DISABLE": "1", "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    exe = Path(sys.executable).with_name("memgas")
-    proc = subprocess.run([str(exe), *argv], capture_output=True, text=True, timeout=120, env=env,
-                          cwd=REPO)
+    proc = run_memgas(*argv, timeout=120, check=False)
     lines = proc.stderr.splitlines()
     assert proc.returncode == code, f"exit {proc.returncode}, expected {code}: {proc.stderr[-1500:]}"
     assert "Traceback" not in proc.stderr, proc.stderr[-1500:]

@@ -1,4 +1,7 @@
-"""The command line as a user meets it: --help everywhere, one-line errors, ingest + stats."""
+"""The command line as a user meets it: --help everywhere, one-line errors, ingest + stats.
+
+``cli`` runs `memgas` in-process (tests/jobs/conftest.py); the installed console script as a real process is
+smoke-tested by the ingest + stats journey and the internal-error and disk-full exits below."""
 
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ def test_top_level_help_lists_commands(cli) -> None:
         assert line is not None and len(line.split(c, 1)[1].strip()) > 10, f"{c} has no description in --help"
 
 
-def test_ingest_and_stats_on_the_bundled_sample(cli, tmp_path, sample_locomo) -> None:
+def test_ingest_and_stats_on_the_bundled_sample(cli_process, tmp_path, sample_locomo) -> None:
+    cli = cli_process  # a real process: the console script end to end
     bank = tmp_path / "bank"
     out = cli("-q", "ingest", str(sample_locomo), "--format", "locomo", "--out", str(bank)).stdout
     assert f"histories={SAMPLE_COUNTS['histories']}" in out and f"sessions={SAMPLE_COUNTS['sessions']}" in out

@@ -24,6 +24,7 @@ from memgas.pipeline.locks import LOCK
 
 from .conftest import REPO, SAMPLE_LOCOMO, memgas_env
 
+SMALL_LOCOMO_FILE = REPO / "tests" / "fixtures" / "locomo_small.json"
 SMALL = ["--no-ray", "-q", "--set", "data.limit=1", "--set", "reading.enabled=false", "--set",
          "retrieval.methods=[session,memgas]"]
 
@@ -225,13 +226,14 @@ def test_a_run_fresh_rerun_keeps_the_users_file_in_its_directory(tmp_path, monke
     monkeypatch.chdir(cwd)
     demo = str(REPO / "configs" / "demo.yaml")
     out = home / "run"
-    rc, err = main(capsys, "run", demo, "--set", "output_dir=~/run", *SMALL)
+    small = ["--set", f"data.path={SMALL_LOCOMO_FILE}"]  # two whole runs: the smallest file that runs every stage
+    rc, err = main(capsys, "run", demo, "--set", "output_dir=~/run", *SMALL, *small)
     assert rc == 0, err
     assert os.listdir(cwd) == []
     marker = json.loads((out / main_job.OWNER).read_text())
     assert marker["entries"] == ["bank"]
     (out / "notes.txt").write_text("mine")
-    rc, err = main(capsys, "run", demo, "--set", "output_dir=~/run", *SMALL, "--fresh")
+    rc, err = main(capsys, "run", demo, "--set", "output_dir=~/run", *SMALL, *small, "--fresh")
     assert rc == 0, err
     assert (out / "notes.txt").read_text() == "mine"
     record = {r["stage"]: r["status"] for r in json.loads((out / "run_record.json").read_text())}

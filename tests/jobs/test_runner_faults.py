@@ -1,5 +1,7 @@
 """The job runner under hostile use: --fresh on a directory that is not a run, an unreachable cluster, two
-runs on one output directory, a model actor killed mid-unit. Real `memgas` subprocesses, real Ray."""
+runs on one output directory, a model actor killed mid-unit. Real Ray; `memgas` in-process through
+``cli.main`` (tests/jobs/conftest.py) where one process is enough, real processes for the lock race and the
+killed actor."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import run_memgas
+
 REPO = Path(__file__).resolve().parents[2]
 EXE = str(Path(sys.executable).with_name("memgas"))
 SMALL = ["--set", "data.limit=1", "--set", "reading.enabled=false", "--set", "retrieval.methods=[session,memgas]"]
@@ -24,7 +28,12 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _memgas(*args: str, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
+    """A real `memgas` process (the killed actor: its fault spec must reach the Ray workers it starts)."""
     return subprocess.run([EXE, *args], cwd=REPO, env=_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def _in_process(*args: str, timeout: float = 900, **env: str) -> subprocess.CompletedProcess:
+    return run_memgas(*args, timeout=timeout, check=False, env=env)
 
 
 def _one_line_error(proc: subprocess.CompletedProcess) -> str:
@@ -38,7 +47,7 @@ def test_fresh_refuses_a_directory_that_is_not_a_run(tmp_path) -> None:
     out = tmp_path / "mine"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
-    proc = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={out}", "--fresh", *SMALL)
+    proc = _in_process("run", "configs/demo.yaml", "--set", f"output_dir={out}", "--fresh", *SMALL)
     assert proc.returncode == 2 and "refusing to delete" in _one_line_error(proc)
     assert (out / "thesis.tex").read_text() == "years of work"
 
@@ -46,14 +55,14 @@ def test_fresh_refuses_a_directory_that_is_not_a_run(tmp_path) -> None:
 @pytest.mark.parametrize("value", ["", "."])
 def test_output_dir_empty_or_cwd_is_refused(value) -> None:
     before = sorted(p.name for p in REPO.iterdir())
-    proc = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={value}", "--fresh", *SMALL)
+    proc = _in_process("run", "configs/demo.yaml", "--set", f"output_dir={value}", "--fresh", *SMALL)
     assert proc.returncode == 2 and "output_dir" in _one_line_error(proc)
     assert sorted(p.name for p in REPO.iterdir()) == before
 
 
 def test_unreachable_cluster_fails_fast_with_exit_3(tmp_path) -> None:
     t0 = time.time()
-    proc = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={tmp_path / 'r'}", "--address",
+    proc = _in_process("run", "configs/demo.yaml", "--set", f"output_dir={tmp_path / 'r'}", "--address",
                    "127.0.0.1:1", *SMALL, timeout=120)
     assert proc.returncode == 3 and "cannot connect" in _one_line_error(proc)
     assert time.time() - t0 < 60
@@ -70,7 +79,7 @@ def test_second_run_on_a_locked_output_dir_is_refused(tmp_path) -> None:
         while time.time() < deadline and not (out / "RUNNING.json").exists():
             time.sleep(0.2)
         assert (out / "RUNNING.json").exists(), "the first run never started"
-        second = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={out}", "--no-ray", *SMALL, timeout=120)
+        second = _in_process("run", "configs/demo.yaml", "--set", f"output_dir={out}", "--no-ray", *SMALL, timeout=120)
         line = _one_line_error(second)
         assert second.returncode == 2 and "in use by pid" in line and str(first.pid) in line
     finally:
@@ -97,7 +106,7 @@ def test_unreachable_generation_server_stops_after_generate_with_one_line(tmp_pa
     """generator=llm against a server that does not answer: no "generations missing" downstream, one line
     naming the backend error; the failed sessions are retried by the next run (nothing is marked done)."""
     out = tmp_path / "run"
-    proc = _memgas("run", "configs/demo.yaml", "--set", f"output_dir={out}", *SMALL, "--set", "generation.generator=llm",
+    proc = _in_process("run", "configs/demo.yaml", "--set", f"output_dir={out}", *SMALL, "--set", "generation.generator=llm",
                    "--set", "llm.backend=openai", "--set", "llm.base_url=http://127.0.0.1:1/v1", "--set",
                    "llm.max_retries=0", "--set", "llm.timeout_s=2", "--no-ray", timeout=600)
     line = _one_line_error(proc)

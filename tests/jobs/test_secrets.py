@@ -51,7 +51,8 @@ def test_redact() -> None:
 def test_credentials_in_a_url_never_reach_a_file_of_the_run(tmp_path, capsys) -> None:
     out = tmp_path / "run"
     rc, _, err = main(capsys, "run", "configs/demo.yaml", "--set", f"output_dir={out}", "--set", f"llm.base_url={URL}",
-                      "--set", "ray.address=ray://admin:hunter2@127.0.0.1:1", *SMALL)
+                      "--set", "ray.address=ray://admin:hunter2@127.0.0.1:1", *SMALL,
+                      "--set", f"data.path={REPO / 'tests' / 'fixtures' / 'locomo_small.json'}")  # a whole run: the smallest file
     assert rc == 0, err
     assert files_holding(out, PASSWORD) == [] and files_holding(out, "hunter2") == []
     assert f"base_url: {SHOWN}\n" in (out / "config.yaml").read_text()

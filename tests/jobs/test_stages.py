@@ -123,8 +123,14 @@ CASES: list[tuple[str, object, list[str]]] = [
 ]
 
 
+#: 8 sessions and 15 questions of the first LoCoMo conversation: the smallest file on which every stage still
+#: does real work (tests/fixtures/make_locomo_small.py says why each part is needed); the real runs below
+#: run the whole job about 30 times
+SMALL_LOCOMO = REPO / "tests" / "fixtures" / "locomo_small.json"
+
+
 def _base(tmp: Path, **extra: object) -> MemgasConfig:
-    overrides = [f"output_dir={tmp}", "data.limit=1", "reading.max_questions=1", "reading.top_k=1",
+    overrides = [f"output_dir={tmp}", f"data.path={SMALL_LOCOMO}", "data.limit=1", "reading.max_questions=1", "reading.top_k=1",
                  "reading.context_tokens=1024", "reading.filter=false", "reading.max_new_tokens=16", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
                  "reading.methods=[memgas]", "retrieval.store_top=50", "evaluation.ks=[1,3,5,10]"]
     overrides += [f"{k}={json.dumps(v)}" for k, v in extra.items()]
@@ -317,7 +323,7 @@ def test_sessions_at_the_pair_window_share_its_key_and_vector_when_they_equal_th
     pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"]).to_pylist()
     assert set(tokens) == sessions | {p["text_hash"] for p in pairs}  # each once, under the one key
     first = {p["session_hash"]: p["text_hash"] for p in pairs if p["pair_index"] == 0}
-    # the demo's first pairs fill 32 tokens: those sessions are their first pair, token for token
+    # the sample's first pairs fill 32 tokens: those sessions are their first pair, token for token
     reused = [h for h in sessions if h in first and first[h] != h and tokens[first[h]] == 32]
     assert len(reused) >= len(sessions) // 2
     for h in reused:  # one forward pass, the same vector; tokens count each text's own (equal) inputs
