@@ -253,7 +253,7 @@ _LOCAL_HOSTS: dict[str, ModelHost] = {}
 def _local_host(factory: str, kind: str, config: dict) -> ModelHost:
     key = short_hash([factory, kind, config], 12)
     if key not in _LOCAL_HOSTS:
-        while len(_LOCAL_HOSTS) >= 2:  # bound memory: at most two models (e.g. encoder + reader)
+        while len(_LOCAL_HOSTS) >= 3:  # bound memory: at most three hosts (generator, encoder, reader)
             _LOCAL_HOSTS.pop(next(iter(_LOCAL_HOSTS)))
         _LOCAL_HOSTS[key] = ModelHost(factory, kind, config)
     return _LOCAL_HOSTS[key]
