@@ -129,7 +129,11 @@ def _check_out(out: Path) -> None:
     if out.exists():
         if not out.is_dir():
             raise BankError(f"{out}: exists and is not a directory (the bank to create or replace)")
-        if not (out / MANIFEST).exists() and any(c.name != LOCK for c in out.iterdir()):
+        # another ingest creating this bank leaves its lock and, for an instant, the manifest's temp file
+        # (``.manifest.json.*.tmp``) before the manifest: neither makes the directory a user's
+        if not (out / MANIFEST).exists() and any(
+                c.name != LOCK and not (c.name.startswith(f".{MANIFEST}.") and c.name.endswith(".tmp"))
+                for c in out.iterdir()):
             raise BankError(f"{out}: a non-empty directory that is not a memory bank; choose a new or empty directory")
 
 
