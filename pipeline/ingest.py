@@ -330,15 +330,13 @@ def _remove_new_bank(out: Path, made: bool, own_lock: bool) -> None:
                 pass
 
 
-def _add(
-    rec: HistoryRecord,
-    chunk: _Chunk,
-    counts: dict[str, int],
-    seen_texts: set[bytes],
-    seen_sessions: set[bytes],
-) -> None:
+def _add_rows(rec: HistoryRecord, hrow: dict[str, Any], chunk: _Chunk, counts: dict[str, int],
+              seen_texts: set[bytes], seen_sessions: set[bytes]) -> set[str]:
+    """Buffer a record's history row, its session and question rows, and the texts, turns and pairs not
+    written yet (an ingest's first sight of them, or an append's: the bank does not hold them); returns the
+    session hashes first seen here."""
     rows = chunk.rows
-    rows["histories"].append(rec.history_row())
+    rows["histories"].append(hrow)
     rows["sessions"].extend(rec.sessions)
     rows["queries"].extend(rec.queries)
     for h, text in rec.texts.items():
@@ -371,6 +369,17 @@ def _add(
             done.add(k)
             rows["pairs"].append(pr)
             counts["pairs"] += 1
+    return new_sessions
+
+
+def _add(
+    rec: HistoryRecord,
+    chunk: _Chunk,
+    counts: dict[str, int],
+    seen_texts: set[bytes],
+    seen_sessions: set[bytes],
+) -> None:
+    new_sessions = _add_rows(rec, rec.history_row(), chunk, counts, seen_texts, seen_sessions)
     chunk.histories += 1
     counts["repeated_sessions"] += len(rec.repeats)
     counts["histories"] += 1
@@ -597,38 +606,7 @@ def _append_rows(rec: HistoryRecord, hrow: dict[str, Any], n_new: int, chunk: _C
                  seen_texts: set[bytes], seen_sessions: set[bytes]) -> None:
     """Like :func:`_add` for an append: the history row, the session rows given (new and moved), and the
     texts, turns and pairs the bank does not hold yet."""
-    rows = chunk.rows
-    rows["histories"].append(hrow)
-    rows["sessions"].extend(rec.sessions)
-    rows["queries"].extend(rec.queries)
-    for h, text in rec.texts.items():  # texts of sessions already in the bank are in seen_texts
-        key = bytes.fromhex(h)
-        if key not in seen_texts:
-            seen_texts.add(key)
-            rows["texts"].append({"text_hash": h, "text": text})
-            chunk.chars += len(text)
-            counts["texts"] += 1
-    fresh = set()
-    for s in rec.sessions:
-        key = bytes.fromhex(s["text_hash"])
-        if key not in seen_sessions:
-            seen_sessions.add(key)
-            fresh.add(s["text_hash"])
-    done: set[tuple[str, int]] = set()
-    for t in rec.turns:
-        k = (t["session_hash"], t["turn_index"])
-        if t["session_hash"] in fresh and k not in done:
-            done.add(k)
-            rows["turns"].append(t)
-            chunk.chars += len(t["content"])
-            counts["turns"] += 1
-    done.clear()
-    for pr in rec.pairs:
-        k = (pr["session_hash"], pr["pair_index"])
-        if pr["session_hash"] in fresh and k not in done:
-            done.add(k)
-            rows["pairs"].append(pr)
-            counts["pairs"] += 1
+    _add_rows(rec, hrow, chunk, counts, seen_texts, seen_sessions)
     chunk.histories += 1
     counts["sessions"] += n_new
     counts["queries"] += len(rec.queries)
