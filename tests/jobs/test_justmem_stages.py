@@ -172,12 +172,14 @@ def test_a_rerun_skips_everything_and_equals_a_fresh_run(tmp_path_factory, jm_ru
 @pytest.mark.slow
 def test_a_justmem_field_reruns_exactly_its_stages_and_matches_a_fresh_run(tmp_path_factory, jm_run) -> None:
     """justmem.rewrites=1: new plans, encode runs (their one rewrite each is the first of the two already
-    encoded: nothing new, the same committed rows, so associate is skipped), ranked again; the rankings equal
-    a fresh run's exactly; then back to the original config."""
+    encoded: nothing new to encode), ranked again; the rankings equal a fresh run's exactly; then back to the
+    original config. Associate runs again too: encode's output digest covers every row this config reads
+    (rewrites included), and associate hashes it whole (an extra re-run with the same edges, never a stale
+    one; a per-role digest would spare it)."""
     work = tmp_path_factory.mktemp("jmrewrites")
     shutil.copytree(jm_run, work, dirs_exist_ok=True)
     _run(_jm(work, **{"justmem.rewrites": 1}))
-    assert _executed(work) == ["encode", "plan", "rank", "read"]
+    assert _executed(work) == ["associate", "encode", "plan", "rank", "read"]
     fresh = tmp_path_factory.mktemp("jmfresh")
     _run(_jm(fresh, **{"justmem.rewrites": 1}))
     assert _outputs(work) == _outputs(fresh)
@@ -208,7 +210,7 @@ def test_a_failure_inside_cards_or_plan_resumes_its_finished_units(tmp_path_fact
     from memgas.pipeline import faults
 
     work = tmp_path_factory.mktemp(f"jmresume-{stage}")
-    cfg = _jm(work, **{"ray.generate_unit": 5})
+    cfg = _jm(work, **{"ray.generate_unit": 2})
     monkeypatch.setattr(faults, "_counts", {})
     monkeypatch.setenv("MEMGAS_FAULT", f"raise@{stage}:unit-done#2")
     with pytest.raises(Exception, match=f"injected failure at {stage}:unit-done"):
