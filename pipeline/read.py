@@ -30,7 +30,7 @@ from memgas.pipeline.schema import ANSWERS
 log = logging.getLogger(__name__)
 
 #: Tokens reserved for the chat template and tokenizer differences.
-_MARGIN = 32
+MARGIN = 32
 #: Output budget of the filter step: it copies original tokens, so it needs more room than an answer.
 DEFAULT_FILTER_MAX_TOKENS = 512
 
@@ -54,7 +54,7 @@ def clean_answer(text: str) -> str:
     return ans.strip()
 
 
-def _usable(text: str) -> bool:
+def usable(text: str) -> bool:
     t = text.strip()
     if not t:
         return False
@@ -198,7 +198,7 @@ class _Reader:
         self.n_cut = 0
 
     def _budget(self, template_prompt: list, max_new: int) -> int:
-        return self.window - max_new - _MARGIN - self.llm.count_tokens(template_prompt[0]["content"])
+        return self.window - max_new - MARGIN - self.llm.count_tokens(template_prompt[0]["content"])
 
     def _params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, seed=self.seed)
@@ -230,7 +230,7 @@ class _Reader:
             text = clean_answer(r.text) if r.error is None else ""
             if r.error is not None:
                 errors[i].append(f"filter failed ({r.error}); unfiltered context used")
-            elif not _usable(text):
+            elif not usable(text):
                 errors[i].append("filter output unusable; unfiltered context used")
             else:
                 out[i] = text
@@ -258,7 +258,7 @@ class _Reader:
                 n_fail += 1
                 continue
             ans = clean_answer(r.text)
-            if _usable(ans):
+            if usable(ans):
                 rows[i]["hypothesis"] = ans
             else:
                 errors[i].append(f"answer unusable: {r.text[:80]!r}")

@@ -13,10 +13,18 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
+import pyarrow as pa
+
+from memgas.pipeline.accounting import TokenLedger
+from memgas.pipeline.config import ReadingConfig
 from memgas.pipeline.justmem.extract import Turn, fmt_date, resolve_time
-from memgas.pipeline.models.base import ChatPrompt
+from memgas.pipeline.llm_calls import generate_batch
+from memgas.pipeline.models.base import LLM, ChatPrompt, SamplingParams
 from memgas.pipeline.prompts import justmem_answer_prompt, justmem_card_line
+from memgas.pipeline.read import ANSWER_FAILED, MARGIN, clean_answer, usable
+from memgas.pipeline.schema import ANSWERS
 
 
 @dataclass(frozen=True)
@@ -115,3 +123,65 @@ def reading_prompt(
         rec = recover_turns(cards, turns, replay_tokens, count_tokens)
     prompt = justmem_answer_prompt("\n".join(lines), rec.text if rec else "", question, question_date, operation)
     return prompt, count_tokens(prompt[0]["content"]), rec
+
+
+def read_and_answer_cards(
+    queries: Sequence[Mapping[str, Any]],
+    llm: LLM,
+    reading: ReadingConfig,
+    replay_tokens: int,
+    method: str,
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    ledger: TokenLedger | None = None,
+) -> pa.Table:
+    """Answer ``queries`` from their chosen cards (one batched LLM call, no filter step: a card is already one
+    statement). Each query: ``query_id``, ``question``, ``question_date``, ``operation`` (the planner's),
+    ``profile`` (lookup / compose / replay: the method's access for this query), ``cards`` (:class:`ReadCard` in final order), ``session_ids`` (the method's
+    ranked sessions, for ``retrieved_session_ids``) and, for Replay, ``turns`` ({session_hash: turns}).
+
+    Budget as in MemGAS reading: prompt + ``max_new_tokens`` within ``min(reading.context_tokens,
+    llm.context_tokens)``; Replay's turns take at most ``replay_tokens`` of it; when the prompt does not fit,
+    the lowest-ranked cards are dropped first (noted in ``error``, counted as ``context_cut``). Returns an
+    ``ANSWERS`` table, one row per query in input order; ``filtered_context`` holds what the model read."""
+    window = min(reading.context_tokens, llm.context_tokens) - reading.max_new_tokens - MARGIN
+    rows, prompts, errors, n_cut = [], [], [], 0
+    for q in queries:
+        cards, errs = list(q["cards"]), []
+        replay = q["profile"] == "replay"
+        while True:
+            prompt, n, rec = reading_prompt(q["question"], q.get("question_date"), q["operation"], cards,
+                                            llm.count_tokens, replay=replay, turns=q.get("turns"),
+                                            replay_tokens=replay_tokens)
+            if n <= window or not cards:
+                break
+            cards.pop()  # lowest-ranked first
+        if len(cards) < len(q["cards"]):
+            n_cut += 1
+            errs.append(f"context cut to {len(cards)} card(s)")  # noted, not a failure
+        if rec is not None and rec.cut:
+            errs.append(f"replay cut to {len(rec.turns)} turn(s) by justmem.replay_tokens")
+        rows.append({"method": method, "query_id": str(q["query_id"]),
+                     "retrieved_session_ids": [str(s) for s in q.get("session_ids") or []][: reading.top_k],
+                     "filtered_context": prompt[0]["content"], "hypothesis": None, "prompt_tokens": 0,
+                     "completion_tokens": 0, "error": None})
+        prompts.append(prompt)
+        errors.append(errs)
+    params = SamplingParams(max_tokens=reading.max_new_tokens, temperature=temperature, seed=seed)
+    n_fail = 0
+    for row, errs, r in zip(rows, errors, generate_batch(llm, prompts, params, ledger, "reading-answer")):
+        row["prompt_tokens"], row["completion_tokens"], row["hypothesis"] = r.prompt_tokens, r.completion_tokens, ""
+        if r.error is not None:
+            errs.append(f"{ANSWER_FAILED} {r.error}")
+            n_fail += 1
+        elif usable(ans := clean_answer(r.text)):
+            row["hypothesis"] = ans
+        else:
+            errs.append(f"answer unusable: {r.text[:80]!r}")
+            n_fail += 1
+        row["error"] = "; ".join(errs) if errs else None
+    if ledger is not None:
+        ledger.count("reading-answer", "context_cut", n_cut)
+        ledger.count("reading-answer", "unanswered", n_fail)
+    return pa.Table.from_pylist(rows, schema=ANSWERS)

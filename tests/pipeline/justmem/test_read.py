@@ -8,6 +8,8 @@ from datetime import datetime
 
 import pytest
 
+from memgas.pipeline.accounting import TokenLedger
+
 from memgas.pipeline.config import JustMemConfig
 from memgas.pipeline.justmem.extract import LLM_FREE_EXTRACTOR, extract_cards, turns_by_session
 from memgas.pipeline.justmem.read import ReadCard, reading_prompt, recover_turns
@@ -87,3 +89,59 @@ def test_reading_prompt_holds_cards_dates_operation_and_replay(sample) -> None:
     text = prompt[0]["content"]
     assert rec is not None and rec.turns == [(c["session_hash"], i) for i in range(c["turn_start"], c["turn_end"] + 1)]
     assert "Source turns:\n### Session date: 8 May 2023" in text and rec.text in text and n == count(text)
+
+
+class _Faulty:
+    """The real LLM, except that a prompt holding ``marker`` gets a backend error (a timeout after retries)."""
+
+    def __init__(self, llm, marker: str) -> None:
+        self.llm, self.marker = llm, marker
+        self.name, self.context_tokens = llm.name, llm.context_tokens
+        self.prompts: list[str] = []
+
+    def count_tokens(self, text: str) -> int:
+        return self.llm.count_tokens(text)
+
+    def generate(self, prompts, params):
+        from memgas.pipeline.models.base import GenerationResult
+
+        self.prompts += [p[-1]["content"] for p in prompts]
+        keep = [i for i, p in enumerate(prompts) if self.marker not in p[-1]["content"]]
+        real = dict(zip(keep, self.llm.generate([prompts[i] for i in keep], params))) if keep else {}
+        return [real.get(i) or GenerationResult(error="timeout") for i in range(len(prompts))]
+
+
+@pytest.mark.slow
+def test_answers_from_cards_within_the_budget_with_replay_and_a_failure(sample, smollm) -> None:
+    from memgas.pipeline.config import ReadingConfig
+    from memgas.pipeline.justmem.read import read_and_answer_cards
+    from memgas.pipeline.schema import ANSWERS
+
+    turns, cards = sample
+    rc = [ReadCard(c["text"], c["session_hash"], c["turn_start"], c["turn_end"], datetime(2023, 5, 8), c["time"])
+          for c in cards[:40]]
+    base = {"question_date": "1 June 2023", "operation": "lookup", "session_ids": ["s1", "s2", "s3"]}
+    queries = [
+        {**base, "query_id": "many", "question": "What did Caroline do?", "profile": "lookup", "cards": rc},
+        {**base, "query_id": "replay", "question": "What did they talk about?", "profile": "replay", "cards": rc[:2],
+         "turns": turns},
+        {**base, "query_id": "fails", "question": "Q-error?", "profile": "compose", "cards": rc[:1]},
+    ]
+    llm = _Faulty(smollm, "Q-error?")
+    reading = ReadingConfig(top_k=2, context_tokens=500, max_new_tokens=8)
+    ledger = TokenLedger()
+    t = read_and_answer_cards(queries, llm, reading, 150, "justmem", ledger=ledger)
+    assert t.schema == ANSWERS and t.column("query_id").to_pylist() == ["many", "replay", "fails"]
+    assert len(llm.prompts) == 3  # one batch
+    rows = {r["query_id"]: r for r in t.to_pylist()}
+    for r, p in zip(t.to_pylist(), llm.prompts):
+        assert r["filtered_context"] == p and smollm.count_tokens(p) + 8 <= 500
+        assert r["retrieved_session_ids"] == ["s1", "s2"] and r["method"] == "justmem"
+    # 40 cards do not fit 500 tokens: the lowest-ranked go first, the top card stays
+    kept = len(re.findall(r"^\[\d+\] \(", rows["many"]["filtered_context"], re.M))
+    assert 0 < kept < 40 and f"context cut to {kept} card(s)" in rows["many"]["error"]
+    assert "[1] (8 May 2023" in rows["many"]["filtered_context"] and rc[0].text in rows["many"]["filtered_context"]
+    assert "Source turns:" in rows["replay"]["filtered_context"] and "Source turns:" not in rows["many"]["filtered_context"]
+    assert rows["replay"]["hypothesis"] is not None and rows["replay"]["prompt_tokens"] > 0
+    assert rows["fails"]["hypothesis"] == "" and "answer failed: timeout" in rows["fails"]["error"]
+    assert ledger.stages["reading-answer"].counters["context_cut"] == 1
