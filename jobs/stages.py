@@ -21,8 +21,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-
-from memgas.jobs.stage import Stage, StageContext, config_value, short_hash, table_digest
+from memgas.jobs.stage import (
+    Stage,
+    StageContext,
+    config_value,
+    short_hash,
+    table_digest,
+)
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
@@ -1217,7 +1222,7 @@ class RankStage(HistoryShardStage):
                      "retrieval.router", "retrieval.store_top", "retrieval.device", *JUSTMEM_RANK_FIELDS)
     store = "results"
     check_table = "rankings"
-    outputs = ("rankings",)
+    outputs = ("rankings", "card_picks")
     part_prefix = "rank"
 
     def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
@@ -1298,14 +1303,15 @@ class RankStage(HistoryShardStage):
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
-        from memgas.pipeline.schema import RANKINGS
+        from memgas.pipeline.schema import CARD_PICKS, RANKINGS
 
         r = params["retrieval"]
         cols: dict[str, list] = {"method": [], "query_id": [], "rank": [], "session_id": [], "score": []}
+        picks: dict[str, list] = {"method": [], "query_id": [], "rank": [], "card_id": [], "profile": []}
         with one_blas_thread():
             ranked_all = [RankStage.rank_one(h, r, params["device"], params.get("justmem"))
                           for h in payload["histories"]]
-        for h, (m, ranked) in zip(payload["histories"], ranked_all):
+        for h, (m, ranked, chosen) in zip(payload["histories"], ranked_all):
             sids = np.asarray(m["session_ids"], dtype=object)
             top = min(r["store_top"], len(sids))
             for method, (order, scores) in ranked.items():
@@ -1316,13 +1322,22 @@ class RankStage(HistoryShardStage):
                     cols["rank"] += list(range(1, top + 1))
                     cols["session_id"] += sids[o].tolist()
                     cols["score"] += scores[qi, o].astype(float).tolist()
-        return {"rankings": pa.table(cols, schema=RANKINGS)}
+            for method, (card_ids, sel) in chosen.items():
+                for qi, qid in enumerate(h["query_ids"]):
+                    ids = [card_ids[c] for c in sel.cards[qi]]
+                    picks["method"] += [method] * len(ids)
+                    picks["query_id"] += [qid] * len(ids)
+                    picks["rank"] += list(range(1, len(ids) + 1))
+                    picks["card_id"] += ids
+                    picks["profile"] += [sel.profiles[qi]] * len(ids)
+        return {"card_picks": pa.table(picks, schema=CARD_PICKS), "rankings": pa.table(cols, schema=RANKINGS)}
 
     @staticmethod
     def rank_one(h: dict[str, Any], r: dict[str, Any], device: str,
-                 justmem: dict[str, Any] | None = None) -> tuple[dict, dict]:
-        """(matrices, {method: (order, scores)}): MemGAS methods from the node matrices, JustMem methods
-        (:func:`memgas.pipeline.methods.get_method` family) from the history's cards, in ``r["methods"]`` order."""
+                 justmem: dict[str, Any] | None = None) -> tuple[dict, dict, dict]:
+        """(matrices, {method: (order, scores)}, {method: (card ids, CardSelection)}): MemGAS methods from the
+        node matrices, JustMem methods (:func:`memgas.pipeline.methods.get_method` family) from the history's
+        cards, in ``r["methods"]`` order; the third item holds the chosen cards of the methods that read them."""
         from memgas.pipeline.methods import get_method
         from memgas.pipeline.retrieve import rank_history
 
@@ -1333,25 +1348,33 @@ class RankStage(HistoryShardStage):
         ranked = rank_history(node_matrix(m), owned(h["queries"], np.float32), edges, memgas,
                               hybrid=m.get("hybrid"), num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
                               router=r["router"], device=device) if memgas else {}
+        chosen: dict[str, tuple] = {}
         if jm:
-            ranked.update(RankStage.rank_cards(h, jm, justmem or {}))
-        return m, {x: ranked[x] for x in r["methods"]}
+            card_ids, selections = RankStage.rank_cards(h, jm, justmem or {})
+            for x, sel in selections.items():
+                ranked[x] = (sel.order, sel.scores)
+                if get_method(x).reads_cards:
+                    chosen[x] = (card_ids, sel)
+        return m, {x: ranked[x] for x in r["methods"]}, chosen
 
     @staticmethod
-    def rank_cards(h: dict[str, Any], methods: list[str], justmem: dict[str, Any]) -> dict[str, tuple]:
+    def rank_cards(h: dict[str, Any], methods: list[str], justmem: dict[str, Any]) -> tuple[list[str], dict]:
+        """(the history's card ids in HistoryCards order, {method: CardSelection})."""
         from memgas.pipeline.config import JustMemConfig
         from memgas.pipeline.justmem.plan import Plan
-        from memgas.pipeline.justmem.retrieve import HistoryCards, rank_history_cards
+        from memgas.pipeline.justmem.retrieve import HistoryCards, rank_cards
 
         j = h["justmem"]
         hc = HistoryCards.from_table(j["session_hashes"], j["cards"], j["card_vectors"])
         plans = [Plan(list(p["entities"] or []), list(p["time_constraints"] or []), p["operation"], bool(p["d"]),
                       bool(p["f"]), list(p["rewrites"] or [])) for p in j["plans"]]
-        return rank_history_cards(hc, j["questions"], owned(h["queries"], np.float32), methods,
-                                  JustMemConfig(**justmem), plans=plans, rewrite_vecs=j["rewrite_vectors"])
+        cfg = JustMemConfig(**justmem)
+        return hc.card_ids, {m: rank_cards(hc, j["questions"], owned(h["queries"], np.float32), m, cfg, plans=plans,
+                                           rewrite_vecs=j["rewrite_vectors"]) for m in methods}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         dropped = drop_other_parts(ctx.results, "rankings", self.prefix(ctx))
+        drop_other_parts(ctx.results, "card_picks", self.prefix(ctx))
         return {"queries": ctx.bank.count("queries"), "stale_parts_dropped": dropped}
 
 
@@ -1363,13 +1386,16 @@ READ_FIELDS = ("reading.enabled", "reading.methods", "reading.top_k", "reading.f
 class ReadStage(Stage):
     """Filter the top-K retrieved sessions, then answer (one LLM actor, batched across queries).
 
-    Answers that failed in the LLM backend (after the client's own retries) are kept out of the QA
-    metrics, counted, and re-planned on the next run; the stage is complete only when none is left.
+    JustMem methods that read cards (``methods.reads_cards``) answer from the rank stage's ``card_picks``
+    instead (:mod:`memgas.pipeline.justmem.read`: cards with their dates, the planner's operation, Replay's
+    source turns within ``justmem.replay_tokens``). Answers that failed in the LLM backend (after the
+    client's own retries) are kept out of the QA metrics, counted, and re-planned on the next run; the stage
+    is complete only when none is left.
     """
 
     name = "read"
     upstream = ("ingest", "generate", "rank")
-    config_fields = (*READ_FIELDS, *LLM_OUTPUT_FIELDS)
+    config_fields = (*READ_FIELDS, *LLM_OUTPUT_FIELDS, "justmem.replay_tokens")
     where = "actor"
     model = "llm"
     store = "results"
@@ -1380,21 +1406,40 @@ class ReadStage(Stage):
     def enabled(self, cfg: MemgasConfig) -> bool:
         return cfg.reading.enabled
 
+    @staticmethod
+    def reads_cards(cfg: MemgasConfig) -> bool:
+        from memgas.pipeline.methods import reads_cards
+
+        return any(reads_cards(m) for m in cfg.reading.methods)
+
+    def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
+        # justmem.replay_tokens shapes only the JustMem answer prompt: without a card reader it changes nothing
+        return self.config_fields if self.reads_cards(cfg) else tuple(f for f in self.config_fields
+                                                                       if not f.startswith("justmem."))
+
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
         return {"llm": ctx.cfg.llm.model_dump(), "llm_runtime": ctx.resolved.get("llm"), "seed": ctx.cfg.seed,
                 "threads": ctx.cfg.llm.threads}
 
     def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
-        from memgas.pipeline.prompts import READING_PROMPT_DIGEST
+        from memgas.pipeline.prompts import (
+            JUSTMEM_READ_PROMPT_DIGEST,
+            READING_PROMPT_DIGEST,
+        )
 
-        return {"llm": ctx.resolved.get("llm"), "llm_files": (ctx.resolved.get("model_files") or {}).get("llm"),
-                "prompts": READING_PROMPT_DIGEST}
+        out = {"llm": ctx.resolved.get("llm"), "llm_files": (ctx.resolved.get("model_files") or {}).get("llm"),
+               "prompts": READING_PROMPT_DIGEST}
+        if self.reads_cards(ctx.cfg):  # the JustMem answer prompt, and the planner whose operation it carries
+            out["justmem_prompts"] = JUSTMEM_READ_PROMPT_DIGEST
+            out["planner"] = PlanStage().key(ctx)
+        return out
 
     def num_gpus(self, ctx: StageContext) -> float:
         return _model_gpus(ctx, llm_on_cuda(ctx))
 
     def params(self, ctx: StageContext) -> dict[str, Any]:
-        return {"reading": ctx.cfg.reading.model_dump(), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
+        return {"reading": ctx.cfg.reading.model_dump(), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed,
+                "replay_tokens": ctx.cfg.justmem.replay_tokens}
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         from memgas.pipeline.read import is_failed_answer
@@ -1421,23 +1466,40 @@ class ReadStage(Stage):
         return units
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        from memgas.pipeline.justmem.read import card_reading_payloads
+        from memgas.pipeline.methods import reads_cards
         from memgas.pipeline.read import reading_payloads
 
-        key = generation_key(ctx)
-        rank_parts = parts_with_prefix(ctx.results, "rankings", prefix_of(ctx, "rank"))
-        payload = reading_payloads(ctx.bank, ctx.results.read("rankings", parts=rank_parts,
-                                                               filter=(pc.field("method") == unit["method"])
-                                                               & (pc.field("rank") <= ctx.cfg.reading.top_k)),
-                                   unit["queries"], generation_key=key)
-        return {"method": unit["method"], "queries": payload}
+        method, queries = unit["method"], unit["queries"]
+        prefix = prefix_of(ctx, "rank")
+        which = (pc.field("method") == method) & pc.field("query_id").isin(queries)
+        rankings = ctx.results.read("rankings", parts=parts_with_prefix(ctx.results, "rankings", prefix),
+                                    filter=which & (pc.field("rank") <= ctx.cfg.reading.top_k))
+        if reads_cards(method):
+            picks = ctx.results.read("card_picks", parts=parts_with_prefix(ctx.results, "card_picks", prefix),
+                                     filter=which)
+            try:
+                payload = card_reading_payloads(ctx.bank, rankings, picks, queries, method=method,
+                                                planner=PlanStage().key(ctx))
+            except KeyError as e:
+                raise BankError(f"read: {e.args[0]}: run `memgas index` with this config") from None
+            return {"method": method, "cards": True, "queries": payload}
+        payload = reading_payloads(ctx.bank, rankings, queries, generation_key=generation_key(ctx))
+        return {"method": method, "cards": False, "queries": payload}
 
     @staticmethod
     def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
         from memgas.pipeline.config import ReadingConfig
+        from memgas.pipeline.justmem.read import read_and_answer_cards
         from memgas.pipeline.read import read_and_answer
 
-        table = read_and_answer(payload["queries"], model, ReadingConfig(**params["reading"]), method=payload["method"],
-                                temperature=params["temperature"], seed=params["seed"])
+        reading = ReadingConfig(**params["reading"])
+        if payload["cards"]:
+            table = read_and_answer_cards(payload["queries"], model, reading, params["replay_tokens"],
+                                          payload["method"], temperature=params["temperature"], seed=params["seed"])
+        else:
+            table = read_and_answer(payload["queries"], model, reading, method=payload["method"],
+                                    temperature=params["temperature"], seed=params["seed"])
         return {"answers": table}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
@@ -1510,7 +1572,6 @@ class JudgeStage(Stage):
     @staticmethod
     def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
         import pandas as pd
-
         from memgas.pipeline.evaluate.judge import run_judge
         from memgas.pipeline.schema import JUDGMENTS
 

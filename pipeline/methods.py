@@ -26,6 +26,8 @@ class Method:
     #: scored by :func:`memgas.pipeline.justmem.retrieve.rank_history_cards` from the cards (the rank stage
     #: dispatches on it)
     family: str = "memgas"
+    #: JustMem methods that read their chosen cards (``card_picks``) rather than the top-K sessions
+    reads_cards: bool = False
 
     @property
     def is_graph(self) -> bool:
@@ -50,10 +52,14 @@ _ALL = (
 #: profile per question), the three fixed profiles, and ``cards`` (a session scores its best card). Selecting
 #: any of them enables the cards and plan stages (jobs/stages.py).
 _JUSTMEM = (
-    Method("justmem", family="justmem", description="planner's profile per question (Lookup/Compose/Replay)"),
-    Method("justmem-lookup", family="justmem", description="top-K cards reranked against the question"),
-    Method("justmem-compose", family="justmem", description="union of the question's and rewrites' candidates"),
-    Method("justmem-replay", family="justmem", description="Lookup's cards; the reader recovers their turns"),
+    Method("justmem", family="justmem", reads_cards=True,
+           description="planner's profile per question (Lookup/Compose/Replay)"),
+    Method("justmem-lookup", family="justmem", reads_cards=True,
+           description="top-K cards reranked against the question"),
+    Method("justmem-compose", family="justmem", reads_cards=True,
+           description="union of the question's and rewrites' candidates"),
+    Method("justmem-replay", family="justmem", reads_cards=True,
+           description="Lookup's cards; the reader recovers their turns"),
     Method("cards", family="justmem", description="a session scores its best card"),
 )
 
@@ -71,6 +77,11 @@ def get_method(name: str) -> Method:
         return METHODS[name]
     except KeyError:
         raise ValueError(f"unknown retrieval method {name!r}; choose from {list(KNOWN_METHOD_NAMES)}") from None
+
+
+def reads_cards(name: str) -> bool:
+    """Whether method ``name`` answers from its chosen cards (JustMem reading) instead of ranked sessions."""
+    return get_method(name).reads_cards
 
 
 def uses_justmem(methods: list[str] | tuple[str, ...]) -> bool:

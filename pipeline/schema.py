@@ -23,6 +23,7 @@ rankings         method, query_id, rank                        a ranked session
 answers          method, query_id                              filtered context and hypothesis
 cards            card_id                                       a JustMem atomic memory card of a session
 plans            query_id, planner                             a JustMem access plan of a question
+card_picks       method, query_id, rank                        a card a JustMem method chose to read
 ===============  ============================================  ==========================================
 
 JustMem (issue 17, DESIGN.md §6): ``cards`` are keyed by content like ``generations``: ``card_id`` is
@@ -249,6 +250,18 @@ PLANS = pa.schema(
     ]
 )
 
+#: The cards a JustMem method chose for a question (results store, written by the rank stage beside
+#: ``rankings``): what the read stage puts in the answer prompt, in final order, with the access profile.
+CARD_PICKS = pa.schema(
+    [
+        pa.field("method", pa.string(), nullable=False),
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),  # 1-based position in the final order (<= justmem.top_k)
+        pa.field("card_id", pa.string(), nullable=False),
+        pa.field("profile", pa.string(), nullable=False),  # one of PROFILES: how the method read this question
+    ]
+)
+
 #: Static schemas by table name (``embeddings`` depends on the encoder's dimension).
 TABLES: dict[str, pa.Schema] = {
     "histories": HISTORIES,
@@ -265,6 +278,7 @@ TABLES: dict[str, pa.Schema] = {
     "judgments": JUDGMENTS,
     "cards": CARDS,
     "plans": PLANS,
+    "card_picks": CARD_PICKS,
 }
 
 #: Key columns per table: rows sharing a key are one row (the last written wins on merge).
@@ -284,6 +298,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "judgments": ("method", "query_id"),
     "cards": ("card_id",),
     "plans": ("query_id", "planner"),
+    "card_picks": ("method", "query_id", "rank"),
 }
 
 

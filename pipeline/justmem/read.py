@@ -16,10 +16,14 @@ from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
-
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import ReadingConfig
-from memgas.pipeline.justmem.extract import Turn, fmt_date, resolve_time
+from memgas.pipeline.justmem.extract import (
+    Turn,
+    fmt_date,
+    resolve_time,
+    turns_by_session,
+)
 from memgas.pipeline.llm_calls import generate_batch
 from memgas.pipeline.models.base import LLM, ChatPrompt, SamplingParams
 from memgas.pipeline.prompts import justmem_answer_prompt, justmem_card_line
@@ -123,6 +127,71 @@ def reading_prompt(
         rec = recover_turns(cards, turns, replay_tokens, count_tokens)
     prompt = justmem_answer_prompt("\n".join(lines), rec.text if rec else "", question, question_date, operation)
     return prompt, count_tokens(prompt[0]["content"]), rec
+
+
+def card_reading_payloads(bank: Any, rankings: pa.Table, picks: pa.Table, query_ids: Sequence[str], *,
+                          method: str, planner: str) -> list[dict[str, Any]]:
+    """Inputs of :func:`read_and_answer_cards` for one method: per query (``query_ids`` order) its chosen
+    cards (``picks``: ``CARD_PICKS`` rows of ``method``, in rank order) as :class:`ReadCard` with the date of
+    their session in the query's history (a session text repeated in one history: its first position), the
+    planner's operation (``plans`` rows of ``planner``), the method's ranked sessions (``rankings``: its top-K)
+    and, for Replay, the chosen cards' sessions' turns. A query without picks (a history without cards) reads
+    no cards under its method's fixed profile, else the plan's."""
+    import pyarrow.compute as pc
+    from memgas.pipeline.justmem.retrieve import FIXED_PROFILE
+
+    qids = list(query_ids)
+    queries = {r["query_id"]: r for r in bank.read(
+        "queries", ["query_id", "history_id", "question", "question_date_raw"],
+        filter=pc.field("query_id").isin(qids)).to_pylist()}
+    plans = {r["query_id"]: r for r in bank.read(
+        "plans", ["query_id", "operation", "profile"],
+        filter=(pc.field("planner") == planner) & pc.field("query_id").isin(qids)).to_pylist()}
+    missing = [q for q in qids if q not in plans]
+    if missing:
+        raise KeyError(f"no JustMem plan for query {missing[0]!r} under planner {planner!r}")
+    top: dict[str, list[str]] = {}
+    for r in rankings.sort_by([("query_id", "ascending"), ("rank", "ascending")]).to_pylist():
+        top.setdefault(r["query_id"], []).append(r["session_id"])
+    chosen: dict[str, list[tuple[str, str]]] = {}
+    for r in picks.filter(pc.field("method") == method).sort_by([("query_id", "ascending"),
+                                                                  ("rank", "ascending")]).to_pylist():
+        chosen.setdefault(r["query_id"], []).append((r["card_id"], r["profile"]))
+    card_ids = sorted({c for v in chosen.values() for c, _ in v})
+    cards = {r["card_id"]: r for r in bank.read(
+        "cards", ["card_id", "session_hash", "text", "time", "turn_start", "turn_end"],
+        filter=pc.field("card_id").isin(card_ids)).to_pylist()} if card_ids else {}
+    lost = [c for c in card_ids if c not in cards]
+    if lost:
+        raise KeyError(f"card {lost[0]!r} was picked by the rank stage but is not in the bank's cards")
+    hids = sorted({q["history_id"] for q in queries.values()})
+    dates: dict[tuple[str, str], tuple[datetime | None, str | None]] = {}
+    for r in bank.read("sessions", ["history_id", "position", "text_hash", "date", "date_raw"],
+                       filter=pc.field("history_id").isin(hids)).sort_by(
+            [("history_id", "ascending"), ("position", "ascending")]).to_pylist():
+        dates.setdefault((r["history_id"], r["text_hash"]), (r["date"], r["date_raw"]))
+    profiles = {q: (v[0][1] if v else FIXED_PROFILE.get(method) or plans[q]["profile"]) for q, v in
+                ((q, chosen.get(q, [])) for q in qids)}
+    replay_hashes = sorted({cards[c]["session_hash"] for q in qids if profiles[q] == "replay"
+                            for c, _ in chosen.get(q, [])})
+    turns = turns_by_session(bank.read("turns", ["session_hash", "turn_index", "role", "content"],
+                                       filter=pc.field("session_hash").isin(replay_hashes))) if replay_hashes else {}
+    payload = []
+    for qid in qids:
+        q = queries[qid]
+        read_cards = []
+        for cid, _ in chosen.get(qid, []):
+            c = cards[cid]
+            date, raw = dates.get((q["history_id"], c["session_hash"]), (None, None))
+            read_cards.append(ReadCard(c["text"], c["session_hash"], c["turn_start"], c["turn_end"], date, c["time"],
+                                       raw))
+        entry = {"query_id": qid, "question": q["question"], "question_date": q["question_date_raw"],
+                 "operation": plans[qid]["operation"], "profile": profiles[qid], "cards": read_cards,
+                 "session_ids": top.get(qid, [])}
+        if profiles[qid] == "replay":
+            entry["turns"] = {h: turns[h] for h in sorted({c.session_hash for c in read_cards})}
+        payload.append(entry)
+    return payload
 
 
 def read_and_answer_cards(

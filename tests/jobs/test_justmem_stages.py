@@ -23,8 +23,13 @@ MEMGAS = ["session", "memgas"]
 METHODS = [*MEMGAS, *JUSTMEM_METHOD_NAMES]
 
 
+#: read with the MemGAS reader and two JustMem card readers (adaptive, and Replay with its source turns)
+READ = ["memgas", "justmem", "justmem-replay"]
+
+
 def _jm(tmp: Path, **extra: object) -> MemgasConfig:
-    return _base(tmp, **{"retrieval.methods": METHODS, **extra})
+    return _base(tmp, **{"retrieval.methods": METHODS, "reading.methods": READ, "justmem.replay_tokens": 300,
+                         **extra})
 
 
 def _ctx(cfg: MemgasConfig, run_dir: Path) -> StageContext:
@@ -61,6 +66,7 @@ JM_CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.candidates", 20, ["rank", "read"]),
     ("justmem.top_k", 5, ["rank", "read"]),
     ("justmem.reranker", "dense", ["rank", "read"]),
+    ("justmem.replay_tokens", 256, ["read"]),
     # inactive under the LLM-free extractor and planner
     ("justmem.extract_max_tokens", 64, []),
     ("justmem.extract_max_input_tokens", 64, []),
@@ -118,12 +124,50 @@ def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
                    "completion": int(pc.sum(cards["completion_tokens"]).as_py() or 0)}
     for m in JUSTMEM_METHOD_NAMES:
         assert tokens[m]["construction"] == card_tokens == {"prompt": 0, "completion": 0}, m
-    ans = results.read("answers", parts=S.parts_with_prefix(results, "answers", S.prefix_of(ctx, "read")))
-    want = {"prompt": sum(ans["prompt_tokens"].to_pylist()), "completion": sum(ans["completion_tokens"].to_pylist())}
-    assert want["prompt"] > 0 and tokens["memgas"]["answer"] == want
-    assert tokens["justmem"]["answer"] == {"prompt": 0, "completion": 0}  # reading.methods=[memgas]
+    ans = results.read("answers", parts=S.parts_with_prefix(results, "answers", S.prefix_of(ctx, "read"))).to_pandas()
+    for m in METHODS:
+        mine = ans[ans["method"] == m]
+        want = {"prompt": int(mine["prompt_tokens"].sum()), "completion": int(mine["completion_tokens"].sum())}
+        assert tokens[m]["answer"] == want, m
+        assert (want["prompt"] > 0) == (m in READ), m  # only the methods in reading.methods answer
     report = (jm_run / "report.md").read_text()
     assert "## LLM tokens per method" in report and "| justmem-compose | 0 + 0 | 0 + 0 | 0 + 0 |" in report
+
+
+@pytest.mark.slow
+def test_card_readers_read_the_rank_stages_picks_and_replay_their_source_turns(jm_run) -> None:
+    """The rank stage's card_picks are each card reader's cards (K or fewer, the profile of its plan or fixed
+    profile); the answer prompt holds them in pick order; Replay's prompt holds source turns of exactly its
+    picked cards' provenance (the first ones, within justmem.replay_tokens)."""
+    from memgas.pipeline.justmem.extract import turns_by_session
+
+    cfg = _jm(jm_run)
+    ctx = _ctx(cfg, jm_run)
+    results = ctx.results
+    prefix = S.prefix_of(ctx, "rank")
+    picks = results.read("card_picks", parts=S.parts_with_prefix(results, "card_picks", prefix)).to_pandas()
+    assert sorted(picks["method"].unique()) == ["justmem", "justmem-compose", "justmem-lookup", "justmem-replay"]
+    plans = S.current_plans(ctx).to_pandas().set_index("query_id")
+    for (m, q), g in picks.groupby(["method", "query_id"]):
+        assert g["rank"].tolist() == list(range(1, len(g) + 1)) and 0 < len(g) <= cfg.justmem.top_k, (m, q)
+        want = plans.loc[q, "profile"] if m == "justmem" else m.removeprefix("justmem-")
+        assert set(g["profile"]) == {want}, (m, q)
+    cards = S.current_cards(ctx).to_pandas().set_index("card_id")
+    ans = results.read("answers", parts=S.parts_with_prefix(results, "answers", S.prefix_of(ctx, "read"))).to_pandas()
+    turns = turns_by_session(ctx.bank.read("turns"))
+    for _, a in ans[ans["method"].isin(["justmem", "justmem-replay"])].iterrows():
+        mine = picks[(picks["method"] == a["method"]) & (picks["query_id"] == a["query_id"])].sort_values("rank")
+        prompt = a["filtered_context"]
+        where = [prompt.index(cards.loc[c, "text"]) for c in mine["card_id"]]
+        assert where == sorted(where), a["query_id"]  # in pick order
+        if a["method"] != "justmem-replay":
+            continue
+        assert "Session date" in prompt, a["query_id"]
+        source = [(cards.loc[c, "session_hash"], i) for c in mine["card_id"]
+                  for i in range(cards.loc[c, "turn_start"], cards.loc[c, "turn_end"] + 1)]
+        shown = [k for k in dict.fromkeys(source)
+                 if f"[{k[1]}] {turns[k[0]][k[1]].role}: {turns[k[0]][k[1]].content}" in prompt]
+        assert shown and shown == list(dict.fromkeys(source))[: len(shown)], a["query_id"]
 
 
 @pytest.mark.slow

@@ -41,9 +41,6 @@ def test_every_config_leaf_is_declared_or_runtime_only() -> None:
     leaves = set(_leaves(MemgasConfig))
     declared, runtime = S.declared_fields(), set(S.RUNTIME_ONLY)
     assert not (declared & runtime), f"both declared and runtime-only: {sorted(declared & runtime)}"
-    # TODO(issue 17 JustMem reading): justmem.replay_tokens is read only by the JustMem answer prompt
-    # (justmem/read.py), which the read stage does not use yet; the read stage declares it with that prompt.
-    leaves.discard("justmem.replay_tokens")
     orphans = sorted(leaves - declared - runtime)
     assert not orphans, f"config keys no stage declares and not runtime-only: {orphans}"
     unknown = sorted((declared | runtime) - leaves)
@@ -115,7 +112,7 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.candidates", 20, []),
     ("justmem.top_k", 5, []),
     ("justmem.rewrites", 1, []),
-    ("justmem.replay_tokens", 256, []),  # read by no stage yet (JustMem reading prompt not wired)
+    ("justmem.replay_tokens", 256, []),
     ("justmem.reranker", "dense", []),
     ("justmem.extract_max_tokens", 64, []),
     ("justmem.plan_max_tokens", 64, []),
@@ -193,7 +190,8 @@ def _outputs(run_dir: Path) -> dict[str, object]:
     results = Bank(run_dir / "results")
     fps = metrics["run"]["fingerprints"]
     out: dict[str, object] = {"retrieval": metrics["retrieval"], "qa": metrics.get("qa")}
-    for table, stage, prefix in (("rankings", "rank", "rank"), ("answers", "read", "ans")):
+    for table, stage, prefix in (("rankings", "rank", "rank"), ("card_picks", "rank", "rank"),
+                                 ("answers", "read", "ans")):
         parts = [p for p in results.parts(table) if p.startswith(f"{prefix}-{fps.get(stage)}-")]
         t = results.read(table, parts=parts) if parts else None
         rows = None if t is None else t.to_pylist()
