@@ -18,7 +18,7 @@ Exactness notes:
   rounding at the mem_threshold boundary.
 - ``mode="topk"`` (ablation "MemGAS w/o GMM"): keep the ``topk_edges`` best candidates of each eligible row
   instead of the GMM-accepted ones. ``topk_edges=None`` (default) = the GMM's mean accepted count over the
-  same rows, rounded (12.7 -> 13 on LoCoMo with MiniLM), so the ablation changes *which* edges, not how many.
+  same rows, rounded (e.g. 12.7 -> 13), so the ablation changes *which* edges, not how many.
 - incremental: ``associate(emb, n_sessions_done=k)`` computes only rows of sessions >= k (cost
   O(new x history)); concatenating its outputs equals one build over all sessions.
 

@@ -97,9 +97,8 @@ def _small_blas(histories: Sequence[Any], device: str, search: str = "auto",
     """Single-threaded BLAS for the CPU candidate search, except faiss searches of huge histories.
 
     Multi-threaded OpenBLAS on small products (a LoCoMo history is ~110 nodes; a causal block is 256 rows
-    against its prefix) spends more time waking and syncing threads than computing: measured 20x slower
-    on a LoCoMo history and 2.5x slower on a 2,000-node causal search on a busy 2-core machine. The job
-    runs one association task per core anyway.
+    against its prefix) spends more time waking and syncing threads than computing, most of all on a busy
+    machine. The job runs one association task per core anyway.
     """
     shapes = [tuple(getattr(h, "shape", None) or np.shape(h)) for h in histories]  # never reads a NodeFile
     n_max = max((int(np.prod(sh[:-1])) for sh in shapes if sh), default=0)
