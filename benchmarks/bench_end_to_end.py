@@ -171,7 +171,8 @@ def fill_bank(cfg, res: Result) -> dict:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from memgas.jobs import main_job
+    from memgas.jobs import runner
+    from memgas.jobs.stages import resolve_stage_runtimes
     from memgas.jobs.stage import StageContext
     from memgas.jobs.stages import EncodeStage, encoder_key, generation_key
     from memgas.pipeline.bank import Bank
@@ -183,8 +184,8 @@ def fill_bank(cfg, res: Result) -> dict:
 
     bank = Bank(cfg.bank_path)
     ctx = StageContext(cfg, bank, None, use_ray=False)
-    main_job.resolve_runtime(ctx)
-    main_job.compute_fingerprints(ctx)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
     model, pv = generation_key(ctx)
     enc = encoder_key(ctx)
     t0 = time.perf_counter()
@@ -250,12 +251,13 @@ def fill_bank(cfg, res: Result) -> dict:
         f"({len(need) * DIM * 4 / 1e6:.0f} MB) written in {t_fill + t_emb:.1f} s (setup, not a stage)")
     res.facts.append(("stored vectors (synthetic, 384-d)", f"{len(need)} ({len(need) * DIM * 4 / 1e6:.0f} MB)"))
     for name in ("generate", "nodes", "encode"):  # filled above: the runner takes them as done
-        main_job.mark_done(ctx, name)
+        runner.mark_done(ctx, name)
     return {"vectors": len(need), "node_rows": nodes.num_rows}
 
 
 def part_retrieval(cfg, res: Result, use_ray: bool, sessions_per_history: int) -> None:
-    from memgas.jobs import main_job
+    from memgas.jobs import main_job, runner
+    from memgas.jobs.stages import resolve_stage_runtimes
     from memgas.jobs.profiling import Profiler
     from memgas.pipeline.bank import Bank
 
@@ -274,8 +276,8 @@ def part_retrieval(cfg, res: Result, use_ray: bool, sessions_per_history: int) -
 
     prof = Profiler()
     ctx = StageContext(cfg, bank, None, use_ray)
-    main_job.resolve_runtime(ctx)
-    main_job.run_stages(ctx, ["associate"], prof)
+    resolve_stage_runtimes(ctx)
+    runner.run_stages(ctx, ["associate"], prof)
     st = prof.stages["associate"]
     s0 = -(-cfg.association.min_prior_nodes // 4)
     gmm_rows = n_hist * 4 * max(0, sessions_per_history - s0)
@@ -286,8 +288,8 @@ def part_retrieval(cfg, res: Result, use_ray: bool, sessions_per_history: int) -
 
     results = Bank.create(Path(cfg.output_dir) / "results")
     rctx = StageContext(cfg, bank, results, use_ray)
-    main_job.resolve_runtime(rctx)
-    main_job.run_stages(rctx, ["rank"], prof)
+    resolve_stage_runtimes(rctx)
+    runner.run_stages(rctx, ["rank"], prof)
     st = prof.stages["rank"]
     methods = cfg.retrieval.methods
     res.rows.append(Row("rank (queries, all methods)", n_q, "queries", st.wall_s, f"{len(methods)} methods"))
@@ -327,13 +329,13 @@ def part_models(cfg, res: Result, n_sample: int, refs: int, uniq: int, n_queries
     kind = dialogue_kind_for("longmemeval")
     items = [(h, stext[h], kind, None) for h in sample]
     t0 = time.perf_counter()
-    from memgas.jobs import main_job
+    from memgas.jobs.stages import resolve_stage_runtimes
     from memgas.jobs.stage import StageContext
     from memgas.jobs.stages import generation_key
     from memgas.pipeline.llm_free import LLMFreeGenerator
 
     gctx = StageContext(cfg, bank, None, use_ray=False)
-    main_job.resolve_runtime(gctx)
+    resolve_stage_runtimes(gctx)
     gens = generate_for_sessions(items, None, cfg.generation, key=generation_key(gctx), llm_free=LLMFreeGenerator())
     derived = derived_texts(gens, stext)
     t_gen = time.perf_counter() - t0

@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from memgas.jobs import main_job
+from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.jobs import stages as S
 from memgas.jobs.stage import StageContext
 from memgas.pipeline.bank import Bank
@@ -36,7 +36,7 @@ def _ctx(cfg: MemgasConfig, run_dir: Path) -> StageContext:
     """A context with the run's own fingerprints (they name the plan and rank parts; computed afresh they
     would hash upstream fingerprints instead of the committed outputs the runner hashed)."""
     ctx = StageContext(cfg, Bank(run_dir / "bank"), Bank(run_dir / "results"), use_ray=False)
-    main_job.resolve_runtime(ctx)
+    resolve_stage_runtimes(ctx)
     ctx.fingerprints.update(json.loads((run_dir / "metrics.json").read_text())["run"]["fingerprints"])
     return ctx
 
