@@ -11,6 +11,7 @@ from memgas.pipeline.config import MemgasConfig
 
 
 def llm_identity(cfg: MemgasConfig) -> str:
+    """The LLM's name as the keys of its outputs carry it (the ``smollm2`` alias as the model it names)."""
     from memgas.pipeline.models.llms import SMOLLM2_ALIAS, SMOLLM2_NAME
 
     return SMOLLM2_NAME if cfg.llm.model == SMOLLM2_ALIAS else cfg.llm.model
