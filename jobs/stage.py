@@ -188,8 +188,15 @@ class Stage:
         return {}
 
     def actor_count(self, ctx: StageContext) -> int:
-        """Actor stages: how many model actors to start (at most one per unit)."""
+        """Actor stages: how many model actors to start (at most one per unit) where the model does not fit
+        one core (:meth:`fits_one_core`); the executor decides otherwise."""
         return ctx.cfg.ray.model_actors
+
+    def fits_one_core(self, ctx: StageContext) -> bool:
+        """Actor stages: whether the model computes as well on one core in one thread as on many (no LLM: the
+        LLM-free generator and JustMem stages, a CPU encoder). Under Ray the executor then starts one
+        single-threaded actor per Ray CPU; otherwise ``actor_count`` actors of ``llm.threads`` threads."""
+        return False
 
     def num_gpus(self, ctx: StageContext) -> float:
         return 0.0

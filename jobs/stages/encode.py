@@ -16,7 +16,7 @@ from memgas.jobs.stages.keys import (
     justmem_upstream,
     window_key,
 )
-from memgas.jobs.stages.placement import encoder_on_cuda, model_gpus, ray_cpus
+from memgas.jobs.stages.placement import encoder_on_cuda, model_gpus
 from memgas.jobs.stages.texts import TextBlocks, rederive_texts, unit_texts
 from memgas.jobs.stages.units import cost_chunks
 from memgas.pipeline.config import MemgasConfig
@@ -52,23 +52,18 @@ class EncodeStage(Stage):
                 "encoder_files": (ctx.resolved.get("model_files") or {}).get("encoder")}
 
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
-        threads = 1 if self._per_cpu(ctx) else ctx.cfg.llm.threads
-        return {"encoder": encoder_config(ctx), "threads": threads}
+        return {"encoder": encoder_config(ctx)}
 
     def num_gpus(self, ctx: StageContext) -> float:
         return model_gpus(ctx, encoder_on_cuda(ctx))
 
     def actor_count(self, ctx: StageContext) -> int:
-        """``encoder.actors``; auto: one per Ray CPU on CPU (one thread each), ``ray.model_actors`` on CUDA."""
-        if ctx.cfg.encoder.actors is not None:
-            return ctx.cfg.encoder.actors
-        return ray_cpus() if self._per_cpu(ctx) else ctx.cfg.ray.model_actors
+        """``encoder.actors``; auto on CUDA: ``ray.model_actors`` (auto on CPU fits one core)."""
+        return ctx.cfg.encoder.actors if ctx.cfg.encoder.actors is not None else ctx.cfg.ray.model_actors
 
-    @staticmethod
-    def _per_cpu(ctx: StageContext) -> bool:
-        """Auto actors on a CPU encoder under Ray: one single-threaded actor per CPU."""
-        return (ctx.use_ray and ctx.cfg.encoder.actors is None
-                and ctx.resolved.get("encoder", {}).get("device", "cpu") == "cpu")
+    def fits_one_core(self, ctx: StageContext) -> bool:
+        """Auto actors (``encoder.actors`` unset) on a CPU encoder: one single-threaded actor per CPU."""
+        return ctx.cfg.encoder.actors is None and ctx.resolved.get("encoder", {}).get("device", "cpu") == "cpu"
 
     def params(self, ctx: StageContext) -> dict[str, Any]:
         return {"encoder_key": encoder_key(ctx)}

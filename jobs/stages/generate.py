@@ -18,7 +18,6 @@ from memgas.jobs.stages.placement import (
     encoder_on_cuda,
     llm_on_cuda,
     model_gpus,
-    ray_cpus,
 )
 from memgas.jobs.stages.texts import TextBlocks, unit_texts
 from memgas.jobs.stages.units import even_chunks
@@ -89,10 +88,9 @@ class GenerateStage(Stage):
 
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
         cfg = ctx.cfg
-        threads = 1 if self._per_cpu(ctx) else cfg.llm.threads
         return {"generation": cfg.generation.model_dump(), "llm": cfg.llm.model_dump(), "seed": cfg.seed,
                 "llm_runtime": ctx.resolved.get("llm") if self.uses_llm(cfg) else None,
-                "encoder": encoder_config(ctx) if self.uses_encoder(cfg) else None, "threads": threads}
+                "encoder": encoder_config(ctx) if self.uses_encoder(cfg) else None}
 
     def num_gpus(self, ctx: StageContext) -> float:
         """A GPU per actor only when its LLM or its encoder runs on CUDA (the LLM-free generator needs none)."""
@@ -100,13 +98,10 @@ class GenerateStage(Stage):
         return model_gpus(ctx, (self.uses_llm(cfg) and llm_on_cuda(ctx))
                            or (self.uses_encoder(cfg) and encoder_on_cuda(ctx)))
 
-    def actor_count(self, ctx: StageContext) -> int:
-        """The LLM-free generator (no model: tf-idf in Python/NumPy, one core each) gets one actor per Ray
-        CPU; a generator that holds an LLM keeps ``ray.model_actors``."""
-        return ray_cpus() if self._per_cpu(ctx) else ctx.cfg.ray.model_actors
-
-    def _per_cpu(self, ctx: StageContext) -> bool:
-        return ctx.use_ray and not self.uses_llm(ctx.cfg) and not self.uses_encoder(ctx.cfg)
+    def fits_one_core(self, ctx: StageContext) -> bool:
+        """The LLM-free generator (no model: tf-idf in Python/NumPy) does; a generator that holds an LLM or
+        an encoder does not."""
+        return not self.uses_llm(ctx.cfg) and not self.uses_encoder(ctx.cfg)
 
     def params(self, ctx: StageContext) -> dict[str, Any]:
         model, version = self.key(ctx)

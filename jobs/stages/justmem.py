@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs.stage import Stage, StageContext
 from memgas.jobs.stages.keys import cards_key
-from memgas.jobs.stages.placement import llm_on_cuda, model_gpus, ray_cpus
+from memgas.jobs.stages.placement import llm_on_cuda, model_gpus
 from memgas.jobs.stages.units import parts_with_prefix, prefix_of
 from memgas.pipeline.config import MemgasConfig
 
@@ -32,21 +32,17 @@ class JustMemActorStage(Stage):
     def uses_llm(self, cfg: MemgasConfig) -> bool:
         raise NotImplementedError
 
-    def _per_cpu(self, ctx: StageContext) -> bool:
-        return ctx.use_ray and not self.uses_llm(ctx.cfg)
+    def fits_one_core(self, ctx: StageContext) -> bool:
+        return not self.uses_llm(ctx.cfg)
 
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
         cfg = ctx.cfg
         llm = self.uses_llm(cfg)
         return {"justmem": cfg.justmem.model_dump(), "llm": cfg.llm.model_dump(), "seed": cfg.seed, "use_llm": llm,
-                "llm_runtime": ctx.resolved.get("llm") if llm else None,
-                "threads": 1 if self._per_cpu(ctx) else cfg.llm.threads}
+                "llm_runtime": ctx.resolved.get("llm") if llm else None}
 
     def num_gpus(self, ctx: StageContext) -> float:
         return model_gpus(ctx, self.uses_llm(ctx.cfg) and llm_on_cuda(ctx))
-
-    def actor_count(self, ctx: StageContext) -> int:
-        return ray_cpus() if self._per_cpu(ctx) else ctx.cfg.ray.model_actors
 
     def _llm_resolved(self, ctx: StageContext, prompts: str) -> dict[str, Any]:
         # fp32 CPU and bf16 GPU outputs differ: the LLM's device/dtype, files and prompt texts key the rows

@@ -1,5 +1,6 @@
 """Where stages compute: devices, dtypes and threads decided on the driver (so they can key the caches of
-what they compute), GPUs per model actor, CPUs of the Ray cluster."""
+what they compute), GPUs per model actor, the threads a model host sets. (How many actors, and how many
+threads each, the executor decides from what a stage declares: memgas.jobs.executor.actor_config.)"""
 
 from __future__ import annotations
 
@@ -12,13 +13,6 @@ from memgas.pipeline.config import MemgasConfig, check_ray_gpus
 from memgas.pipeline.errors import MemgasError
 
 log = logging.getLogger(__name__)
-
-
-def ray_cpus() -> int:
-    """CPUs of the Ray cluster this driver is connected to (one single-threaded actor each)."""
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
 def set_torch_threads(n: int | None) -> None:

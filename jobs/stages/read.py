@@ -61,8 +61,7 @@ class ReadStage(Stage):
                                                                        if not f.startswith("justmem."))
 
     def model_config(self, ctx: StageContext) -> dict[str, Any]:
-        return {"llm": ctx.cfg.llm.model_dump(), "llm_runtime": ctx.resolved.get("llm"), "seed": ctx.cfg.seed,
-                "threads": ctx.cfg.llm.threads}
+        return {"llm": ctx.cfg.llm.model_dump(), "llm_runtime": ctx.resolved.get("llm"), "seed": ctx.cfg.seed}
 
     def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.pipeline.prompts import (

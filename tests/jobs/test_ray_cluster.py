@@ -15,12 +15,17 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-
 from memgas.jobs import main_job, runner
-from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.jobs import stages as S
-from memgas.jobs.executor import forwarded_env, init_ray, run_task, stage_fn, task_options
+from memgas.jobs.executor import (
+    forwarded_env,
+    init_ray,
+    run_task,
+    stage_fn,
+    task_options,
+)
 from memgas.jobs.stage import StageContext
+from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 
@@ -133,8 +138,7 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
     import numpy as np
     import pyarrow.compute as pc
     import ray
-
-    from memgas.jobs.executor import _pool_for
+    from memgas.jobs.executor import _pool_for, actor_config, actor_count
 
     stage = S.EncodeStage()
     bank = Bank(indexed / "bank")
@@ -144,13 +148,13 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
         resolve_stage_runtimes(ctx)
         runner.compute_fingerprints(ctx)
         assert ctx.resolved["encoder"]["device"] == "cpu"
-        assert stage.actor_count(ctx) == 2 and stage.model_config(ctx)["threads"] == 1
+        assert actor_count(stage, ctx) == 2 and actor_config(stage, ctx)["threads"] == 1
         gen = S.GenerateStage()  # the LLM-free generator holds no model: one 1-thread actor per CPU too
         assert ctx.cfg.generation.generator == "llm-free"
-        assert gen.actor_count(ctx) == 2 and gen.model_config(ctx)["threads"] == 1
+        assert actor_count(gen, ctx) == 2 and actor_config(gen, ctx)["threads"] == 1
         with_llm = StageContext(_cfg(indexed, "generation.generator=llm+fallback"), bank, None, use_ray=True)
         resolve_stage_runtimes(with_llm)
-        assert gen.actor_count(with_llm) == 1 and gen.model_config(with_llm)["threads"] is None
+        assert actor_count(gen, with_llm) == 1 and actor_config(gen, with_llm)["threads"] is None
         pool = _pool_for(stage, ctx, S.FACTORY, {}, n_units=10)
         try:
             assert len(pool.actors) == 2
@@ -167,17 +171,17 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
             pool.close()
         fixed = StageContext(_cfg(indexed, "encoder.actors=3", "llm.threads=2"), bank, None, use_ray=True)
         resolve_stage_runtimes(fixed)
-        assert stage.actor_count(fixed) == 3 and stage.model_config(fixed)["threads"] == 2
+        assert actor_count(stage, fixed) == 3 and actor_config(stage, fixed)["threads"] == 2
         gpu = StageContext(_cfg(indexed, "encoder.device=cuda", "ray.model_actors=4", "ray.num_gpus_per_model_actor=1"),
                            bank, None, use_ray=True)
         resolve_stage_runtimes(gpu)
-        assert stage.actor_count(gpu) == 4 and stage.model_config(gpu)["threads"] is None
+        assert actor_count(stage, gpu) == 4 and actor_config(stage, gpu)["threads"] is None
     finally:
         ray.shutdown()
     # without Ray the one in-process model uses the cores it is given (llm.threads)
     local = StageContext(_cfg(indexed), bank, None, use_ray=False)
     resolve_stage_runtimes(local)
-    assert stage.model_config(local)["threads"] is None
+    assert actor_config(stage, local)["threads"] is None
 
 
 def test_gpu_request_the_cluster_cannot_meet_fails_fast_with_exit_3(tmp_path) -> None:
