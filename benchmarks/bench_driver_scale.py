@@ -45,8 +45,8 @@ def make_copies(src: Path, out: Path, copies: int) -> None:
 
 def stage_ctx(cfg, bank):
     from memgas.jobs import runner
-    from memgas.jobs.stages import resolve_stage_runtimes
     from memgas.jobs.stage import StageContext
+    from memgas.jobs.stages import resolve_stage_runtimes
 
     ctx = StageContext(cfg, bank, None, use_ray=False)
     resolve_stage_runtimes(ctx)

@@ -147,10 +147,10 @@ def job_index(data: Path, out: Path, settings: list[str]) -> dict:
     """``memgas index`` (the real runner: Ray, actors, Parquet bank) with configs/longmemeval_s.yaml on
     ``data``; per-stage profile, token accounting and unique/referenced session counts."""
     from memgas.jobs import main_job
-    from memgas.jobs.stages import resolve_stage_runtimes
     from memgas.jobs import stages as S
     from memgas.jobs.profiling import Profiler
     from memgas.jobs.stage import StageContext
+    from memgas.jobs.stages import resolve_stage_runtimes
     from memgas.pipeline.config import MemgasConfig
     from memgas.pipeline.encode import encoding_accounting
 

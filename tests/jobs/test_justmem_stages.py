@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.jobs import stages as S
 from memgas.jobs.stage import StageContext
+from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.methods import JUSTMEM_METHOD_NAMES

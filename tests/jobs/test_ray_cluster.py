@@ -15,15 +15,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+
 from memgas.jobs import main_job, runner
 from memgas.jobs import stages as S
-from memgas.jobs.executor import (
-    forwarded_env,
-    init_ray,
-    run_task,
-    stage_fn,
-    task_options,
-)
+from memgas.jobs.executor import forwarded_env, init_ray, run_task, stage_fn, task_options
 from memgas.jobs.stage import StageContext
 from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.pipeline.bank import Bank
@@ -138,6 +133,7 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
     import numpy as np
     import pyarrow.compute as pc
     import ray
+
     from memgas.jobs.executor import _pool_for, actor_config, actor_count
 
     stage = S.EncodeStage()

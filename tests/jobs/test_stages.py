@@ -14,9 +14,9 @@ import pytest
 from pydantic import BaseModel
 
 from memgas.jobs import main_job, runner
-from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.jobs import stages as S
 from memgas.jobs.stage import StageContext
+from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 
