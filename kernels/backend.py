@@ -68,11 +68,6 @@ def cupy_pool_peak_mb(reset: bool = True) -> float | None:
     return out
 
 
-def cuda_available() -> bool:
-    """True when CuPy imports and at least one CUDA device is visible."""
-    return _cupy_or_none() is not None
-
-
 def get_xp(device: str = "cpu") -> tuple[ModuleType, str]:
     """Return ``(array_module, device_name)`` for ``device`` in {"cpu", "cuda", "auto"}.
 

@@ -10,16 +10,16 @@ and a resumed run must be able to add to, not overwrite, what an earlier run spe
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from memgas.pipeline.models.base import GenerationResult
 
 
 @dataclass
-class StageStats:
+class TokenStats:
+    """What one model stage spent: requests, prompt/completion tokens, retries, failures, wall time."""
+
     requests: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -29,7 +29,7 @@ class StageStats:
     #: free-form counters (e.g. ``input_truncated``, ``fallback``, ``context_cut``)
     counters: dict[str, int] = field(default_factory=dict)
 
-    def merge(self, other: StageStats) -> None:
+    def merge(self, other: TokenStats) -> None:
         self.requests += other.requests
         self.prompt_tokens += other.prompt_tokens
         self.completion_tokens += other.completion_tokens
@@ -44,10 +44,10 @@ class TokenLedger:
     """Per-stage counters, updated from :class:`GenerationResult` lists."""
 
     def __init__(self) -> None:
-        self.stages: dict[str, StageStats] = {}
+        self.stages: dict[str, TokenStats] = {}
 
-    def stage(self, name: str) -> StageStats:
-        return self.stages.setdefault(name, StageStats())
+    def stage(self, name: str) -> TokenStats:
+        return self.stages.setdefault(name, TokenStats())
 
     def record(self, stage: str, results: Iterable[GenerationResult], wall_s: float = 0.0) -> None:
         s = self.stage(stage)
@@ -63,15 +63,6 @@ class TokenLedger:
     def count(self, stage: str, counter: str, n: int = 1) -> None:
         c = self.stage(stage).counters
         c[counter] = c.get(counter, 0) + n
-
-    @contextmanager
-    def timed(self, stage: str) -> Iterator[StageStats]:
-        """Add the wall time of the ``with`` block to ``stage``."""
-        t0 = time.perf_counter()
-        try:
-            yield self.stage(stage)
-        finally:
-            self.stage(stage).wall_s += time.perf_counter() - t0
 
     def merge(self, other: TokenLedger) -> None:
         for name, s in other.stages.items():

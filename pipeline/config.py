@@ -102,9 +102,9 @@ class EncoderConfig(_Strict):
     #: LongMemEval-S at 128 tokens: ~17% fewer tokens; quality in docs/benchmarks.md). Texts at the same
     #: window share one cache key, so changing this re-encodes the sessions only.
     session_max_tokens: int | None = Field(None, ge=8, le=MAX_TOKENS)
-    #: encode-stage actors. None = auto: on CPU one actor per Ray CPU, each with one torch thread (on 2
-    #: cores two 1-thread actors encode ~13% more tokens/s than one 2-thread actor: matmuls already run
-    #: near peak, the gain is the serial parts running side by side; docs/benchmarks.md); on CUDA
+    #: encode-stage actors. None = auto: on CPU one actor per Ray CPU, each with one torch thread (several
+    #: 1-thread actors encode more tokens/s than one many-thread actor: matmuls already run near peak, the
+    #: gain is the serial parts running side by side; docs/benchmarks.md); on CUDA
     #: ``ray.model_actors``. A number: that many actors, with ``llm.threads`` threads each (None = all cores).
     actors: int | None = Field(None, ge=1, le=MAX_COUNT)
 

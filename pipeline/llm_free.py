@@ -18,7 +18,7 @@ haystacks) could get different outputs. Per-session statistics + one fixed list 
   non-stopword words inside a clause; a phrase scores ``(1 + log tf(phrase)) * sum idf_bg(words)``
   (longer specific phrases beat their parts when they recur); the top ``top_keywords`` are kept, skipping
   a phrase whose words are all covered by better ones. ``"yake"``: the previous YAKE extractor (pure
-  Python, ~0.1-0.5 s a session), kept for comparison.
+  Python, far slower), kept for comparison.
 * summary (``summary_method="tfidf"``, default): extractive. Sentences are TF-IDF vectors (weights
   above); the session centroid is their sum; sentences are picked greedily by cosine to the centroid
   minus ``mmr`` x their largest cosine to the sentences already picked (maximal marginal relevance: cover
@@ -28,9 +28,8 @@ haystacks) could get different outputs. Per-session statistics + one fixed list 
   ``"lead"``: the first sentences.
 
 Sizes: 12 sentences / 1,200 characters and 30 keyphrases fill MiniLM's 256-token window; measured on
-LoCoMo (docs/benchmarks.md, "CPU indexing"), longer extracts retrieve better (summary R_all@5 35.9 with
-YAKE + encoder centroid at 3 sentences, 40.5 with tf-idf/MMR at the same size, 51.0 at these sizes; keyword
-47.1 with YAKE-10, 53.7 with tf-idf-30) at ~5 ms a session instead of ~1.3 s.
+LoCoMo (docs/benchmarks.md, "CPU indexing"), longer extracts retrieve better, and tf-idf beats YAKE
+keywords and encoder-centroid summaries of the same size, at a small fraction of their cost.
 
 Deterministic: no randomness, ties break by sentence / phrase order of first appearance.
 """
@@ -118,7 +117,7 @@ def _stopwords() -> frozenset[str]:
 
 @lru_cache(maxsize=1)
 def _zipf_table() -> dict[str, float]:
-    """word -> Zipf frequency from wordfreq's English list (loaded once per process, ~0.5 s)."""
+    """word -> Zipf frequency from wordfreq's English list (loaded once per process)."""
     from wordfreq import get_frequency_dict  # noqa: PLC0415
 
     freqs = get_frequency_dict("en", wordlist="large")
@@ -192,7 +191,7 @@ class LLMFreeGenerator:
         self.mmr = mmr
         if (summary_method, keyword_method) != ("tfidf", "tfidf"):
             self.name = f"llm-free/{keyword_method}+{summary_method}"
-        # YAKE is pure Python and linear in the text; 20k chars (~5k tokens) keeps it < 0.5 s a session.
+        # YAKE is pure Python and linear in the text; 20k chars (~5k tokens) bounds its time per session.
         self.max_yake_chars = max_yake_chars
         self._yake = None
         if keyword_method == "yake":

@@ -57,6 +57,18 @@ def seed_reset(node_scores: Any, num_seeds: int) -> Any:
     return xp.maximum(node_scores, 0.0)
 
 
+def _with_defaults(num_seeds: int | None, damping: float | None, temp: float | None, router: str | None
+                   ) -> tuple[int, float, float, str]:
+    """The ranking settings, ``None`` replaced by ``RetrievalConfig``'s defaults (the one place they live)."""
+    if None not in (num_seeds, damping, temp, router):
+        return num_seeds, damping, temp, router  # type: ignore[return-value]
+    from memgas.pipeline.config import RetrievalConfig  # noqa: PLC0415  (as rank_sessions: only when needed)
+
+    r = RetrievalConfig()
+    return (r.num_seeds if num_seeds is None else num_seeds, r.damping if damping is None else damping,
+            r.temp if temp is None else temp, r.router if router is None else router)
+
+
 def score_with_edges(
     node_emb: Any,
     query_emb: Any,
@@ -64,10 +76,10 @@ def score_with_edges(
     dst: Any,
     *,
     method: str = "memgas",
-    num_seeds: int = 15,
-    damping: float = 0.1,
-    temp: float = 0.2,
-    router: str = "paper",
+    num_seeds: int | None = None,
+    damping: float | None = None,
+    temp: float | None = None,
+    router: str | None = None,
     device: str = "cpu",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rank sessions of one history given a precomputed association edge list.
@@ -75,7 +87,9 @@ def score_with_edges(
     ``node_emb`` [4*S, d] (node order), ``query_emb`` [Q, d], ``src``/``dst`` undirected edges (node ids).
     Methods: memgas, memgas-no-gmm (pass the top-k edges), memgas-no-ppr, memgas-no-router,
     memgas-no-association (edges ignored). Returns (order int64 [Q, S], session scores float64 [Q, S]).
+    Settings left ``None`` take ``RetrievalConfig``'s defaults.
     """
+    num_seeds, damping, temp, router = _with_defaults(num_seeds, damping, temp, router)
     m = get_method(method)
     if not m.is_graph:
         raise ValueError(f"score_with_edges handles the MemGAS methods, not {method!r}")
@@ -179,17 +193,19 @@ def rank_history(
     methods: list[str],
     *,
     hybrid: np.ndarray | None = None,
-    num_seeds: int = 15,
-    damping: float = 0.1,
-    temp: float = 0.2,
-    router: str = "paper",
+    num_seeds: int | None = None,
+    damping: float | None = None,
+    temp: float | None = None,
+    router: str | None = None,
     device: str = "cpu",
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """(order [Q, S], scores [Q, S]) per method for the queries of one history, from stored edges.
 
     ``nodes`` [4*S, d] in node order; ``edges`` = {"gmm": (src, dst), "topk": (src, dst)} as the
-    association stage stored them; ``hybrid`` [S, d] for the hybrid baseline.
+    association stage stored them; ``hybrid`` [S, d] for the hybrid baseline. Settings left ``None`` take
+    ``RetrievalConfig``'s defaults.
     """
+    num_seeds, damping, temp, router = _with_defaults(num_seeds, damping, temp, router)
     out = {}
     for name in methods:
         m = get_method(name)

@@ -307,37 +307,3 @@ def aggregate_retrieval(per_query: pd.DataFrame, by: str = "question_type") -> p
         out = overall
     out.index.name = by
     return out
-
-
-def ranx_ndcg(records: Any, ks: Sequence[int] = DEFAULT_KS) -> pd.DataFrame:
-    """Standard NDCG@K per query computed by ``ranx`` (binary qrels), for cross-checking ``ndcg@K``.
-
-    Scores given to ranx are strictly decreasing by rank so its sort reproduces our order. Abstention
-    and no-evidence queries are dropped as in :func:`score_retrieval`. ranx is imported lazily: its numba
-    kernels take seconds to load (and ~a minute to compile the first time).
-    """
-    from ranx import Qrels, Run, evaluate  # lazy: heavy import
-
-    per_query, _ = score_retrieval(records, ks=(), standard_ndcg=False)
-    keep = set(per_query["query_id"])
-    qrels: dict[str, dict[str, int]] = {}
-    run: dict[str, dict[str, float]] = {}
-    for rec in _records(records):
-        qid = str(rec.get("query_id", rec.get("question_id")))
-        if qid not in keep:
-            continue
-        qrels[qid] = {str(e): 1 for e in _get(rec, _EVIDENCE_KEYS, qid)}
-        ranked = _dedupe(_get(rec, _RANKED_KEYS, qid))
-        # ranx drops queries whose run is empty; a placeholder miss keeps NDCG = 0 for them.
-        run[qid] = {d: float(len(ranked) - i) for i, d in enumerate(ranked)} or {"__none__": 0.0}
-    metrics = [f"ndcg@{int(k)}" for k in sorted({int(k) for k in ks})]
-    if not qrels:
-        return pd.DataFrame(columns=["query_id", *metrics])
-    ranx_qrels = Qrels(qrels)
-    res = evaluate(ranx_qrels, Run(run), metrics, return_mean=False)
-    if len(metrics) == 1:
-        res = {metrics[0]: res}
-    # ranx sorts query ids internally; map back by the Qrels' key order
-    order = list(ranx_qrels.keys())
-    df = pd.DataFrame({"query_id": order, **{m: np.asarray(res[m], dtype=np.float64) for m in metrics}})
-    return df.set_index("query_id").loc[list(qrels)].reset_index()

@@ -64,9 +64,8 @@ log = logging.getLogger(__name__)
 #: Key of the LLM-free extractor; bump the version whenever its output can change.
 LLM_FREE_EXTRACTOR = "llm-free/justmem-cards-v1"
 #: Longest card the LLM-free extractor packs consecutive sentences of a turn into; 0 = one sentence per card.
-#: Measured on the LoCoMo sample (benchmarks/justmem_quality.py, MiniLM): one sentence per card (38.5 cards per
-#: session, 77 chars) beat packing to 240 chars (19.9, 138) and 600 chars (18.6, 147) on R_all@3/@10 and
-#: NDCG@10 of every card method, and tied on R_all@5.
+#: Measured on the LoCoMo sample (benchmarks/justmem_quality.py, MiniLM): one sentence per card beat packing
+#: to 240 or 600 chars on R_all@3/@10 and NDCG@10 of every card method, and tied on R_all@5.
 MAX_CARD_CHARS = 0
 #: Content words a sentence needs to be kept.
 MIN_CONTENT_WORDS = 2

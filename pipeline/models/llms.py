@@ -150,7 +150,7 @@ def resolve_llm_dtype(dtype: str, device: str, bf16_supported: bool | None = Non
 
 
 def load_transformers(path: str, gguf_file: str | None, dtype_name: str, device: str = "cpu") -> tuple[Any, Any]:
-    """One model per (path, file, dtype, device) per process: a GGUF de-quantisation takes ~20 s on 2 cores.
+    """One model per (path, file, dtype, device) per process: a GGUF de-quantisation is slow.
 
     On CUDA the weights are loaded straight onto the device (``device_map``) in ``dtype_name``, never
     materialised in float32 on the host first.
@@ -342,7 +342,7 @@ class TransformersLLM:
 
 
 class LlamaCppLLM:
-    """llama-cpp-python (optional; builds from source in ~9 min on 2 cores). One prompt at a time.
+    """llama-cpp-python (optional; compiles from source when installed). One prompt at a time.
 
     Untested in this repository's CI (the package is not installed); written to DESIGN.md §5's recipe:
     ``Llama(model_path=..., n_ctx=4096, n_threads=2, flash_attn=True)``.

@@ -88,7 +88,7 @@ class Faults:
 
 
 #: Largest request body accepted (413 above it). A prompt for a small served model fits in a few hundred KB;
-#: without a bound a 5 MB prompt held the only model for 90 s.
+#: without a bound one huge prompt holds the only model for as long as it takes to run.
 MAX_BODY_BYTES = 1 << 20
 #: Largest ``max_tokens`` a request may ask for (the served models' contexts are far smaller).
 MAX_COMPLETION_TOKENS = 1 << 20

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from memgas.pipeline.evaluate import retrieval as ret
 from memgas.pipeline.evaluate.retrieval import (
     DEFAULT_KS,
     aggregate_retrieval,
     dcg_discounts,
     evaluate_retrieval,
     ndcg_at_k,
-    ranx_ndcg,
     relevance_matrix,
     score_retrieval,
 )
@@ -235,6 +237,40 @@ def test_parity_evidence_outside_corpus() -> None:
         expected = lme_evaluate_retrieval(rankings, correct, corpus, k)
         ours = evaluate_retrieval([corpus[j] for j in rankings], correct, k, corpus_ids=corpus)
         assert ours == pytest.approx(expected)
+
+
+def ranx_ndcg(records: Any, ks: Sequence[int] = DEFAULT_KS) -> pd.DataFrame:
+    """Reference: standard NDCG@K per query computed by ``ranx`` (binary qrels), for cross-checking ``ndcg@K``.
+
+    Scores given to ranx are strictly decreasing by rank so its sort reproduces our order. Abstention
+    and no-evidence queries are dropped as in :func:`score_retrieval`. ranx is imported lazily: its numba
+    kernels take seconds to load (and ~a minute to compile the first time).
+    """
+    from ranx import Qrels, Run, evaluate  # lazy: heavy import
+
+    per_query, _ = score_retrieval(records, ks=(), standard_ndcg=False)
+    keep = set(per_query["query_id"])
+    qrels: dict[str, dict[str, int]] = {}
+    run: dict[str, dict[str, float]] = {}
+    for rec in ret._records(records):
+        qid = str(rec.get("query_id", rec.get("question_id")))
+        if qid not in keep:
+            continue
+        qrels[qid] = {str(e): 1 for e in ret._get(rec, ret._EVIDENCE_KEYS, qid)}
+        ranked = ret._dedupe(ret._get(rec, ret._RANKED_KEYS, qid))
+        # ranx drops queries whose run is empty; a placeholder miss keeps NDCG = 0 for them.
+        run[qid] = {d: float(len(ranked) - i) for i, d in enumerate(ranked)} or {"__none__": 0.0}
+    metrics = [f"ndcg@{int(k)}" for k in sorted({int(k) for k in ks})]
+    if not qrels:
+        return pd.DataFrame(columns=["query_id", *metrics])
+    ranx_qrels = Qrels(qrels)
+    res = evaluate(ranx_qrels, Run(run), metrics, return_mean=False)
+    if len(metrics) == 1:
+        res = {metrics[0]: res}
+    # ranx sorts query ids internally; map back by the Qrels' key order
+    order = list(ranx_qrels.keys())
+    df = pd.DataFrame({"query_id": order, **{m: np.asarray(res[m], dtype=np.float64) for m in metrics}})
+    return df.set_index("query_id").loc[list(qrels)].reset_index()
 
 
 @pytest.mark.slow

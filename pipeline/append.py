@@ -1,0 +1,250 @@
+"""Append a dataset file to an existing memory bank (``memgas ingest --append``): new sessions of known
+histories, new histories and new questions, committed atomically as new ingest parts beside the old ones.
+
+Importable from :mod:`memgas.pipeline.ingest` too (``from memgas.pipeline.ingest import append``), which
+holds the chunk buffer and row dedup an append shares with an ingest.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from memgas.pipeline import faults
+from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank
+from memgas.pipeline.data import loader
+from memgas.pipeline.data.common import HistoryRecord, Warnings
+from memgas.pipeline.errors import BankError, DataError
+from memgas.pipeline.hashing import file_sha256
+from memgas.pipeline.ingest import APPEND_KIND, IngestInterrupted, _add_rows, _check_args, _Chunk
+from memgas.pipeline.locks import locked
+from memgas.pipeline.schema import schema_for
+
+log = logging.getLogger(__name__)
+
+__all__ = ["APPEND_KIND", "APPEND_TAG", "append"]
+
+#: append parts: ``ingest-<slot>-x<NNNN>-<nnnnn>``, in the committed slot, named after every base part
+APPEND_TAG = "x"
+
+
+class _BankState:
+    """What an append must know of the committed data: ids, session order and dates, text hashes."""
+
+    def __init__(self, bank: Bank) -> None:
+        h = bank.read("histories")
+        self.histories = {r["history_id"]: r for r in h.to_pylist()}
+        self.sessions: dict[str, list[dict[str, Any]]] = {}
+        for r in bank.read("sessions").to_pylist():
+            self.sessions.setdefault(r["history_id"], []).append(r)
+        for rows in self.sessions.values():
+            rows.sort(key=lambda r: r["position"])
+        self.texts: set[bytes] = {bytes.fromhex(x) for x in bank.read("texts", ["text_hash"]).column("text_hash").to_pylist()}
+        self.session_hashes: set[bytes] = {bytes.fromhex(x) for x in bank.read("turns", ["session_hash"]).column("session_hash").to_pylist()}
+        self.session_hashes |= {bytes.fromhex(x) for x in bank.read("pairs", ["session_hash"]).column("session_hash").to_pylist()}
+        self.queries = {r["query_id"]: r for r in bank.read("queries").to_pylist()}
+
+
+def _same_row(name: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Rows equal once both are cast to the table's schema (the bank's types, not the loader's)."""
+    t = pa.Table.from_pylist([a, b], schema=schema_for(name)).to_pylist()
+    return t[0] == t[1]
+
+
+def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder: bool, path: Path
+                   ) -> tuple[list[dict[str, Any]], int | None]:
+    """The session rows an append writes for an existing history, and the first position whose rows must
+    be recomputed (None: only new positions). Sessions already there (same id, same text) are skipped; a
+    changed one is an error; new ones go after the last one, or, dated before it and with
+    ``allow_reorder``, into date order (the positions after the insertion point shift)."""
+    have = {r["session_id"]: r for r in old}
+    new = []
+    for s in rec.sessions:
+        o = have.get(s["session_id"])
+        if o is None:
+            new.append(dict(s))
+        elif o["text_hash"] != s["text_hash"]:
+            raise DataError(str(path), f"session {s['session_id']!r} is already in history {rec.history_id!r} "
+                            "with other content (an append adds sessions, it never changes one)",
+                            index=rec.index, record_id=rec.history_id)
+    if not new:
+        return [], None
+    last = old[-1]
+    early = [s for s in new if s["date"] is not None and last["date"] is not None and s["date"] < last["date"]]
+    if early and not allow_reorder:
+        s = early[0]
+        raise DataError(str(path), f"session {s['session_id']!r} ({s['date_raw']}) is dated before the last session "
+                        f"{last['session_id']!r} ({last['date_raw']}) of history {rec.history_id!r}; an append adds "
+                        "sessions at the end (--allow-reorder inserts it in date order and recomputes from there)",
+                        index=rec.index, record_id=rec.history_id)
+    order = list(old)
+    cut = len(old)
+    for s in new:
+        at = len(order)
+        if s in early:  # before the first kept session dated after it
+            at = next(i for i, o in enumerate(order) if o["date"] is not None and o["date"] > s["date"])
+            cut = min(cut, at)
+        order.insert(at, s)
+    for i, r in enumerate(order):
+        r["history_id"] = rec.history_id
+        r["position"] = i
+    out = [r for i, r in enumerate(order) if i >= cut]  # new rows, and old rows whose position moved
+    return out, (cut if cut < len(old) else None)
+
+
+def append(
+    path: str | Path,
+    fmt: str,
+    bank_dir: str | Path,
+    *,
+    strict: bool = False,
+    allow_reorder: bool = False,
+    progress: bool = True,
+    chunk_histories: int = 500,
+    chunk_chars: int = 16 << 20,
+) -> dict[str, Any]:
+    """Add the sessions and questions of ``path`` to the bank at ``bank_dir`` (``memgas ingest --append``).
+
+    A record whose history id is in the bank adds its new sessions after the existing ones (sessions it
+    repeats, same id and same text, are skipped, so a file can hold whole histories or only what is new)
+    and its new questions; other records add new histories. Appending the same file twice changes
+    nothing. A new session dated before its history's last session is a :class:`DataError` unless
+    ``allow_reorder``: then it is inserted in date order and the manifest entry names, per history, the
+    first position whose association rows must be recomputed (``recompute_from``).
+
+    Atomicity (why new parts instead of a rewritten slot): the rows are written as new ingest parts
+    ``ingest-<slot>-x<NNNN>-*`` beside the committed ones and committed together by one atomic manifest
+    write that names old and new parts (:meth:`Bank.commit_ingest`), so an append costs what it adds, not
+    the bank, and a bad file, an interrupt or a kill before that write leaves the bank as it was (the next
+    ingest or append drops the uncommitted parts). Readers merge parts by key, later parts winning: that
+    is how a history's ``n_sessions`` and moved positions are updated. The manifest's ``datasets`` list
+    gets one entry per append (``"kind": "append"``, the file, its counts, the histories extended and
+    the first new position of each), which later stages read to know what changed.
+    """
+    t0 = time.perf_counter()
+    p = Path(path)
+    out = Path(bank_dir)
+    fmt = _check_args(p, fmt, out, None, chunk_histories, chunk_chars)
+    if not (out / MANIFEST).exists():
+        raise BankError(f"{out}: no memory bank to append to; create it with `memgas ingest FILE --out {out}`")
+    with locked(out):
+        bank = Bank(out)
+        if not bank.exists("sessions"):
+            raise BankError(f"{out}: the bank has no complete ingested dataset to append to; run `memgas ingest` first")
+        bank.abort_ingest()  # parts of a killed ingest or append: never committed, dropped
+        committed = sorted(bank.ingest_parts() or [])
+        slot = committed[0][len(INGEST_PREFIX)] if committed else "a"
+        n_app = 1 + sum(1 for d in bank.manifest.get("datasets") or [] if d.get("kind") == APPEND_KIND)
+        prefix = f"{INGEST_PREFIX}{slot}-{APPEND_TAG}{n_app:04d}-"
+        state = _BankState(bank)
+        warnings = Warnings(str(p), strict=strict)
+        counts = {"histories": 0, "histories_extended": 0, "sessions": 0, "texts": 0, "turns": 0, "pairs": 0,
+                  "queries": 0}
+        extended: dict[str, int] = {}  # history id -> first new position
+        recompute: dict[str, int] = {}
+        parts: list[str] = []
+        chunk = _Chunk()
+        seen_ids: set[str] = set()
+        seen_texts: set[bytes] = set(state.texts)
+        seen_sessions: set[bytes] = set(state.session_hashes)
+        new_queries: set[str] = set()
+
+        def flush() -> None:
+            nonlocal chunk
+            if chunk.histories == 0:
+                return
+            part = f"{prefix}{len(parts):05d}"
+            for name in INGEST_TABLES:
+                bank.write_part(name, part, chunk.table(name), info={"source": str(p), "append": n_app})
+            parts.append(part)
+            faults.hit("ingest:after-part")
+            chunk = _Chunk()
+
+        try:
+            for rec in loader(fmt)(p, warnings):
+                if rec.history_id in seen_ids:
+                    raise DataError(str(p), f"duplicate history id {rec.history_id!r}", index=rec.index, record_id=rec.history_id)
+                seen_ids.add(rec.history_id)
+                queries = []
+                for q in rec.queries:
+                    o = state.queries.get(q["query_id"])
+                    if q["query_id"] in new_queries:
+                        raise DataError(str(p), f"duplicate question id {q['query_id']!r}", index=rec.index, record_id=rec.history_id)
+                    if o is None:
+                        queries.append(q)
+                        new_queries.add(q["query_id"])
+                    elif not _same_row("queries", o, q):
+                        raise DataError(str(p), f"question {q['query_id']!r} is already in the bank with other content",
+                                        index=rec.index, record_id=rec.history_id)
+                old = state.sessions.get(rec.history_id)
+                if old is None:
+                    sessions, from_pos = list(rec.sessions), None
+                    hrow = rec.history_row()
+                else:
+                    sessions, from_pos = _merge_history(rec, old, allow_reorder, p)
+                    hrow = dict(state.histories[rec.history_id])
+                old_ids = {o["session_id"] for o in old or []}
+                n_new = sum(1 for s in sessions if s["session_id"] not in old_ids)
+                hrow["n_sessions"] = len(old_ids) + n_new
+                if not sessions and not queries:
+                    continue
+                rec.sessions = sessions
+                rec.queries = queries
+                _append_rows(rec, hrow, n_new, chunk, counts, seen_texts, seen_sessions)
+                if old is not None and n_new:
+                    counts["histories_extended"] += 1
+                    extended[rec.history_id] = len(old) if from_pos is None else from_pos
+                    if from_pos is not None:
+                        recompute[rec.history_id] = from_pos
+                elif old is None:
+                    counts["histories"] += 1
+                if chunk.histories >= chunk_histories or chunk.chars >= chunk_chars:
+                    flush()
+            flush()
+            if not parts:
+                log.info("append %s: nothing new (every session and question is in the bank already)", p.name)
+                return {"path": str(p.resolve()), "format": fmt, "kind": APPEND_KIND, "counts": counts,
+                        "committed": False, "parts": 0, "warning_count": warnings.total,
+                        "warnings": warnings.summary(), "seconds": round(time.perf_counter() - t0, 3)}
+            entry = {
+                "kind": APPEND_KIND,
+                "path": str(p.resolve()),
+                "format": fmt,
+                "sha256": file_sha256(p),
+                "bytes": p.stat().st_size,
+                "strict": strict,
+                "allow_reorder": allow_reorder,
+                "counts": dict(counts),
+                "warnings": warnings.total,
+                "parts": list(parts),
+                "sessions_from": extended,  # history -> first position added (or moved)
+                "recompute_from": recompute,  # history -> first position whose rows must be recomputed
+            }
+            bank.commit_ingest(committed + parts, datasets=[*(bank.manifest.get("datasets") or []), entry])
+        except BaseException:
+            m = bank.manifest
+            if not parts or not set(parts) <= set((m.get("ingest") or {}).get("parts") or []):
+                bank.abort_ingest()  # the committed data stays as it was
+            if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+                raise IngestInterrupted(f"interrupted before the append was committed: {out} is unchanged") from None
+            raise
+    summary = {**entry, "committed": True, "warning_count": warnings.total, "warnings": warnings.summary(),
+               "seconds": round(time.perf_counter() - t0, 3)}
+    log.info("appended %s: %d new histories, %d extended, %d sessions, %d questions in %.1fs", p.name,
+             counts["histories"], counts["histories_extended"], counts["sessions"], counts["queries"], summary["seconds"])
+    return summary
+
+
+def _append_rows(rec: HistoryRecord, hrow: dict[str, Any], n_new: int, chunk: _Chunk, counts: dict[str, int],
+                 seen_texts: set[bytes], seen_sessions: set[bytes]) -> None:
+    """Like ingest's :func:`_add` for an append: the history row, the session rows given (new and moved), and the
+    texts, turns and pairs the bank does not hold yet."""
+    _add_rows(rec, hrow, chunk, counts, seen_texts, seen_sessions)
+    chunk.histories += 1
+    counts["sessions"] += n_new
+    counts["queries"] += len(rec.queries)

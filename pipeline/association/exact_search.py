@@ -1,0 +1,285 @@
+"""Exact candidate search: the top ``mem_threshold`` earlier-session nodes of each row.
+
+:func:`_causal_candidates` (blocked, lower triangle only; NumPy or CuPy), :func:`_dense_candidates` (the
+full masked matrix, its reference) and :func:`_faiss_candidates` (progressive faiss ``IndexFlatIP``), plus
+the row blocks one Ray task computes (:func:`causal_rows`, :func:`split_rows`).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+from memgas.kernels.backend import get_xp, to_host
+from memgas.kernels.topk import topk
+from memgas.pipeline.association.nodes import (
+    N_GRAN,
+    Candidates,
+    _as_nodes,
+    _first_row_session,
+    _read_cols,
+    _read_rows,
+    _rescore,
+)
+
+log = logging.getLogger(__name__)
+
+DENSE_MAX_NODES = 20_000  # above this many nodes, candidate search goes through faiss
+ROW_CHUNK = 4096  # query rows per dense similarity block (bounds memory to ROW_CHUNK x n_nodes floats)
+#: sessions per row block of the causal search (64 sessions = 256 rows: a 256 x prefix float32 block)
+CAUSAL_BLOCK_SESSIONS = 64
+#: prefix columns per product in the causal search (bounds a block to 256 x 65536 float32 = 64 MB)
+COL_CHUNK = 1 << 16
+#: column counts of the causal search's products are padded to a multiple of this (canonical shapes)
+COL_PAD = 64
+#: query tiles held at once by the causal search (each column chunk is read once per group)
+GROUP_TILES = 64
+
+
+def _dense_candidates(E: np.ndarray, rows: np.ndarray, k: int, device: str) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k earlier-session candidates per row: the full masked [rows, nodes] matrix + one top-k.
+
+    The reference for :func:`_causal_candidates` (tests check they agree); also what ``search="dense"``
+    ran before the blocked version.
+    """
+    xp, _ = get_xp(device)
+    R = rows.size
+    cand = np.full((R, k), -1, np.int64)
+    valid = np.zeros((R, k), bool)
+    if R == 0:
+        return cand, valid
+    limit_all = (rows // N_GRAN) * N_GRAN  # nodes before the row's session
+    Ed = xp.asarray(E)
+    for a in range(0, R, ROW_CHUNK):
+        r = rows[a : a + ROW_CHUNK]
+        lim = limit_all[a : a + ROW_CHUNK]
+        ncol = int(lim.max())
+        if ncol == 0:
+            continue
+        sims = Ed[xp.asarray(r)] @ Ed[:ncol].T  # float32 [chunk, ncol]
+        colmask = xp.arange(ncol)[None, :] < xp.asarray(lim)[:, None]
+        sims = xp.where(colmask, sims, -xp.inf)
+        kk = min(k, ncol)
+        idx, val = topk(sims, kk)
+        idx, val = to_host(idx), to_host(val)
+        ok = np.isfinite(val)
+        cand[a : a + r.size, :kk] = np.where(ok, idx, -1)
+        valid[a : a + r.size, :kk] = ok
+    return cand, valid
+
+
+def _topk_rows(sims: Any, k: int) -> tuple[Any, Any]:
+    """Top ``k`` per row, best first, ties by lower column: same result as ``kernels.topk.topk``, fewer passes.
+
+    One ``argpartition`` picks k largest entries per row; one equality count finds the rows where an
+    entry left out ties the k-th value (float ties, or -inf padding of short prefixes): only those rows go
+    through the exact tie-aware ``topk``. The k picked entries are then ordered by (-score, column).
+    """
+    xp = get_xp("cuda")[0] if type(sims).__module__.startswith("cupy") else np
+    n = sims.shape[1]
+    k = min(k, n)
+    if k == n:
+        return topk(sims, k)
+    part = xp.argpartition(sims, n - k, axis=1)[:, n - k :]  # the k largest, unordered
+    part = xp.sort(part, axis=1)  # column order, so a stable sort by score keeps lower columns first on ties
+    pv = xp.take_along_axis(sims, part, 1)
+    kth = pv.min(axis=1, keepdims=True)
+    bad = (sims == kth).sum(axis=1) != (pv == kth).sum(axis=1)
+    o = xp.argsort(-pv, axis=1, kind="stable") if xp is np else xp.argsort(-pv, axis=1)
+    idx = xp.take_along_axis(part, o, 1).astype(xp.int64)
+    val = xp.take_along_axis(pv, o, 1)
+    if bool(bad.any()):
+        sel = xp.nonzero(bad)[0]
+        bi, bv = topk(sims[sel], k)
+        idx[sel], val[sel] = bi, bv
+    return idx, val
+
+
+def _pad(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`COL_PAD` (at least one multiple)."""
+    return max(COL_PAD, -(-n // COL_PAD) * COL_PAD)
+
+
+def _causal_candidates(
+    E: Any, rows: np.ndarray, k: int, device: str, block_sessions: int = CAUSAL_BLOCK_SESSIONS,
+    col_chunk: int = COL_CHUNK, group_tiles: int = GROUP_TILES,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Blocked causal top-k: the same candidates as :func:`_dense_candidates` at about half the work.
+
+    Rows are taken in tiles of ``block_sessions`` sessions on a grid fixed by node ids (tile t = sessions
+    [t*block_sessions, (t+1)*block_sessions)). A tile's rows can only see nodes before their own session,
+    so each tile multiplies against its *prefix* (the lower triangle of the similarity matrix, never the
+    upper one), masks the small in-tile triangle, and takes one top-k per column chunk, merged chunk by
+    chunk (earlier chunks first, so equal scores keep the lower node id).
+
+    Every product has a canonical shape: the query block is the whole tile (``4*block_sessions`` rows,
+    zero rows where a row is not asked for, each row at its own place in the tile) and the column count
+    is padded to a multiple of :data:`COL_PAD`. BLAS gives an entry different low bits depending on the
+    product's shape (small products take other kernels), so without this a row's float32 scores, and at
+    near-ties its candidates, would depend on which other rows were asked for in the same call. With it a
+    row's candidates are the same whatever the row set: one call over a history, its row blocks
+    (:func:`causal_rows`, one Ray task each) and the rows of appended sessions agree byte for byte.
+
+    ``E`` may be an array, a ``np.memmap`` or a :class:`NodeFile` (read in blocks: only one column chunk
+    and ``group_tiles`` query tiles are in memory at a time). Written against ``xp``: NumPy on CPU, CuPy
+    on GPU (the GPU candidate search; there is no GPU faiss path).
+    """
+    xp, _ = get_xp(device)
+    R = rows.size
+    cand = np.full((R, k), -1, np.int64)
+    valid = np.zeros((R, k), bool)
+    if R == 0:
+        return cand, valid
+    T = block_sessions * N_GRAN  # rows of a full tile
+    row_sess = rows // N_GRAN
+    tile = row_sess // block_sessions
+    # rows are sorted (node order): cut them where the tile changes
+    cuts = np.flatnonzero(np.diff(tile)) + 1
+    starts = np.concatenate([[0], cuts]).tolist()
+    ends = np.concatenate([cuts, [R]]).tolist()
+    for g in range(0, len(starts), group_tiles):
+        tiles = []
+        for a, b in zip(starts[g : g + group_tiles], ends[g : g + group_tiles]):
+            lim_h = row_sess[a:b] * N_GRAN  # nodes before each row's session
+            ncol = int(lim_h.max())
+            if ncol == 0:
+                continue
+            q = np.zeros((T, E.shape[1]), np.float32)
+            slot = rows[a:b] - int(tile[a]) * T  # each row at its own place in the tile
+            q[slot] = _read_rows(E, rows[a:b])
+            tiles.append({"a": a, "b": b, "q": xp.asarray(q), "slot": xp.asarray(slot), "ncol": ncol,
+                          "lo": int(lim_h.min()), "lim": xp.asarray(lim_h)[:, None], "i": None, "v": None})
+        if not tiles:
+            continue
+        top = max(t["ncol"] for t in tiles)
+        # column chunks outside, tiles inside: each chunk of the prefix is read once per group of tiles
+        for c0 in range(0, top, col_chunk):
+            c1g = min(top, c0 + col_chunk)
+            chunk = xp.asarray(_read_cols(E, c0, c0 + _pad(c1g - c0)))
+            for t in tiles:
+                if t["ncol"] <= c0:
+                    continue
+                c1 = min(t["ncol"], c0 + col_chunk)
+                w = _pad(c1 - c0)
+                sims = (t["q"] @ chunk[:w].T)[t["slot"]]  # float32 [tile rows, w]: canonical product shape
+                if c0 + w > min(t["lo"], c1):  # the in-tile triangle and the padding: columns not to see
+                    m0 = max(min(t["lo"], c1), c0)
+                    cols = xp.arange(m0, c0 + w)[None, :]
+                    tail = (cols < t["lim"]) & (cols < c1)
+                    sims[:, m0 - c0 :] = xp.where(tail, sims[:, m0 - c0 :], -xp.inf)
+                i, v = _topk_rows(sims, k)
+                i = i + c0
+                if t["i"] is not None:
+                    i2, v2 = xp.concatenate([t["i"], i], 1), xp.concatenate([t["v"], v], 1)
+                    j, v = _topk_rows(v2, k)
+                    i = xp.take_along_axis(i2, j, 1)
+                t["i"], t["v"] = i, v
+            del chunk
+        for t in tiles:
+            idx, val = to_host(t["i"]), to_host(t["v"])
+            a, b, kk = t["a"], t["b"], idx.shape[1]
+            ok = np.isfinite(val)
+            cand[a:b, :kk] = np.where(ok, idx, -1)
+            valid[a:b, :kk] = ok
+    return cand, valid
+
+
+def _faiss_candidates(
+    E: np.ndarray, rows: np.ndarray, k: int, device: str, block_sessions: int = 1024
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exact top-k earlier-session candidates via faiss IndexFlatIP, built progressively.
+
+    Sessions are processed in blocks [a, b): the block's rows search an index holding the nodes of
+    sessions < a; candidates inside the block (earlier sessions of the same block) come from a small
+    dense block x block product; the two lists are merged by score. The index then receives the block.
+    """
+    import faiss  # noqa: PLC0415
+
+    d = E.shape[1]
+    index = faiss.IndexFlatIP(d)
+    if device in ("cuda", "auto") and hasattr(faiss, "StandardGpuResources") and faiss.get_num_gpus() > 0:
+        res = faiss.StandardGpuResources()
+        index = faiss.index_cpu_to_gpu(res, 0, index)
+    elif device == "cuda":
+        log.warning("faiss has no GPU support here; association candidate search runs on CPU")
+    R = rows.size
+    cand = np.full((R, k), -1, np.int64)
+    valid = np.zeros((R, k), bool)
+    n_sessions = E.shape[0] // N_GRAN
+    row_sess = rows // N_GRAN
+    for a in range(0, n_sessions, block_sessions):
+        b = min(n_sessions, a + block_sessions)
+        sel = np.nonzero((row_sess >= a) & (row_sess < b))[0]
+        if sel.size:
+            r = rows[sel]
+            q = E[r]
+            parts_i, parts_v = [], []
+            if index.ntotal:
+                v, i = index.search(q, min(k, index.ntotal))
+                parts_i.append(i.astype(np.int64))
+                parts_v.append(np.where(i >= 0, v, -np.inf).astype(np.float32))
+            # within-block earlier sessions
+            lo = a * N_GRAN
+            blk = E[lo : b * N_GRAN]
+            s_in = q @ blk.T
+            lim = (row_sess[sel] * N_GRAN - lo)[:, None]
+            s_in = np.where(np.arange(blk.shape[0])[None, :] < lim, s_in, -np.inf).astype(np.float32)
+            kk = min(k, blk.shape[0])
+            ii, vv = topk(s_in, kk)
+            parts_i.append(ii + lo)
+            parts_v.append(vv)
+            allv = np.concatenate(parts_v, 1)
+            alli = np.concatenate(parts_i, 1)
+            # ties by lower node id: sort by (-score, id)
+            o = np.lexsort((alli, -allv), axis=1)[:, :k]
+            ci = np.take_along_axis(alli, o, 1)
+            cv = np.take_along_axis(allv, o, 1)
+            ok = np.isfinite(cv) & (ci >= 0)
+            cand[sel, : ci.shape[1]] = np.where(ok, ci, -1)
+            valid[sel, : ci.shape[1]] = ok
+        index.add(E[a * N_GRAN : b * N_GRAN])
+    return cand, valid
+
+
+def causal_rows(
+    emb_nodes: Any, a: int, b: int, *, mem_threshold: int = 30, min_prior_nodes: int = 20, device: str = "cpu",
+    block_sessions: int = CAUSAL_BLOCK_SESSIONS, col_chunk: int = COL_CHUNK,
+) -> Candidates:
+    """Exact causal candidates of the rows (node ids) ``[a, b)`` of one history: one Ray task's share.
+
+    ``emb_nodes`` holds at least the nodes ``[0, b)`` (the prefix those rows may see and the rows
+    themselves; more is fine and never read): an array, a ``np.memmap`` or a :class:`NodeFile` (read in
+    blocks). Rows before the first eligible session (``min_prior_nodes``) give no candidates. The result
+    is byte for byte the rows' part of ``candidates(..., search="causal")`` over the whole history,
+    whatever ``a`` and ``b`` (see :func:`_causal_candidates` for why), so a history split into blocks, or
+    extended by appended sessions, gives the same candidates, scores and edges as one task.
+    """
+    E = _as_nodes(emb_nodes, whole_sessions=False)  # a prefix may end inside the last row's session
+    if not 0 <= a <= b <= E.shape[0]:
+        raise ValueError(f"rows [{a}, {b}) outside the {E.shape[0]} nodes given")
+    first = _first_row_session(0, min_prior_nodes) * N_GRAN
+    rows = np.arange(max(a, first), b, dtype=np.int64)
+    cand, valid = _causal_candidates(E, rows, int(mem_threshold), device, block_sessions, col_chunk)
+    cand, valid, sc = _rescore(E, rows, cand, valid)
+    return Candidates(rows, cand, valid, sc)
+
+
+def split_rows(n_nodes: int, parts: int, *, start: int = 0, block_sessions: int = CAUSAL_BLOCK_SESSIONS) -> list[tuple[int, int]]:
+    """Cut the rows ``[start, n_nodes)`` into about ``parts`` blocks of about equal causal work.
+
+    A row's work grows with its prefix, so equal work means blocks that shrink towards the end (cut at
+    equal steps of ``r^2``). Cuts fall on tile edges (``4*block_sessions`` rows), so no tile's product
+    is computed by two tasks; the result does not depend on the cuts either way.
+    """
+    if n_nodes <= start or parts < 1:
+        return []
+    T = block_sessions * N_GRAN
+    cuts = {start, n_nodes}
+    for j in range(1, parts):
+        r = int(np.sqrt(start**2 + (n_nodes**2 - start**2) * j / parts))
+        r = (r // T) * T
+        if start < r < n_nodes:
+            cuts.add(r)
+    c = sorted(cuts)
+    return list(zip(c[:-1], c[1:]))
