@@ -10,7 +10,7 @@ Three parts per scale:
    ``build_nodes`` and seeded unit vectors (384-d, a function of the text hash, with a topic + session
    component so similarities look like MiniLM's) are written into the bank with the real schemas. Then the
    real stage functions run through the real executor (Ray tasks; ``--no-ray``: in-process): association
-   (``main_job._associate``: GMM and top-k edges) and ranking (``main_job._rank``: every retrieval
+   (the associate stage: GMM and top-k edges) and ranking (the rank stage: every retrieval
    method). Reading/answering (LLM) is not part of this benchmark.
 3. **model stages on a sample** (CPU defaults of ``configs/demo.yaml``: LLM-free generator = YAKE +
    MiniLM centroid summaries, MiniLM encoder): ``--sample-sessions`` unique sessions are generated and

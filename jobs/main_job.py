@@ -57,11 +57,20 @@ def ensure_ingested(cfg: MemgasConfig, prof: Profiler) -> tuple[Bank, dict[str, 
     ctx = StageContext(cfg, ctx_bank, None, use_ray=False)
     if bank is not None and stage.holds_config_dataset(ctx):
         log.info("bank %s already holds %s; skipping ingest", path, cfg.data.path)
-        return bank, {"stage": "ingest", "status": "skipped"}
-    with prof.stage("ingest") as st:
+        return bank, _ingest_entry(stage, cfg, bank, "skipped")
+    with prof.stage(stage.name) as st:
         stats = stage.run_driver(ctx)
         st.items = stats["items"]
-    return Bank(path), {"stage": "ingest", "status": "executed", "summary": stats.get("summary")}
+    bank = Bank(path)
+    return bank, _ingest_entry(stage, cfg, bank, "executed", summary=stats.get("summary"))
+
+
+def _ingest_entry(stage: S.IngestStage, cfg: MemgasConfig, bank: Bank, status: str, **extra: Any) -> dict[str, Any]:
+    """Ingest's run_record.json entry, with the fields every stage's entry has: its fingerprint (what the
+    bank holds) and where it ran, and its output digest (the verified ingested parts)."""
+    ctx = StageContext(cfg, bank, None, use_ray=False)
+    return {"stage": stage.name, "fingerprint": stage.fingerprint(ctx), "where": stage.where, "status": status,
+            "output": S.ingest_output(bank), **extra}
 
 
 def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
@@ -135,7 +144,9 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
         check_output_dir(run_dir, fresh=False, bank_dir=bank.path)
         with locked(run_dir):
             claim_run_dir(run_dir, bank.path)
-            return _answer_in(cfg, bank, run_dir, Profiler(), [], use_ray, profile, time.time())
+            # the dataset was ingested before (memgas ingest / index): recorded as held, with its digests
+            held = [_ingest_entry(S.IngestStage(), cfg, bank, "held")]
+            return _answer_in(cfg, bank, run_dir, Profiler(), held, use_ray, profile, time.time())
     finally:
         if own:
             shutdown_ray()

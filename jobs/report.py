@@ -1,6 +1,6 @@
 """Reports of a run: ``report.md`` tables for people and PNG plots, from ``metrics.json``.
 
-metrics.json layout (written by :mod:`memgas.jobs.main_job`)::
+metrics.json layout (written by :mod:`memgas.jobs.main_job`, the commands)::
 
     {"run": {...}, "dataset": {...},
      "retrieval": {"session": {METHOD: {"overall": {metric: value}, "by_type": {type: {metric: value}},

@@ -48,7 +48,7 @@ def set_fingerprint(stage: Stage, ctx: StageContext) -> str:
 
 
 def compute_fingerprints(ctx: StageContext) -> dict[str, str]:
-    """Every stage's fingerprint under ``ctx`` without running anything (``memgas plan``, tests)."""
+    """Every stage's fingerprint under ``ctx`` without running anything (tests and benchmarks)."""
     for stage in S.PIPELINE:
         set_fingerprint(stage, ctx)
     return dict(ctx.fingerprints)

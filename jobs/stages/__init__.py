@@ -29,7 +29,7 @@ from memgas.jobs.stages.fields import (
     present_fields,
 )
 from memgas.jobs.stages.generate import GenerateStage
-from memgas.jobs.stages.ingest import IngestStage
+from memgas.jobs.stages.ingest import IngestStage, ingest_output
 from memgas.jobs.stages.judge import JudgeStage
 from memgas.jobs.stages.justmem import (
     JustMemActorStage,
@@ -97,10 +97,10 @@ __all__ = [
     "PlanStage", "RankStage", "ReadStage", "TextBlocks",
     "accounting_keys", "attempt_of", "cards_key", "chunk", "cost_chunks", "current_answers", "current_cards",
     "current_plans", "declared_fields", "drop_other_parts", "edges_of", "encoder_config", "encoder_key",
-    "encoder_keys", "encoder_on_cuda", "even_chunks", "generation_key", "history_shards", "justmem_enabled",
+    "encoder_keys", "encoder_on_cuda", "even_chunks", "generation_key", "ingest_output", "history_shards", "justmem_enabled",
     "justmem_texts", "justmem_upstream", "kernel_device", "llm_identity", "llm_on_cuda", "make_model",
     "matrix_loader", "method_tokens", "model_file_digests", "model_gpus", "node_matrix", "owned",
-    "parts_with_prefix", "plan_key", "prefix_of", "present_fields", "query_vectors", 
+    "parts_with_prefix", "plan_key", "prefix_of", "present_fields", "query_vectors",
     "rederive_texts", "registered", "resolve_llm_runtime", "resolve_stage_runtimes", "texts_by_hash",
     "window_key",
 ]

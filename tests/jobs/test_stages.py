@@ -235,6 +235,11 @@ def test_first_run_executes_every_stage_and_reads_in_the_job(reference_run) -> N
     # cards and plan are disabled without a JustMem method (tests/jobs/test_justmem_stages.py runs them)
     assert [r["status"] for r in rec.values()] == (["executed"] * 2 + ["disabled"] * 2 + ["executed"] * 5
                                                    + ["disabled", "executed"])
+    # ingest's entry has what every stage's has: its fingerprint, where it ran, and its verified output
+    ingest = rec["ingest"]
+    bank = Bank(reference_run / "bank")
+    assert ingest["where"] == "driver" and ingest["output"] == S.ingest_output(bank)
+    assert ingest["fingerprint"] == S.IngestStage().fingerprint(StageContext(_base(reference_run), bank, None, False))
     metrics = json.loads((reference_run / "metrics.json").read_text())
     qa = metrics["qa"]["memgas"]
     assert qa["n"] + qa["failed"] == 1 and qa["failed"] == 0  # reading.max_questions=1, answered
