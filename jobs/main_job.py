@@ -286,7 +286,7 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
 
     metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(),
                "encoding": encoding_accounting(bank, **S.accounting_keys(ctx)), "tokens": S.method_tokens(ctx),
-               "latency": latency, "record": record}
+               "profiles": S.plan_profiles(ctx), "latency": latency, "record": record}
     manifest = {
         "config": cfg.public_dump(), "memgas_version": __version__, "git_commit": run_info["git_commit"],
         "dataset": ds, "models": _model_manifest(ctx), "host": {"hostname": socket.gethostname(),

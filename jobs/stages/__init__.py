@@ -37,6 +37,7 @@ from memgas.jobs.stages.justmem import (
     current_plans,
     justmem_enabled,
     justmem_texts,
+    plan_profiles,
 )
 from memgas.jobs.stages.keys import (
     accounting_keys,
@@ -100,7 +101,7 @@ __all__ = [
     "encoder_keys", "encoder_on_cuda", "even_chunks", "generation_key", "ingest_output", "history_shards", "justmem_enabled",
     "justmem_texts", "justmem_upstream", "kernel_device", "llm_identity", "llm_on_cuda", "make_model",
     "matrix_loader", "method_tokens", "model_file_digests", "model_gpus", "node_matrix", "owned",
-    "parts_with_prefix", "plan_key", "prefix_of", "present_fields", "query_vectors",
+    "parts_with_prefix", "plan_key", "plan_profiles", "prefix_of", "present_fields", "query_vectors",
     "rederive_texts", "registered", "resolve_llm_runtime", "resolve_stage_runtimes", "texts_by_hash",
     "window_key",
 ]

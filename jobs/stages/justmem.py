@@ -61,6 +61,21 @@ def current_plans(ctx: StageContext, query_ids: list[str] | None = None) -> pa.T
                          filter=None if query_ids is None else pc.field("query_id").isin(query_ids))
 
 
+def plan_profiles(ctx: StageContext) -> dict[str, dict[str, int]]:
+    """{question type: {profile: questions}} of this config's plans (empty without a JustMem method): how
+    the planner's access profiles fall over the dataset's question types (metrics.json ``profiles``)."""
+    if not justmem_enabled(ctx.cfg):
+        return {}
+    plans = current_plans(ctx).select(["query_id", "profile"]).to_pylist()
+    types = ctx.bank.read("queries", ["query_id", "question_type"]).to_pylist()
+    qtype = {r["query_id"]: r["question_type"] or "unknown" for r in types}
+    out: dict[str, dict[str, int]] = {}
+    for p in sorted(plans, key=lambda r: r["query_id"]):
+        by = out.setdefault(qtype.get(p["query_id"], "unknown"), {})
+        by[p["profile"]] = by.get(p["profile"], 0) + 1
+    return {t: dict(sorted(v.items())) for t, v in sorted(out.items())}
+
+
 def current_cards(ctx: StageContext, session_hashes: list[str] | None = None) -> pa.Table:
     """This config's cards (optionally of ``session_hashes``)."""
     f = pc.field("extractor") == cards_key(ctx)

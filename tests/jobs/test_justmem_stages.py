@@ -132,6 +132,14 @@ def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
         assert (want["prompt"] > 0) == (m in READ), m  # only the methods in reading.methods answer
     report = (jm_run / "report.md").read_text()
     assert "## LLM tokens per method" in report and "| justmem-compose | 0 + 0 | 0 + 0 | 0 + 0 |" in report
+    # the planner's profiles per question type, counted independently from the plans and queries tables
+    qtype = dict(zip(*bank.read("queries", ["query_id", "question_type"]).to_pydict().values()))
+    want: dict[str, dict[str, int]] = {}
+    for q, p in zip(plans["query_id"].to_pylist(), plans["profile"].to_pylist()):
+        want.setdefault(qtype[q], {}).setdefault(p, 0)
+        want[qtype[q]][p] += 1
+    assert metrics["profiles"] == want and sum(sum(v.values()) for v in want.values()) == plans.num_rows
+    assert "## JustMem access profiles per question type" in report
 
 
 @pytest.mark.slow
