@@ -44,12 +44,13 @@ def make_copies(src: Path, out: Path, copies: int) -> None:
 
 
 def stage_ctx(cfg, bank):
-    from memgas.jobs import main_job
+    from memgas.jobs import runner
     from memgas.jobs.stage import StageContext
+    from memgas.jobs.stages import resolve_stage_runtimes
 
     ctx = StageContext(cfg, bank, None, use_ray=False)
-    main_job.resolve_runtime(ctx)
-    main_job.compute_fingerprints(ctx)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
     return ctx
 
 
@@ -85,7 +86,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TQDM_DISABLE", "1")
 
-    from memgas.jobs import main_job
+    from memgas.jobs import main_job, runner
     from memgas.jobs import stages as S
     from memgas.jobs.profiling import Profiler
     from memgas.pipeline.config import MemgasConfig
@@ -105,7 +106,7 @@ def main() -> None:
     ctx = stage_ctx(cfg, bank)
     for name in ("generate", "nodes"):
         t0 = time.perf_counter()
-        main_job.run_stage(S.STAGES[name], ctx, ctx.store(S.STAGES[name]), ctx.fingerprints[name], Profiler(), {})
+        runner.run_stage(S.STAGES[name], ctx, ctx.store(S.STAGES[name]), ctx.fingerprints[name], Profiler(), {})
         timings[name] = time.perf_counter() - t0
         print(f"{name}: {timings[name]:.0f}s", flush=True)
     n_sessions = len(set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist()))

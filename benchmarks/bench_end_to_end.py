@@ -10,7 +10,7 @@ Three parts per scale:
    ``build_nodes`` and seeded unit vectors (384-d, a function of the text hash, with a topic + session
    component so similarities look like MiniLM's) are written into the bank with the real schemas. Then the
    real stage functions run through the real executor (Ray tasks; ``--no-ray``: in-process): association
-   (``main_job._associate``: GMM and top-k edges) and ranking (``main_job._rank``: every retrieval
+   (the associate stage: GMM and top-k edges) and ranking (the rank stage: every retrieval
    method). Reading/answering (LLM) is not part of this benchmark.
 3. **model stages on a sample** (CPU defaults of ``configs/demo.yaml``: LLM-free generator = YAKE +
    MiniLM centroid summaries, MiniLM encoder): ``--sample-sessions`` unique sessions are generated and
@@ -171,9 +171,9 @@ def fill_bank(cfg, res: Result) -> dict:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from memgas.jobs import main_job
+    from memgas.jobs import runner
     from memgas.jobs.stage import StageContext
-    from memgas.jobs.stages import EncodeStage, encoder_key, generation_key
+    from memgas.jobs.stages import EncodeStage, encoder_key, generation_key, resolve_stage_runtimes
     from memgas.pipeline.bank import Bank
     from memgas.pipeline.encode import query_hash
     from memgas.pipeline.generate import derived_texts, hybrid_text
@@ -183,8 +183,8 @@ def fill_bank(cfg, res: Result) -> dict:
 
     bank = Bank(cfg.bank_path)
     ctx = StageContext(cfg, bank, None, use_ray=False)
-    main_job.resolve_runtime(ctx)
-    main_job.compute_fingerprints(ctx)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
     model, pv = generation_key(ctx)
     enc = encoder_key(ctx)
     t0 = time.perf_counter()
@@ -250,13 +250,14 @@ def fill_bank(cfg, res: Result) -> dict:
         f"({len(need) * DIM * 4 / 1e6:.0f} MB) written in {t_fill + t_emb:.1f} s (setup, not a stage)")
     res.facts.append(("stored vectors (synthetic, 384-d)", f"{len(need)} ({len(need) * DIM * 4 / 1e6:.0f} MB)"))
     for name in ("generate", "nodes", "encode"):  # filled above: the runner takes them as done
-        main_job.mark_done(ctx, name)
+        runner.mark_done(ctx, name)
     return {"vectors": len(need), "node_rows": nodes.num_rows}
 
 
 def part_retrieval(cfg, res: Result, use_ray: bool, sessions_per_history: int) -> None:
-    from memgas.jobs import main_job
+    from memgas.jobs import main_job, runner
     from memgas.jobs.profiling import Profiler
+    from memgas.jobs.stages import resolve_stage_runtimes
     from memgas.pipeline.bank import Bank
 
     bank = Bank(cfg.bank_path)
@@ -274,8 +275,8 @@ def part_retrieval(cfg, res: Result, use_ray: bool, sessions_per_history: int) -
 
     prof = Profiler()
     ctx = StageContext(cfg, bank, None, use_ray)
-    main_job.resolve_runtime(ctx)
-    main_job.run_stages(ctx, ["associate"], prof)
+    resolve_stage_runtimes(ctx)
+    runner.run_stages(ctx, ["associate"], prof)
     st = prof.stages["associate"]
     s0 = -(-cfg.association.min_prior_nodes // 4)
     gmm_rows = n_hist * 4 * max(0, sessions_per_history - s0)
@@ -286,8 +287,8 @@ def part_retrieval(cfg, res: Result, use_ray: bool, sessions_per_history: int) -
 
     results = Bank.create(Path(cfg.output_dir) / "results")
     rctx = StageContext(cfg, bank, results, use_ray)
-    main_job.resolve_runtime(rctx)
-    main_job.run_stages(rctx, ["rank"], prof)
+    resolve_stage_runtimes(rctx)
+    runner.run_stages(rctx, ["rank"], prof)
     st = prof.stages["rank"]
     methods = cfg.retrieval.methods
     res.rows.append(Row("rank (queries, all methods)", n_q, "queries", st.wall_s, f"{len(methods)} methods"))
@@ -327,13 +328,12 @@ def part_models(cfg, res: Result, n_sample: int, refs: int, uniq: int, n_queries
     kind = dialogue_kind_for("longmemeval")
     items = [(h, stext[h], kind, None) for h in sample]
     t0 = time.perf_counter()
-    from memgas.jobs import main_job
     from memgas.jobs.stage import StageContext
-    from memgas.jobs.stages import generation_key
+    from memgas.jobs.stages import generation_key, resolve_stage_runtimes
     from memgas.pipeline.llm_free import LLMFreeGenerator
 
     gctx = StageContext(cfg, bank, None, use_ray=False)
-    main_job.resolve_runtime(gctx)
+    resolve_stage_runtimes(gctx)
     gens = generate_for_sessions(items, None, cfg.generation, key=generation_key(gctx), llm_free=LLMFreeGenerator())
     derived = derived_texts(gens, stext)
     t_gen = time.perf_counter() - t0

@@ -150,6 +150,7 @@ def job_index(data: Path, out: Path, settings: list[str]) -> dict:
     from memgas.jobs import stages as S
     from memgas.jobs.profiling import Profiler
     from memgas.jobs.stage import StageContext
+    from memgas.jobs.stages import resolve_stage_runtimes
     from memgas.pipeline.config import MemgasConfig
     from memgas.pipeline.encode import encoding_accounting
 
@@ -161,7 +162,7 @@ def job_index(data: Path, out: Path, settings: list[str]) -> dict:
     main_job.index(cfg, bank.path, prof=prof, use_ray=True)
     wall = time.perf_counter() - t0
     ctx = StageContext(cfg, bank, None, use_ray=False)
-    main_job.resolve_runtime(ctx)
+    resolve_stage_runtimes(ctx)
     sessions = bank.read("sessions", ["text_hash"])
     return {"stages": prof.to_dict(), "wall_s": wall, "unique": len(set(sessions["text_hash"].to_pylist())),
             "refs": sessions.num_rows,

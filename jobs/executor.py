@@ -25,12 +25,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
-from tqdm.auto import tqdm
-
 from memgas.jobs.stage import Stage, StageContext, short_hash
 from memgas.pipeline import faults
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import MemgasError
+from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +159,31 @@ def cluster_gpus() -> float:
         return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
     except Exception:  # informative: no cluster, no GPUs
         return 0.0
+
+
+def ray_cpus() -> int:
+    """CPUs of the Ray cluster this driver is connected to (one single-threaded actor each)."""
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+# -- placement: decided here from what a stage declares (Stage.fits_one_core, actor_count, num_gpus) ----------
+def _one_core_actors(stage: Stage, ctx: StageContext) -> bool:
+    return ctx.use_ray and stage.fits_one_core(ctx)
+
+
+def actor_config(stage: Stage, ctx: StageContext) -> dict[str, Any]:
+    """What an actor of ``stage`` loads: the stage's model config and the torch threads it computes with, one
+    where the model fits one core under Ray (an actor per CPU), else ``llm.threads`` (None: every core it has;
+    Ray sets OMP_NUM_THREADS=1 in a worker, which the model host undoes)."""
+    return {**stage.model_config(ctx), "threads": 1 if _one_core_actors(stage, ctx) else ctx.cfg.llm.threads}
+
+
+def actor_count(stage: Stage, ctx: StageContext) -> int:
+    """How many actors hold ``stage``'s model: one per Ray CPU where it fits one core, else the stage's
+    :meth:`Stage.actor_count` (``ray.model_actors``, or ``encoder.actors``)."""
+    return ray_cpus() if _one_core_actors(stage, ctx) else stage.actor_count(ctx)
 
 
 def require_gpus(what: str, per_worker: float, hint: str) -> None:
@@ -368,7 +392,7 @@ def execute_units(
     bar = tqdm(total=sum(int(u.get("size", 1)) for u in todo), desc=desc or stage.name, unit="item", leave=False)
     try:
         if not ctx.use_ray:
-            host = _local_host(factory, stage.model, stage.model_config(ctx)) if stage.where == "actor" else None
+            host = _local_host(factory, stage.model, actor_config(stage, ctx)) if stage.where == "actor" else None
             for u in todo:
                 t0 = time.perf_counter()
                 payload = stage.inputs(ctx, u)
@@ -432,7 +456,12 @@ def _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store) -> None:
 
 def _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, store) -> None:
     import ray
-    from ray.exceptions import ActorDiedError, ActorUnavailableError, OutOfMemoryError, RayActorError
+    from ray.exceptions import (
+        ActorDiedError,
+        ActorUnavailableError,
+        OutOfMemoryError,
+        RayActorError,
+    )
 
     died = (RayActorError, ActorDiedError, ActorUnavailableError, OutOfMemoryError)
     pool = _pool_for(stage, ctx, factory, pools, len(todo))
@@ -473,9 +502,9 @@ def _pool_for(stage: Stage, ctx: StageContext, factory: str, pools: dict[str, Ac
     GPUs per actor come from the stage (:meth:`Stage.num_gpus`: none for a model that runs on the CPU, such
     as the LLM-free generator or a CPU encoder), and are checked against the cluster before any actor is
     created (:func:`require_gpus`)."""
-    model_cfg = stage.model_config(ctx)
+    model_cfg = actor_config(stage, ctx)
     num_gpus = float(stage.num_gpus(ctx))
-    n = min(stage.actor_count(ctx), n_units)
+    n = min(actor_count(stage, ctx), n_units)
     key = short_hash([factory, stage.model, model_cfg, num_gpus], 12)
     open_pool = pools.get("current")
     if open_pool is not None and open_pool.key == key:

@@ -3,7 +3,7 @@
 Why: a resumed run does exactly the units it planned. Encoder vectors do not depend on the units (nor on
 batches), but an LLM's padded batches can (in the last bits, and then in a greedy token), so the units of
 an LLM stage must not change when half of them are done. The plan is written once (atomically) and removed
-when the stage completes; unit part names end in a digest of the unit (main_job.named_by_content), so a plan
+when the stage completes; unit part names end in a digest of the unit (runner.named_by_content), so a plan
 made again with other sizes never takes another unit's part for its own.
 """
 

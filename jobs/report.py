@@ -1,6 +1,6 @@
 """Reports of a run: ``report.md`` tables for people and PNG plots, from ``metrics.json``.
 
-metrics.json layout (written by :mod:`memgas.jobs.main_job`)::
+metrics.json layout (written by :mod:`memgas.jobs.main_job`, the commands)::
 
     {"run": {...}, "dataset": {...},
      "retrieval": {"session": {METHOD: {"overall": {metric: value}, "by_type": {type: {metric: value}},
@@ -303,6 +303,14 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
                   "construction: the memory the method reads (MemGAS summaries/keywords, JustMem cards) over the "
                   "bank's sessions; planner: JustMem plans over the bank's questions (methods that read them); "
                   "answer: the read stage's prompts and answers of the method. LLM-free steps count 0."]
+    profiles = _d(metrics.get("profiles"))
+    if profiles:
+        names = sorted({p for v in profiles.values() if isinstance(v, dict) for p in v})
+        rows = [[t, *(_n(v.get(p, 0)) for p in names)] for t, v in profiles.items() if isinstance(v, dict)]
+        parts += ["", "## JustMem access profiles per question type", "", _md_table(["question type", *names], rows),
+                  "", "The planner's profile per question (Replay if source fidelity is needed, Compose if the "
+                  "evidence is distributed, Lookup otherwise); `justmem` reads with it, the fixed-profile "
+                  "methods ignore it."]
     lat = _d(metrics.get("latency"))
     if lat:
         rows = [[k, _fmt(v.get("p50_ms"), 1), _fmt(v.get("p95_ms"), 1), str(v.get("n", "?"))]
@@ -353,7 +361,7 @@ def _json_type(v: Any) -> str:
 def metrics_problem(metrics: dict[str, Any]) -> str | None:
     """The first field of ``metrics`` whose type the report cannot print (None: all fine). Sections are
     otherwise read leniently (a missing metric prints as "–"), so only what would crash is checked."""
-    for section in ("run", "dataset", "retrieval", "qa", "stages", "latency", "encoding", "notes", "tokens"):
+    for section in ("run", "dataset", "retrieval", "qa", "stages", "latency", "encoding", "notes", "tokens", "profiles"):
         if metrics.get(section) is not None and not isinstance(metrics[section], dict):
             return f"{section} should be an object, got {_json_type(metrics[section])}"
     for section, keys in _TEXT_FIELDS.items():

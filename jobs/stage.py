@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
-
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 
@@ -110,6 +109,13 @@ class Stage:
     #: unit parts are named ``<part_prefix>-<fingerprint>-...``: the stage's own parts in shared tables
     #: (empty: the stage's output tables are its alone, or content-addressed and shared by every config)
     part_prefix: ClassVar[str] = ""
+    #: the stats key counting this stage's failures left after retries (kept out of the metrics, counted in
+    #: ``metrics.json`` ``run.failures``; any left make the run incomplete, exit 4); None: it has none
+    failure_stat: ClassVar[str | None] = None
+    #: ``metrics.json`` ``run`` entries taken from this stage's stats (run-info key -> stats key)
+    run_info_stats: ClassVar[dict[str, str]] = {}
+    #: the stage whose stats hold the run's metrics (``metrics``: written to metrics.json)
+    reports_metrics: ClassVar[bool] = False
 
     # -- declarations -----------------------------------------------------------------------------
     def enabled(self, cfg: MemgasConfig) -> bool:
@@ -182,8 +188,15 @@ class Stage:
         return {}
 
     def actor_count(self, ctx: StageContext) -> int:
-        """Actor stages: how many model actors to start (at most one per unit)."""
+        """Actor stages: how many model actors to start (at most one per unit) where the model does not fit
+        one core (:meth:`fits_one_core`); the executor decides otherwise."""
         return ctx.cfg.ray.model_actors
+
+    def fits_one_core(self, ctx: StageContext) -> bool:
+        """Actor stages: whether the model computes as well on one core in one thread as on many (no LLM: the
+        LLM-free generator and JustMem stages, a CPU encoder). Under Ray the executor then starts one
+        single-threaded actor per Ray CPU; otherwise ``actor_count`` actors of ``llm.threads`` threads."""
+        return False
 
     def num_gpus(self, ctx: StageContext) -> float:
         return 0.0
@@ -203,3 +216,19 @@ class Stage:
     def complete(self, ctx: StageContext) -> bool:
         """False when the stage ended with failures that a re-run should retry (no completion marker)."""
         return True
+
+    def stop_message(self, stats: dict[str, Any]) -> str | None:
+        """Why the job must stop after an incomplete run of this stage (downstream stages would read what
+        failed), or None: the job goes on and the failures are counted (``failure_stat``)."""
+        return None
+
+    def held_output(self, ctx: StageContext) -> str | None:
+        """For a stage whose output the bank holds before the runner starts (the ingested dataset, written by
+        ``memgas ingest`` or ``memgas run`` under the bank's lock): the digest of that output, verified. The
+        runner then neither runs it nor writes its marker. None (every other stage): the runner runs it."""
+        return None
+
+    def latency_label(self, cfg: MemgasConfig) -> str | None:
+        """For a stage whose units are batches of queries: the label of its per-query latency in metrics.json
+        (``latency``); the runner then records each unit's seconds per query. None: not timed per query."""
+        return None

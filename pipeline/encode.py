@@ -1,6 +1,6 @@
 """Encoding: embed texts with an encoder, in length-sorted batches (less padding), and build the
 ``embeddings`` rows of one unit. Which texts a run needs, and under which cache key, is the encode stage's
-business (``jobs/stages.py``: every node text, turn pair and question, once per encoder key).
+business (``jobs/stages/encode.py``: every node text, turn pair and question, once per encoder key).
 
 Queries are embedded like every other text: a query's vector is looked up by ``text_hash(question)``
 (:func:`query_hash`).
@@ -121,7 +121,7 @@ def encode_texts(encoder: Encoder, texts: Sequence[str], *, batch: int = 1024) -
 
 
 def embeddings_table(encoder: Encoder, hashes: Sequence[str], texts: Sequence[str], key: str) -> pa.Table:
-    """One ``embeddings`` part: the vectors of ``texts`` under the cache key ``key`` (see jobs/stages.py),
+    """One ``embeddings`` part: the vectors of ``texts`` under the cache key ``key`` (see jobs/stages/keys.py),
     with truncation and, where :func:`encode_texts` reports them, the tokens encoded and dropped."""
     result = encode_texts(encoder, list(texts))
     if isinstance(result, tuple):  # (vectors, truncated flags)

@@ -50,7 +50,7 @@ _ALL = (
 
 #: JustMem methods (issue 17; scoring in :mod:`memgas.pipeline.justmem.retrieve`): ``justmem`` (the planner's
 #: profile per question), the three fixed profiles, and ``cards`` (a session scores its best card). Selecting
-#: any of them enables the cards and plan stages (jobs/stages.py).
+#: any of them enables the cards and plan stages (jobs/stages/justmem.py).
 _JUSTMEM = (
     Method("justmem", family="justmem", reads_cards=True,
            description="planner's profile per question (Lookup/Compose/Replay)"),

@@ -11,9 +11,9 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from memgas.jobs import main_job
 from memgas.jobs import stages as S
 from memgas.jobs.stage import StageContext
+from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.methods import JUSTMEM_METHOD_NAMES
@@ -36,7 +36,7 @@ def _ctx(cfg: MemgasConfig, run_dir: Path) -> StageContext:
     """A context with the run's own fingerprints (they name the plan and rank parts; computed afresh they
     would hash upstream fingerprints instead of the committed outputs the runner hashed)."""
     ctx = StageContext(cfg, Bank(run_dir / "bank"), Bank(run_dir / "results"), use_ray=False)
-    main_job.resolve_runtime(ctx)
+    resolve_stage_runtimes(ctx)
     ctx.fingerprints.update(json.loads((run_dir / "metrics.json").read_text())["run"]["fingerprints"])
     return ctx
 
@@ -132,6 +132,14 @@ def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
         assert (want["prompt"] > 0) == (m in READ), m  # only the methods in reading.methods answer
     report = (jm_run / "report.md").read_text()
     assert "## LLM tokens per method" in report and "| justmem-compose | 0 + 0 | 0 + 0 | 0 + 0 |" in report
+    # the planner's profiles per question type, counted independently from the plans and queries tables
+    qtype = dict(zip(*bank.read("queries", ["query_id", "question_type"]).to_pydict().values()))
+    want: dict[str, dict[str, int]] = {}
+    for q, p in zip(plans["query_id"].to_pylist(), plans["profile"].to_pylist()):
+        want.setdefault(qtype[q], {}).setdefault(p, 0)
+        want[qtype[q]][p] += 1
+    assert metrics["profiles"] == want and sum(sum(v.values()) for v in want.values()) == plans.num_rows
+    assert "## JustMem access profiles per question type" in report
 
 
 @pytest.mark.slow

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from memgas.jobs import cli, main_job
+from memgas.jobs import cli, run_dir
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import MemgasError
@@ -186,12 +186,12 @@ def test_the_split_flow_writes_its_run_beside_its_own_bank(tmp_path, capsys) -> 
     out = tmp_path / "run"
     rc, _ = main(capsys, "ingest", str(SAMPLE_LOCOMO), "--format", "locomo", "--out", str(out / "bank"), "--limit", "1")
     assert rc == 0
-    main_job.check_output_dir(out, fresh=False, bank_dir=out / "bank")
-    assert main_job.claim_run_dir(out, out / "bank")["entries"] == ["bank"]
+    run_dir.check_output_dir(out, fresh=False, bank_dir=out / "bank")
+    assert run_dir.claim_run_dir(out, out / "bank")["entries"] == ["bank"]
     other = tmp_path / "other"
     (other / "bank").mkdir(parents=True)
     with pytest.raises(MemgasError, match=r"is not empty \(bank\) and was not created by memgas"):
-        main_job.check_output_dir(other, fresh=False, bank_dir=other / "bank")
+        run_dir.check_output_dir(other, fresh=False, bank_dir=other / "bank")
 
 
 def test_fresh_removes_what_memgas_wrote_and_nothing_else(tmp_path) -> None:
@@ -199,9 +199,9 @@ def test_fresh_removes_what_memgas_wrote_and_nothing_else(tmp_path) -> None:
     file dropped into the run directory, and a bank memgas did not record, stay."""
     out = tmp_path / "run"
     out.mkdir()
-    main_job.claim_run_dir(out)
-    main_job._record_own_bank(out, out / "bank")
-    for name in main_job.RUN_FILES:
+    run_dir.claim_run_dir(out)
+    run_dir.record_own_bank(out, out / "bank")
+    for name in run_dir.RUN_FILES:
         if name == "results":
             (out / name / "t").mkdir(parents=True)
         else:
@@ -211,9 +211,9 @@ def test_fresh_removes_what_memgas_wrote_and_nothing_else(tmp_path) -> None:
     (out / "notes.txt").write_text("mine")
     (out / "other_bank").mkdir()
     (out / "other_bank" / "manifest.json").write_text("{}")
-    main_job._empty_run_dir(out)
-    assert sorted(p.name for p in out.iterdir()) == [main_job.OWNER, "notes.txt", "other_bank"]
-    assert json.loads((out / main_job.OWNER).read_text())["entries"] == ["bank"]
+    run_dir.empty_run_dir(out)
+    assert sorted(p.name for p in out.iterdir()) == [run_dir.OWNER, "notes.txt", "other_bank"]
+    assert json.loads((out / run_dir.OWNER).read_text())["entries"] == ["bank"]
 
 
 def test_a_run_fresh_rerun_keeps_the_users_file_in_its_directory(tmp_path, monkeypatch, capsys) -> None:
@@ -230,7 +230,7 @@ def test_a_run_fresh_rerun_keeps_the_users_file_in_its_directory(tmp_path, monke
     rc, err = main(capsys, "run", demo, "--set", "output_dir=~/run", *SMALL, *small)
     assert rc == 0, err
     assert os.listdir(cwd) == []
-    marker = json.loads((out / main_job.OWNER).read_text())
+    marker = json.loads((out / run_dir.OWNER).read_text())
     assert marker["entries"] == ["bank"]
     (out / "notes.txt").write_text("mine")
     rc, err = main(capsys, "run", demo, "--set", "output_dir=~/run", *SMALL, *small, "--fresh")
@@ -239,7 +239,7 @@ def test_a_run_fresh_rerun_keeps_the_users_file_in_its_directory(tmp_path, monke
     record = {r["stage"]: r["status"] for r in json.loads((out / "run_record.json").read_text())}
     assert record["ingest"] == "executed"  # --fresh removed the bank it had created: ingested again
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [LOCK, main_job.OWNER, "notes.txt", "bank", "config.yaml", "manifest.json", "metrics.json", "report.md",
+        [LOCK, run_dir.OWNER, "notes.txt", "bank", "config.yaml", "manifest.json", "metrics.json", "report.md",
          "results", "run_record.json", "recall_at_k.png", "recall_by_type.png", "stage_times.png"])
     assert os.listdir(cwd) == []
 

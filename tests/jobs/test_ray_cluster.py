@@ -16,10 +16,11 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from memgas.jobs import main_job
+from memgas.jobs import main_job, runner
 from memgas.jobs import stages as S
 from memgas.jobs.executor import forwarded_env, init_ray, run_task, stage_fn, task_options
 from memgas.jobs.stage import StageContext
+from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 
@@ -85,12 +86,12 @@ def test_kernel_tasks_request_gpus_and_see_the_ids_ray_gives_them(tmp_path) -> N
         # the kernels could not use them, so auto is the CPU path; so it is when tasks request no GPU
         auto = StageContext(_cfg(tmp_path, "retrieval.device=auto"), ctx.bank, None, use_ray=True)
         has_cupy = importlib.util.find_spec("cupy") is not None
-        assert S.resolve_device(auto, "auto") == ("cuda" if has_cupy else "cpu")
+        assert S.kernel_device(auto, "auto") == ("cuda" if has_cupy else "cpu")
         no_task_gpus = StageContext(_cfg(tmp_path, "ray.num_gpus_per_task=0"), ctx.bank, None, use_ray=True)
-        assert S.resolve_device(no_task_gpus, "auto") == "cpu"
+        assert S.kernel_device(no_task_gpus, "auto") == "cpu"
     finally:
         ray.shutdown()
-    assert S.resolve_device(StageContext(_cfg(tmp_path), ctx.bank, None, use_ray=False), "auto") == "cpu"
+    assert S.kernel_device(StageContext(_cfg(tmp_path), ctx.bank, None, use_ray=False), "auto") == "cpu"
 
 
 def test_tasks_never_open_the_bank(tmp_path, indexed) -> None:
@@ -101,15 +102,15 @@ def test_tasks_never_open_the_bank(tmp_path, indexed) -> None:
     bank = Bank(indexed / "bank")
     results = Bank(indexed / "results")
     ctx = StageContext(cfg, bank, results, use_ray=False)
-    main_job.resolve_runtime(ctx)
-    main_job.compute_fingerprints(ctx)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
     for stage in (S.AssociateStage(), S.RankStage()):  # the fingerprints the run committed its parts under
         ctx.fingerprints[stage.name] = json.loads((ctx.store(stage).path / "_stages" / f"{stage.name}.json")
                                                   .read_text())["fingerprint"]
     want: dict[str, pa.Table] = {}
     payloads = {}
     for stage in (S.AssociateStage(), S.RankStage()):
-        unit = main_job.named_by_content(stage.plan(ctx))[0]  # part names as the runner gives them
+        unit = runner.named_by_content(stage.plan(ctx))[0]  # part names as the runner gives them
         payloads[stage.name] = (stage, stage.inputs(ctx, unit), stage.params(ctx))
         want[stage.name] = ctx.store(stage).read(stage.check_table, parts=[unit["part"]])
     moved = tmp_path / "elsewhere"
@@ -133,23 +134,23 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
     import pyarrow.compute as pc
     import ray
 
-    from memgas.jobs.executor import _pool_for
+    from memgas.jobs.executor import _pool_for, actor_config, actor_count
 
     stage = S.EncodeStage()
     bank = Bank(indexed / "bank")
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
         ctx = StageContext(_cfg(indexed), bank, Bank(indexed / "results"), use_ray=True)
-        main_job.resolve_runtime(ctx)
-        main_job.compute_fingerprints(ctx)
+        resolve_stage_runtimes(ctx)
+        runner.compute_fingerprints(ctx)
         assert ctx.resolved["encoder"]["device"] == "cpu"
-        assert stage.actor_count(ctx) == 2 and stage.model_config(ctx)["threads"] == 1
+        assert actor_count(stage, ctx) == 2 and actor_config(stage, ctx)["threads"] == 1
         gen = S.GenerateStage()  # the LLM-free generator holds no model: one 1-thread actor per CPU too
         assert ctx.cfg.generation.generator == "llm-free"
-        assert gen.actor_count(ctx) == 2 and gen.model_config(ctx)["threads"] == 1
+        assert actor_count(gen, ctx) == 2 and actor_config(gen, ctx)["threads"] == 1
         with_llm = StageContext(_cfg(indexed, "generation.generator=llm+fallback"), bank, None, use_ray=True)
-        main_job.resolve_runtime(with_llm)
-        assert gen.actor_count(with_llm) == 1 and gen.model_config(with_llm)["threads"] is None
+        resolve_stage_runtimes(with_llm)
+        assert actor_count(gen, with_llm) == 1 and actor_config(gen, with_llm)["threads"] is None
         pool = _pool_for(stage, ctx, S.FACTORY, {}, n_units=10)
         try:
             assert len(pool.actors) == 2
@@ -165,18 +166,18 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
         finally:
             pool.close()
         fixed = StageContext(_cfg(indexed, "encoder.actors=3", "llm.threads=2"), bank, None, use_ray=True)
-        main_job.resolve_runtime(fixed)
-        assert stage.actor_count(fixed) == 3 and stage.model_config(fixed)["threads"] == 2
+        resolve_stage_runtimes(fixed)
+        assert actor_count(stage, fixed) == 3 and actor_config(stage, fixed)["threads"] == 2
         gpu = StageContext(_cfg(indexed, "encoder.device=cuda", "ray.model_actors=4", "ray.num_gpus_per_model_actor=1"),
                            bank, None, use_ray=True)
-        main_job.resolve_runtime(gpu)
-        assert stage.actor_count(gpu) == 4 and stage.model_config(gpu)["threads"] is None
+        resolve_stage_runtimes(gpu)
+        assert actor_count(stage, gpu) == 4 and actor_config(stage, gpu)["threads"] is None
     finally:
         ray.shutdown()
     # without Ray the one in-process model uses the cores it is given (llm.threads)
     local = StageContext(_cfg(indexed), bank, None, use_ray=False)
-    main_job.resolve_runtime(local)
-    assert stage.model_config(local)["threads"] is None
+    resolve_stage_runtimes(local)
+    assert actor_config(stage, local)["threads"] is None
 
 
 def test_gpu_request_the_cluster_cannot_meet_fails_fast_with_exit_3(tmp_path) -> None:

@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from memgas.jobs import main_job
+from memgas.jobs import main_job, runner
 from memgas.jobs import stages as S
 from memgas.jobs.stage import StageContext
+from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 
@@ -136,8 +137,8 @@ def _base(tmp: Path, **extra: object) -> MemgasConfig:
 
 def _fingerprints(cfg: MemgasConfig, bank: Bank) -> dict[str, str]:
     ctx = StageContext(cfg, bank, None, use_ray=False)
-    main_job.resolve_runtime(ctx)
-    return main_job.compute_fingerprints(ctx)
+    resolve_stage_runtimes(ctx)
+    return runner.compute_fingerprints(ctx)
 
 
 @pytest.fixture()
@@ -158,8 +159,8 @@ def test_changing_a_field_changes_exactly_its_stage_and_downstream(tmp_path, fak
     base = _fingerprints(_base(tmp_path), fake_bank)
     try:
         changed_cfg = _base(tmp_path, **{field: value})
-    except Exception as exc:  # a value the config rejects under this base (cross-field rules)
-        pytest.skip(f"{field}={value!r} not valid with the base config: {exc}")
+    except Exception as exc:  # a row the config rejects (cross-field rules) tests nothing: a broken row, not a skip
+        pytest.fail(f"{field}={value!r} is not valid with the base config: {exc}; fix this row of CASES")
     changed = _fingerprints(changed_cfg, fake_bank)
     got = sorted(s for s in base if base[s] != changed[s])
     assert got == sorted(expected), f"{field}: stages re-run {got}, expected {sorted(expected)}"
@@ -234,6 +235,11 @@ def test_first_run_executes_every_stage_and_reads_in_the_job(reference_run) -> N
     # cards and plan are disabled without a JustMem method (tests/jobs/test_justmem_stages.py runs them)
     assert [r["status"] for r in rec.values()] == (["executed"] * 2 + ["disabled"] * 2 + ["executed"] * 5
                                                    + ["disabled", "executed"])
+    # ingest's entry has what every stage's has: its fingerprint, where it ran, and its verified output
+    ingest = rec["ingest"]
+    bank = Bank(reference_run / "bank")
+    assert ingest["where"] == "driver" and ingest["output"] == S.ingest_output(bank)
+    assert ingest["fingerprint"] == S.IngestStage().fingerprint(StageContext(_base(reference_run), bank, None, False))
     metrics = json.loads((reference_run / "metrics.json").read_text())
     qa = metrics["qa"]["memgas"]
     assert qa["n"] + qa["failed"] == 1 and qa["failed"] == 0  # reading.max_questions=1, answered
@@ -275,10 +281,10 @@ def test_a_pair_window_encodes_only_the_pairs_again(tmp_path_factory, reference_
     cfg = _base(work, **{"encoder.pair_max_tokens": 32})
     bank = Bank(work / "bank")
     ctx = StageContext(cfg, bank, None, use_ray=False)
-    main_job.resolve_runtime(ctx)
+    resolve_stage_runtimes(ctx)
     key, pair_key = S.encoder_key(ctx), S.encoder_keys(ctx)["pair"]
     ref_ctx = StageContext(_base(work), bank, None, use_ray=False)
-    main_job.resolve_runtime(ref_ctx)
+    resolve_stage_runtimes(ref_ctx)
     assert pair_key != key and key == S.encoder_key(ref_ctx)  # the other texts keep their cache key
     before = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == key).num_rows
     _run(cfg)
@@ -308,7 +314,7 @@ def test_sessions_at_the_pair_window_share_its_key_and_vector_when_they_equal_th
     cfg = _base(work, **{"encoder.pair_max_tokens": 32, "encoder.session_max_tokens": 32})
     bank = Bank(work / "bank")
     ctx = StageContext(cfg, bank, None, use_ray=False)
-    main_job.resolve_runtime(ctx)
+    resolve_stage_runtimes(ctx)
     keys = S.encoder_keys(ctx)
     assert keys["session"] == keys["pair"] != keys["main"]
     before = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == keys["main"]).num_rows
@@ -424,9 +430,9 @@ def test_llm_device_and_dtype_key_everything_an_llm_writes(tmp_path, fake_bank) 
 
     def keyed(llm: dict[str, str] | None) -> tuple[tuple[str, str], dict[str, str]]:
         ctx = StageContext(cfg, fake_bank, None, use_ray=False)
-        main_job.resolve_runtime(ctx)
+        resolve_stage_runtimes(ctx)
         ctx.resolved["llm"] = llm
-        return S.generation_key(ctx), main_job.compute_fingerprints(ctx)
+        return S.generation_key(ctx), runner.compute_fingerprints(ctx)
 
     cpu_key, cpu_fps = keyed({"device": "cpu", "dtype": "float32"})
     gpu_key, gpu_fps = keyed({"device": "cuda", "dtype": "bfloat16"})
@@ -440,7 +446,7 @@ def test_llm_device_and_dtype_key_everything_an_llm_writes(tmp_path, fake_bank) 
     keys = set()
     for llm in ({"device": "cpu", "dtype": "float32"}, {"device": "cuda", "dtype": "bfloat16"}):
         ctx = StageContext(free, fake_bank, None, use_ray=False)
-        main_job.resolve_runtime(ctx)
+        resolve_stage_runtimes(ctx)
         ctx.resolved["llm"] = llm
         keys.add(S.generation_key(ctx))
     assert len(keys) == 1
@@ -482,7 +488,7 @@ def test_retrieval_device_auto_is_cpu_without_cupy(tmp_path, fake_bank) -> None:
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("CuPy is installed: the no-CuPy case cannot be observed here")
     ctx = StageContext(_base(tmp_path), fake_bank, None, use_ray=False)
-    assert S.resolve_device(ctx, "auto") == "cpu"
+    assert S.kernel_device(ctx, "auto") == "cpu"
     assert S.HistoryShardStage().num_gpus(StageContext(_base(tmp_path, **{"retrieval.device": "auto"}), fake_bank,
                                                        None, use_ray=False)) == 0.0
 
@@ -607,9 +613,9 @@ def test_rank_sessions_equals_the_rank_stage_for_every_method(reference_run) -> 
     cfg = _base(reference_run, **{"retrieval.methods": methods})
     bank = Bank(reference_run / "bank")
     ctx = StageContext(cfg, bank, Bank(reference_run / "results"), use_ray=False)
-    main_job.resolve_runtime(ctx)
+    resolve_stage_runtimes(ctx)
     for stage in S.PIPELINE:
-        main_job.set_fingerprint(stage, ctx)
+        runner.set_fingerprint(stage, ctx)
     # the rank stage's own code path: its inputs from the bank, its run on them
     ctx.fingerprints["associate"] = json.loads((bank.path / "_stages" / "associate.json").read_text())["fingerprint"]
     unit = S.RankStage().plan(ctx)[0]

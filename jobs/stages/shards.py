@@ -1,0 +1,51 @@
+"""Kernel stages over shards of histories (associate, rank) and the node matrices they read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from memgas.jobs.stage import Stage, StageContext
+from memgas.jobs.stages.keys import encoder_keys
+from memgas.jobs.stages.placement import kernel_device
+from memgas.jobs.stages.units import history_shards
+
+
+def owned(a: Any, dtype: Any = None) -> np.ndarray:
+    """A C-contiguous, aligned, writeable copy where needed. Arrays that come out of Ray's object store are
+    read-only views that may be unaligned; NumPy then skips BLAS for a matmul and sums in another order, so a
+    task would not give the bits of the same computation in-process."""
+    return np.require(a, dtype=dtype, requirements=["C", "A", "W", "O"])
+
+
+def node_matrix(m: dict[str, Any]) -> np.ndarray:
+    from memgas.pipeline.retrieve import stack_nodes
+
+    return stack_nodes(m["session"], m["turn"], m["summary"], m["keyword"])
+
+
+def matrix_loader(ctx: StageContext, history_ids: list[str]) -> Any:
+    """Node matrices of ``history_ids`` under this config's encoder keys (pairs and sessions under their
+    windows' keys)."""
+    from memgas.pipeline.granularity import MatrixLoader
+
+    keys = encoder_keys(ctx)
+    return MatrixLoader(ctx.bank, keys["main"], history_ids=history_ids, pair_encoder=keys["pair"],
+                        session_encoder=keys["session"])
+
+
+class HistoryShardStage(Stage):
+    """A kernel stage run as Ray tasks over shards of histories, on the CPU or a GPU (``retrieval.device``)."""
+
+    where = "task"
+
+    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+        return {"device": kernel_device(ctx, ctx.cfg.retrieval.device)}
+
+    def num_gpus(self, ctx: StageContext) -> float:
+        return ctx.cfg.ray.num_gpus_per_task if self.resolved_inputs(ctx)["device"] == "cuda" else 0.0
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        fp = ctx.fingerprints[self.name]
+        return [{"part": f"{self.part_prefix}-{fp}-{i:05d}", "size": len(ids), "histories": ids}
+                for i, ids in enumerate(history_shards(ctx.bank, ctx.cfg.ray.shard_size))]

@@ -1,0 +1,79 @@
+"""Units of work and their parts: chunking, history shards, and the part-name prefixes that tell one
+fingerprint's parts from another's in a shared table."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from memgas.jobs.stage import Stage, StageContext
+from memgas.pipeline.bank import Bank
+
+
+def chunk(items: list[Any], size: int) -> list[list[Any]]:
+    return [items[i : i + size] for i in range(0, len(items), max(1, size))]
+
+
+def even_chunks(items: list[Any], size: int) -> list[list[Any]]:
+    """As many consecutive chunks as ``chunk`` makes (at most ``size`` items each), of equal sizes: 38
+    sessions in units of 32 become 19 + 19, not 32 + 6 (which left one of two actors idle)."""
+    n = -(-len(items) // max(1, size))
+    return chunk(items, -(-len(items) // n)) if n else []
+
+
+def cost_chunks(items: list[Any], costs: list[float], size: int) -> list[list[Any]]:
+    """As many consecutive chunks as ``chunk`` makes by count, cut where the running cost crosses equal
+    shares of the total, so that units of very different texts take about equal time; a chunk of many
+    cheap items may hold up to ``2 * size`` of them. (The demo's 857 texts in two 512-text units were 58k
+    and 8k tokens on two actors; cutting them into more, smaller units instead pads each encoder batch to
+    its longest text and was slower still.)"""
+    n = -(-len(items) // max(1, size))
+    if n <= 1:
+        return [list(items)] if items else []
+    share = sum(costs) / n
+    out: list[list[Any]] = []
+    cur: list[Any] = []
+    acc = 0.0
+    for item, c in zip(items, costs):
+        cur.append(item)
+        acc += c
+        if len(cur) == 2 * size or (acc >= share * (len(out) + 1) and len(out) < n - 1):
+            out.append(cur)
+            cur = []
+    return out + ([cur] if cur else [])
+
+
+def prefix_of(ctx: StageContext, name: str) -> str:
+    """Name prefix of stage ``name``'s unit parts under its current fingerprint."""
+    return registered(name).prefix(ctx)
+
+
+def attempt_of(part: str) -> int:
+    """The retry attempt a read part belongs to (``...-<method>-a0003-00001-<digest>``)."""
+    found = re.search(r"-a(\d+)-\d{5}(?:-|$)", part)
+    return int(found.group(1)) if found else 0
+
+
+def parts_with_prefix(bank: Bank, table: str, prefix: str) -> list[str]:
+    return [p for p in bank.parts(table) if p.startswith(prefix)]
+
+
+def drop_other_parts(bank: Bank, table: str, prefix: str) -> int:
+    """Drop the parts of ``table`` computed under another fingerprint (called after the new ones are complete)."""
+    stale = [p for p in bank.parts(table) if not p.startswith(prefix)]
+    for p in stale:
+        bank.drop_part(table, p)
+    return len(stale)
+
+
+def history_shards(bank: Bank, size: int) -> list[list[str]]:
+    ids = sorted(set(bank.read("histories", columns=["history_id"])["history_id"].to_pylist()))
+    return chunk(ids, size)
+
+
+def registered(name: str) -> Stage:
+    """The pipeline's stage ``name``: where one stage needs another's declarations (its part prefix, its
+    cache key). Imported when called: every stage module imports this one."""
+    from memgas.jobs.stages import STAGES
+
+    return STAGES[name]
