@@ -30,8 +30,12 @@ gpu-check:
 demo: $(STAMP)
 	$(VENV)/bin/memgas run configs/demo.yaml
 
+# Two pytest workers (pytest-xdist), one test file per worker at a time (`--dist loadfile`, so a file's
+# module fixtures are built once): much of the suite waits on Ray start-up, subprocesses and pip's index,
+# which a second worker overlaps. `make test PYTEST_WORKERS=0` runs it in one process.
+PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(VENV)/bin/python $$b || exit 1; done
