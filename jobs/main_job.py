@@ -284,8 +284,9 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
     }
     from memgas.pipeline.encode import encoding_accounting
 
-    metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(),
-               "encoding": encoding_accounting(bank, **S.accounting_keys(ctx)), "tokens": S.method_tokens(ctx),
+    encoding = encoding_accounting(bank, **S.accounting_keys(ctx), extra=S.justmem_text_groups(ctx))
+    metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(), "encoding": encoding,
+               "tokens": S.method_tokens(ctx),
                "profiles": S.plan_profiles(ctx), "latency": latency, "record": record}
     manifest = {
         "config": cfg.public_dump(), "memgas_version": __version__, "git_commit": run_info["git_commit"],

@@ -150,14 +150,16 @@ ACCOUNTING_GROUPS = ("session", "turn pair", "summary", "keyword", "hybrid", "qu
 
 
 def encoding_accounting(bank: Any, key: str, pair_key: str | None = None,
-                        session_key: str | None = None) -> dict[str, dict[str, int]]:
+                        session_key: str | None = None,
+                        extra: dict[str, set[str]] | None = None) -> dict[str, dict[str, int]]:
     """Per granularity of the bank's index under encoder cache key ``key``: unique texts, texts truncated,
     tokens of each text's model inputs and tokens cut by truncation (the ``embeddings`` columns), plus
     ``all`` over the unique (text, key) vectors. A text in two groups (a one-pair session is also its pair)
     counts in both. A text whose truncated input equals another's is run once by the encoder when both are
     in one call, but counts its own tokens here: the stored columns are a function of the text alone, so
     they do not depend on how texts were cut into units. ``pair_key`` / ``session_key``: the cache key of the turn pairs / sessions when they have their
-    own window."""
+    own window. ``extra``: more groups of text hashes encoded under ``key`` (JustMem's card texts and plan
+    rewrites), counted like the others and in ``all``."""
     import pyarrow.compute as pc
 
     if not bank.exists("embeddings"):
@@ -188,6 +190,9 @@ def encoding_accounting(bank: Any, key: str, pair_key: str | None = None,
             groups[g] = set(nodes.filter(pc.field("granularity") == g)["text_hash"].to_pylist())
     if bank.exists("queries"):
         groups["question"] = {query_hash(q) for q in bank.read("queries", ["question"])["question"].to_pylist()}
+    for g, hs in (extra or {}).items():
+        groups[g] = set(hs)
+        key_of[g] = key
     # "all": every (text, key) vector the index holds once
     every = {(h, key_of[g]) for g, hs in groups.items() for h in hs}
     out: dict[str, dict[str, int]] = {}

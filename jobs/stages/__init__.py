@@ -36,6 +36,7 @@ from memgas.jobs.stages.justmem import (
     current_cards,
     current_plans,
     justmem_enabled,
+    justmem_text_groups,
     justmem_texts,
     plan_profiles,
 )
@@ -99,7 +100,7 @@ __all__ = [
     "accounting_keys", "attempt_of", "cards_key", "chunk", "cost_chunks", "current_answers", "current_cards",
     "current_plans", "declared_fields", "drop_other_parts", "edges_of", "encoder_config", "encoder_key",
     "encoder_keys", "encoder_on_cuda", "even_chunks", "generation_key", "ingest_output", "history_shards", "justmem_enabled",
-    "justmem_texts", "justmem_upstream", "kernel_device", "llm_identity", "llm_on_cuda", "make_model",
+    "justmem_text_groups", "justmem_texts", "justmem_upstream", "kernel_device", "llm_identity", "llm_on_cuda", "make_model",
     "matrix_loader", "method_tokens", "model_file_digests", "model_gpus", "node_matrix", "owned",
     "parts_with_prefix", "plan_key", "plan_profiles", "prefix_of", "present_fields", "query_vectors",
     "rederive_texts", "registered", "resolve_llm_runtime", "resolve_stage_runtimes", "texts_by_hash",

@@ -76,6 +76,17 @@ def plan_profiles(ctx: StageContext) -> dict[str, dict[str, int]]:
     return {t: dict(sorted(v.items())) for t, v in sorted(out.items())}
 
 
+def justmem_text_groups(ctx: StageContext) -> dict[str, set[str]]:
+    """{"card": text hashes, "plan rewrite": text hashes} of this config's JustMem texts (empty without a
+    JustMem method): the groups the encoding accounting adds (encoded under the main key)."""
+    from memgas.pipeline.hashing import text_hash
+
+    if not justmem_enabled(ctx.cfg):
+        return {}
+    rewrites = {text_hash(r) for rs in current_plans(ctx)["rewrites"].to_pylist() for r in rs or []}
+    return {"card": set(current_cards(ctx)["text_hash"].to_pylist()), "plan rewrite": rewrites}
+
+
 def current_cards(ctx: StageContext, session_hashes: list[str] | None = None) -> pa.Table:
     """This config's cards (optionally of ``session_hashes``)."""
     f = pc.field("extractor") == cards_key(ctx)

@@ -140,6 +140,10 @@ def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
         want[qtype[q]][p] += 1
     assert metrics["profiles"] == want and sum(sum(v.values()) for v in want.values()) == plans.num_rows
     assert "## JustMem access profiles per question type" in report
+    # the encoding accounting counts the card texts and plan rewrites the encode stage ran on
+    assert metrics["encoding"]["card"]["texts"] == len(set(cards["text_hash"].to_pylist()))
+    assert metrics["encoding"]["plan rewrite"]["texts"] == len(rewrites)
+    assert "| card |" in report
 
 
 @pytest.mark.slow

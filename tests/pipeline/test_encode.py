@@ -102,3 +102,8 @@ def test_encoding_accounting_sums_the_embeddings_rows(tmp_path, make_bank, encod
     assert acc["all"] == {"texts": len(hashes), "truncated": 0, "tokens": sum(tok.values()), "tokens_dropped": 0}
     assert acc["all"]["tokens"] == int(encoder.last_stats.tokens)  # what the model actually ran on
     assert "summary" not in acc and encoding_accounting(bank, "other-key") == {}
+    # an extra group (JustMem's cards) counts its own texts and joins "all" without counting a text twice
+    extra = {"card": set(pairs[:2])}
+    acc = encoding_accounting(bank, "k1", extra=extra)
+    assert acc["card"] == {"texts": 2, "truncated": 0, "tokens": sum(tok[h] for h in pairs[:2]), "tokens_dropped": 0}
+    assert acc["all"]["texts"] == len(hashes)
