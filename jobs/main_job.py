@@ -67,10 +67,11 @@ def ensure_ingested(cfg: MemgasConfig, prof: Profiler) -> tuple[Bank, dict[str, 
 
 def _ingest_entry(stage: S.IngestStage, cfg: MemgasConfig, bank: Bank, status: str, **extra: Any) -> dict[str, Any]:
     """Ingest's run_record.json entry, with the fields every stage's entry has: its fingerprint (what the
-    bank holds) and where it ran, and its output digest (the verified ingested parts)."""
+    bank holds) and where it ran. Its ``output`` (the verified ingested parts' digest) is filled in from what
+    the runner verified (``_answer_in``): hashing the parts here too would read a big bank twice."""
     ctx = StageContext(cfg, bank, None, use_ray=False)
     return {"stage": stage.name, "fingerprint": stage.fingerprint(ctx), "where": stage.where, "status": status,
-            "output": S.ingest_output(bank), **extra}
+            "output": None, **extra}
 
 
 def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
@@ -194,6 +195,9 @@ def _answer_in(cfg: MemgasConfig, bank: Bank, run_dir: Path, prof: Profiler, rec
     ctx = StageContext(cfg, bank, results, use_ray)
     resolve_stage_runtimes(ctx)
     record = [*record, *run_stages(ctx, S.ANSWER, prof)]
+    for entry in record:  # held stages (ingest): the digest the runner verified
+        if "output" in entry and entry["output"] is None:
+            entry["output"] = ctx.outputs.get(entry["stage"])
     metrics = next(ctx.stats[s.name]["metrics"] for s in S.PIPELINE if s.reports_metrics)
     latency = _latency_probe(ctx, profile)
     for s in S.PIPELINE:  # the stages that timed each query (the reader: run_stage recorded it)

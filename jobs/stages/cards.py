@@ -53,9 +53,6 @@ class CardsStage(JustMemActorStage):
         """The ``extractor`` column of this config's rows: the readable extractor key @ the cache key."""
         return cards_key(ctx)
 
-    def params(self, ctx: StageContext) -> dict[str, Any]:
-        return {"key": self.key(ctx), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
-
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         bank = ctx.bank
         sessions = sorted(set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist()))

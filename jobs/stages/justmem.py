@@ -44,6 +44,13 @@ class JustMemActorStage(Stage):
     def num_gpus(self, ctx: StageContext) -> float:
         return model_gpus(ctx, self.uses_llm(ctx.cfg) and llm_on_cuda(ctx))
 
+    def key(self, ctx: StageContext) -> str:
+        """The column that keys this stage's rows (cards: ``extractor``, plans: ``planner``)."""
+        raise NotImplementedError
+
+    def params(self, ctx: StageContext) -> dict[str, Any]:
+        return {"key": self.key(ctx), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
+
     def _llm_resolved(self, ctx: StageContext, prompts: str) -> dict[str, Any]:
         # fp32 CPU and bf16 GPU outputs differ: the LLM's device/dtype, files and prompt texts key the rows
         return {"llm": ctx.resolved.get("llm"), "llm_files": (ctx.resolved.get("model_files") or {}).get("llm"),

@@ -52,9 +52,6 @@ class PlanStage(JustMemActorStage):
     def key(self, ctx: StageContext) -> str:
         return plan_key(ctx)
 
-    def params(self, ctx: StageContext) -> dict[str, Any]:
-        return {"key": self.key(ctx), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
-
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         ids = sorted(ctx.bank.read("queries", ["query_id"])["query_id"].to_pylist())
         # an LLM's padded batch can change its outputs (llm.batch_size is declared); the LLM-free planner plans
