@@ -209,16 +209,24 @@ def _first_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[st
 
 
 def _drop_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> list[str]:
-    """Drop the stage's parts whose bytes are not those written (they would be read as if valid); missing
-    ones need nothing. Their units run again, and content-addressed rows are recomputed."""
+    """Drop the stage's parts whose bytes are not those written (they would be read as if valid). Where a
+    part is missing, the parts of the same name in the stage's other output tables go too: a unit writes
+    one part per table, and it counts as done while its check table's part is there, so without this it
+    would be skipped and its missing table never written again. Their units run again, and
+    content-addressed rows are recomputed."""
     keys = set(marker.get("parts") or {}) | {f"{t}/{p}" for t, p in stage.output_parts(ctx)}
     dropped = []
     for key in sorted(keys):
         table, _, part = key.partition("/")
-        if store.part_digest(table, part) is not None and not store.verify_part(table, part):
+        if store.part_digest(table, part) is None:
+            for other in stage.outputs:
+                if other != table and store.has_part(other, part):
+                    store.drop_part(other, part)
+                    dropped.append(f"{other}/{part}")
+        elif not store.verify_part(table, part):
             store.drop_part(table, part)
             dropped.append(key)
-    return dropped
+    return sorted(set(dropped))
 
 
 def mark_done(ctx: StageContext, name: str) -> None:

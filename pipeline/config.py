@@ -163,8 +163,15 @@ class AssociationConfig(_Strict):
     min_prior_nodes: int = Field(20, ge=0, le=MAX_COUNT)
     #: edges kept per node by the "no GMM" ablation
     topk_edges: int = Field(5, ge=1, le=MAX_COUNT)
-    #: above this many nodes in one history, candidates are searched with faiss instead of a dense matrix
-    dense_max_nodes: int = Field(20000, ge=1, le=MAX_COUNT)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "dense_max_nodes" in data:
+            raise ValueError("association.dense_max_nodes was removed: the candidate search is always the exact "
+                             "causal search (memory bounded by column blocks, the same edges whatever a history's "
+                             "length, so appended sessions need only their own rows); delete the key")
+        return data
 
 
 class RetrievalConfig(_Strict):

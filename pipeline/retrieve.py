@@ -137,7 +137,6 @@ def rank_sessions(
     *,
     hybrid_emb: Any | None = None,
     topk_edges: int | None = None,
-    dense_max_nodes: int | None = None,
     return_scores: bool = False,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Session indices per query, best first (int64 [Q, S]); ties broken by the lower session index.
@@ -176,8 +175,7 @@ def rank_sessions(
             e = associate(nodes, mem_threshold=a.mem_threshold if mem_threshold is None else mem_threshold,
                           min_prior_nodes=a.min_prior_nodes if min_prior_nodes is None else min_prior_nodes,
                           mode=m.edges, topk_edges=a.topk_edges if topk_edges is None else topk_edges,
-                          dense_max_nodes=a.dense_max_nodes if dense_max_nodes is None else dense_max_nodes,
-                          device=device)
+                          search="causal", device=device)
             edges[m.edges] = (e.src, e.dst)
         order, scores = rank_history(nodes, q, edges, [method], hybrid=H,
                                      num_seeds=r.num_seeds if num_seeds is None else num_seeds,

@@ -164,6 +164,18 @@ EDGES = pa.schema(
     ]
 )
 
+#: What each part of ``edges`` covers: per history, the edges of the rows (nodes) of sessions
+#: ``[first_session, end_session)``, computed from the nodes of sessions ``[0, end_session)`` whose identity
+#: (their texts and encoder keys) is ``prefix_digest``. Written with the edges, in a part of the same name.
+EDGE_SEGMENTS = pa.schema(
+    [
+        pa.field("history_id", pa.string(), nullable=False),
+        pa.field("first_session", pa.int32(), nullable=False),
+        pa.field("end_session", pa.int32(), nullable=False),
+        pa.field("prefix_digest", pa.string(), nullable=False),
+    ]
+)
+
 RANKINGS = pa.schema(
     [
         pa.field("method", pa.string(), nullable=False),
@@ -273,6 +285,7 @@ TABLES: dict[str, pa.Schema] = {
     "generations": GENERATIONS,
     "nodes": NODES,
     "edges": EDGES,
+    "edge_segments": EDGE_SEGMENTS,
     "rankings": RANKINGS,
     "answers": ANSWERS,
     "judgments": JUDGMENTS,

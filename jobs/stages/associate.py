@@ -1,4 +1,14 @@
-"""The associate stage: GMM association edges per history."""
+"""The associate stage: GMM association edges per history, computed only for rows whose edges are not stored.
+
+Edges are stored per segment (the rows of sessions ``[a, b)`` of a history, valid while the nodes of
+sessions ``[0, b)`` are unchanged: see :mod:`memgas.jobs.stages.segments`). The stage's parts are named by
+its config (its cache key), not by what upstream committed, so after ``memgas ingest --append`` the
+segments of the old sessions stay current and only the new sessions' rows are computed; anything that
+changed an old session's nodes (another encoder, a reordered history) makes its segments stale, and they
+are recomputed and dropped. The search is always the exact causal one, whose result for a row does not
+depend on which other rows one call computes (canonical shapes), so the edges of ``A`` then an append of
+``B`` equal those of one build over ``A + B`` byte for byte.
+"""
 
 from __future__ import annotations
 
@@ -8,62 +18,119 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs.stage import StageContext
-from memgas.jobs.stages.shards import (
-    HistoryShardStage,
-    matrix_loader,
-    node_matrix,
-    owned,
-)
-from memgas.jobs.stages.units import drop_other_parts
+from memgas.jobs.stages.keys import encoder_keys
+from memgas.jobs.stages.segments import Coverage, Segment, coverage, prefix_digests, split_segment
+from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix, owned
+from memgas.jobs.stages.units import chunk
 from memgas.kernels.backend import one_blas_thread
+from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES
+
+MODES = ("gmm", "topk")  # the method's edges and those of the "no GMM" ablation
 
 
 class AssociateStage(HistoryShardStage):
-    """Per history: GMM association edges (and the top-k edges of the "no GMM" ablation)."""
+    """Per history: GMM association edges (and the top-k edges of the "no GMM" ablation) of the rows not
+    yet stored, one batched GMM fit per unit."""
 
     name = "associate"
+    version = "2"  # parts per segment, named by config (version 1: one set of parts per upstream state)
     upstream = ("ingest", "nodes", "encode")  # node matrices: which texts (nodes) and their vectors (encode)
     config_fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
-                     "association.dense_max_nodes", "retrieval.device")
-    check_table = "edges"
-    outputs = ("edges",)
+                     "retrieval.device")
+    check_table = "edge_segments"  # written after the unit's edges part: a unit is done when it is there
+    outputs = ("edges", "edge_segments")
     part_prefix = "assoc"
 
+    def prefix(self, ctx: StageContext) -> str:
+        """Parts are named by the config alone (cache key): which rows they hold is in ``edge_segments``."""
+        return f"{self.part_prefix}-{self.cache_key(ctx)}-"
+
+    # -- which segments are stored and which must be computed -------------------------------------------
+    def chains(self, ctx: StageContext) -> dict[str, list[str]]:
+        keys = encoder_keys(ctx)
+        seed = "|".join(f"{k}={keys[k]}" for k in sorted(keys))
+        return prefix_digests(ctx.bank.read("nodes", ["history_id", "position", "granularity", "text_hash"]), seed)
+
+    def stored_segments(self, ctx: StageContext) -> dict[str, list[Segment]]:
+        """Segments of every part of this config whose edges part is there too."""
+        bank, out = ctx.bank, {}
+        for part in bank.parts("edge_segments"):
+            if part.startswith(self.prefix(ctx)) and bank.has_part("edges", part):
+                t = bank.read("edge_segments", parts=[part])
+                out[part] = list(zip(*(t[c].to_pylist() for c in EDGE_SEGMENTS.names)))
+        return out
+
+    def coverage(self, ctx: StageContext, chains: dict[str, list[str]] | None = None) -> Coverage:
+        return coverage(self.stored_segments(ctx), self.chains(ctx) if chains is None else chains)
+
+    def output_parts(self, ctx: StageContext) -> list[tuple[str, str]]:
+        return [(t, p) for p in self.coverage(ctx).parts for t in self.outputs]
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        """Units of new segments: each history's rows from the end of its current segments to its last
+        session; small ones ``ray.shard_size`` histories to a unit, a huge one cut into several units."""
+        chains = self.chains(ctx)
+        cov = self.coverage(ctx, chains)
+        small: list[list[Any]] = []
+        large: list[list[list[Any]]] = []
+        for h in sorted(chains):
+            c = chains[h]
+            a, s = cov.covered.get(h, 0), len(c) - 1
+            pieces = split_segment(a, s) if a < s else []
+            segs = [[h, x, y, c[y]] for x, y in pieces]
+            if len(segs) == 1:
+                small.append(segs[0])
+            else:
+                large += [[seg] for seg in segs]
+        groups = chunk(small, ctx.cfg.ray.shard_size) + large
+        return [{"part": f"{self.prefix(ctx)}{i:05d}", "size": len(g), "segments": g} for i, g in enumerate(groups)]
+
+    # -- one unit --------------------------------------------------------------------------------------
     def params(self, ctx: StageContext) -> dict[str, Any]:
         return {"association": ctx.cfg.association.model_dump(), **self.resolved_inputs(ctx)}
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        loader = matrix_loader(ctx, unit["histories"])
-        ids = [h for h in unit["histories"] if h in loader.history_ids]
-        return {"histories": ids, "matrices": [node_matrix(loader.get(h)) for h in ids]}
+        segs = unit["segments"]
+        loader = matrix_loader(ctx, sorted({s[0] for s in segs}))
+        # each segment's rows see the nodes of its sessions [0, end): only that prefix is shipped
+        return {"segments": segs, "matrices": [node_matrix(loader.get(h))[: 4 * b] for h, _, b, _ in segs]}
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
-        from memgas.pipeline.association import associate_many
-        from memgas.pipeline.schema import EDGES
+        from memgas.pipeline.association import N_GRAN, causal_rows
+        from memgas.pipeline.association.edges import edges_from
 
-        a = params["association"]
-        cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
+        a, device, segs = params["association"], params["device"], payload["segments"]
         with one_blas_thread():
-            per_mode = {mode: associate_many([owned(m, np.float32) for m in payload["matrices"]],
-                                             mem_threshold=a["mem_threshold"], min_prior_nodes=a["min_prior_nodes"],
-                                             mode=mode, topk_edges=a["topk_edges"], device=params["device"],
-                                             dense_max_nodes=a["dense_max_nodes"])
-                        for mode in ("gmm", "topk")}
+            cands = [causal_rows(owned(m, np.float32), N_GRAN * s0, N_GRAN * s1, mem_threshold=a["mem_threshold"],
+                                 min_prior_nodes=a["min_prior_nodes"], device=device)
+                     for m, (_, s0, s1, _) in zip(payload["matrices"], segs)]
+            per_mode = {mode: edges_from(cands, mode, a["topk_edges"], device) for mode in MODES}
+        cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
         for mode, edges in per_mode.items():
-            for h, e in zip(payload["histories"], edges):
+            for (h, *_), e in zip(segs, edges):
                 n = len(e.src)
                 cols["history_id"] += [h] * n
                 cols["src"] += e.src.tolist()
                 cols["dst"] += e.dst.tolist()
                 cols["similarity"] += e.sim.tolist()
                 cols["mode"] += [mode] * n
-        return {"edges": pa.table(cols, schema=EDGES)}
+        segments = pa.table([list(c) for c in zip(*segs)] if segs else [[] for _ in EDGE_SEGMENTS.names],
+                            schema=EDGE_SEGMENTS)
+        return {"edges": pa.table(cols, schema=EDGES), "edge_segments": segments}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        prefix = self.prefix(ctx)
-        dropped = drop_other_parts(ctx.bank, "edges", prefix)
-        edges = ctx.bank.read("edges", ["mode"])
-        return {"edges_gmm": int(pc.sum(pc.equal(edges["mode"], "gmm")).as_py() or 0),
-                "edges_topk": int(pc.sum(pc.equal(edges["mode"], "topk")).as_py() or 0),
-                "topk_edges": ctx.cfg.association.topk_edges, "stale_parts_dropped": dropped}
+        """Drop every part that is not current (stale segments, other configs' edges), once the new ones
+        are complete; count the current edges."""
+        bank = ctx.bank
+        current = set(self.coverage(ctx).parts)
+        dropped = 0
+        for table in ("edge_segments", "edges"):  # segments first: edges without them are never read
+            for part in bank.parts(table):
+                if part not in current:
+                    bank.drop_part(table, part)
+                    dropped += table == "edges"
+        edges = bank.read("edges", ["mode"], parts=sorted(current)) if current else None
+        count = {m: int(pc.sum(pc.equal(edges["mode"], m)).as_py() or 0) if edges is not None else 0 for m in MODES}
+        return {"edges_gmm": count["gmm"], "edges_topk": count["topk"], "topk_edges": ctx.cfg.association.topk_edges,
+                "stale_parts_dropped": dropped}

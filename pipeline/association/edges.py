@@ -70,6 +70,11 @@ def _edges(c: Candidates, acc: np.ndarray) -> Edges:
     return Edges(c.rows[ri].astype(np.int64), c.cand[ri, ci].astype(np.int64), c.scores[ri, ci].astype(np.float32))
 
 
+def edges_from(cands: Sequence[Candidates], mode: str, topk_edges: int | None, device: str) -> list[Edges]:
+    """The edges of each candidate set (one batched GMM fit over all their rows, or the top-k ablation)."""
+    return [_edges(c, a) for c, a in zip(cands, _accept(cands, mode, topk_edges, device))]
+
+
 def concat_edges(parts: Sequence[Edges]) -> Edges:
     """Concatenate edge sets of the same history (e.g. incremental builds)."""
     if not parts:

@@ -80,7 +80,6 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("association.mem_threshold", 20, INDEX_DOWN),
     ("association.min_prior_nodes", 10, INDEX_DOWN),
     ("association.topk_edges", 3, INDEX_DOWN),
-    ("association.dense_max_nodes", 100, INDEX_DOWN),
     ("retrieval.device", "cuda", INDEX_DOWN),
     ("retrieval.methods", ["memgas", "session"], ["rank", "read"]),
     ("retrieval.num_seeds", 10, ["rank", "read"]),

@@ -1,0 +1,137 @@
+"""Which association edges are still valid after the bank changed, and which rows must be computed.
+
+MemGAS's association is causal: the edges of a node (row) depend only on the nodes of its own and earlier
+sessions. So the edges of the rows of sessions ``[a, b)`` of a history stay valid for as long as the nodes
+of sessions ``[0, b)`` are the same, and an append of sessions needs only the new rows. The associate stage
+stores its edges per *segment* ``(history, a, b, prefix digest of sessions [0, b))`` (table
+``edge_segments``, in a part named like the edges part it describes), and here:
+
+* :func:`prefix_digests`: per history, the digest of the node identities of sessions ``[0, p)`` for every
+  ``p`` (a chain: each session's four text hashes added to the previous digest, seeded with the encoder
+  keys, since a node's vector is a function of its text and the encoder key alone);
+* :func:`coverage`: which stored parts are current (every segment they hold continues its history's
+  chain of valid segments from session 0) and how many sessions of each history they cover;
+* :func:`split_segment`: a huge history's new rows cut into row blocks of about equal causal work (one
+  Ray task each; the edges do not depend on the cuts).
+
+Everything here is a pure function of tables and lists, so it is tested without running a stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from memgas.pipeline.schema import GRANULARITIES
+
+#: (history_id, first_session, end_session, prefix_digest)
+Segment = tuple[str, int, int, str]
+
+#: causal work (summed prefix lengths of the rows, in nodes) above which one history's new rows are cut
+#: into several units: about 2 x 4096 x 10^6 products, a few minutes of one CPU core
+UNIT_WORK = 1 << 33
+#: sessions per causal tile (``association.CAUSAL_BLOCK_SESSIONS``): cuts fall on tile edges
+TILE_SESSIONS = 64
+
+
+def prefix_digests(nodes: pa.Table, seed: str) -> dict[str, list[str]]:
+    """Per history (sessions in position order): ``[D_0, D_1, ..., D_S]``, ``D_p`` the identity of the node
+    vectors of sessions ``[0, p)`` under ``seed`` (the encoder keys). ``nodes``: the ``nodes`` table."""
+    t = nodes.filter(pc.is_in(nodes["granularity"], pa.array(GRANULARITIES)))
+    t = t.sort_by([("history_id", "ascending"), ("position", "ascending")])
+    order = {g: i for i, g in enumerate(GRANULARITIES)}
+    out: dict[str, list[str]] = {}
+    hasher = None
+    chain: list[str] = []
+    cur: tuple[str, int] | None = None
+    session: list[str] = [""] * len(GRANULARITIES)
+
+    def close() -> None:
+        assert hasher is not None
+        hasher.update(("|".join(session) + ";").encode())
+        chain.append(hasher.copy().hexdigest())
+
+    cols = (t[c].to_pylist() for c in ("history_id", "position", "granularity", "text_hash"))
+    for h, pos, g, th in zip(*cols):
+        if cur is not None and (h, pos) != cur:
+            close()
+            session = [""] * len(GRANULARITIES)
+        if cur is None or h != cur[0]:
+            hasher = hashlib.blake2b(seed.encode(), digest_size=12)
+            chain = out.setdefault(h, [hasher.hexdigest()])
+        cur = (h, pos)
+        session[order[g]] = th
+    if cur is not None:
+        close()
+    return out
+
+
+@dataclass(frozen=True)
+class Coverage:
+    """The parts that hold current edges, and per history how many sessions' rows they cover."""
+
+    parts: tuple[str, ...]
+    covered: dict[str, int]
+
+
+def coverage(stored: Mapping[str, Iterable[Segment]], chains: Mapping[str, list[str]]) -> Coverage:
+    """The current parts among ``stored`` (part -> its segments) under ``chains`` (:func:`prefix_digests`).
+
+    A part is current when every segment it holds is valid (its history exists, is at least ``end_session``
+    long and has that prefix digest) *and* continues its history's chain of segments from session 0: a
+    part with one stale or orphaned segment is not read at all (its valid segments are recomputed with the
+    rest), so no row's edges are ever read twice or from a stale state. Where two parts offer the same
+    step, the longer segment wins, then the lower part name: the result does not depend on listing order.
+    """
+    segs = {p: list(s) for p, s in stored.items()}
+
+    def valid(seg: Segment) -> bool:
+        h, a, b, d = seg
+        c = chains.get(h)
+        return c is not None and 0 <= a < b < len(c) and c[b] == d
+
+    allowed = {p for p, s in segs.items() if s and all(valid(x) for x in s)}
+    while True:
+        starts: dict[tuple[str, int], list[tuple[int, str]]] = {}
+        for p in allowed:
+            for h, a, b, _ in segs[p]:
+                starts.setdefault((h, a), []).append((-b, p))
+        used: dict[str, set[tuple[str, int]]] = {}
+        covered: dict[str, int] = {}
+        for h in {h for p in allowed for h, *_ in segs[p]}:
+            at = 0
+            while (h, at) in starts:
+                neg_b, p = min(starts[(h, at)])
+                used.setdefault(p, set()).add((h, at))
+                at = -neg_b
+            covered[h] = at
+        off_chain = {p for p in allowed if {(h, a) for h, a, *_ in segs[p]} - used.get(p, set())}
+        if not off_chain:
+            return Coverage(tuple(sorted(allowed)), covered)
+        allowed -= off_chain
+
+
+def causal_work(a: int, b: int, n_gran: int = len(GRANULARITIES)) -> int:
+    """Summed prefix lengths (in nodes) of the rows of sessions ``[a, b)``: each row sees every node of the
+    sessions before its own."""
+    return n_gran * n_gran * (b * (b - 1) - a * (a - 1)) // 2
+
+
+def split_segment(a: int, b: int, unit_work: int = UNIT_WORK, tile: int = TILE_SESSIONS) -> list[tuple[int, int]]:
+    """``[a, b)`` cut into session ranges of about ``unit_work`` causal work each, cut on tile edges (so
+    no tile's product is computed by two units). One range when the work is below ``unit_work``."""
+    pieces = -(-causal_work(a, b) // max(1, unit_work))
+    if pieces <= 1:
+        return [(a, b)]
+    cuts = {a, b}
+    for j in range(1, pieces):
+        s = int(((a * a) + (b * b - a * a) * j / pieces) ** 0.5)  # equal steps of the quadratic work
+        s = (s // tile) * tile
+        if a < s < b:
+            cuts.add(s)
+    c = sorted(cuts)
+    return list(zip(c[:-1], c[1:]))

@@ -1,0 +1,78 @@
+"""Edge segments: prefix digests, which stored parts are current, and how a huge history's rows are cut."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from memgas.jobs.stages.segments import causal_work, coverage, prefix_digests, split_segment
+from memgas.pipeline.association import split_rows
+from memgas.pipeline.schema import NODES
+
+
+def _nodes(hist: dict[str, list[str]]) -> pa.Table:
+    """One row per (history, session, granularity); each session's texts named after ``hist``'s labels."""
+    rows = []
+    for h, sessions in hist.items():
+        for pos, label in enumerate(sessions):
+            for g in ("keyword", "session", "summary", "turn", "hybrid"):  # stored order is not node order
+                rows.append({"history_id": h, "session_id": f"{h}{pos}", "position": pos, "granularity": g,
+                             "text_hash": f"{g}:{label}"})
+    return pa.Table.from_pylist(rows[::-1], schema=NODES)
+
+
+def test_prefix_digests_follow_the_sessions_and_the_seed() -> None:
+    d = prefix_digests(_nodes({"a": ["x", "y", "z"], "b": ["x"]}), "enc1")
+    assert len(d["a"]) == 4 and len(d["b"]) == 2
+    assert d["a"][:2] == d["b"], "the same first session gives the same digest, whatever the history"
+    grown = prefix_digests(_nodes({"a": ["x", "y", "z", "w"]}), "enc1")["a"]
+    assert grown[:4] == d["a"], "appending a session keeps every earlier digest"
+    changed = prefix_digests(_nodes({"a": ["x", "Y", "z"]}), "enc1")["a"]
+    assert changed[:2] == d["a"][:2] and changed[2] != d["a"][2] and changed[3] != d["a"][3]
+    assert prefix_digests(_nodes({"a": ["x", "y", "z"]}), "enc2")["a"][1] != d["a"][1], "another encoder key"
+    hybrid_only = _nodes({"a": ["x", "y", "z"]}).to_pylist()
+    for r in hybrid_only:
+        if r["granularity"] == "hybrid":
+            r["text_hash"] = "other"
+    assert prefix_digests(pa.Table.from_pylist(hybrid_only, schema=NODES), "enc1")["a"] == d["a"], \
+        "hybrid rows are not association nodes"
+
+
+def test_coverage_keeps_only_parts_on_a_valid_chain() -> None:
+    chains = {"h": ["d0", "d1", "d2", "d3", "d4"], "g": ["e0", "e1", "e2"]}
+    stored = {
+        "p1": [("h", 0, 2, "d2"), ("g", 0, 2, "e2")],
+        "p2": [("h", 2, 4, "d4")],
+        "stale": [("h", 2, 3, "old")],  # a digest that no longer matches
+        "orphan": [("g", 1, 2, "e2")],  # valid digest but off the chain (g's rows from 1 are in p1)
+    }
+    cov = coverage(stored, chains)
+    assert cov.parts == ("p1", "p2") and cov.covered == {"h": 4, "g": 2}
+    # p1 with one stale segment is not read at all: h and g start again from 0, p2 is off the chain
+    stored["p1"] = [("h", 0, 2, "d2"), ("g", 0, 2, "stale")]
+    cov = coverage(stored, chains)
+    assert cov.parts == ()
+    assert cov.covered.get("h", 0) == 0 and cov.covered.get("g", 0) == 0
+    # a history that shrank (re-ingested shorter) or vanished invalidates its segments
+    assert coverage({"p": [("h", 0, 4, "d4")]}, {"h": ["d0", "d1"]}).parts == ()
+    assert coverage({"p": [("x", 0, 1, "d1")]}, chains).parts == ()
+
+
+def test_coverage_prefers_the_longer_segment_then_the_lower_name() -> None:
+    chains = {"h": ["d0", "d1", "d2", "d3"]}
+    stored = {"b": [("h", 0, 3, "d3")], "a": [("h", 0, 1, "d1")], "c": [("h", 1, 3, "d3")], "a2": [("h", 0, 3, "d3")]}
+    cov = coverage(stored, chains)
+    assert cov.parts == ("a2",) and cov.covered == {"h": 3}
+    assert coverage(dict(reversed(list(stored.items()))), chains) == cov
+
+
+def test_split_segment_cuts_on_tiles_into_equal_work_and_agrees_with_split_rows() -> None:
+    assert split_segment(0, 100) == [(0, 100)]
+    pieces = split_segment(0, 10_000, unit_work=causal_work(0, 10_000) // 4)
+    assert pieces[0][0] == 0 and pieces[-1][1] == 10_000
+    assert all(b == c for (_, b), (c, _) in zip(pieces, pieces[1:]))
+    assert all(a % 64 == 0 for a, _ in pieces)
+    works = [causal_work(a, b) for a, b in pieces]
+    assert len(pieces) == 4 and max(works) < 1.2 * min(works)
+    # the same cuts as the library's row blocks (in nodes, 4 per session)
+    assert [(4 * a, 4 * b) for a, b in pieces] == split_rows(40_000, 4)
+    assert split_segment(9_000, 10_000, unit_work=causal_work(9_000, 10_000) // 2)[0][0] == 9_000
