@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs.stage import StageContext
 from memgas.jobs.stages.keys import encoder_keys
+from memgas.jobs.stages import segments
 from memgas.jobs.stages.segments import Coverage, Segment, coverage, prefix_digests, split_segment
 from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix, owned
 from memgas.jobs.stages.units import chunk
@@ -76,7 +77,7 @@ class AssociateStage(HistoryShardStage):
         for h in sorted(chains):
             c = chains[h]
             a, s = cov.covered.get(h, 0), len(c) - 1
-            pieces = split_segment(a, s) if a < s else []
+            pieces = split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS) if a < s else []
             segs = [[h, x, y, c[y]] for x, y in pieces]
             if len(segs) == 1:
                 small.append(segs[0])

@@ -160,3 +160,24 @@ def test_a_reordering_append_recomputes_from_the_inserted_session(tmp_path: Path
     cli("ingest", str(b), "--format", "jsonl", "--append", "--allow-reorder", "--out", str(fresh))
     cli("index", str(fresh), *_config(fresh))
     assert _edges(grown) == _edges(fresh)
+
+
+@pytest.mark.slow
+def test_one_history_cut_into_several_units_gives_the_same_edges(tmp_path: Path, files: tuple[Path, Path],
+                                                                 cli: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A history whose new rows are more causal work than one unit holds is associated as several units
+    (one Ray task each in a cluster): the segments are its row blocks, and the edges equal one unit's."""
+    from memgas.jobs.stages import segments
+
+    a, b = files
+    one, cut = tmp_path / "one", tmp_path / "cut"
+    for bank in (one, cut):
+        cli("ingest", str(a), "--format", "jsonl", "--out", str(bank))
+        cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(bank))
+    cli("index", str(one), *_config(one))
+    monkeypatch.setattr(segments, "UNIT_WORK", segments.causal_work(0, 13) // 3)
+    monkeypatch.setattr(segments, "TILE_SESSIONS", 1)
+    cli("index", str(cut), *_config(cut))
+    h0 = [s for s in _segments(cut) if s[0] == "h0"]
+    assert len(h0) == 3 and h0[0][1] == 0 and h0[-1][2] == 13, h0
+    assert _edges(cut) == _edges(one)
