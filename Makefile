@@ -35,7 +35,7 @@ demo: $(STAMP)
 # which a second worker overlaps. `make test PYTEST_WORKERS=0` runs it in one process.
 PYTEST_WORKERS ?= 2
 test: $(STAMP)
-	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --durations=20 $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(VENV)/bin/python $$b || exit 1; done

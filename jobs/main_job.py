@@ -75,8 +75,11 @@ def _ingest_entry(stage: S.IngestStage, cfg: MemgasConfig, bank: Bank, status: s
 
 
 def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
-    """`index`/`answer` on a bank whose dataset is not the config's file: say so (run re-ingests)."""
-    ds = (bank.manifest.get("datasets") or [{}])[-1]
+    """`index`/`answer` on a bank whose dataset is not the config's file: say so (run re-ingests). The
+    bank's dataset is its base file (the last entry that is not an append: appends grow it)."""
+    from memgas.pipeline.ingest import APPEND_KIND
+
+    ds = ([d for d in bank.manifest.get("datasets") or [] if d.get("kind") != APPEND_KIND] or [{}])[-1]
     try:
         sha = file_sha256(cfg.data.path)
     except (OSError, MemgasError):  # missing, unreadable, a FIFO: nothing to compare (only a warning)

@@ -142,7 +142,8 @@ def append(
         n_app = 1 + sum(1 for d in bank.manifest.get("datasets") or [] if d.get("kind") == APPEND_KIND)
         prefix = f"{INGEST_PREFIX}{slot}-{APPEND_TAG}{n_app:04d}-"
         state = _BankState(bank)
-        warnings = Warnings(str(p), strict=strict)
+        warnings = Warnings(str(p), strict=strict,  # a new question's evidence may be an old session
+                            known_sessions={h: {r["session_id"] for r in rows} for h, rows in state.sessions.items()})
         counts = {"histories": 0, "histories_extended": 0, "sessions": 0, "texts": 0, "turns": 0, "pairs": 0,
                   "queries": 0}
         extended: dict[str, int] = {}  # history id -> first new position

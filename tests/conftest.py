@@ -31,3 +31,29 @@ def _locomo_counts(path: Path) -> dict[str, int]:
 
 #: {"histories": 2, "sessions": 38, "queries": 304} for the bundled two-conversation LoCoMo sample
 SAMPLE_COUNTS: dict[str, int] = _locomo_counts(SAMPLE_LOCOMO)
+
+
+#: Test files in the order the two `make test` workers should start them: longest first (their wall time on
+#: 2 cores, measured with `--durations=0`), then every other file in collection order. pytest-xdist's
+#: `--dist loadfile` hands each worker whole files in queue order; with the longest last (its default
+#: orders files by their number of tests, which put the few-but-slow Ray and kill tests at the end), one
+#: worker idled for minutes while the other finished it. `make test` passes `--no-loadscope-reorder` so the
+#: queue keeps this order. Order only: every test still runs, in its file's own order.
+LONGEST_FIRST = (
+    "tests/jobs/test_stages.py",
+    "tests/jobs/test_justmem_stages.py",
+    "tests/jobs/test_resume.py",
+    "tests/jobs/test_ray_cluster.py",
+    "tests/jobs/test_runner_faults.py",
+    "tests/jobs/test_exit_codes.py",
+    "tests/test_gpu_stack.py",
+    "tests/jobs/test_append_index.py",
+    "tests/pipeline/models/test_server.py",
+    "tests/pipeline/evaluate/test_retrieval.py",
+)
+
+
+def pytest_collection_modifyitems(session: object, config: object, items: list) -> None:
+    rank = {f: i for i, f in enumerate(LONGEST_FIRST)}
+    order = {id(item): n for n, item in enumerate(items)}
+    items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), order[id(item)]))

@@ -166,8 +166,9 @@ def query_row(
 def check_evidence(
     rec: HistoryRecord, evidence: list[str], warnings: Warnings, *, field: str, query_id: str
 ) -> list[str]:
-    """Keep the evidence session ids that exist in the history; warn about (and drop) the others."""
-    present = {s["session_id"] for s in rec.sessions}
+    """Keep the evidence session ids that exist in the history (in the record, or, for an append, already
+    in the bank); warn about (and drop) the others."""
+    present = {s["session_id"] for s in rec.sessions} | warnings.known_sessions.get(rec.history_id, set())
     kept: list[str] = []
     for sid in evidence:
         if sid in present:
@@ -229,9 +230,12 @@ class Warnings:
     file would otherwise flood the log), but still counted and exemplified in the summary.
     """
 
-    def __init__(self, file: str, *, strict: bool = False, once: tuple[str, ...] = ("unparseable_date",)) -> None:
+    def __init__(self, file: str, *, strict: bool = False, once: tuple[str, ...] = ("unparseable_date",),
+                 known_sessions: dict[str, set[str]] | None = None) -> None:
         self.file = file
         self.strict = strict
+        #: session ids each history already has outside the file (an append's bank): evidence may name them
+        self.known_sessions = known_sessions or {}
         self.once = set(once)
         self.counts: dict[str, int] = {}
         self.examples: dict[str, list[str]] = {}

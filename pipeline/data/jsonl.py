@@ -64,7 +64,7 @@ def parse_history(index: int, item: Any, file: str, warnings: Warnings) -> Histo
         add_chat_session(rec, ctx, warnings, sid, utts, date_raw, w, seen, evidence_turns)
     report_repeats(rec, warnings)
     note_date_order(rec, warnings)
-    if not rec.sessions:
+    if not rec.sessions and hid not in warnings.known_sessions:  # an append may bring only new questions
         warnings.warn("empty_history", "history has no non-empty session (skipped)", index=index, record_id=hid, field="sessions")
         return None
     if speakers is not None:

@@ -150,3 +150,19 @@ def test_append_interrupted_by_kill_leaves_bank_unchanged(base: tuple[Path, Path
     assert _tables(bank) == tables
     append(d, "jsonl", bank, progress=False)
     assert Bank(bank).count("sessions") == 6
+
+
+def test_a_new_question_may_name_old_sessions_and_come_without_sessions(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """A question appended to a known history keeps evidence that is in the bank (not in the file), and a
+    record with only questions adds them; evidence named nowhere is still dropped with a warning."""
+    _, bank = base
+    f = _write(tmp_path / "q.jsonl", [
+        _record("u1", [_session("s3", "2024-03-01 10:00", "I started running.")], [_q("u1:q1", "u1", ["s1", "s3"])]),
+        _record("u2", [], [_q("u2:q0", "u2", ["t1", "nowhere"])]),
+    ])
+    summary = append(f, "jsonl", bank, progress=False)
+    queries = {r["query_id"]: r for r in Bank(bank).read("queries").to_pylist()}
+    assert queries["u1:q1"]["evidence_session_ids"] == ["s1", "s3"]
+    assert queries["u2:q0"]["evidence_session_ids"] == ["t1"]
+    assert summary["counts"]["queries"] == 2 and summary["warning_count"] == 1
+    assert "nowhere" in json.dumps(summary["warnings"])
