@@ -24,6 +24,7 @@ Exactness notes:
 
 Modules: ``nodes`` (node matrices, files, prefixes, exact rescoring), ``exact_search`` (causal, dense and
 faiss-flat candidate search; row blocks of one task), ``hnsw_search`` (approximate faiss HNSW search),
+``ivf_search`` (approximate faiss IVF search, centroids trained once on a prefix),
 ``edges`` (GMM accept -> edges), ``build`` (the ``associate*`` entry points and the search dispatch).
 """
 
@@ -48,6 +49,7 @@ from memgas.pipeline.association.exact_search import _dense_candidates as _dense
 from memgas.pipeline.association.exact_search import _faiss_candidates as _faiss_candidates
 from memgas.pipeline.association.exact_search import _topk_rows as _topk_rows
 from memgas.pipeline.association.hnsw_search import CausalHNSW, HNSWParams, associate_hnsw
+from memgas.pipeline.association.ivf_search import CausalIVF, IVFParams, associate_ivf
 from memgas.pipeline.association.nodes import N_GRAN, Candidates, NodeFile
 from memgas.pipeline.association.nodes import _as_nodes as _as_nodes
 from memgas.pipeline.association.nodes import _first_row_session as _first_row_session
@@ -55,7 +57,7 @@ from memgas.pipeline.association.nodes import _rescore as _rescore
 
 __all__ = [
     "CAUSAL_BLOCK_SESSIONS", "COL_CHUNK", "COL_PAD", "DENSE_MAX_NODES", "GMM_ROWS", "GROUP_TILES", "N_GRAN",
-    "ROW_CHUNK", "SMALL_HISTORY_NODES", "Candidates", "CausalHNSW", "Edges", "HNSWParams", "NodeFile",
-    "associate", "associate_hnsw", "associate_many", "associate_rows", "candidates", "causal_rows",
+    "ROW_CHUNK", "SMALL_HISTORY_NODES", "Candidates", "CausalHNSW", "CausalIVF", "Edges", "HNSWParams",
+    "IVFParams", "NodeFile", "associate", "associate_hnsw", "associate_ivf", "associate_many", "associate_rows", "candidates", "causal_rows",
     "concat_edges", "split_rows",
 ]

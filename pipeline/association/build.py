@@ -19,6 +19,7 @@ from memgas.pipeline.association.exact_search import (
     causal_rows,
 )
 from memgas.pipeline.association.hnsw_search import CausalHNSW, HNSWParams
+from memgas.pipeline.association.ivf_search import CausalIVF, IVFParams
 from memgas.pipeline.association.nodes import N_GRAN, Candidates, _as_nodes, _first_row_session, _rescore
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,13 @@ def candidates(
     search: str = "auto",
     approx_min_nodes: int | None = None,
     hnsw: HNSWParams | None = None,
+    ivf: IVFParams | None = None,
 ) -> Candidates:
     """Candidate rows (top ``mem_threshold`` earlier-session nodes) of the sessions >= ``n_sessions_done``.
 
     ``search``: "causal" (blocked causal top-k, :func:`_causal_candidates`), "dense" (the full masked
-    matrix, the reference), "faiss", "hnsw" (approximate, :class:`CausalHNSW` with ``hnsw``), or "auto":
+    matrix, the reference), "faiss", "hnsw" (approximate, :class:`CausalHNSW` with ``hnsw``), "ivf"
+    (approximate, :class:`CausalIVF` with ``ivf``; never picked by "auto"), or "auto":
     on CPU, "hnsw" from ``approx_min_nodes`` nodes (None: never), else faiss above ``dense_max_nodes``
     nodes, else causal; on CUDA always causal (exact: there is no GPU faiss path).
     """
@@ -62,6 +65,10 @@ def candidates(
         if n_sessions_done:
             raise ValueError("search='hnsw' with n_sessions_done: use associate_hnsw with the saved index")
         cand, valid = CausalHNSW(E.shape[1], hnsw).candidates(E, rows, k)
+    elif search == "ivf":
+        if n_sessions_done:
+            raise ValueError("search='ivf' with n_sessions_done: use associate_ivf with the saved index")
+        cand, valid = CausalIVF(E.shape[1], ivf).candidates(E, rows, k)
     elif search == "causal":
         cand, valid = _causal_candidates(E, rows, k, device)
     elif search == "dense":
@@ -69,7 +76,7 @@ def candidates(
     elif search == "faiss":
         cand, valid = _faiss_candidates(E, rows, k, device)
     else:
-        raise ValueError(f"search must be 'causal', 'dense', 'faiss', 'hnsw' or 'auto', got {search!r}")
+        raise ValueError(f"search must be 'causal', 'dense', 'faiss', 'hnsw', 'ivf' or 'auto', got {search!r}")
     cand, valid, sc = _rescore(E, rows, cand, valid)
     return Candidates(rows, cand, valid, sc)
 
@@ -127,6 +134,7 @@ def associate(
     search: str = "auto",
     approx_min_nodes: int | None = None,
     hnsw: HNSWParams | None = None,
+    ivf: IVFParams | None = None,
 ) -> Edges:
     """Edges contributed by the rows of sessions >= ``n_sessions_done`` of one history.
 
@@ -135,7 +143,7 @@ def associate(
     return associate_many(
         [emb_nodes], n_sessions_done=[n_sessions_done], mem_threshold=mem_threshold,
         min_prior_nodes=min_prior_nodes, mode=mode, topk_edges=topk_edges, device=device,
-        dense_max_nodes=dense_max_nodes, search=search, approx_min_nodes=approx_min_nodes, hnsw=hnsw,
+        dense_max_nodes=dense_max_nodes, search=search, approx_min_nodes=approx_min_nodes, hnsw=hnsw, ivf=ivf,
     )[0]
 
 
@@ -152,6 +160,7 @@ def associate_many(
     search: str = "auto",
     approx_min_nodes: int | None = None,
     hnsw: HNSWParams | None = None,
+    ivf: IVFParams | None = None,
 ) -> list[Edges]:
     """Association for many histories: candidate search per history, one batched GMM for all rows.
 
@@ -162,7 +171,7 @@ def associate_many(
         cands = [
             candidates(h, n_sessions_done=d, mem_threshold=mem_threshold, min_prior_nodes=min_prior_nodes,
                        device=device, dense_max_nodes=dense_max_nodes, search=search,
-                       approx_min_nodes=approx_min_nodes, hnsw=hnsw)
+                       approx_min_nodes=approx_min_nodes, hnsw=hnsw, ivf=ivf)
             for h, d in zip(histories, done)
         ]
     accs = _accept(cands, mode, topk_edges, device)

@@ -223,3 +223,71 @@ def test_hnsw_append_with_saved_index(tmp_path: Path) -> None:
     assert len(as_set(e2) & as_set(exact_new)) / len(as_set(exact_new)) >= 0.9
     with pytest.raises(ValueError):
         A.associate_hnsw(E, A.CausalHNSW.load(tmp_path / "h.faiss", p), n_sessions_done=300)
+
+
+def _ivf_recall(c, ref) -> float:
+    return float(np.mean([len(set(a[v].tolist()) & set(b[w].tolist())) / w.sum()
+                          for a, v, b, w in zip(c.cand, c.valid, ref.cand, ref.valid)]))
+
+
+def test_ivf_recall_causality_and_blocks() -> None:
+    """IVF causal search: candidate recall@30 >= 0.95 against exact search on a seeded clustered set (IVF
+    rows only: ``exact_nodes=0``), for every store; candidates only from strictly earlier sessions; scores
+    are the exact float64 products; the candidates do not depend on the session blocks; rows in the
+    exact prefix equal the exact search."""
+    from memgas.pipeline import association as A
+    from memgas.pipeline.synth_vectors import clustered_nodes
+
+    E = clustered_nodes(0, 1000, dim=96, n_topics=20, seed=7)
+    ref = A.candidates(E, search="causal")
+    for store in ("flat", "fp16", "sq8"):
+        p = A.IVFParams(store=store, nlist=64, nprobe=12, block_sessions=100, train_nodes=2048, exact_nodes=0)
+        c = A.candidates(E, search="ivf", ivf=p)
+        np.testing.assert_array_equal(c.rows, ref.rows)
+        assert _ivf_recall(c, ref) >= 0.95, (store, _ivf_recall(c, ref))
+        ok = c.valid
+        assert np.all(c.cand[ok] // 4 < np.broadcast_to(c.rows[:, None] // 4, ok.shape)[ok])  # earlier sessions
+        rr = np.broadcast_to(c.rows[:, None], ok.shape)[ok]
+        exact = np.einsum("rd,rd->r", E[rr].astype(np.float64), E[c.cand[ok]].astype(np.float64))
+        np.testing.assert_array_equal(c.scores[ok], exact)
+    # the blocks' own scores and order are those of the shared exact rescoring (p: the sq8 store)
+    blocks = list(A.CausalIVF(96, p).blocks(E, ref.rows, 30))
+    for f in ("cand", "valid", "scores"):
+        np.testing.assert_array_equal(np.concatenate([getattr(b, f) for _, b in blocks]), getattr(c, f))
+    # another block grid: the same candidates, byte for byte
+    c2 = A.candidates(E, search="ivf", ivf=A.IVFParams(**{**p.__dict__, "block_sessions": 37}))
+    assert c2.cand.tobytes() == c.cand.tobytes() and c2.scores.tobytes() == c.scores.tobytes()
+    # rows in the exact prefix: the exact search's candidates
+    px = A.IVFParams(nlist=64, nprobe=2, block_sessions=100, train_nodes=2048, exact_nodes=1600)
+    cx = A.candidates(E, search="ivf", ivf=px)
+    head = cx.rows < 1600
+    np.testing.assert_array_equal(cx.cand[head], ref.cand[head])
+    with pytest.raises(ValueError):
+        A.candidates(E, search="ivf", n_sessions_done=500)
+
+
+def test_ivf_append_with_saved_index(tmp_path: Path) -> None:
+    """An append that searches the saved IVF index (centroids trained on the same prefix) gives the edges
+    and candidates of a fresh build over the longer history, byte for byte; a wrong ``n_sessions_done``
+    is refused."""
+    from memgas.pipeline import association as A
+    from memgas.pipeline.synth_vectors import clustered_nodes
+
+    E = clustered_nodes(0, 700, dim=64, n_topics=30, seed=3)
+    p = A.IVFParams(nlist=32, nprobe=4, block_sessions=64, train_nodes=1024, exact_nodes=256)
+    e1, idx = A.associate_ivf(E[: 4 * 450], ivf=p)
+    idx.save(tmp_path / "i.faiss")
+    e2, idx2 = A.associate_ivf(E, A.CausalIVF.load(tmp_path / "i.faiss", p), n_sessions_done=450)
+    assert idx2.ntotal == E.shape[0]
+    fresh, _ = A.associate_ivf(E, ivf=p)
+    new = fresh.src >= 4 * 450
+    for f in ("src", "dst", "sim"):
+        assert getattr(e2, f).tobytes() == getattr(fresh, f)[new].tobytes()
+        assert getattr(e1, f).tobytes() == getattr(fresh, f)[~new].tobytes()
+    rows = np.arange(4 * 450, E.shape[0])
+    cf = A.CausalIVF(64, p).candidates(E, np.arange(20, E.shape[0]), 30)
+    ca = A.CausalIVF.load(tmp_path / "i.faiss", p).candidates(E, rows, 30)
+    assert ca[0].tobytes() == cf[0][-rows.size :].tobytes()
+    assert np.all(e2.dst // 4 < e2.src // 4)
+    with pytest.raises(ValueError):
+        A.associate_ivf(E, A.CausalIVF.load(tmp_path / "i.faiss", p), n_sessions_done=400)

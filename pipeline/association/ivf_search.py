@@ -1,0 +1,328 @@
+"""Approximate causal candidate search (faiss IVF), kept on disk so appended sessions search it.
+
+A row's candidates are the best ``mem_threshold`` nodes of strictly earlier sessions among the nodes
+whose inverted list is one of the row's ``nprobe`` nearest lists (centroids). That set does not depend on
+how the history was cut into blocks: nodes already in the index come from the IVF search, earlier nodes
+of the row's own block from an exact product restricted to the same lists, and both are rescored exactly
+before the best are kept. So an append that searches a saved index gives the candidates of a fresh build
+over the longer history (same training prefix), up to near-ties within the quantised store's rounding.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from memgas.pipeline.association.edges import Edges, _accept, _edges, concat_edges
+from memgas.pipeline.association.exact_search import _causal_candidates, _topk_rows
+from memgas.pipeline.association.nodes import (
+    N_GRAN,
+    Candidates,
+    NodeFile,
+    _as_nodes,
+    _first_row_session,
+    _read_cols,
+    _scores64,
+)
+
+#: nodes per coarse-assignment tile; tiles sit on a grid of node ids so a node's float32 centroid
+#: scores come from the same product shape wherever the block boundaries fall (BLAS low bits depend on it)
+COARSE_TILE = 256
+#: ids gathered per memory map when rescoring from a NodeFile (bounds the pages mapped at once)
+GATHER_IDS = 8192
+
+
+@dataclass(frozen=True)
+class IVFParams:
+    """Approximate causal search (faiss IVF, inner product, flat coarse quantizer).
+
+    ``nlist``: inverted lists (k-means centroids, capped at ``train_nodes // 39`` when fewer nodes are
+    there to train on); ``nprobe``: lists searched per row. ``store``: "flat" (float32), "fp16" or "sq8"
+    (faiss scalar quantisers; candidates are rescored from the float32 vectors either way, so only recall
+    changes). ``fetch``: candidates asked of the index and of the in-block product per row (0: twice
+    ``mem_threshold``, the margin that keeps the exact best within reach of quantised scores).
+    ``train_nodes``: the centroids are trained once, on the history's first ``train_nodes`` nodes
+    (seeded k-means, ``seed``), and saved with the index. ``exact_nodes``: rows among the history's first
+    ``exact_nodes`` nodes are searched exactly (their prefixes are short, and an early row may have few
+    similar predecessors: its best candidates are then scattered over many lists). ``threads``: faiss threads (None: faiss's default); the
+    IVF search and add give the same result for any thread count.
+    """
+
+    nlist: int = 2048
+    nprobe: int = 6
+    store: str = "sq8"
+    fetch: int = 0
+    block_sessions: int = 1024
+    train_nodes: int = 1 << 16
+    exact_nodes: int = 1 << 16
+    threads: int | None = None
+    seed: int = 1234
+
+
+class CausalIVF:
+    """faiss IVF index of one history's nodes, filled in node order so each row searches earlier nodes.
+
+    Sessions are taken in blocks: a block's rows search the index, which then holds exactly the nodes of
+    the sessions before the block, in their ``nprobe`` nearest lists; candidates in the block's own
+    earlier sessions come from an exact block x block product limited to the same lists; the union is
+    rescored exactly (float64 of the float32 vectors) and the best ``mem_threshold`` kept (ties by lower
+    node id). The block's nodes are then added. :meth:`save` / :meth:`load` keep the trained centroids
+    with the lists, so rows of appended sessions search the index without rebuilding.
+    """
+
+    STORES = ("flat", "fp16", "sq8")
+
+    def __init__(self, d: int, params: IVFParams | None = None, *, index: Any = None) -> None:
+        self.params = p = params or IVFParams()
+        if p.store not in self.STORES:
+            raise ValueError(f"IVF store must be one of {self.STORES}, got {p.store!r}")
+        self.d = d
+        self.index = index  # built at the first training (its nlist depends on the training nodes)
+        self._centroids: np.ndarray | None = None
+
+    @property
+    def ntotal(self) -> int:
+        """Nodes in the index (always whole sessions: the history's first ``ntotal`` nodes)."""
+        return 0 if self.index is None else int(self.index.ntotal)
+
+    @property
+    def nlist(self) -> int:
+        return 0 if self.index is None else int(self.index.nlist)
+
+    def save(self, path: str | Path) -> None:
+        import faiss
+
+        if self.index is None:
+            raise ValueError("nothing to save: the index is not trained yet")
+        faiss.write_index(self.index, str(path))
+
+    @classmethod
+    def load(cls, path: str | Path, params: IVFParams | None = None) -> CausalIVF:
+        import faiss
+
+        index = faiss.read_index(str(path))
+        return cls(index.d, params, index=index)
+
+    def _threads(self) -> Any:
+        import faiss
+
+        n = self.params.threads
+        if n is None:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def limit() -> Iterator[None]:
+            old = faiss.omp_get_max_threads()
+            faiss.omp_set_num_threads(n)
+            try:
+                yield
+            finally:
+                faiss.omp_set_num_threads(old)
+
+        return limit()
+
+    def train(self, emb_nodes: Any) -> None:
+        """Train the centroids (and the scalar quantiser) on the first ``train_nodes`` nodes."""
+        import faiss
+
+        p = self.params
+        E = _as_nodes(emb_nodes)
+        x = _read_cols(E, 0, min(E.shape[0], p.train_nodes))
+        nlist = max(1, min(p.nlist, x.shape[0] // 39))  # faiss wants >= 39 training points per centroid
+        quantizer = faiss.IndexFlatIP(self.d)
+        ip = faiss.METRIC_INNER_PRODUCT
+        if p.store == "flat":
+            index = faiss.IndexIVFFlat(quantizer, self.d, nlist, ip)
+        else:
+            qt = faiss.ScalarQuantizer.QT_fp16 if p.store == "fp16" else faiss.ScalarQuantizer.QT_8bit
+            index = faiss.IndexIVFScalarQuantizer(quantizer, self.d, nlist, qt, ip, False)
+        index.cp.seed = p.seed
+        index.cp.spherical = True  # unit vectors searched by inner product: unit centroids
+        index.train(x)
+        index.own_fields = True
+        quantizer.this.disown()
+        self.index = index
+        self._centroids = None
+
+    def centroids(self) -> np.ndarray:
+        """float32 [nlist, d] centroids of the trained index."""
+        if self._centroids is None:
+            q = self.index.quantizer
+            self._centroids = q.reconstruct_n(0, q.ntotal).astype(np.float32)
+        return self._centroids
+
+    def coarse(self, E: Any, c0: int, c1: int, block: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The ``nprobe`` nearest lists of nodes ``[c0, c1)`` (rows of ``block``), best first, ties by
+        lower list id, and their float32 centroid scores. Products run on whole :data:`COARSE_TILE` tiles
+        of the node-id grid (zero rows outside ``[c0, c1)``) so a node's lists never depend on the block."""
+        cen = self.centroids()
+        npr = min(self.params.nprobe, cen.shape[0])
+        lists = np.empty((c1 - c0, npr), np.int64)
+        dis = np.empty((c1 - c0, npr), np.float32)
+        t = COARSE_TILE
+        for a in range(c0 // t * t, c1, t):
+            lo, hi = max(a, c0), min(a + t, c1)
+            tile = np.zeros((t, self.d), np.float32)
+            tile[lo - a : hi - a] = block[lo - c0 : hi - c0]
+            ii, vv = _topk_rows(tile @ cen.T, npr)
+            lists[lo - c0 : hi - c0] = ii[lo - a : hi - a]
+            dis[lo - c0 : hi - c0] = vv[lo - a : hi - a]
+        return lists, dis
+
+    def blocks(self, emb_nodes: Any, rows: np.ndarray, k: int) -> Iterator[tuple[np.ndarray, Candidates]]:
+        """Search the ``rows`` (sorted node ids, all in sessions not yet indexed) block by block and add
+        every node of ``emb_nodes`` past :attr:`ntotal`; yields ``(sel, candidates)`` per block of rows
+        (``sel``: positions in ``rows``; candidates best first by their exact float64 scores)."""
+        E = _as_nodes(emb_nodes)
+        n = E.shape[0]
+        if E.shape[1] != self.d:
+            raise ValueError(f"vectors of dimension {E.shape[1]} for an index of dimension {self.d}")
+        if rows.size and int(rows[0]) < self.ntotal:
+            raise ValueError(f"row {int(rows[0])} is already in the index (it holds {self.ntotal} nodes)")
+        p = self.params
+        fetch = p.fetch or 2 * k
+        row_sess = rows // N_GRAN
+        with self._threads():
+            if self.index is None:
+                self.train(E)
+            self.index.nprobe = min(p.nprobe, self.nlist)
+            for a in range(self.ntotal // N_GRAN, n // N_GRAN, p.block_sessions):
+                b = min(n // N_GRAN, a + p.block_sessions)
+                lo_r, hi_r = np.searchsorted(row_sess, [a, b])
+                blk = _read_cols(E, a * N_GRAN, b * N_GRAN)
+                lists, dis = self.coarse(E, a * N_GRAN, b * N_GRAN, blk)
+                cut = int(np.searchsorted(rows, p.exact_nodes, side="left").clip(lo_r, hi_r))
+                if cut > lo_r:
+                    sel = np.arange(lo_r, cut)
+                    yield sel, _select(E, rows[sel], _causal_candidates(E, rows[sel], k, "cpu")[0], blk, a * N_GRAN, k)
+                if hi_r > cut:
+                    sel = np.arange(cut, hi_r)
+                    yield sel, self._block_candidates(E, rows[sel], a, blk, lists, dis, k, fetch)
+                self._add(blk, lists[:, 0])
+
+    def candidates(self, emb_nodes: Any, rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`blocks`, gathered: (cand [R, k], valid [R, k]) for all ``rows``."""
+        cand = np.full((rows.size, k), -1, np.int64)
+        valid = np.zeros((rows.size, k), bool)
+        for sel, c in self.blocks(emb_nodes, rows, k):
+            cand[sel], valid[sel] = c.cand, c.valid
+        return cand, valid
+
+    def _add(self, blk: np.ndarray, assign: np.ndarray) -> None:
+        from faiss.contrib.ivf_tools import add_preassigned
+
+        add_preassigned(self.index, blk, np.ascontiguousarray(assign, dtype=np.int64))
+
+    def _block_candidates(self, E: Any, r: np.ndarray, a: int, blk: np.ndarray, lists: np.ndarray,
+                          dis: np.ndarray, k: int, fetch: int) -> Candidates:
+        """Candidates of the rows ``r`` of the block starting at session ``a`` (see :meth:`blocks`)."""
+        c0 = a * N_GRAN
+        pos = r - c0
+        q = blk[pos]
+        parts = []
+        if self.ntotal:
+            _, i = self.index.search_preassigned(q, min(fetch, self.ntotal), lists[pos], dis[pos])
+            parts.append(i.astype(np.int64))  # -1 where the probed lists hold fewer
+        inb = self._in_block(q, pos, blk, lists, fetch)
+        parts.append(np.where(inb >= 0, inb + c0, -1))
+        return _select(E, r, np.concatenate(parts, 1), blk, c0, k)
+
+    def _in_block(self, q: np.ndarray, pos: np.ndarray, blk: np.ndarray, lists: np.ndarray,
+                  fetch: int) -> np.ndarray:
+        """Best ``fetch`` block columns per row (float32 scores): earlier sessions of the block whose list
+        is one of the row's probed lists; positions in the block, -1 where there are fewer.
+
+        Sparse: only the (row, node) pairs sharing a probed list are scored (a few per row), not the
+        block x block product."""
+        assign = lists[:, 0]
+        order = np.argsort(assign, kind="stable")
+        starts = np.searchsorted(assign[order], np.arange(self.nlist + 1))
+        probes = lists[pos]  # [R, nprobe]
+        cnt = (starts[probes + 1] - starts[probes]).ravel()
+        pr = np.repeat(np.arange(probes.size), cnt)  # one entry per (row, probe, node of that list)
+        off = np.arange(pr.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        col = order[starts[probes.ravel()[pr]] + off]
+        row = pr // probes.shape[1]
+        keep = col < pos[row] // N_GRAN * N_GRAN  # earlier sessions of the block only
+        row, col = row[keep], col[keep]
+        sc = np.einsum("pd,pd->p", q[row], blk[col])
+        o = np.lexsort((col, -sc, row))  # by row, best first, ties by lower node
+        row, col = row[o], col[o]
+        rank = np.arange(row.size) - np.searchsorted(row, row)
+        out = np.full((pos.size, min(fetch, int(rank.max(initial=-1)) + 1)), -1, np.int64)
+        m = rank < fetch
+        out[row[m], rank[m]] = col[m]
+        return out
+
+
+def _select(E: Any, r: np.ndarray, alli: np.ndarray, blk: np.ndarray, c0: int, k: int) -> Candidates:
+    """Best ``k`` of the ids ``alli`` (-1: none) per row by exact score, ties by lower id, rescored.
+
+    The vectors are gathered once per block (sorted ids: the block's own rows come from ``blk``) into a
+    compact matrix whose row order follows the node ids, so ``_scores64`` on it gives the scores and tie
+    order it gives on the whole history; an entry's score does not depend on the other entries of its
+    row, so the kept scores are those ``_rescore`` gives (the tests check it).
+    """
+    ok = alli >= 0
+    ids = np.unique(alli[ok & (alli < c0)])
+    C = np.concatenate([_gather(E, ids), blk])
+    loc = np.where(alli >= c0, ids.size + alli - c0, np.searchsorted(ids, alli))
+    loc = np.where(ok, loc, 0)
+    r_loc = ids.size + r - c0
+    sc = np.where(ok, _scores64(C, r_loc, loc), -np.inf)
+    o = np.lexsort((np.where(ok, loc, np.iinfo(np.int64).max), -sc), axis=1)[:, :k]
+    ci = np.take_along_axis(loc, o, 1)
+    ok = np.take_along_axis(ok, o, 1)
+    cs = np.take_along_axis(sc, o, 1)
+    cand = np.full((r.size, k), -1, np.int64)
+    valid = np.zeros((r.size, k), bool)
+    scores = np.zeros((r.size, k))
+    cand[:, : ci.shape[1]] = np.where(ok, ci, -1)
+    valid[:, : ci.shape[1]] = ok
+    scores[:, : ci.shape[1]] = np.where(ok, cs, 0.0)
+    glob = cand - ids.size + c0  # block columns
+    prior = valid & (cand < ids.size)
+    glob[prior] = ids[cand[prior]]
+    return Candidates(r, np.where(valid, glob, -1), valid, scores)
+
+
+def _gather(E: Any, ids: np.ndarray) -> np.ndarray:
+    """float32 rows ``E[ids]`` (sorted unique ids). From a :class:`NodeFile`, through a read-only memory
+    map opened per :data:`GATHER_IDS` ids and dropped at once: one ``pread`` per scattered id costs a
+    syscall each, while the map's pages (which count in RSS while mapped) stay bounded by the batch."""
+    if not isinstance(E, NodeFile):
+        return np.ascontiguousarray(E[ids], dtype=np.float32)
+    out = np.empty((ids.size, E.shape[1]), np.float32)
+    for a in range(0, ids.size, GATHER_IDS):
+        mm = np.memmap(E.path, np.float32, "r", E.offset, E.shape)
+        out[a : a + GATHER_IDS] = mm[ids[a : a + GATHER_IDS]]
+        del mm
+    return out
+
+
+def associate_ivf(
+    emb_nodes: Any, index: CausalIVF | None = None, *, n_sessions_done: int = 0, mem_threshold: int = 30,
+    min_prior_nodes: int = 20, ivf: IVFParams | None = None,
+) -> tuple[Edges, CausalIVF]:
+    """Approximate association of the sessions >= ``n_sessions_done``, block by block (bounded memory:
+    one block's candidates and GMM at a time; the edges are the only thing that grows).
+
+    ``index``: a :class:`CausalIVF` holding the first ``n_sessions_done`` sessions (from an earlier call,
+    or :meth:`CausalIVF.load`) so an append searches the new rows only; None builds one (adding, not
+    searching, the sessions before ``n_sessions_done``). Returns the edges and the index, which then holds
+    every node of ``emb_nodes``. GMM mode only (the MemGAS default).
+    """
+    E = _as_nodes(emb_nodes)
+    k = int(mem_threshold)
+    if index is None:
+        index = CausalIVF(E.shape[1], ivf)
+    if index.ntotal != N_GRAN * n_sessions_done and index.ntotal != 0:
+        raise ValueError(f"the index holds {index.ntotal} nodes, not the {N_GRAN * n_sessions_done} of "
+                         f"{n_sessions_done} sessions done")
+    s0 = _first_row_session(n_sessions_done, min_prior_nodes)
+    rows = np.arange(s0 * N_GRAN, E.shape[0], dtype=np.int64)
+    out = [_edges(c, _accept([c], "gmm", None, "cpu")[0]) for _, c in index.blocks(E, rows, k)]
+    return concat_edges(out), index
