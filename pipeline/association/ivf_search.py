@@ -42,8 +42,8 @@ class IVFParams:
     ``nlist``: inverted lists (k-means centroids, capped at ``train_nodes // 39`` when fewer nodes are
     there to train on); ``nprobe``: lists searched per row. ``store``: "flat" (float32), "fp16" or "sq8"
     (faiss scalar quantisers; candidates are rescored from the float32 vectors either way, so only recall
-    changes). ``fetch``: candidates asked of the index and of the in-block product per row (0: twice
-    ``mem_threshold``, the margin that keeps the exact best within reach of quantised scores).
+    changes). ``fetch``: candidates asked of the index and of the in-block product per row (0: 1.5 x
+    ``mem_threshold``, a margin that keeps the exact best within reach of quantised scores).
     ``train_nodes``: the centroids are trained once, on the history's first ``train_nodes`` nodes
     (seeded k-means, ``seed``), and saved with the index. ``exact_nodes``: rows among the history's first
     ``exact_nodes`` nodes are searched exactly (their prefixes are short, and an early row may have few
@@ -183,7 +183,7 @@ class CausalIVF:
         if rows.size and int(rows[0]) < self.ntotal:
             raise ValueError(f"row {int(rows[0])} is already in the index (it holds {self.ntotal} nodes)")
         p = self.params
-        fetch = p.fetch or 2 * k
+        fetch = p.fetch or k + k // 2
         row_sess = rows // N_GRAN
         with self._threads():
             if self.index is None:
