@@ -306,6 +306,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "embeddings": ("text_hash", "encoder"),
     "nodes": ("history_id", "session_id", "granularity"),
     "edges": ("history_id", "src", "dst", "mode"),
+    "edge_segments": ("history_id", "first_session", "end_session"),
     "rankings": ("method", "query_id", "rank"),
     "answers": ("method", "query_id"),
     "judgments": ("method", "query_id"),
