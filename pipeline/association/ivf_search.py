@@ -47,8 +47,8 @@ class IVFParams:
     ``train_nodes``: the centroids are trained once, on the history's first ``train_nodes`` nodes
     (seeded k-means, ``seed``), and saved with the index. ``exact_nodes``: rows among the history's first
     ``exact_nodes`` nodes are searched exactly (their prefixes are short, and an early row may have few
-    similar predecessors: its best candidates are then scattered over many lists). ``threads``: faiss threads (None: faiss's default); the
-    IVF search and add give the same result for any thread count.
+    similar predecessors: its best candidates are then scattered over many lists). ``threads``: faiss
+    threads while training, searching and adding (None: faiss's default).
     """
 
     nlist: int = 2048
@@ -197,7 +197,8 @@ class CausalIVF:
                 cut = int(np.searchsorted(rows, p.exact_nodes, side="left").clip(lo_r, hi_r))
                 if cut > lo_r:
                     sel = np.arange(lo_r, cut)
-                    yield sel, _select(E, rows[sel], _causal_candidates(E, rows[sel], k, "cpu")[0], blk, a * N_GRAN, k)
+                    exact = _causal_candidates(E, rows[sel], k, "cpu")[0]
+                    yield sel, _select(E, rows[sel], exact, blk, a * N_GRAN, k)
                 if hi_r > cut:
                     sel = np.arange(cut, hi_r)
                     yield sel, self._block_candidates(E, rows[sel], a, blk, lists, dis, k, fetch)
