@@ -1,20 +1,19 @@
 """Approximate causal candidate search (faiss HNSW), kept on disk so appended sessions search it."""
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from memgas.kernels.topk import topk
+from memgas.pipeline.association.faiss_index import FaissCausalIndex
 from memgas.pipeline.association.edges import Edges, _accept, _edges, concat_edges
 from memgas.pipeline.association.nodes import (
     N_GRAN,
     Candidates,
     _as_nodes,
-    _first_row_session,
+    _new_rows,
     _read_cols,
     _read_rows,
     _rescore,
@@ -41,7 +40,7 @@ class HNSWParams:
     threads: int | None = 1
 
 
-class CausalHNSW:
+class CausalHNSW(FaissCausalIndex):
     """faiss HNSW index of one history's nodes, filled in node order so each row searches earlier nodes.
 
     Sessions are taken in blocks: a block's rows search the index, which then holds exactly the nodes of
@@ -76,35 +75,6 @@ class CausalHNSW:
         """Nodes in the index (always whole sessions: the history's first ``ntotal`` nodes)."""
         return int(self.index.ntotal)
 
-    def save(self, path: str | Path) -> None:
-        import faiss  # noqa: PLC0415
-
-        faiss.write_index(self.index, str(path))
-
-    @classmethod
-    def load(cls, path: str | Path, params: HNSWParams | None = None) -> "CausalHNSW":
-        import faiss  # noqa: PLC0415
-
-        index = faiss.read_index(str(path))
-        return cls(index.d, params, index=index)
-
-    def _threads(self) -> Any:
-        import faiss  # noqa: PLC0415
-
-        n = self.params.threads
-        if n is None:
-            return contextlib.nullcontext()
-
-        @contextlib.contextmanager
-        def limit() -> Any:
-            old = faiss.omp_get_max_threads()
-            faiss.omp_set_num_threads(n)
-            try:
-                yield
-            finally:
-                faiss.omp_set_num_threads(old)
-
-        return limit()
 
     def blocks(self, emb_nodes: Any, rows: np.ndarray, k: int) -> Any:
         """Search the ``rows`` (sorted node ids, all in sessions not yet indexed) block by block and add
@@ -177,11 +147,7 @@ def associate_hnsw(
     k = int(mem_threshold)
     if index is None:
         index = CausalHNSW(E.shape[1], hnsw)
-    if index.ntotal != N_GRAN * n_sessions_done and index.ntotal != 0:
-        raise ValueError(f"the index holds {index.ntotal} nodes, not the {N_GRAN * n_sessions_done} of "
-                         f"{n_sessions_done} sessions done")
-    s0 = _first_row_session(n_sessions_done, min_prior_nodes)
-    rows = np.arange(s0 * N_GRAN, E.shape[0], dtype=np.int64)
+    rows = _new_rows(E.shape[0], index.ntotal, n_sessions_done, min_prior_nodes)
     out = []
     for sel, cand, valid in index.blocks(E, rows, k):
         c = Candidates(rows[sel], *_rescore(E, rows[sel], cand, valid))

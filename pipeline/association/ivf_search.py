@@ -9,13 +9,12 @@ over the longer history (same training prefix), up to near-ties within the quant
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from memgas.pipeline.association.faiss_index import FaissCausalIndex
 from memgas.pipeline.association.edges import Edges, _accept, _edges, concat_edges
 from memgas.pipeline.association.exact_search import _causal_candidates, _topk_rows
 from memgas.pipeline.association.nodes import (
@@ -23,7 +22,7 @@ from memgas.pipeline.association.nodes import (
     Candidates,
     NodeFile,
     _as_nodes,
-    _first_row_session,
+    _new_rows,
     _read_cols,
     _scores64,
 )
@@ -62,7 +61,7 @@ class IVFParams:
     seed: int = 1234
 
 
-class CausalIVF:
+class CausalIVF(FaissCausalIndex):
     """faiss IVF index of one history's nodes, filled in node order so each row searches earlier nodes.
 
     Sessions are taken in blocks: a block's rows search the index, which then holds exactly the nodes of
@@ -92,37 +91,6 @@ class CausalIVF:
     def nlist(self) -> int:
         return 0 if self.index is None else int(self.index.nlist)
 
-    def save(self, path: str | Path) -> None:
-        import faiss
-
-        if self.index is None:
-            raise ValueError("nothing to save: the index is not trained yet")
-        faiss.write_index(self.index, str(path))
-
-    @classmethod
-    def load(cls, path: str | Path, params: IVFParams | None = None) -> CausalIVF:
-        import faiss
-
-        index = faiss.read_index(str(path))
-        return cls(index.d, params, index=index)
-
-    def _threads(self) -> Any:
-        import faiss
-
-        n = self.params.threads
-        if n is None:
-            return contextlib.nullcontext()
-
-        @contextlib.contextmanager
-        def limit() -> Iterator[None]:
-            old = faiss.omp_get_max_threads()
-            faiss.omp_set_num_threads(n)
-            try:
-                yield
-            finally:
-                faiss.omp_set_num_threads(old)
-
-        return limit()
 
     def train(self, emb_nodes: Any) -> None:
         """Train the centroids (and the scalar quantiser) on the first ``train_nodes`` nodes."""
@@ -308,22 +276,13 @@ def associate_ivf(
     emb_nodes: Any, index: CausalIVF | None = None, *, n_sessions_done: int = 0, mem_threshold: int = 30,
     min_prior_nodes: int = 20, ivf: IVFParams | None = None,
 ) -> tuple[Edges, CausalIVF]:
-    """Approximate association of the sessions >= ``n_sessions_done``, block by block (bounded memory:
-    one block's candidates and GMM at a time; the edges are the only thing that grows).
-
-    ``index``: a :class:`CausalIVF` holding the first ``n_sessions_done`` sessions (from an earlier call,
-    or :meth:`CausalIVF.load`) so an append searches the new rows only; None builds one (adding, not
-    searching, the sessions before ``n_sessions_done``). Returns the edges and the index, which then holds
-    every node of ``emb_nodes``. GMM mode only (the MemGAS default).
-    """
+    """:func:`associate_hnsw` with the IVF search: the edges of the sessions >= ``n_sessions_done`` (an
+    ``index`` holding exactly the sessions before them, or None to build one) and the index, which then
+    holds every node. GMM mode only."""
     E = _as_nodes(emb_nodes)
     k = int(mem_threshold)
     if index is None:
         index = CausalIVF(E.shape[1], ivf)
-    if index.ntotal != N_GRAN * n_sessions_done and index.ntotal != 0:
-        raise ValueError(f"the index holds {index.ntotal} nodes, not the {N_GRAN * n_sessions_done} of "
-                         f"{n_sessions_done} sessions done")
-    s0 = _first_row_session(n_sessions_done, min_prior_nodes)
-    rows = np.arange(s0 * N_GRAN, E.shape[0], dtype=np.int64)
+    rows = _new_rows(E.shape[0], index.ntotal, n_sessions_done, min_prior_nodes)
     out = [_edges(c, _accept([c], "gmm", None, "cpu")[0]) for _, c in index.blocks(E, rows, k)]
     return concat_edges(out), index

@@ -93,6 +93,16 @@ def _first_row_session(n_sessions_done: int, min_prior_nodes: int) -> int:
     return max(n_sessions_done, -(-min_prior_nodes // N_GRAN))
 
 
+def _new_rows(n_nodes: int, index_ntotal: int, n_sessions_done: int, min_prior_nodes: int) -> np.ndarray:
+    """The rows an approximate association computes next (the eligible rows of the sessions >=
+    ``n_sessions_done``), after checking that its saved index holds exactly the sessions before them
+    (or is empty: it is then filled, not searched, with them)."""
+    if index_ntotal not in (0, N_GRAN * n_sessions_done):
+        raise ValueError(f"the index holds {index_ntotal} nodes, not the {N_GRAN * n_sessions_done} of "
+                         f"{n_sessions_done} sessions done")
+    return np.arange(_first_row_session(n_sessions_done, min_prior_nodes) * N_GRAN, n_nodes, dtype=np.int64)
+
+
 def _scores64(E: Any, rows: np.ndarray, cand: np.ndarray) -> np.ndarray:
     """float64 dot products ``E[rows[r]] . E[cand[r, j]]`` of float32 vectors (exact products, float64 sums).
 
