@@ -382,6 +382,8 @@ def main() -> None:
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one is not None:  # child: one size, JSON on stdout's last line
+        if args.tmp:
+            Path(args.tmp).mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=args.tmp) as d:
             f = sample_size if args.sample_only else run_size
             print(json.dumps(f(args.one, args, Path(d))), flush=True)
