@@ -27,6 +27,7 @@ session without cards the lowest of those minus 1: they are for ordering and dis
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -102,6 +103,9 @@ class HistoryCards:
         """BM25 (bm25s, Lucene variant, English stop words) of ``query`` over every card, float64 [C]."""
         import bm25s
 
+        # bm25s sets its own logger to DEBUG on import, so "Building index" lines reached the terminal
+        # even under `memgas -q`; its records follow the root level like everyone else's
+        logging.getLogger("bm25s").setLevel(logging.NOTSET)
         if self._bm25 is None:
             tok = bm25s.tokenize(self.texts, stopwords="en", show_progress=False)
             self._bm25 = bm25s.BM25()
