@@ -218,7 +218,10 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         summary = append(args.file, args.format, args.out, strict=args.strict, allow_reorder=args.allow_reorder,
                          progress=not args.quiet)
         if not summary["committed"]:
-            _show(f"nothing to append to {args.out}: every session and question of {args.file} is there already")
+            if not summary["records"]:
+                _show(f"nothing appended to {args.out}: {args.file} holds no history record")
+            else:
+                _show(f"nothing to append to {args.out}: every session and question of {args.file} is there already")
         else:
             _show(json.dumps(summary, indent=2, default=str) if args.verbose else
                   _ingest_line(summary, args.out).replace("ingested into", "appended to", 1))

@@ -154,6 +154,7 @@ def append(
         seen_texts: set[bytes] = set(state.texts)
         seen_sessions: set[bytes] = set(state.session_hashes)
         new_queries: set[str] = set()
+        n_records = 0
 
         def flush() -> None:
             nonlocal chunk
@@ -168,6 +169,7 @@ def append(
 
         try:
             for rec in loader(fmt)(p, warnings):
+                n_records += 1
                 if rec.history_id in seen_ids:
                     raise DataError(str(p), f"duplicate history id {rec.history_id!r}", index=rec.index, record_id=rec.history_id)
                 seen_ids.add(rec.history_id)
@@ -208,8 +210,9 @@ def append(
                     flush()
             flush()
             if not parts:
-                log.info("append %s: nothing new (every session and question is in the bank already)", p.name)
-                return {"path": str(p.resolve()), "format": fmt, "kind": APPEND_KIND, "counts": counts,
+                log.info("append %s: nothing new (%s)", p.name, "every session and question is in the bank already"
+                         if n_records else "the file holds no history record")
+                return {"path": str(p.resolve()), "format": fmt, "kind": APPEND_KIND, "counts": counts, "records": n_records,
                         "committed": False, "parts": 0, "warning_count": warnings.total,
                         "warnings": warnings.summary(), "seconds": round(time.perf_counter() - t0, 3)}
             entry = {
