@@ -226,6 +226,23 @@ def test_a_rerun_skips_everything_and_equals_a_fresh_run(tmp_path_factory, jm_ru
 
 
 @pytest.mark.slow
+def test_a_deleted_card_picks_part_reruns_its_rank_unit(tmp_path_factory, jm_run) -> None:
+    """A rank unit writes a rankings part and a card_picks part of one name; with only the card_picks part
+    deleted, the unit runs again (its rankings part is dropped with it: otherwise the unit counted as
+    done and card_picks stayed missing) and the run's outputs equal the reference, bytes of the part too."""
+    work = tmp_path_factory.mktemp("jmpicks")
+    shutil.copytree(jm_run, work, dirs_exist_ok=True)
+    picks = sorted((work / "results" / "card_picks").glob("*.parquet"))
+    assert picks, "the reference run wrote no card_picks part: nothing tested"
+    before = picks[0].read_bytes()
+    picks[0].unlink()
+    _run(_jm(work))
+    assert "rank" in _executed(work)
+    assert picks[0].read_bytes() == before
+    assert _outputs(work) == _outputs(jm_run)
+
+
+@pytest.mark.slow
 def test_a_justmem_field_reruns_exactly_its_stages_and_matches_a_fresh_run(tmp_path_factory, jm_run) -> None:
     """justmem.rewrites=1: new plans, encode runs (their one rewrite each is the first of the two already
     encoded: nothing new to encode), ranked again; the rankings equal a fresh run's exactly; then back to the
