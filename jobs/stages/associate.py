@@ -48,15 +48,22 @@ class AssociateStage(HistoryShardStage):
 
     # -- which segments are stored and which must be computed -------------------------------------------
     def chains(self, ctx: StageContext) -> dict[str, list[str]]:
-        keys = encoder_keys(ctx)
-        seed = "|".join(f"{k}={keys[k]}" for k in sorted(keys))
-        return prefix_digests(ctx.bank.read("nodes", ["history_id", "position", "granularity", "text_hash"]), seed)
+        """Per history, the prefix digests of its sessions (:func:`prefix_digests`). Plan, output parts and
+        finish all need them: computed once per run and state of the nodes table (its committed output)."""
+        key = ("associate:chains", ctx.outputs.get("nodes"), tuple(sorted(encoder_keys(ctx).items())))
+        if key[1] is not None and key in ctx.cache:
+            return ctx.cache[key]
+        seed = "|".join(f"{k}={v}" for k, v in key[2])
+        chains = prefix_digests(ctx.bank.read("nodes", ["history_id", "position", "granularity", "text_hash"]), seed)
+        if key[1] is not None:
+            ctx.cache[key] = chains
+        return chains
 
     def stored_segments(self, ctx: StageContext) -> dict[str, list[Segment]]:
         """Segments of every part of this config whose edges part is there too."""
-        bank, out = ctx.bank, {}
+        bank, out, prefix = ctx.bank, {}, self.prefix(ctx)
         for part in bank.parts("edge_segments"):
-            if part.startswith(self.prefix(ctx)) and bank.has_part("edges", part):
+            if part.startswith(prefix) and bank.has_part("edges", part):
                 t = bank.read("edge_segments", parts=[part])
                 out[part] = list(zip(*(t[c].to_pylist() for c in EDGE_SEGMENTS.names)))
         return out
