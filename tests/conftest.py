@@ -19,6 +19,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+# What memgas derives from model files (de-quantised GGUF weights, ONNX exports) goes to one cache for the
+# suite's processes, Ray workers and subprocesses: the first SmolLM2 load converts the GGUF (~20 s), every
+# later one reads the verified copy. Inside the checkout (ignored by git), so a fresh clone starts cold and
+# the suite never writes into the user's ~/.cache. tests/pipeline/models/test_gguf_cache.py tests the
+# conversion itself in a cache of its own.
+os.environ.setdefault("MEMGAS_CACHE_DIR", str(REPO / ".pytest_cache" / "memgas"))
 SAMPLE_LOCOMO = REPO / "data" / "sample" / "locomo_sample.json"
 
 

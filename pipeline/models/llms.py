@@ -150,7 +150,8 @@ def resolve_llm_dtype(dtype: str, device: str, bf16_supported: bool | None = Non
 
 
 def load_transformers(path: str, gguf_file: str | None, dtype_name: str, device: str = "cpu") -> tuple[Any, Any]:
-    """One model per (path, file, dtype, device) per process: a GGUF de-quantisation is slow.
+    """One model per (path, file, dtype, device) per process. A GGUF file loads through its verified
+    de-quantised copy (:mod:`~memgas.pipeline.models.gguf_cache`): de-quantising takes ~20 s per process.
 
     On CUDA the weights are loaded straight onto the device (``device_map``) in ``dtype_name``, never
     materialised in float32 on the host first.
@@ -158,21 +159,32 @@ def load_transformers(path: str, gguf_file: str | None, dtype_name: str, device:
     key = (path, gguf_file, dtype_name, device)
     with _MODEL_CACHE_LOCK:
         if key not in _MODEL_CACHE:
-            import torch
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            if gguf_file:
+                from memgas.pipeline.models.gguf_cache import load_gguf_cached
 
-            t0 = time.perf_counter()
-            kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-            tok = AutoTokenizer.from_pretrained(path, **kw)
-            load_kw = dict(kw)
-            if device.startswith("cuda"):
-                load_kw["device_map"] = {"": device}
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name), **load_kw)
-            model.eval()
-            logger.info("loaded %s%s (%s, %s) in %.1fs", path, f"/{gguf_file}" if gguf_file else "", dtype_name,
-                        device, time.perf_counter() - t0)
-            _MODEL_CACHE[key] = (model, tok)
+                _MODEL_CACHE[key] = load_gguf_cached(path, gguf_file, dtype_name, device,
+                                                     lambda: _load_pretrained(path, gguf_file, dtype_name, device))
+            else:
+                _MODEL_CACHE[key] = _load_pretrained(path, None, dtype_name, device)
         return _MODEL_CACHE[key]
+
+
+def _load_pretrained(path: str, gguf_file: str | None, dtype_name: str, device: str) -> tuple[Any, Any]:
+    """transformers' own loading of a model folder, hub name or GGUF file (which it de-quantises)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    kw: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(path, **kw)
+    load_kw = dict(kw)
+    if device.startswith("cuda"):
+        load_kw["device_map"] = {"": device}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype_name), **load_kw)
+    model.eval()
+    logger.info("loaded %s%s (%s, %s) in %.1fs", path, f"/{gguf_file}" if gguf_file else "", dtype_name,
+                device, time.perf_counter() - t0)
+    return model, tok
 
 
 class TransformersLLM:

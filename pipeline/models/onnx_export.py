@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from memgas.pipeline.models.cache_dir import memgas_cache_dir
+
 logger = logging.getLogger(__name__)
 
 #: Bump when the ONNX export / optimisation / quantisation recipe changes (part of the export cache key).
@@ -21,11 +23,7 @@ ONNX_RECIPE = "onnx-v1"
 
 def onnx_cache_dir() -> Path:
     """``$MEMGAS_CACHE_DIR/onnx``, else ``$XDG_CACHE_HOME/memgas/onnx``, else ``~/.cache/memgas/onnx``."""
-    root = os.environ.get("MEMGAS_CACHE_DIR")
-    if root:
-        return Path(root) / "onnx"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "memgas" / "onnx"
+    return memgas_cache_dir("onnx")
 
 
 def _weights_digest(model: torch.nn.Module) -> str:

@@ -1,0 +1,201 @@
+"""The de-quantised copy of a GGUF model never changes a result, and is verified before every use.
+
+The reference is transformers' own GGUF loading (``llms._load_pretrained``), done once here: its tensors and
+its greedy output are compared, exactly, with the model loaded from the cache folder.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from memgas.pipeline.models import gguf_cache, llms
+from memgas.pipeline.models.gguf_cache import MANIFEST, load_gguf_cached, same_model
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def gguf() -> tuple[str, str]:
+    return llms.resolve_gguf("smollm2")
+
+
+@pytest.fixture(scope="module")
+def from_gguf(gguf: tuple[str, str]) -> tuple[Any, Any]:
+    """SmolLM2 as transformers loads the GGUF file (~20 s: once for the module)."""
+    return llms._load_pretrained(*gguf, "float32", "cpu")
+
+
+def _load(gguf: tuple[str, str], from_gguf: tuple[Any, Any], calls: list[int] | None = None) -> tuple[Any, Any]:
+    def load() -> tuple[Any, Any]:
+        if calls is not None:
+            calls.append(1)
+        return from_gguf
+
+    return load_gguf_cached(*gguf, "float32", "cpu", load)
+
+
+def _folders(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "gguf").iterdir() if not p.name.startswith("."))
+
+
+def _greedy(model: Any, tok: Any, text: str, n: int = 12) -> tuple[list[int], torch.Tensor]:
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        logits = model(x).logits
+        out = model.generate(x, max_new_tokens=n, do_sample=False)
+    return out[0].tolist(), logits
+
+
+@pytest.fixture()
+def cache_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """An empty cache, in memory where the machine has /dev/shm: a conversion writes ~540 MB of float32
+    weights, several seconds on a disk and a fraction of one in tmpfs (what is tested is the same)."""
+    shm = Path("/dev/shm")
+    base = Path(tempfile.mkdtemp(dir=shm)) if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path
+    monkeypatch.setenv("MEMGAS_CACHE_DIR", str(base / "cache"))
+    yield base / "cache"
+    if base != tmp_path:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_cached_copy_equals_the_gguf_model_bit_for_bit(gguf, from_gguf, cache_root) -> None:
+    calls: list[int] = []
+    first = _load(gguf, from_gguf, calls)
+    assert calls == [1] and first[0] is from_gguf[0]  # converted from the GGUF load, which is what it returns
+    (folder,) = _folders(cache_root)
+    assert (folder / MANIFEST).is_file() and (folder / "model.safetensors").is_file()
+
+    cached = _load(gguf, from_gguf, calls)
+    assert calls == [1], "the second load must come from the folder, not the GGUF file"
+    model, tok = cached
+    assert model is not from_gguf[0]
+    ref_sd, got_sd = from_gguf[0].state_dict(), model.state_dict()
+    assert sorted(ref_sd) == sorted(got_sd)
+    assert all(ref_sd[k].dtype == got_sd[k].dtype and torch.equal(ref_sd[k], got_sd[k]) for k in ref_sd)
+    # the output embedding is tied to the input one again (stored once)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    text = "Caroline went to the support group on 7 May. When did she go?"
+    ref_ids, ref_logits = _greedy(*from_gguf, text)
+    got_ids, got_logits = _greedy(model, tok, text)
+    assert got_ids == ref_ids and torch.equal(got_logits, ref_logits)
+    assert same_model(from_gguf, cached) == []
+
+
+def test_the_backend_answers_the_same_from_the_cache(gguf, from_gguf, cache_root, monkeypatch) -> None:
+    """TransformersLLM through load_transformers (cache miss, then hit in a new process's state) answers
+    exactly as the GGUF-loaded model."""
+    from memgas.pipeline.models.base import SamplingParams
+
+    prompt = [[{"role": "user", "content": "Name three colours of the rainbow."}]]
+    params = SamplingParams(max_tokens=10)
+    monkeypatch.setattr(llms, "_MODEL_CACHE", {})
+    monkeypatch.setattr(llms, "_load_pretrained", lambda *a: from_gguf)
+    ref = llms.TransformersLLM("smollm2", dtype="float32", device="cpu").generate(prompt, params)[0]
+    monkeypatch.setattr(llms, "_MODEL_CACHE", {})  # a new process: only the disk cache is left
+    monkeypatch.setattr(llms, "_load_pretrained", lambda *a: pytest.fail("loaded the GGUF although cached"))
+    llm = llms.TransformersLLM("smollm2", dtype="float32", device="cpu")
+    assert llm._model is not from_gguf[0]
+    got = llm.generate(prompt, params)[0]
+    assert got.ok and (got.text, got.prompt_tokens, got.completion_tokens) == (
+        ref.text, ref.prompt_tokens, ref.completion_tokens)
+
+
+@pytest.mark.parametrize("damage", ["flip a weight byte", "delete the manifest", "truncate the tokenizer"])
+def test_a_damaged_copy_is_set_aside_and_converted_again(gguf, from_gguf, cache_root, caplog, damage) -> None:
+    _load(gguf, from_gguf)
+    (folder,) = _folders(cache_root)
+    if damage == "flip a weight byte":
+        weights = folder / "model.safetensors"
+        data = bytearray(weights.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        weights.write_bytes(bytes(data))
+    elif damage == "delete the manifest":  # a conversion killed before its last write
+        (folder / MANIFEST).unlink()
+    else:
+        tok = folder / "tokenizer.json"
+        tok.write_bytes(tok.read_bytes()[:100])
+    calls: list[int] = []
+    with caplog.at_level(logging.WARNING, logger="memgas.pipeline.models.gguf_cache"):
+        got = _load(gguf, from_gguf, calls)
+    assert calls == [1] and got[0] is from_gguf[0]  # the GGUF model, never the damaged folder
+    assert "incomplete or altered" in caplog.text
+    leftovers = [p.name for p in (cache_root / "gguf").iterdir() if p.name.startswith(".") and p.suffix != ".lock"]
+    assert _folders(cache_root) == [folder] and leftovers == []  # nothing half-written or set aside remains
+    assert same_model(from_gguf, _load(gguf, from_gguf, calls)) == [] and calls == [1]
+
+
+def test_an_unwritable_cache_costs_time_only(gguf, from_gguf, tmp_path, monkeypatch, caplog) -> None:
+    """A cache root that cannot be created (a file stands where its folder should be: refused for root too)."""
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("the user's file")
+    monkeypatch.setenv("MEMGAS_CACHE_DIR", str(blocker / "cache"))
+    with caplog.at_level(logging.WARNING, logger="memgas.pipeline.models.gguf_cache"):
+        got = _load(gguf, from_gguf)
+    assert got[0] is from_gguf[0] and "cannot keep a de-quantised copy" in caplog.text
+    assert blocker.read_text() == "the user's file"
+
+
+def test_a_copy_that_does_not_load_back_equal_is_not_published(gguf, from_gguf, cache_root, monkeypatch,
+                                                              caplog) -> None:
+    """A transformers change that makes the round trip lossy: the check refuses the folder."""
+    real_write = gguf_cache._write_folder
+
+    def lossy_write(model: Any, tok: Any, folder: Path) -> None:
+        real_write(model, tok, folder)
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(folder / "model.safetensors"))
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] += 1e-3
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+    monkeypatch.setattr(gguf_cache, "_write_folder", lossy_write)
+    with caplog.at_level(logging.WARNING, logger="memgas.pipeline.models.gguf_cache"):
+        got = _load(gguf, from_gguf)
+    assert got[0] is from_gguf[0] and "does not load back equal" in caplog.text
+    assert [p.name for p in (cache_root / "gguf").iterdir() if p.suffix != ".lock"] == []
+
+
+def test_the_key_follows_the_file_bytes_and_the_dtype(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"GGUF" + b"\0" * 100)
+    b.write_bytes(b"GGUF" + b"\0" * 99 + b"\1")
+    key = gguf_cache.gguf_cache_key
+    assert key(a, "float32") != key(b, "float32") and key(a, "float32") != key(a, "bfloat16")
+    assert key(a, "float32") == key(tmp_path / "a.gguf", "float32")
+
+
+def test_processes_starting_together_convert_once(gguf, from_gguf, cache_root) -> None:
+    """Ray actors start together: the second waits for the first one's conversion and loads the folder (the
+    lock is an flock on its own open file, so two threads here contend as two processes would)."""
+    import threading
+    import time
+
+    calls: list[int] = []
+
+    def slow_gguf() -> tuple[Any, Any]:
+        calls.append(1)
+        time.sleep(1.0)  # the other loader arrives while this one is still "de-quantising"
+        return from_gguf
+
+    got: list[tuple[Any, Any]] = []
+    threads = [threading.Thread(target=lambda: got.append(load_gguf_cached(*gguf, "float32", "cpu", slow_gguf)))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(got) == 2 and calls == [1]
+    assert all(same_model(from_gguf, g) == [] for g in got)
