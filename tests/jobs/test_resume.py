@@ -21,10 +21,13 @@ from memgas.pipeline.schema import KEYS
 
 pytestmark = pytest.mark.slow
 
-# one LoCoMo conversation, LLM-free generator, small units so there is something to resume
+# 8 sessions of one LoCoMo conversation (tests/fixtures/locomo_small.json: every stage does real work),
+# LLM-free generator, units of one session and ~24 texts: 8 generate and 6 encode units, so a kill by
+# polling the markers lands with units left to resume (what is resumed is the same on a larger file)
 SETTINGS = [
-    "--set", "data.limit=1", "--set", "reading.enabled=false", "--set", "ray.generate_unit=2",
-    "--set", "ray.encode_unit=48", "--set", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
+    "--set", "data.path=tests/fixtures/locomo_small.json", "--set", "data.limit=1", "--set", "reading.enabled=false",
+    "--set", "ray.generate_unit=1", "--set", "ray.encode_unit=24",
+    "--set", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
 ]
 
 
