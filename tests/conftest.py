@@ -46,16 +46,18 @@ SAMPLE_COUNTS: dict[str, int] = _locomo_counts(SAMPLE_LOCOMO)
 #: worker idled for minutes while the other finished it. `make test` passes `--no-loadscope-reorder` so the
 #: queue keeps this order. Order only: every test still runs, in its file's own order.
 LONGEST_FIRST = (
+    "tests/jobs/test_ray_cluster.py",
+    "tests/jobs/test_resume.py",
     "tests/jobs/test_stages.py",
     "tests/jobs/test_justmem_stages.py",
-    "tests/jobs/test_resume.py",
-    "tests/jobs/test_ray_cluster.py",
-    "tests/jobs/test_runner_faults.py",
-    "tests/jobs/test_exit_codes.py",
     "tests/test_gpu_stack.py",
+    "tests/pipeline/models/test_gguf_cache.py",
+    "tests/pipeline/models/test_encoders.py",
+    "tests/jobs/test_exit_codes.py",
+    "tests/jobs/test_runner_faults.py",
     "tests/jobs/test_append_index.py",
-    "tests/pipeline/models/test_server.py",
-    "tests/pipeline/evaluate/test_retrieval.py",
+    "tests/pipeline/test_ingest.py",
+    "tests/pipeline/test_generate.py",
 )
 
 

@@ -28,8 +28,10 @@ READ = ["memgas", "justmem", "justmem-replay"]
 
 
 def _jm(tmp: Path, **extra: object) -> MemgasConfig:
+    # a reading budget that holds K cards and Replay's 300 tokens of source turns uncut: the tests find each
+    # picked card's text in the prompt
     return _base(tmp, **{"retrieval.methods": METHODS, "reading.methods": READ, "justmem.replay_tokens": 300,
-                         **extra})
+                         "reading.context_tokens": 1024, **extra})
 
 
 def _ctx(cfg: MemgasConfig, run_dir: Path) -> StageContext:

@@ -127,8 +127,11 @@ SMALL_LOCOMO = REPO / "tests" / "fixtures" / "locomo_small.json"
 
 
 def _base(tmp: Path, **extra: object) -> MemgasConfig:
+    """The real runs' config: the small file, one question read, and short encoder windows and reading
+    prompts (64 and 512 tokens: about a third less work per run, and every window and budget rule still
+    applies: sessions and summaries are longer than 64 tokens, a prompt of two sessions is cut)."""
     overrides = [f"output_dir={tmp}", f"data.path={SMALL_LOCOMO}", "data.limit=1", "reading.max_questions=1", "reading.top_k=1",
-                 "reading.context_tokens=1024", "reading.filter=false", "reading.max_new_tokens=16", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
+                 "encoder.max_tokens=64", "reading.context_tokens=512", "reading.filter=false", "reading.max_new_tokens=16", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
                  "reading.methods=[memgas]", "retrieval.store_top=50", "evaluation.ks=[1,3,5,10]"]
     overrides += [f"{k}={json.dumps(v)}" for k, v in extra.items()]
     return MemgasConfig.load(REPO / "configs" / "demo.yaml", overrides)
