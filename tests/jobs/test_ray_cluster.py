@@ -244,26 +244,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _start_node(args: list[str], env: dict[str, str], timeout: float = 120) -> subprocess.Popen:
+    """``ray start ... --block`` in its own session, returned once it prints "Ray runtime started" (a worker
+    has then joined the head), its output drained by a thread so the pipe never fills."""
+    import threading
+
+    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    started, lines = threading.Event(), []
+
+    def drain() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if "Ray runtime started" in line:
+                started.set()
+
+    threading.Thread(target=drain, daemon=True).start()
+    deadline = time.time() + timeout
+    while not started.wait(0.2):
+        if proc.poll() is not None or time.time() > deadline:
+            os.killpg(proc.pid, 9)
+            raise AssertionError(f"{' '.join(args[1:3])} did not start:\n{''.join(lines[-30:])}")
+    return proc
+
+
 def test_two_node_local_cluster_runs_the_job(tmp_path, indexed) -> None:
     ray_exe = str(Path(sys.executable).with_name("ray"))
     port = _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    nodes = [subprocess.Popen([ray_exe, "start", "--head", f"--port={port}", "--num-cpus=1", "--block",
-                               "--include-dashboard=false"], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)]
+    nodes: list[subprocess.Popen] = []
     try:
-        deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(1)
-        nodes.append(subprocess.Popen([ray_exe, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", "--block"],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True))
-        time.sleep(10)
+        nodes.append(_start_node([ray_exe, "start", "--head", f"--port={port}", "--num-cpus=1", "--block",
+                                  "--include-dashboard=false"], env))
+        nodes.append(_start_node([ray_exe, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", "--block"], env))
         out = tmp_path / "cluster"
         exe = str(Path(sys.executable).with_name("memgas"))
         args = [exe, "run", "configs/demo.yaml", "--address", f"127.0.0.1:{port}", "--set", f"output_dir={out}"]
@@ -273,15 +287,18 @@ def test_two_node_local_cluster_runs_the_job(tmp_path, indexed) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert _rankings(out) == _rankings(indexed)
     finally:
+        # SIGTERM, then SIGKILL: `ray start --block` answers SIGTERM by stopping its daemons one by one with
+        # ~30 s of grace each time (measured: 30-33 s per node), more than the job itself takes here. Every
+        # daemon of a node (gcs_server, raylet, dashboard agents) is in its process group.
         for p in reversed(nodes):
             try:
                 os.killpg(p.pid, 15)
+                p.wait(timeout=3)
             except ProcessLookupError:
                 pass
-            try:
-                p.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, 9)
+                p.wait(timeout=60)
         # `ray start` records its address for later ray.init() calls; ours is gone, so is the record
         current = Path("/tmp/ray/ray_current_cluster")
         if current.exists() and current.read_text().strip().endswith(f":{port}"):
