@@ -77,13 +77,23 @@ def load_gguf_cached(path: str, gguf_file: str, dtype_name: str, device: str,
             return _load_logged(folder, dtype_name, device, f"{path}/{gguf_file}")
         if folder.exists():
             _set_aside(folder, "incomplete or altered")
+        _remove_stale_temporaries(folder)
         model, tok = load_gguf()
         try:
             _convert(model, tok, folder, dtype_name)
-        except OSError as exc:  # read-only home, full disk: the model in hand is the right one
-            logger.warning("cannot keep a de-quantised copy of %s in %s (%s); the next process loads the GGUF "
-                           "again", gguf_file, folder.parent, exc)
+        except Exception as exc:  # noqa: BLE001 -- read-only home, full disk (safetensors reports ENOSPC as its
+            # own error type), a library that cannot save: the copy is an optimisation, the model in hand is right
+            logger.warning("cannot keep a de-quantised copy of %s in %s (%s: %s); the next process loads the GGUF "
+                           "again", gguf_file, folder.parent, type(exc).__name__, exc)
     return model, tok
+
+
+def _remove_stale_temporaries(folder: Path) -> None:
+    """Temporary and set-aside folders of this key (``.<key>-*``) left by a converter that was killed: whoever
+    wrote them held the lock we now hold, so nobody is writing them (each is ~540 MB for SmolLM2)."""
+    for stale in folder.parent.glob(f".{folder.name}-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _load_logged(folder: Path, dtype_name: str, device: str, what: str) -> ModelAndTokenizer:

@@ -122,6 +122,9 @@ def test_a_damaged_copy_is_set_aside_and_converted_again(gguf, from_gguf, cache_
         weights.write_bytes(bytes(data))
     else:  # a conversion killed before its last write
         (folder / MANIFEST).unlink()
+    stale = folder.with_name(f".{folder.name}-killedwriter")  # a converter killed mid-write, ~540 MB
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
     calls: list[int] = []
     with caplog.at_level(logging.WARNING, logger="memgas.pipeline.models.gguf_cache"):
         got = _load(gguf, from_gguf, calls)
@@ -141,6 +144,22 @@ def test_an_unwritable_cache_costs_time_only(gguf, from_gguf, tmp_path, monkeypa
         got = _load(gguf, from_gguf)
     assert got[0] is from_gguf[0] and "cannot keep a de-quantised copy" in caplog.text
     assert blocker.read_text() == "the user's file"
+
+
+def test_a_full_disk_while_writing_the_copy_costs_time_only(gguf, from_gguf, cache_root, monkeypatch,
+                                                             caplog) -> None:
+    """ENOSPC from safetensors' writer (its own exception type, not an OSError): a warning, the GGUF model,
+    no half-written folder left."""
+    from safetensors import SafetensorError
+
+    def full_disk(*args: Any, **kwargs: Any) -> None:
+        raise SafetensorError("Error while serializing: IoError(No space left on device (os error 28))")
+
+    monkeypatch.setattr("safetensors.torch.save_file", full_disk)
+    with caplog.at_level(logging.WARNING, logger="memgas.pipeline.models.gguf_cache"):
+        got = _load(gguf, from_gguf)
+    assert got[0] is from_gguf[0] and "No space left" in caplog.text
+    assert [p.name for p in (cache_root / "gguf").iterdir() if p.suffix != ".lock"] == []
 
 
 def test_a_copy_that_does_not_load_back_equal_is_not_published(gguf, from_gguf, cache_root, monkeypatch,
