@@ -48,10 +48,11 @@ SAMPLE_COUNTS: dict[str, int] = _locomo_counts(SAMPLE_LOCOMO)
 LONGEST_FIRST = (
     "tests/jobs/test_ray_cluster.py",
     "tests/jobs/test_resume.py",
+    # before the first file that loads SmolLM2: its fixture fills the suite's model cache (see that file)
+    "tests/pipeline/models/test_gguf_cache.py",
     "tests/jobs/test_stages.py",
     "tests/jobs/test_justmem_stages.py",
     "tests/test_gpu_stack.py",
-    "tests/pipeline/models/test_gguf_cache.py",
     "tests/pipeline/models/test_encoders.py",
     "tests/jobs/test_exit_codes.py",
     "tests/jobs/test_runner_faults.py",

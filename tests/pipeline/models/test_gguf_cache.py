@@ -30,8 +30,14 @@ def gguf() -> tuple[str, str]:
 
 @pytest.fixture(scope="module")
 def from_gguf(gguf: tuple[str, str]) -> tuple[Any, Any]:
-    """SmolLM2 as transformers loads the GGUF file (~20 s: once for the module)."""
-    return llms._load_pretrained(*gguf, "float32", "cpu")
+    """SmolLM2 as transformers loads the GGUF file (~20 s: once for the module).
+
+    The suite's own model cache (tests/conftest.py; the tests below use caches of their own) gets its copy
+    from this load too, converted and checked against it as any load would: the suite's later SmolLM2 loads
+    then read it instead of de-quantising the GGUF once more (this file starts early: tests/conftest.py)."""
+    loaded = llms._load_pretrained(*gguf, "float32", "cpu")
+    load_gguf_cached(*gguf, "float32", "cpu", lambda: loaded)
+    return loaded
 
 
 def _load(gguf: tuple[str, str], from_gguf: tuple[Any, Any], calls: list[int] | None = None) -> tuple[Any, Any]:
@@ -117,9 +123,12 @@ def test_a_damaged_copy_is_set_aside_and_converted_again(gguf, from_gguf, cache_
     (folder,) = _folders(cache_root)
     if damage == "flip a weight byte":
         weights = folder / "model.safetensors"
-        data = bytearray(weights.read_bytes())
-        data[len(data) // 2] ^= 0x01
-        weights.write_bytes(bytes(data))
+        middle = weights.stat().st_size // 2
+        with weights.open("r+b") as f:  # in place: one bit in the middle of the tensors
+            f.seek(middle)
+            byte = f.read(1)[0]
+            f.seek(middle)
+            f.write(bytes([byte ^ 0x01]))
     else:  # a conversion killed before its last write
         (folder / MANIFEST).unlink()
     stale = folder.with_name(f".{folder.name}-killedwriter")  # a converter killed mid-write, ~540 MB
