@@ -98,7 +98,9 @@ def onnx_model_bytes(load_model: Any, input_names: list[str], *, int8: bool) -> 
 
     ``load_model()`` returns the ``transformers`` model (eager attention: the exporter traces it once).
     Cache key = sha256 of (recipe, int8, input names, weights digest, torch/transformers/onnxruntime
-    versions); files are written atomically, so concurrent workers never read half a file.
+    versions); files are written atomically, so concurrent workers never read half a file, and the file's
+    digest is recorded beside it and checked before every use (the vectors it computes are stored under the
+    encoder key, which does not name the file: an altered export must never be used).
     """
     import onnxruntime  # noqa: PLC0415
     import transformers  # noqa: PLC0415
@@ -110,9 +112,14 @@ def onnx_model_bytes(load_model: Any, input_names: list[str], *, int8: bool) -> 
     ).hexdigest()[:24]
     cache = onnx_cache_dir()
     path = cache / f"{key}.onnx"
+    recorded = cache / f"{key}.onnx.blake2b"  # written after the model file: its presence marks a complete one
     if path.is_file():
-        logger.info("ONNX model from cache %s", path)
-        return path.read_bytes()
+        blob = path.read_bytes()
+        if _read_text(recorded) == _blob_digest(blob):
+            logger.info("ONNX model from cache %s", path)
+            return blob
+        # altered, half-copied, or written by a memgas that recorded no digest: never used, exported again
+        logger.warning("ONNX export %s does not match its recorded digest; exporting again", path)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="memgas-onnx-") as tmp:
         proto = _export_onnx(model, input_names)
@@ -120,10 +127,30 @@ def onnx_model_bytes(load_model: Any, input_names: list[str], *, int8: bool) -> 
     logger.info("exported %s to ONNX%s in %.1fs", type(model).__name__, " (int8)" if int8 else "", time.perf_counter() - t0)
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp_path = tempfile.mkstemp(dir=cache, prefix=f".{key}-", suffix=".tmp")
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-        os.replace(tmp_path, path)
+        _write_atomically(path, blob)
+        _write_atomically(recorded, _blob_digest(blob).encode())
     except OSError as exc:  # a read-only home still works, it just exports again next time
         logger.warning("cannot cache the ONNX export in %s: %s", cache, exc)
     return blob
+
+
+def _blob_digest(blob: bytes) -> str:
+    return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    fd, tmp_path = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp_path, path)
+    except BaseException:
+        Path(tmp_path).unlink(missing_ok=True)
+        raise

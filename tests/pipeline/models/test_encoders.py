@@ -261,3 +261,31 @@ def test_bf16_body_pools_and_normalises_in_float32() -> None:
     assert np.abs(np.linalg.norm(v, axis=1) - 1.0).max() < 1e-6
     as_bf16 = torch.from_numpy(v).to(torch.bfloat16).float().numpy()
     assert not np.array_equal(as_bf16, v)  # values carry more than bf16's precision
+
+
+def test_an_onnx_export_is_verified_before_use(tmp_path, monkeypatch, caplog) -> None:
+    """The cached export's digest is checked before every use: a file altered on disk (or one without its
+    digest, as a killed copy or an older memgas leaves) is exported again, never used. The export itself
+    (torch.onnx, ONNX Runtime) is test_onnx_runtimes'; here a stand-in counts the exports."""
+    import logging
+
+    from memgas.pipeline.models import onnx_export
+
+    monkeypatch.setenv("MEMGAS_CACHE_DIR", str(tmp_path))
+    exports: list[int] = []
+    monkeypatch.setattr(onnx_export, "_export_onnx", lambda model, names: exports.append(1) or "proto")
+    monkeypatch.setattr(onnx_export, "_optimize_and_quantize", lambda proto, config, int8, workdir: b"onnx-bytes")
+    model = torch.nn.Linear(3, 2)
+    model.config = None
+    get = lambda: onnx_export.onnx_model_bytes(lambda: model, ["input_ids"], int8=False)  # noqa: E731
+    assert get() == b"onnx-bytes" and len(exports) == 1
+    assert get() == b"onnx-bytes" and len(exports) == 1  # from the cache
+    (cached,) = (tmp_path / "onnx").glob("*.onnx")
+    cached.write_bytes(b"onnx-bytez")  # altered in place
+    with caplog.at_level(logging.WARNING, logger="memgas.pipeline.models.onnx_export"):
+        assert get() == b"onnx-bytes" and len(exports) == 2
+    assert "does not match its recorded digest" in caplog.text and cached.read_bytes() == b"onnx-bytes"
+    cached.with_name(cached.name + ".blake2b").unlink()  # no recorded digest
+    assert get() == b"onnx-bytes" and len(exports) == 3
+    assert get() == b"onnx-bytes" and len(exports) == 3
+    assert sorted(p.name.endswith(".tmp") for p in (tmp_path / "onnx").iterdir()) == [False, False]
