@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -13,6 +12,7 @@ from typing import Any
 
 import torch
 
+from memgas.pipeline.bank import atomic_write_bytes
 from memgas.pipeline.models.cache_dir import memgas_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -127,8 +127,8 @@ def onnx_model_bytes(load_model: Any, input_names: list[str], *, int8: bool) -> 
     logger.info("exported %s to ONNX%s in %.1fs", type(model).__name__, " (int8)" if int8 else "", time.perf_counter() - t0)
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        _write_atomically(path, blob)
-        _write_atomically(recorded, _blob_digest(blob).encode())
+        atomic_write_bytes(path, blob, point="onnx:write")
+        atomic_write_bytes(recorded, _blob_digest(blob).encode(), point="onnx:write-digest")
     except OSError as exc:  # a read-only home still works, it just exports again next time
         logger.warning("cannot cache the ONNX export in %s: %s", cache, exc)
     return blob
@@ -143,14 +143,3 @@ def _read_text(path: Path) -> str | None:
         return path.read_text().strip()
     except (OSError, UnicodeDecodeError):
         return None
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    fd, tmp_path = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp_path, path)
-    except BaseException:
-        Path(tmp_path).unlink(missing_ok=True)
-        raise
