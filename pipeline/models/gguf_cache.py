@@ -54,14 +54,11 @@ ModelAndTokenizer = tuple[Any, Any]
 def gguf_cache_key(gguf: Path, dtype_name: str) -> str:
     """Digest of the GGUF file's bytes, the dtype, the recipe and the converting libraries' versions."""
     import hashlib
+    from importlib.metadata import version
 
-    import gguf as gguf_lib
-    import tokenizers
-    import torch
-    import transformers
-
-    parts = [GGUF_RECIPE, file_digest(gguf), dtype_name, torch.__version__, transformers.__version__,
-             getattr(gguf_lib, "__version__", "?"), tokenizers.__version__]
+    # from the installed distributions' metadata: the gguf package has no __version__ attribute
+    parts = [GGUF_RECIPE, file_digest(gguf), dtype_name,
+             *(version(dist) for dist in ("torch", "transformers", "gguf", "tokenizers", "safetensors"))]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:24]
 
 

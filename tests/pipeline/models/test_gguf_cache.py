@@ -193,13 +193,22 @@ def test_a_copy_that_does_not_load_back_equal_is_not_published(gguf, from_gguf, 
     assert [p.name for p in (cache_root / "gguf").iterdir() if p.suffix != ".lock"] == []
 
 
-def test_the_key_follows_the_file_bytes_and_the_dtype(tmp_path: Path) -> None:
+def test_the_key_follows_the_file_bytes_the_dtype_and_the_library_versions(tmp_path: Path, monkeypatch) -> None:
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     a.write_bytes(b"GGUF" + b"\0" * 100)
     b.write_bytes(b"GGUF" + b"\0" * 99 + b"\1")
     key = gguf_cache.gguf_cache_key
-    assert key(a, "float32") != key(b, "float32") and key(a, "float32") != key(a, "bfloat16")
-    assert key(a, "float32") == key(tmp_path / "a.gguf", "float32")
+    base = key(a, "float32")
+    assert key(b, "float32") != base and key(a, "bfloat16") != base and key(tmp_path / "a.gguf", "float32") == base
+    # a new version of any library that de-quantises or converts gives a new key (gguf has no __version__)
+    from importlib.metadata import version as real_version
+
+    for dist in ("torch", "transformers", "gguf", "tokenizers", "safetensors"):
+        monkeypatch.setattr("importlib.metadata.version",
+                            lambda name, d=dist: "9.9.9" if name == d else real_version(name))
+        assert key(a, "float32") != base, dist
+    monkeypatch.undo()
+    assert key(a, "float32") == base
 
 
 def test_processes_starting_together_convert_once(gguf, from_gguf, cache_root) -> None:
