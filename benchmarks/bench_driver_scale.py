@@ -46,7 +46,7 @@ def make_copies(src: Path, out: Path, copies: int) -> None:
 def stage_ctx(cfg, bank):
     from memgas.jobs import runner
     from memgas.jobs.stage import StageContext
-    from memgas.jobs.stages import resolve_stage_runtimes
+    from memgas.jobs.placement import resolve_stage_runtimes
 
     ctx = StageContext(cfg, bank, None, use_ray=False)
     resolve_stage_runtimes(ctx)
@@ -57,14 +57,14 @@ def stage_ctx(cfg, bank):
 def time_inputs(stage, ctx, units: list[dict], per_unit_sample: int) -> dict[str, float]:
     """Seconds to plan-read every unit's inputs through the stage (block reads), and the extrapolated
     seconds of one filtered read per unit."""
-    from memgas.jobs.stages import texts_by_hash
+    from memgas.jobs.stages.texts import texts_by_hash
 
     t0 = time.perf_counter()
-    stage.will_run(ctx, units)
+    ctx.units, ctx.scratch = units, {}  # what the executor sets before a stage's first inputs
     for u in units:
         stage.inputs(ctx, u)
     blocked = time.perf_counter() - t0
-    reads = ctx.cache[f"{stage.name}:texts"].reads
+    reads = ctx.scratch["texts"].reads
     step = max(1, len(units) // per_unit_sample)
     sample = units[::step][:per_unit_sample]
     hashes_of = (lambda u: u["hashes"]) if stage.name == "encode" else (lambda u: [it[0] for it in u["items"]])
@@ -86,9 +86,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TQDM_DISABLE", "1")
 
-    from memgas.jobs import main_job, runner
-    from memgas.jobs import stages as S
+    from memgas.jobs import main_job, runner, tables
     from memgas.jobs.profiling import Profiler
+    from memgas.jobs.units import chunk
     from memgas.pipeline.config import MemgasConfig
 
     work = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="bench-driver-"))
@@ -106,7 +106,9 @@ def main() -> None:
     ctx = stage_ctx(cfg, bank)
     for name in ("generate", "nodes"):
         t0 = time.perf_counter()
-        runner.run_stage(S.STAGES[name], ctx, ctx.store(S.STAGES[name]), ctx.fingerprints[name], Profiler(), {})
+        stage = next(s for s in ctx.pipeline if s.name == name)
+        runner.run_stage(stage, ctx, stage.active(ctx), tables.store_of(ctx, stage), ctx.fingerprints[name],
+                         Profiler(), {})
         timings[name] = time.perf_counter() - t0
         print(f"{name}: {timings[name]:.0f}s", flush=True)
     n_sessions = len(set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist()))
@@ -114,12 +116,12 @@ def main() -> None:
 
     rows = []
     for name in ("generate", "encode"):
-        stage = S.STAGES[name]
         ctx = stage_ctx(cfg, bank)
+        stage = next(s for s in ctx.pipeline if s.name == name)
         if name == "generate":  # generation is done: plan it as if it were not (the same units a fresh run has)
             units = [{"part": f"gen-{i:05d}", "size": len(b), "kind": "user-ai",
                       "items": [[h, None, ["summary", "keywords"]] for h in b]}
-                     for i, b in enumerate(S.chunk(sorted(set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())),
+                     for i, b in enumerate(chunk(sorted(set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())),
                                                    cfg.ray.generate_unit))]
             plan_s = float("nan")
         else:

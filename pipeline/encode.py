@@ -121,7 +121,7 @@ def encode_texts(encoder: Encoder, texts: Sequence[str], *, batch: int = 1024) -
 
 
 def embeddings_table(encoder: Encoder, hashes: Sequence[str], texts: Sequence[str], key: str) -> pa.Table:
-    """One ``embeddings`` part: the vectors of ``texts`` under the cache key ``key`` (see jobs/stages/keys.py),
+    """One ``embeddings`` part: the vectors of ``texts`` under the cache key ``key`` (see jobs/keys.py),
     with truncation and, where :func:`encode_texts` reports them, the tokens encoded and dropped."""
     result = encode_texts(encoder, list(texts))
     if isinstance(result, tuple):  # (vectors, truncated flags)

@@ -2,7 +2,7 @@
 
 Cache key: ``(session text_hash, kind, model, prompt_version)`` in the ``generations`` table, shared by all
 histories, so a LongMemEval session that appears in 500 haystacks is summarised once, and a re-run
-generates nothing. The key a config writes under is the generate stage's (``jobs/stages/keys.py``:
+generates nothing. The key a config writes under is the generate stage's (``jobs/keys.py``:
 ``prompt_version@cache_key``, the cache key hashing every setting that can change an output).
 
 Generators (``GenerationConfig.generator``):
@@ -429,7 +429,7 @@ def generate_for_sessions(
     seed: int = 0,
 ) -> pa.Table:
     """Summaries and/or keywords for ``items`` = ``(text_hash, text, dialogue_kind[, dataset_summary])``,
-    written under ``key`` = (model, prompt_version) (the generate stage's cache key, jobs/stages/keys.py).
+    written under ``key`` = (model, prompt_version) (the generate stage's key, jobs/keys.py).
 
     Returns a ``GENERATIONS`` table with one row per (item, kind), in item order. Never raises for a bad
     item: LLM errors and unusable outputs are recorded per row (``error`` / ``fallback``).

@@ -50,7 +50,7 @@ _ALL = (
 
 #: JustMem methods (issue 17; scoring in :mod:`memgas.pipeline.justmem.retrieve`): ``justmem`` (the planner's
 #: profile per question), the three fixed profiles, and ``cards`` (a session scores its best card). Selecting
-#: any of them enables the cards and plan stages (jobs/stages/justmem.py).
+#: any of them enables JustMem's branch of stages (jobs/stages/justmem.py).
 _JUSTMEM = (
     Method("justmem", family="justmem", reads_cards=True,
            description="planner's profile per question (Lookup/Compose/Replay)"),
@@ -85,5 +85,5 @@ def reads_cards(name: str) -> bool:
 
 
 def uses_justmem(methods: list[str] | tuple[str, ...]) -> bool:
-    """Whether any of ``methods`` is a JustMem method (then the cards and plan stages run)."""
+    """Whether any of ``methods`` is a JustMem method (then JustMem's branch of stages runs)."""
     return any(m in JUSTMEM_METHOD_NAMES for m in methods)

@@ -1,9 +1,9 @@
 """The associate stage: GMM association edges per history, computed only for rows whose edges are not stored.
 
 Edges are stored per segment (the rows of sessions ``[a, b)`` of a history, valid while the nodes of
-sessions ``[0, b)`` are unchanged: see :mod:`memgas.jobs.stages.segments`). The stage's parts are named by
-its config (its cache key), not by what upstream committed, so after ``memgas ingest --append`` the
-segments of the old sessions stay current and only the new sessions' rows are computed; anything that
+sessions ``[0, b)`` are unchanged: see :mod:`memgas.pipeline.association.segments`), a *segmented* table
+(:mod:`memgas.jobs.tables`). The stage's parts are named by its config (its key), not by what it read, so
+after ``memgas ingest --append`` the segments of the old sessions stay current and only the new sessions' rows are computed; anything that
 changed an old session's nodes (another encoder, a reordered history) makes its segments stale, and they
 are recomputed and dropped. The search is always the exact causal one, whose result for a row does not
 depend on which other rows one call computes (canonical shapes), so the edges of ``A`` then an append of
@@ -17,16 +17,54 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from memgas.jobs.stage import StageContext
-from memgas.jobs.stages.keys import encoder_keys
-from memgas.jobs.stages import segments
-from memgas.jobs.stages.segments import Coverage, Segment, coverage, prefix_digests, split_segment
+from memgas.jobs import tables
+from memgas.jobs.keys import encoder_keys
+from memgas.jobs.stage import Active, StageContext
 from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix, owned
-from memgas.jobs.stages.units import chunk
+from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
+from memgas.pipeline.association import segments
+from memgas.pipeline.association.segments import Coverage, Segment, coverage, prefix_digests, split_segment
 from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES
 
 MODES = ("gmm", "topk")  # the method's edges and those of the "no GMM" ablation
+
+
+# -- which segments are stored and which must be computed ----------------------------------------------
+def chains(ctx: StageContext) -> dict[str, list[str]]:
+    """Per history, the prefix digests of its sessions (:func:`prefix_digests`). Plan, current parts and
+    finish all need them: computed once per run and state of the nodes table (its committed digest)."""
+    key = ("associate:chains", tables.read_digest(ctx, "nodes"), tuple(sorted(encoder_keys(ctx).items())))
+    if key[1] is not None and key in ctx.cache:
+        return ctx.cache[key]
+    seed = "|".join(f"{k}={v}" for k, v in key[2])
+    out = prefix_digests(ctx.bank.read("nodes", ["history_id", "position", "granularity", "text_hash"]), seed)
+    if key[1] is not None:
+        ctx.cache[key] = out
+    return out
+
+
+def stored_segments(ctx: StageContext, prefix: str) -> dict[str, list[Segment]]:
+    """Segments of every part of this config whose edges part is there too."""
+    bank, out = ctx.bank, {}
+    for part in bank.parts("edge_segments"):
+        if part.startswith(prefix) and bank.has_part("edges", part):
+            t = bank.read("edge_segments", parts=[part])
+            out[part] = list(zip(*(t[c].to_pylist() for c in EDGE_SEGMENTS.names)))
+    return out
+
+
+def current_coverage(ctx: StageContext, prefix: str) -> Coverage:
+    return coverage(stored_segments(ctx, prefix), chains(ctx))
+
+
+def _current(ctx: StageContext, prefix: str) -> list[str]:
+    return list(current_coverage(ctx, prefix).parts)
+
+
+#: which rows' edges a part holds (written after the part's edges: a unit is done when it is there)
+EDGE_SEGMENTS_TABLE = tables.Table("edge_segments", "segmented", current=_current)
+EDGES_TABLE = tables.Table("edges", "segmented", current=_current)
 
 
 class AssociateStage(HistoryShardStage):
@@ -35,54 +73,26 @@ class AssociateStage(HistoryShardStage):
 
     name = "associate"
     version = "2"  # parts per segment, named by config (version 1: one set of parts per upstream state)
-    upstream = ("ingest", "nodes", "encode")  # node matrices: which texts (nodes) and their vectors (encode)
-    config_fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
-                     "retrieval.device")
-    check_table = "edge_segments"  # written after the unit's edges part: a unit is done when it is there
-    outputs = ("edges", "edge_segments")
-    part_prefix = "assoc"
+    reads = ("nodes", "node_vectors")  # node matrices: which texts (nodes) and their vectors
+    writes = (EDGE_SEGMENTS_TABLE, EDGES_TABLE)
+    fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
+              "retrieval.device")
 
-    def prefix(self, ctx: StageContext) -> str:
-        """Parts are named by the config alone (cache key): which rows they hold is in ``edge_segments``."""
-        return f"{self.part_prefix}-{self.cache_key(ctx)}-"
-
-    # -- which segments are stored and which must be computed -------------------------------------------
-    def chains(self, ctx: StageContext) -> dict[str, list[str]]:
-        """Per history, the prefix digests of its sessions (:func:`prefix_digests`). Plan, output parts and
-        finish all need them: computed once per run and state of the nodes table (its committed output)."""
-        key = ("associate:chains", ctx.outputs.get("nodes"), tuple(sorted(encoder_keys(ctx).items())))
-        if key[1] is not None and key in ctx.cache:
-            return ctx.cache[key]
-        seed = "|".join(f"{k}={v}" for k, v in key[2])
-        chains = prefix_digests(ctx.bank.read("nodes", ["history_id", "position", "granularity", "text_hash"]), seed)
-        if key[1] is not None:
-            ctx.cache[key] = chains
-        return chains
-
-    def stored_segments(self, ctx: StageContext) -> dict[str, list[Segment]]:
-        """Segments of every part of this config whose edges part is there too."""
-        bank, out, prefix = ctx.bank, {}, self.prefix(ctx)
-        for part in bank.parts("edge_segments"):
-            if part.startswith(prefix) and bank.has_part("edges", part):
-                t = bank.read("edge_segments", parts=[part])
-                out[part] = list(zip(*(t[c].to_pylist() for c in EDGE_SEGMENTS.names)))
-        return out
-
-    def coverage(self, ctx: StageContext, chains: dict[str, list[str]] | None = None) -> Coverage:
-        return coverage(self.stored_segments(ctx), self.chains(ctx) if chains is None else chains)
-
-    def output_parts(self, ctx: StageContext) -> list[tuple[str, str]]:
-        return [(t, p) for p in self.coverage(ctx).parts for t in self.outputs]
+    def active(self, ctx: StageContext) -> Active:
+        active = super().active(ctx)
+        active.params["association"] = ctx.cfg.association.model_dump()
+        return active
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         """Units of new segments: each history's rows from the end of its current segments to its last
         session; small ones ``ray.shard_size`` histories to a unit, a huge one cut into several units."""
-        chains = self.chains(ctx)
-        cov = self.coverage(ctx, chains)
+        prefix = tables.prefix(self, ctx)
+        cov = current_coverage(ctx, prefix)
+        chain = chains(ctx)
         small: list[list[Any]] = []
         large: list[list[list[Any]]] = []
-        for h in sorted(chains):
-            c = chains[h]
+        for h in sorted(chain):
+            c = chain[h]
             a, s = cov.covered.get(h, 0), len(c) - 1
             pieces = split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS) if a < s else []
             segs = [[h, x, y, c[y]] for x, y in pieces]
@@ -91,11 +101,7 @@ class AssociateStage(HistoryShardStage):
             else:
                 large += [[seg] for seg in segs]
         groups = chunk(small, ctx.cfg.ray.shard_size) + large
-        return [{"part": f"{self.prefix(ctx)}{i:05d}", "size": len(g), "segments": g} for i, g in enumerate(groups)]
-
-    # -- one unit --------------------------------------------------------------------------------------
-    def params(self, ctx: StageContext) -> dict[str, Any]:
-        return {"association": ctx.cfg.association.model_dump(), **self.resolved_inputs(ctx)}
+        return [{"size": len(g), "segments": g} for g in groups]
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         segs = unit["segments"]
@@ -123,22 +129,13 @@ class AssociateStage(HistoryShardStage):
                 cols["dst"] += e.dst.tolist()
                 cols["similarity"] += e.sim.tolist()
                 cols["mode"] += [mode] * n
-        segments = pa.table([list(c) for c in zip(*segs)] if segs else [[] for _ in EDGE_SEGMENTS.names],
+        segs_table = pa.table([list(c) for c in zip(*segs)] if segs else [[] for _ in EDGE_SEGMENTS.names],
                             schema=EDGE_SEGMENTS)
-        return {"edges": pa.table(cols, schema=EDGES), "edge_segments": segments}
+        return {"edges": pa.table(cols, schema=EDGES), "edge_segments": segs_table}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        """Drop every part that is not current (stale segments, other configs' edges), once the new ones
-        are complete; count the current edges."""
-        bank = ctx.bank
-        current = set(self.coverage(ctx).parts)
-        dropped = 0
-        for table in ("edge_segments", "edges"):  # segments first: edges without them are never read
-            for part in bank.parts(table):
-                if part not in current:
-                    bank.drop_part(table, part)
-                    dropped += table == "edges"
-        edges = bank.read("edges", ["mode"], parts=sorted(current)) if current else None
+        """Count the current edges (the segmented table's kind dropped every part that is not current)."""
+        current = sorted(tables.current_parts(ctx, "edges"))
+        edges = ctx.bank.read("edges", ["mode"], parts=current) if current else None
         count = {m: int(pc.sum(pc.equal(edges["mode"], m)).as_py() or 0) if edges is not None else 0 for m in MODES}
-        return {"edges_gmm": count["gmm"], "edges_topk": count["topk"], "topk_edges": ctx.cfg.association.topk_edges,
-                "stale_parts_dropped": dropped}
+        return {"edges_gmm": count["gmm"], "edges_topk": count["topk"], "topk_edges": ctx.cfg.association.topk_edges}

@@ -6,65 +6,58 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from memgas.jobs.stage import StageContext, table_digest
-from memgas.jobs.stages.fields import LLM_OUTPUT_FIELDS, present_fields
-from memgas.jobs.stages.justmem import JustMemActorStage
-from memgas.jobs.stages.keys import cards_key
-from memgas.jobs.stages.models import JustMemModel
-from memgas.jobs.stages.units import even_chunks
-from memgas.pipeline.config import MemgasConfig
+from memgas.jobs import keys, tables
+from memgas.jobs.models import JustMemModel
+from memgas.jobs.stage import Active, Stage, StageContext
+from memgas.jobs.stages.justmem import current_cards, justmem_enabled, justmem_model
+from memgas.jobs.units import even_chunks
 
 
-class CardsStage(JustMemActorStage):
+def _this_config(ctx: StageContext) -> pa.Table:
+    """This config's cards of the bank's sessions (other configs' rows in the shared table must not change
+    what downstream sees)."""
+    sessions = sorted(set(ctx.bank.read("sessions", ["text_hash"])["text_hash"].to_pylist()))
+    return current_cards(ctx, sessions).sort_by([("card_id", "ascending")])
+
+
+CARDS = tables.Table("cards", "content", rows=_this_config)
+
+
+class CardsStage(Stage):
     """JustMem memory cards per unique session (``extract_cards``; LLM-free by default).
 
-    Content-addressed like generate: rows are keyed by (session hash, ``extractor`` = extractor key @ this
-    stage's cache key), shared by every history, config and dataset of the bank; a unit holds only sessions
-    still without cards. The card texts stay in ``cards.text`` (not copied into ``texts``): the encode stage
-    reads them from there, as it reads questions from ``queries``, so no second stage writes (and compacts)
-    the shared ``texts`` table under the generate stage's marker.
+    Content-addressed like generate: rows are keyed by (session hash, ``extractor`` = extractor key @ its
+    key), shared by every history, config and dataset of the bank; a unit holds only sessions still without
+    cards. The card texts stay in ``cards.text`` (not copied into ``texts``): the JustMem encoder reads them
+    from there, as it reads questions from ``queries``.
     """
 
     name = "cards"
-    upstream = ("ingest",)
-    config_fields = ("justmem.extractor", "justmem.extract_max_tokens", "justmem.extract_max_input_tokens",
-                     *LLM_OUTPUT_FIELDS)
-    check_table = "cards"
-    outputs = ("cards",)
+    reads = ("sessions", "turns")
+    writes = (CARDS,)
+    fields = keys.EXTRACTOR_FIELDS
+    where = "actor"
+    model = "justmem"
 
-    def uses_llm(self, cfg: MemgasConfig) -> bool:
-        return cfg.justmem.extractor == "llm"
-
-    def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
-        own = ["justmem.extractor"]
-        if self.uses_llm(cfg):
-            own += ["justmem.extract_max_tokens", "justmem.extract_max_input_tokens", *LLM_OUTPUT_FIELDS]
-        return present_fields(cfg, tuple(own))
-
-    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
-        from memgas.pipeline.justmem.extract import LLM_FREE_EXTRACTOR
-        from memgas.pipeline.prompts import JUSTMEM_EXTRACT_PROMPT_DIGEST
-
-        if not self.uses_llm(ctx.cfg):
-            return {"llm_free": LLM_FREE_EXTRACTOR}
-        return self._llm_resolved(ctx, JUSTMEM_EXTRACT_PROMPT_DIGEST)
-
-    def key(self, ctx: StageContext) -> str:
-        """The ``extractor`` column of this config's rows: the readable extractor key @ the cache key."""
-        return cards_key(ctx)
+    def active(self, ctx: StageContext) -> Active | None:
+        if not justmem_enabled(ctx.cfg):
+            return None
+        fields, resolved = keys.extractor_identity(ctx)
+        cfg = ctx.cfg
+        return Active(fields=fields, resolved=resolved,
+                      params={"key": keys.cards_key(ctx), "temperature": cfg.llm.temperature, "seed": cfg.seed},
+                      model=justmem_model(ctx, keys.extractor_uses_llm(cfg)))
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         bank = ctx.bank
         sessions = sorted(set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist()))
         have: set[str] = set()
         if bank.exists("cards"):
-            have = set(bank.read("cards", ["session_hash"], filter=pc.field("extractor") == self.key(ctx))
+            have = set(bank.read("cards", ["session_hash"], filter=pc.field("extractor") == keys.cards_key(ctx))
                        ["session_hash"].to_pylist())
         missing = [h for h in sessions if h not in have]
         kind = (bank.manifest.get("datasets") or [{}])[-1].get("format")
-        fp = ctx.fingerprints[self.name]
-        return [{"part": f"cards-{fp}-{i:05d}", "size": len(b), "kind": kind, "sessions": b}
-                for i, b in enumerate(even_chunks(missing, ctx.cfg.ray.generate_unit))]
+        return [{"size": len(b), "kind": kind, "sessions": b} for b in even_chunks(missing, ctx.cfg.ray.generate_unit)]
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         from memgas.pipeline.justmem.extract import turns_by_session
@@ -83,23 +76,11 @@ class CardsStage(JustMemActorStage):
         return {"cards": extract_cards(sessions, model.cfg, key=params["key"], llm=model.llm,
                                        temperature=params["temperature"], seed=params["seed"])}
 
-    def mine(self, ctx: StageContext) -> pa.Table:
-        """This config's rows of ``cards`` (the table is shared by every config)."""
-        return ctx.bank.read("cards", filter=pc.field("extractor") == self.key(ctx))
-
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        from memgas.jobs.plan import compact
-
-        if ctx.bank.exists("cards"):
-            compact(ctx.bank, "cards")
-        mine = self.mine(ctx) if ctx.bank.exists("cards") else None
+        mine = current_cards(ctx) if ctx.bank.exists("cards") else None
         if mine is None:
             return {"rows": 0, "sessions": 0}
         return {"rows": mine.num_rows, "sessions": len(set(mine["session_hash"].to_pylist())),
                 "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
                 "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
                 "fallbacks": int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0)}
-
-    def output_digest(self, ctx: StageContext, parts: dict[str, str]) -> str:
-        """This config's rows (other configs' rows in the shared table must not change what downstream sees)."""
-        return table_digest(self.mine(ctx).sort_by([("card_id", "ascending")]))

@@ -6,72 +6,56 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from memgas.jobs.stage import Stage, StageContext, short_hash, table_digest
-from memgas.jobs.stages.fields import ENCODER_OUTPUT_FIELDS, present_fields
-from memgas.jobs.stages.justmem import justmem_enabled, justmem_texts
-from memgas.jobs.stages.keys import (
-    encoder_config,
-    encoder_key,
-    encoder_keys,
-    justmem_upstream,
-    window_key,
-)
-from memgas.jobs.stages.placement import encoder_on_cuda, model_gpus
+from memgas.jobs import keys
+from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.texts import TextBlocks, rederive_texts, unit_texts
-from memgas.jobs.stages.units import cost_chunks
-from memgas.pipeline.config import MemgasConfig
+from memgas.jobs.tables import Table
+from memgas.jobs.units import cost_chunks
 from memgas.pipeline.errors import BankError
 
 
+def vector_rows(ctx: StageContext, need: dict[str, list[str]]) -> pa.Table:
+    """The rows of ``embeddings`` a config reads (``need``: text hashes per encoder key), sorted: not every
+    row under the key, which holds other configs' texts too, so that which texts are read is in the digest."""
+    keyset = sorted(need)
+    mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(keyset))
+    wanted = pa.array([f"{k}\0{h}" for k, hs in need.items() for h in hs], pa.string())
+    key = pc.binary_join_element_wise(mine["encoder"], mine["text_hash"], "\0")
+    return mine.filter(pc.is_in(key, value_set=wanted)).sort_by([("encoder", "ascending"), ("text_hash", "ascending")])
+
+
+def _node_vector_rows(ctx: StageContext) -> pa.Table:
+    return vector_rows(ctx, EncodeStage.needed(ctx)[0])
+
+
+#: the vectors of MemGAS's node texts, turn pairs and questions (rows of ``embeddings``)
+NODE_VECTORS = Table("node_vectors", "content", stored_in="embeddings", rows=_node_vector_rows)
+
+
 class EncodeStage(Stage):
-    """Embed every text the nodes, turn pairs and queries need, once per encoder (content-addressed)."""
+    """Embed every text the nodes, turn pairs and queries need, once per encoder key (content-addressed:
+    a text another config or the JustMem encoder already embedded under the key is not embedded again)."""
 
     name = "encode"
     version = "2"
-    upstream = ("ingest", "nodes")
-    config_fields = (*ENCODER_OUTPUT_FIELDS, "encoder.pair_max_tokens", "encoder.session_max_tokens")
+    reads = ("nodes", "sessions", "pairs", "texts", "derived_texts", "queries")
+    writes = (NODE_VECTORS,)
+    fields = (*keys.ENCODER_OUTPUT_FIELDS, "encoder.pair_max_tokens", "encoder.session_max_tokens")
     where = "actor"
     model = "encoder"
-    check_table = "embeddings"
-    outputs = ("embeddings",)
 
-    def active_fields(self, cfg: MemgasConfig) -> tuple[str, ...]:
-        # the cache key of the main texts: the pair and session windows key their own texts (window_key)
-        return present_fields(cfg, ENCODER_OUTPUT_FIELDS)
-
-    def fingerprint(self, ctx: StageContext) -> str:
-        fp = super().fingerprint(ctx)
+    def active(self, ctx: StageContext) -> Active:
+        fields, resolved = keys.encoder_identity(ctx)
         e = ctx.cfg.encoder
-        windows = {"pair": e.pair_max_tokens, "session": e.session_max_tokens}
-        fp = fp if not any(windows.values()) else short_hash([fp, "windows", windows])
-        # cards and plans are upstream only when JustMem is selected: without it the fingerprint is as before
-        return fp if not justmem_enabled(ctx.cfg) else short_hash([fp, "justmem", justmem_upstream(ctx)])
+        windows = tuple(f for f, v in (("encoder.pair_max_tokens", e.pair_max_tokens),
+                                       ("encoder.session_max_tokens", e.session_max_tokens)) if v is not None)
+        return Active(fields=(*fields, *windows), resolved=resolved, model={"encoder": keys.encoder_config(ctx)})
 
-    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
-        return {"encoder": ctx.resolved.get("encoder"),
-                "encoder_files": (ctx.resolved.get("model_files") or {}).get("encoder")}
-
-    def model_config(self, ctx: StageContext) -> dict[str, Any]:
-        return {"encoder": encoder_config(ctx)}
-
-    def num_gpus(self, ctx: StageContext) -> float:
-        return model_gpus(ctx, encoder_on_cuda(ctx))
-
-    def actor_count(self, ctx: StageContext) -> int:
-        """``encoder.actors``; auto on CUDA: ``ray.model_actors`` (auto on CPU fits one core)."""
-        return ctx.cfg.encoder.actors if ctx.cfg.encoder.actors is not None else ctx.cfg.ray.model_actors
-
-    def fits_one_core(self, ctx: StageContext) -> bool:
-        """Auto actors (``encoder.actors`` unset) on a CPU encoder: one single-threaded actor per CPU."""
-        return ctx.cfg.encoder.actors is None and ctx.resolved.get("encoder", {}).get("device", "cpu") == "cpu"
-
-    def params(self, ctx: StageContext) -> dict[str, Any]:
-        return {"encoder_key": encoder_key(ctx)}
-
-    def needed(self, ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, str]]:
-        """Text hashes to embed per cache key (every node text, turn pair and query, and with JustMem every card
-        and plan rewrite; sessions and pairs under their windows' keys, :func:`encoder_keys`), and the texts that
-        are not in ``texts`` (questions, cards, rewrites) by hash."""
+    @staticmethod
+    def needed(ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, str]]:
+        """Text hashes to embed per cache key (every node text, turn pair and query; sessions and pairs under
+        their windows' keys, :func:`memgas.jobs.keys.encoder_keys`), and the texts that are not in ``texts``
+        (the questions) by hash."""
         from memgas.pipeline.encode import query_hash
 
         bank = ctx.bank
@@ -81,21 +65,18 @@ class EncodeStage(Stage):
         nodes = bank.read("nodes", ["granularity", "text_hash"])
         main = set(nodes.filter(~pc.field("granularity").isin(["session", "turn"]))["text_hash"].to_pylist())
         questions = {query_hash(q): q for q in bank.read("queries", ["query_id", "question"])["question"].to_pylist()}
-        # JustMem card texts and plan rewrites are not in ``texts``: they come with the questions' texts
-        questions.update({h: t for h, t in justmem_texts(ctx).items() if h not in questions})
         main.update(questions)
-        keys = encoder_keys(ctx)
+        by_role = keys.encoder_keys(ctx)
         need: dict[str, set[str]] = {}
         for role, hashes in (("main", main), ("session", sessions), ("pair", pairs)):
-            need.setdefault(keys[role], set()).update(hashes)
+            need.setdefault(by_role[role], set()).update(hashes)
         return {k: sorted(hs) for k, hs in need.items()}, questions
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         bank = ctx.bank
         need, questions = self.needed(ctx)
-        fp = ctx.fingerprints[self.name]
         e = ctx.cfg.encoder
-        windows = {window_key(ctx, n): n for n in (e.pair_max_tokens, e.session_max_tokens) if n is not None}
+        windows = {keys.window_key(ctx, n): n for n in (e.pair_max_tokens, e.session_max_tokens) if n is not None}
         todo: dict[str, list[str]] = {}
         for key, hashes in need.items():
             have: set[str] = set()
@@ -110,7 +91,7 @@ class EncodeStage(Stage):
             costs = [self._est_tokens(chars.get(h, 0), cap, ctx.cfg.encoder.long_text) for h in hashes]
             units += [{"key": key, "max_tokens": windows.get(key), "hashes": b}
                       for b in cost_chunks(hashes, costs, ctx.cfg.ray.encode_unit)]
-        return [{"part": f"enc-{fp}-{i:05d}", "size": len(u["hashes"]), **u} for i, u in enumerate(units)]
+        return [{"size": len(u["hashes"]), **u} for u in units]
 
     @staticmethod
     def _text_chars(ctx: StageContext, hashes: set[str], questions: dict[str, str]) -> dict[str, int]:
@@ -167,15 +148,14 @@ class EncodeStage(Stage):
     #: texts per read of the bank (TextBlocks)
     read_block_texts = 8192
 
-    def will_run(self, ctx: StageContext, units: list[dict[str, Any]]) -> None:
-        ctx.cache["encode:texts"] = TextBlocks(units, lambda u: u["hashes"], self.read_block_texts)
-
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         # stage objects are shared by every run in a process: per-run caches live on the context
-        if "encode:questions" not in ctx.cache:
-            ctx.cache["encode:questions"] = self.needed(ctx)[1]
-        questions = ctx.cache["encode:questions"]
-        texts = unit_texts(ctx, "encode:texts", unit, unit["hashes"])
+        if "questions" not in ctx.scratch:
+            ctx.scratch["questions"] = self.needed(ctx)[1]
+            ctx.scratch["texts"] = TextBlocks(ctx.units, lambda u: u["hashes"], self.read_block_texts)
+        questions = ctx.scratch["questions"]
+        stored = [h for h in unit["hashes"] if h not in questions]
+        texts = unit_texts(ctx, unit, unit["hashes"]) if stored else {}
         texts.update({h: q for h, q in questions.items() if h not in texts})
         absent = [h for h in unit["hashes"] if h not in texts]
         if absent:  # a deleted texts part: summaries/keywords/hybrids can be rebuilt from the generations
@@ -186,7 +166,7 @@ class EncodeStage(Stage):
                             f"text_hash {absent[0]}); re-run the generate stage (memgas index)")
         # units of plans stored before pair windows existed carry no key: the encoder's own
         return {"hashes": unit["hashes"], "texts": [texts[h] for h in unit["hashes"]],
-                "key": unit.get("key") or encoder_key(ctx), "max_tokens": unit.get("max_tokens")}
+                "key": unit.get("key") or keys.encoder_key(ctx), "max_tokens": unit.get("max_tokens")}
 
     @staticmethod
     def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
@@ -196,35 +176,9 @@ class EncodeStage(Stage):
         return {"embeddings": embeddings_table(encoder, payload["hashes"], payload["texts"], payload["key"])}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        from memgas.jobs.plan import compact
-
-        ctx.cache.pop("encode:texts", None)
-        bank = ctx.bank
-        if bank.exists("embeddings"):
-            compact(bank, "embeddings")
-        keys = sorted(set(encoder_keys(ctx).values()))
-        mine = bank.read("embeddings", filter=pc.field("encoder").isin(keys))
-        ctx.cache["encode:digest"] = self._needed_digest(ctx, mine)
+        mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(sorted(set(self.needed(ctx)[0]))))
         stats: dict[str, Any] = {"rows": mine.num_rows}
         for col in ("truncated", "tokens", "tokens_dropped"):
             if col in mine.column_names:
                 stats[col] = int(pc.sum(pc.cast(mine[col], pa.int64())).as_py() or 0)
         return stats
-
-    def output_digest(self, ctx: StageContext, parts: dict[str, str]) -> str:
-        """This config's rows of ``embeddings`` (shared by every config), digested by ``finish`` as it reads
-        them (other configs' rows must not change what downstream stages see)."""
-        digest = ctx.cache.pop("encode:digest", None)
-        if digest is None:
-            keys = sorted(set(encoder_keys(ctx).values()))
-            digest = self._needed_digest(ctx, ctx.bank.read("embeddings", filter=pc.field("encoder").isin(keys)))
-        return digest
-
-    def _needed_digest(self, ctx: StageContext, mine: pa.Table) -> str:
-        """Digest of the rows this config's index reads (its texts under their keys): not every row under
-        the key, which holds other configs' texts too, so that which texts the nodes name is in it."""
-        need, _ = self.needed(ctx)
-        wanted = pa.array([f"{k}\0{h}" for k, hs in need.items() for h in hs], pa.string())
-        key = pc.binary_join_element_wise(mine["encoder"], mine["text_hash"], "\0")
-        rows = mine.filter(pc.is_in(key, value_set=wanted))
-        return table_digest(rows.sort_by([("encoder", "ascending"), ("text_hash", "ascending")]))

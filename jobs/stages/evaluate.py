@@ -1,32 +1,26 @@
-"""The evaluate stage: retrieval and QA metrics of the run."""
+"""The evaluate report: retrieval and QA metrics of the run."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from memgas.jobs.stage import Stage, StageContext
-from memgas.jobs.stages.units import parts_with_prefix, prefix_of, registered
+from memgas.jobs import tables
+from memgas.jobs.stage import Report, StageContext
 
 
-class EvaluateStage(Stage):
-    """Retrieval metrics per method (session and turn level), QA metrics and judge accuracy -> metrics."""
+class EvaluateReport(Report):
+    """Retrieval metrics per method (session and turn level), QA metrics and judge accuracy -> metrics, over
+    the current rows of every ranking, answer and judgment table."""
 
     name = "evaluate"
-    upstream = ("ingest", "rank", "read", "judge")
-    config_fields = ("evaluation.ks", "evaluation.bertscore")
-    store = "results"
-    always_run = True
-    reports_metrics = True
+    reads = ("queries", "rankings", "card_rankings", "answers", "card_answers", "judgments")
+    fields = ("evaluation.ks", "evaluation.bertscore")
 
-    def run_driver(self, ctx: StageContext) -> dict[str, Any]:
+    def report(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.jobs.evaluate_run import evaluate_run
 
-        parts = {
-            "rankings": parts_with_prefix(ctx.results, "rankings", prefix_of(ctx, "rank")),
-            "answers": parts_with_prefix(ctx.results, "answers", prefix_of(ctx, "read"))
-            if ctx.cfg.reading.enabled else [],
-            "judgments": parts_with_prefix(ctx.results, "judgments", prefix_of(ctx, "judge"))
-            if registered("judge").enabled(ctx.cfg) else [],
-        }
-        metrics = evaluate_run(ctx.cfg, ctx.bank, ctx.results, parts=parts)
+        parts = {"rankings": [*tables.current_parts(ctx, "rankings"), *tables.current_parts(ctx, "card_rankings")],
+                 "answers": [*tables.current_parts(ctx, "answers"), *tables.current_parts(ctx, "card_answers")],
+                 "judgments": tables.current_parts(ctx, "judgments")}
+        metrics = evaluate_run(ctx.cfg, ctx.bank, ctx.results, parts={k: sorted(v) for k, v in parts.items()})
         return {"items": metrics.get("n_queries", 0), "metrics": metrics}

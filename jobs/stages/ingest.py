@@ -1,30 +1,32 @@
-"""The ingest stage."""
+"""The ingested dataset: the pipeline's source (held by the bank, verified by the runner, never run by it)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from memgas.jobs.stage import Stage, StageContext, short_hash
+from memgas.jobs.stage import Source, StageContext, short_hash
+from memgas.jobs.tables import Table
 from memgas.pipeline.bank import INGEST_TABLES, Bank
 from memgas.pipeline.errors import BankError
 
 
-class IngestStage(Stage):
-    """The dataset file becomes the bank's ingest tables (histories, sessions, texts, turns, pairs, queries)."""
+class IngestSource(Source):
+    """The dataset file becomes the bank's ingest tables (histories, sessions, texts, turns, pairs, queries),
+    written by ``memgas ingest`` or by ``memgas run`` under the bank's lock (:func:`memgas.jobs.main_job.ensure_ingested`)."""
 
     name = "ingest"
-    config_fields = ("data.path", "data.format", "data.limit", "data.strict")
-    outputs = ("histories", "sessions", "texts", "turns", "pairs", "queries")
+    #: the config leaves that name the dataset (they key what the bank holds, not a stage's output)
+    fields = ("data.path", "data.format", "data.limit", "data.strict")
+    writes = tuple(Table(t, "source") for t in INGEST_TABLES)
+    where = "driver"
 
     def fingerprint(self, ctx: StageContext) -> str:
         # what the bank holds, not what the config names: index/answer on an existing bank use the same key
         ds = (ctx.bank.manifest.get("datasets") or [{}])[-1]
-        return short_hash([self.name, self.version, ds.get("sha256"), ds.get("format"), ds.get("limit"),
+        return short_hash([self.name, "1", ds.get("sha256"), ds.get("format"), ds.get("limit"),
                            ds.get("strict")])
 
-    def held_output(self, ctx: StageContext) -> str | None:
-        """The ingested dataset is the bank's before the runner starts (``memgas ingest``, or ``memgas run``
-        under the bank's lock: ``ensure_ingested``): its digest, verified."""
+    def output(self, ctx: StageContext) -> str:
         return ingest_output(ctx.bank)
 
     def holds_config_dataset(self, ctx: StageContext) -> bool:
@@ -36,7 +38,7 @@ class IngestStage(Stage):
         return (all(ds.get(k) == v for k, v in want.items()) and ctx.bank.exists("sessions")
                 and not ctx.bank.damaged_ingest_parts())
 
-    def run_driver(self, ctx: StageContext) -> dict[str, Any]:
+    def ingest(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.pipeline.ingest import ingest
 
         cfg = ctx.cfg

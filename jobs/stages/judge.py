@@ -5,40 +5,31 @@ from __future__ import annotations
 from typing import Any
 
 import pyarrow as pa
-from memgas.jobs.stage import Stage, StageContext
-from memgas.jobs.stages.fields import LLM_OUTPUT_FIELDS
-from memgas.jobs.stages.read import ReadStage, current_answers
-from memgas.jobs.stages.units import chunk, drop_other_parts
-from memgas.pipeline.config import MemgasConfig
+from memgas.jobs import keys, tables
+from memgas.jobs.stage import Active, Stage, StageContext
+from memgas.jobs.stages.read import current_answers
+from memgas.jobs.units import chunk
 
 
 class JudgeStage(Stage):
-    """LongMemEval's per-type LLM judge over the run's answers; reuses the reading actor's engine."""
+    """LongMemEval's per-type LLM judge over the run's answers (both readers'); reuses the readers' engine."""
 
     name = "judge"
-    upstream = ("ingest", "read")
-    config_fields = ("evaluation.judge", *LLM_OUTPUT_FIELDS)
+    reads = ("queries", "answers", "card_answers")
+    writes = (tables.Table("judgments", "fingerprint", "results"),)
+    fields = ("evaluation.judge", *keys.LLM_OUTPUT_FIELDS)
     where = "actor"
     model = "llm"
-    store = "results"
-    check_table = "judgments"
-    outputs = ("judgments",)
-    part_prefix = "judge"
 
-    def enabled(self, cfg: MemgasConfig) -> bool:
-        return cfg.evaluation.judge and cfg.reading.enabled
-
-    model_config = ReadStage.model_config
-    num_gpus = ReadStage.num_gpus
-
-    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
+    def active(self, ctx: StageContext) -> Active | None:
         from memgas.pipeline.evaluate.judge import JUDGE_PROMPT_DIGEST
 
-        return {"llm": ctx.resolved.get("llm"), "llm_files": (ctx.resolved.get("model_files") or {}).get("llm"),
-                "prompts": JUDGE_PROMPT_DIGEST}
-
-    def params(self, ctx: StageContext) -> dict[str, Any]:
-        return {"temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
+        cfg = ctx.cfg
+        if not (cfg.evaluation.judge and cfg.reading.enabled):
+            return None
+        return Active(resolved=keys.llm_resolved(ctx, JUDGE_PROMPT_DIGEST),
+                      params={"temperature": cfg.llm.temperature, "seed": cfg.seed},
+                      model={"llm": cfg.llm.model_dump(), "llm_runtime": ctx.resolved.get("llm"), "seed": cfg.seed})
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         from memgas.pipeline.read import is_failed_answer
@@ -50,8 +41,8 @@ class JudgeStage(Stage):
             if not is_failed_answer(e):
                 by_method.setdefault(m, []).append(q)
         for m in sorted(by_method):
-            for i, batch in enumerate(chunk(sorted(by_method[m]), max(8, ctx.cfg.llm.batch_size))):
-                units.append({"part": f"{self.prefix(ctx)}{m}-{i:05d}", "size": len(batch), "method": m, "queries": batch})
+            for batch in chunk(sorted(by_method[m]), max(8, ctx.cfg.llm.batch_size)):
+                units.append({"tag": m, "size": len(batch), "method": m, "queries": batch})
         return units
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
@@ -75,5 +66,4 @@ class JudgeStage(Stage):
         return {"judgments": pa.Table.from_pylist(rows, schema=JUDGMENTS)}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        drop_other_parts(ctx.results, "judgments", self.prefix(ctx))
         return {"judged": ctx.results.count("judgments")}

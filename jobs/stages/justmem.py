@@ -1,102 +1,56 @@
-"""What the JustMem stages share: whether they run, their actor, and this config's cards and plans."""
+"""The JustMem branch beyond its cards and plans: encoding the cards and rewrites, ranking the cards, reading
+them; and what its stages share (whether they run, their actor, this config's cards and plans).
+
+The branch reads only ingest's tables and its own, so a change of a MemGAS setting re-runs none of it, and
+a change of a ``justmem.*`` setting re-runs no MemGAS stage. Texts are shared by content: the JustMem
+encoder writes the same ``embeddings`` rows as MemGAS's (one encoder key), so a question both branches need
+is encoded once.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from memgas.jobs.stage import Stage, StageContext
-from memgas.jobs.stages.keys import cards_key
-from memgas.jobs.stages.placement import llm_on_cuda, model_gpus
-from memgas.jobs.stages.units import parts_with_prefix, prefix_of
+from memgas.jobs import keys, tables
+from memgas.jobs.stage import Active, StageContext
+from memgas.jobs.stages.encode import EncodeStage, vector_rows
+from memgas.jobs.stages.rank import family_methods, query_vectors, ranking_rows
+from memgas.jobs.stages.read import READ_FIELDS, ReadStage
+from memgas.jobs.stages.shards import HistoryShardStage, owned
+from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.config import MemgasConfig
+from memgas.pipeline.errors import BankError
+
+#: JustMem retrieval settings the card ranker reads
+JUSTMEM_RANK_FIELDS: tuple[str, ...] = ("justmem.candidates", "justmem.top_k", "justmem.rewrites", "justmem.reranker")
 
 
 def justmem_enabled(cfg: MemgasConfig) -> bool:
-    """The cards and plan stages run (and encode/rank read them) only when a JustMem method is selected."""
+    """The JustMem branch runs only when a JustMem method is selected (ranked, or read)."""
     from memgas.pipeline.methods import uses_justmem
 
     return uses_justmem(cfg.retrieval.methods) or (cfg.reading.enabled and uses_justmem(cfg.reading.methods))
 
 
-class JustMemActorStage(Stage):
-    """Shared by cards and plan: an actor that holds an LLM only when ``uses_llm`` (else one per Ray CPU)."""
-
-    where = "actor"
-    model = "justmem"
-
-    def enabled(self, cfg: MemgasConfig) -> bool:
-        return justmem_enabled(cfg)
-
-    def uses_llm(self, cfg: MemgasConfig) -> bool:
-        raise NotImplementedError
-
-    def fits_one_core(self, ctx: StageContext) -> bool:
-        return not self.uses_llm(ctx.cfg)
-
-    def model_config(self, ctx: StageContext) -> dict[str, Any]:
-        cfg = ctx.cfg
-        llm = self.uses_llm(cfg)
-        return {"justmem": cfg.justmem.model_dump(), "llm": cfg.llm.model_dump(), "seed": cfg.seed, "use_llm": llm,
-                "llm_runtime": ctx.resolved.get("llm") if llm else None}
-
-    def num_gpus(self, ctx: StageContext) -> float:
-        return model_gpus(ctx, self.uses_llm(ctx.cfg) and llm_on_cuda(ctx))
-
-    def key(self, ctx: StageContext) -> str:
-        """The column that keys this stage's rows (cards: ``extractor``, plans: ``planner``)."""
-        raise NotImplementedError
-
-    def params(self, ctx: StageContext) -> dict[str, Any]:
-        return {"key": self.key(ctx), "temperature": ctx.cfg.llm.temperature, "seed": ctx.cfg.seed}
-
-    def _llm_resolved(self, ctx: StageContext, prompts: str) -> dict[str, Any]:
-        # fp32 CPU and bf16 GPU outputs differ: the LLM's device/dtype, files and prompt texts key the rows
-        return {"llm": ctx.resolved.get("llm"), "llm_files": (ctx.resolved.get("model_files") or {}).get("llm"),
-                "prompts": prompts}
+def justmem_model(ctx: StageContext, use_llm: bool) -> dict[str, Any]:
+    """What a cards or plan actor loads: the ``justmem`` section, and the LLM only where ``use_llm``."""
+    cfg = ctx.cfg
+    return {"justmem": cfg.justmem.model_dump(), "llm": cfg.llm.model_dump(), "seed": cfg.seed, "use_llm": use_llm,
+            "llm_runtime": ctx.resolved.get("llm") if use_llm else None}
 
 
+# -- this config's cards and plans --------------------------------------------------------------------------
 def current_plans(ctx: StageContext, query_ids: list[str] | None = None) -> pa.Table:
     """The plans of the plan stage's current fingerprint (optionally of ``query_ids``)."""
-    from memgas.pipeline.schema import PLANS
-
-    parts = parts_with_prefix(ctx.bank, "plans", prefix_of(ctx, "plan"))
-    if not parts:
-        return PLANS.empty_table()
-    return ctx.bank.read("plans", parts=parts,
-                         filter=None if query_ids is None else pc.field("query_id").isin(query_ids))
-
-
-def plan_profiles(ctx: StageContext) -> dict[str, dict[str, int]]:
-    """{question type: {profile: questions}} of this config's plans (empty without a JustMem method): how
-    the planner's access profiles fall over the dataset's question types (metrics.json ``profiles``)."""
-    if not justmem_enabled(ctx.cfg):
-        return {}
-    plans = current_plans(ctx).select(["query_id", "profile"]).to_pylist()
-    types = ctx.bank.read("queries", ["query_id", "question_type"]).to_pylist()
-    qtype = {r["query_id"]: r["question_type"] or "unknown" for r in types}
-    out: dict[str, dict[str, int]] = {}
-    for p in sorted(plans, key=lambda r: r["query_id"]):
-        by = out.setdefault(qtype.get(p["query_id"], "unknown"), {})
-        by[p["profile"]] = by.get(p["profile"], 0) + 1
-    return {t: dict(sorted(v.items())) for t, v in sorted(out.items())}
-
-
-def justmem_text_groups(ctx: StageContext) -> dict[str, set[str]]:
-    """{"card": text hashes, "plan rewrite": text hashes} of this config's JustMem texts (empty without a
-    JustMem method): the groups the encoding accounting adds (encoded under the main key)."""
-    from memgas.pipeline.hashing import text_hash
-
-    if not justmem_enabled(ctx.cfg):
-        return {}
-    rewrites = {text_hash(r) for rs in current_plans(ctx)["rewrites"].to_pylist() for r in rs or []}
-    return {"card": set(current_cards(ctx)["text_hash"].to_pylist()), "plan rewrite": rewrites}
+    return tables.read_current(ctx, "plans", filter=None if query_ids is None else pc.field("query_id").isin(query_ids))
 
 
 def current_cards(ctx: StageContext, session_hashes: list[str] | None = None) -> pa.Table:
     """This config's cards (optionally of ``session_hashes``)."""
-    f = pc.field("extractor") == cards_key(ctx)
+    f = pc.field("extractor") == keys.cards_key(ctx)
     if session_hashes is not None:
         f = f & pc.field("session_hash").isin(session_hashes)
     return ctx.bank.read("cards", filter=f)
@@ -106,11 +60,208 @@ def justmem_texts(ctx: StageContext) -> dict[str, str]:
     """{text_hash: text} of this config's card texts and plan rewrites (encoded under the main key)."""
     from memgas.pipeline.hashing import text_hash
 
-    if not justmem_enabled(ctx.cfg):
-        return {}
     cards = current_cards(ctx)
     out = dict(zip(cards["text_hash"].to_pylist(), cards["text"].to_pylist()))
     for rewrites in current_plans(ctx)["rewrites"].to_pylist():
         for r in rewrites or []:
             out[text_hash(r)] = r
     return out
+
+
+# -- encoding the cards and rewrites ---------------------------------------------------------------------
+def _card_vector_rows(ctx: StageContext) -> pa.Table:
+    return vector_rows(ctx, CardEncodeStage.needed(ctx)[0])
+
+
+#: the vectors of the cards, the plans' rewrites and the questions (rows of ``embeddings``)
+CARD_VECTORS = tables.Table("card_vectors", "content", stored_in="embeddings", rows=_card_vector_rows)
+
+
+class CardEncodeStage(EncodeStage):
+    """Embed every card text, plan rewrite and question under the main encoder key (what MemGAS's encoder
+    embedded already is not embedded again: the rows are keyed by text and encoder)."""
+
+    name = "card-encode"
+    version = "1"
+    reads = ("cards", "plans", "queries")
+    writes = (CARD_VECTORS,)
+    fields = keys.ENCODER_OUTPUT_FIELDS
+
+    def active(self, ctx: StageContext) -> Active | None:
+        if not justmem_enabled(ctx.cfg):
+            return None
+        fields, resolved = keys.encoder_identity(ctx)
+        return Active(fields=fields, resolved=resolved, model={"encoder": keys.encoder_config(ctx)})
+
+    @staticmethod
+    def needed(ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, str]]:
+        from memgas.pipeline.encode import query_hash
+
+        texts = {query_hash(q): q for q in ctx.bank.read("queries", ["question"])["question"].to_pylist()}
+        texts.update({h: t for h, t in justmem_texts(ctx).items() if h not in texts})
+        return {keys.encoder_key(ctx): sorted(texts)}, texts
+
+    @staticmethod
+    def _grouped(todo: list[str], bank: Any) -> list[str]:
+        return sorted(todo)
+
+
+# -- ranking the cards ------------------------------------------------------------------------------------
+#: JustMem's rankings (rows of ``rankings``) and each card reader's chosen cards
+CARD_RANKINGS = tables.Table("card_rankings", "fingerprint", "results", stored_in="rankings")
+CARD_PICKS = tables.Table("card_picks", "fingerprint", "results")
+
+
+class CardRankStage(HistoryShardStage):
+    """Per shard of histories: every query ranked by every JustMem method from the history's cards (session
+    rankings from the card order keep its metrics comparable with MemGAS's), and the cards each card reader
+    reads (``card_picks``)."""
+
+    name = "card-rank"
+    reads = ("queries", "sessions", "cards", "plans", "card_vectors")
+    writes = (CARD_RANKINGS, CARD_PICKS)
+    fields = ("retrieval.methods", "retrieval.store_top", "retrieval.device", *JUSTMEM_RANK_FIELDS)
+
+    def active(self, ctx: StageContext) -> Active | None:
+        methods = family_methods(ctx.cfg.retrieval.methods, "justmem")
+        if not methods:
+            return None
+        active = super().active(ctx)
+        active.fields = tuple(f for f in self.fields if f != "retrieval.methods")
+        active.resolved["methods"] = methods
+        active.params.update(retrieval={**ctx.cfg.retrieval.model_dump(), "methods": methods},
+                             justmem=ctx.cfg.justmem.model_dump())
+        return active
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        from memgas.pipeline.hashing import text_hash
+
+        bank, ids, key = ctx.bank, unit["histories"], keys.encoder_key(ctx)
+        queries = bank.read("queries", ["query_id", "history_id", "question"], filter=pc.field("history_id").isin(ids))
+        if queries.num_rows == 0:
+            return {"histories": []}
+        qdf = queries.to_pandas()
+        qv = query_vectors(bank, qdf["question"].tolist(), key)
+        sess = bank.read("sessions", ["history_id", "session_id", "position", "text_hash"],
+                         filter=pc.field("history_id").isin(ids)).sort_by([("history_id", "ascending"),
+                                                                           ("position", "ascending")])
+        order: dict[str, list[tuple[str, str]]] = {}
+        for h, s, t in zip(*(sess[c].to_pylist() for c in ("history_id", "session_id", "text_hash"))):
+            order.setdefault(h, []).append((s, t))
+        cards = current_cards(ctx, sorted({t for pairs in order.values() for _, t in pairs}))
+        plans = {r["query_id"]: r for r in current_plans(ctx, qdf["query_id"].tolist()).to_pylist()}
+        rewrites = sorted({r for p in plans.values() for r in (p["rewrites"] or [])})
+        texts = sorted(set(cards["text"].to_pylist()) | set(rewrites))
+        vecs = query_vectors(bank, texts, key) if texts else np.zeros((0, 0), np.float32)
+        vectors = {text_hash(t): vecs[i] for i, t in enumerate(texts)}
+        out = []
+        for h, g in qdf.groupby("history_id", sort=True):
+            if h not in order:
+                continue
+            hashes = [t for _, t in order[h]]
+            mine = cards.filter(pc.field("session_hash").isin(sorted(set(hashes))))
+            qplans = [plans.get(q) for q in g["query_id"].tolist()]
+            missing = [q for q, p in zip(g["query_id"].tolist(), qplans) if p is None]
+            if missing:
+                raise BankError(f"no JustMem plan for query {missing[0]!r}: run `memgas index` with this config")
+            out.append({"history_id": h, "session_ids": [s for s, _ in order[h]], "query_ids": g["query_id"].tolist(),
+                        "queries": qv[g.index.to_numpy()], "session_hashes": hashes, "cards": mine,
+                        "card_vectors": {t: vectors[t] for t in mine["text_hash"].to_pylist()},
+                        "questions": g["question"].tolist(), "plans": qplans,
+                        "rewrite_vectors": [np.stack([vectors[text_hash(r)] for r in p["rewrites"]])
+                                            if p["rewrites"] else None for p in qplans]})
+        return {"histories": out}
+
+    @staticmethod
+    def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        from memgas.pipeline.methods import get_method
+        from memgas.pipeline.schema import CARD_PICKS as PICKS
+        from memgas.pipeline.schema import RANKINGS
+
+        r = params["retrieval"]
+        cols: dict[str, list] = {"method": [], "query_id": [], "rank": [], "session_id": [], "score": []}
+        picks: dict[str, list] = {"method": [], "query_id": [], "rank": [], "card_id": [], "profile": []}
+        for h in payload["histories"]:
+            with one_blas_thread():
+                card_ids, selections = CardRankStage.rank_cards(h, r["methods"], params["justmem"])
+            ranking_rows(cols, h["session_ids"], h["query_ids"],
+                         {m: (sel.order, sel.scores) for m, sel in selections.items()}, r["store_top"])
+            for method, sel in selections.items():
+                if not get_method(method).reads_cards:
+                    continue
+                for qi, qid in enumerate(h["query_ids"]):
+                    ids = [card_ids[c] for c in sel.cards[qi]]
+                    picks["method"] += [method] * len(ids)
+                    picks["query_id"] += [qid] * len(ids)
+                    picks["rank"] += list(range(1, len(ids) + 1))
+                    picks["card_id"] += ids
+                    picks["profile"] += [sel.profiles[qi]] * len(ids)
+        return {"card_picks": pa.table(picks, schema=PICKS), "rankings": pa.table(cols, schema=RANKINGS)}
+
+    @staticmethod
+    def rank_cards(h: dict[str, Any], methods: list[str], justmem: dict[str, Any]) -> tuple[list[str], dict]:
+        """(the history's card ids in HistoryCards order, {method: CardSelection})."""
+        from memgas.pipeline.config import JustMemConfig
+        from memgas.pipeline.justmem.plan import Plan
+        from memgas.pipeline.justmem.retrieve import HistoryCards, rank_cards
+
+        hc = HistoryCards.from_table(h["session_hashes"], h["cards"], h["card_vectors"])
+        plans = [Plan(list(p["entities"] or []), list(p["time_constraints"] or []), p["operation"], bool(p["d"]),
+                      bool(p["f"]), list(p["rewrites"] or [])) for p in h["plans"]]
+        cfg = JustMemConfig(**justmem)
+        queries = owned(h["queries"], np.float32)
+        return hc.card_ids, {m: rank_cards(hc, h["questions"], queries, m, cfg, plans=plans,
+                                           rewrite_vecs=h["rewrite_vectors"]) for m in methods}
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        return {"queries": ctx.bank.count("queries")}
+
+
+# -- reading the cards -----------------------------------------------------------------------------------
+CARD_ANSWERS = tables.Table("card_answers", "fingerprint", "results", stored_in="answers", retried=True)
+
+
+class CardReadStage(ReadStage):
+    """The JustMem methods' answers: the card readers (``methods.reads_cards``) from the card ranker's
+    ``card_picks`` (:mod:`memgas.pipeline.justmem.read`: cards with their dates, the planner's operation,
+    Replay's source turns within ``justmem.replay_tokens``); the others from their top-K sessions."""
+
+    name = "card-read"
+    reads = ("queries", "sessions", "texts", "card_rankings", "card_picks", "cards", "plans", "turns", "generations")
+    writes = (CARD_ANSWERS,)
+    fields = (*READ_FIELDS, *keys.LLM_OUTPUT_FIELDS, "justmem.replay_tokens")
+    family = "justmem"
+    ranked_in = "card_rankings"
+
+    def active(self, ctx: StageContext) -> Active | None:
+        from memgas.pipeline.methods import reads_cards
+        from memgas.pipeline.prompts import JUSTMEM_READ_PROMPT_DIGEST
+
+        active = super().active(ctx)
+        if active is None:
+            return None
+        methods = active.resolved["methods"]
+        if any(reads_cards(m) for m in methods):
+            # justmem.replay_tokens shapes only the card readers' prompt; they name the planner's operation
+            active.fields = (*active.fields, "justmem.replay_tokens")
+            active.resolved.update(justmem_prompts=JUSTMEM_READ_PROMPT_DIGEST, planner=keys.plan_key(ctx))
+        if all(reads_cards(m) for m in methods):  # summaries and keywords: only a session reader's prompt
+            active.reads = tuple(t for t in self.reads if t != "generations")
+        return active
+
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        from memgas.pipeline.justmem.read import card_reading_payloads
+        from memgas.pipeline.methods import reads_cards
+
+        method, queries = unit["method"], unit["queries"]
+        if not reads_cards(method):
+            return super().inputs(ctx, unit)
+        rankings = self._rankings(ctx, method, queries)
+        picks = tables.read_current(ctx, "card_picks",
+                                    filter=(pc.field("method") == method) & pc.field("query_id").isin(queries))
+        try:
+            payload = card_reading_payloads(ctx.bank, rankings, picks, queries, method=method,
+                                            planner=keys.plan_key(ctx))
+        except KeyError as e:
+            raise BankError(f"read: {e.args[0]}: run `memgas index` with this config") from None
+        return {"method": method, "cards": True, "queries": payload}

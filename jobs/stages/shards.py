@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from memgas.jobs.stage import Stage, StageContext
-from memgas.jobs.stages.keys import encoder_keys
-from memgas.jobs.stages.placement import kernel_device
-from memgas.jobs.stages.units import history_shards
+from memgas.jobs.keys import encoder_keys
+from memgas.jobs.placement import kernel_device
+from memgas.jobs.stage import Active, Stage, StageContext
+from memgas.jobs.units import history_shards
 
 
 def owned(a: Any, dtype: Any = None) -> np.ndarray:
@@ -35,17 +35,14 @@ def matrix_loader(ctx: StageContext, history_ids: list[str]) -> Any:
 
 
 class HistoryShardStage(Stage):
-    """A kernel stage run as Ray tasks over shards of histories, on the CPU or a GPU (``retrieval.device``)."""
+    """A kernel stage run as Ray tasks over shards of histories, on the CPU or a GPU (``retrieval.device``:
+    the resolved device keys its output and goes to ``run`` in ``params["device"]``)."""
 
     where = "task"
 
-    def resolved_inputs(self, ctx: StageContext) -> dict[str, Any]:
-        return {"device": kernel_device(ctx, ctx.cfg.retrieval.device)}
-
-    def num_gpus(self, ctx: StageContext) -> float:
-        return ctx.cfg.ray.num_gpus_per_task if self.resolved_inputs(ctx)["device"] == "cuda" else 0.0
+    def active(self, ctx: StageContext) -> Active | None:
+        device = kernel_device(ctx, ctx.cfg.retrieval.device)
+        return Active(resolved={"device": device}, params={"device": device})
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        fp = ctx.fingerprints[self.name]
-        return [{"part": f"{self.part_prefix}-{fp}-{i:05d}", "size": len(ids), "histories": ids}
-                for i, ids in enumerate(history_shards(ctx.bank, ctx.cfg.ray.shard_size))]
+        return [{"size": len(ids), "histories": ids} for ids in history_shards(ctx.bank, ctx.cfg.ray.shard_size)]

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pyarrow.compute as pc
-from memgas.jobs.stage import StageContext
-from memgas.jobs.stages.keys import generation_key
+from memgas.jobs.keys import generation_key
+from memgas.jobs.stage import StageContext, short_hash
 from memgas.pipeline.bank import Bank
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,9 @@ class TextBlocks:
         return {h: held[h] for h in self._hashes_of(unit) if h in held}
 
 
-def unit_texts(ctx: StageContext, cache_key: str, unit: dict[str, Any], hashes: list[str]) -> dict[str, str]:
-    """A unit's texts through the run's TextBlocks (set by the stage's ``will_run``), else one read."""
-    blocks = ctx.cache.get(cache_key)
+def unit_texts(ctx: StageContext, unit: dict[str, Any], hashes: list[str]) -> dict[str, str]:
+    """A unit's texts through the stage's TextBlocks (``ctx.scratch["texts"]``), else one read."""
+    blocks = ctx.scratch.get("texts")
     return blocks.get(ctx.bank, unit) if blocks is not None else texts_by_hash(ctx.bank, hashes)
 
 
@@ -82,5 +82,5 @@ def rederive_texts(ctx: StageContext, wanted: list[str]) -> dict[str, str]:
     found = {h: got[h] for h in wanted if h in got}
     if found:
         log.warning("encode: %d texts were missing from 'texts' and were rebuilt from the generations", len(found))
-        bank.write_part("texts", f"derived-repair-{ctx.fingerprints['generate']}", derived)
+        bank.write_part("texts", f"derived-repair-{short_hash(sorted(found), 8)}", derived)
     return found

@@ -30,7 +30,7 @@ def make_llm(cfg: LLMConfig, seed: int = 0, device: str = "auto", dtype: str = "
     (any OpenAI-compatible HTTP server; needs ``base_url``).
 
     ``device``/``dtype``: what the job resolved and keyed the LLM's outputs by
-    (``jobs.stages.resolve_llm_runtime``); the transformers backends compute in exactly that. The other
+    (``jobs.placement.resolve_llm_runtime``); the transformers backends compute in exactly that. The other
     backends decide their own (vLLM: CUDA, the model's dtype; llama.cpp: CPU; openai: the server)."""
     if cfg.backend in ("transformers-gguf", "hf"):
         from memgas.pipeline.models.llms import TransformersLLM

@@ -167,7 +167,7 @@ def test_one_history_cut_into_several_units_gives_the_same_edges(tmp_path: Path,
                                                                  cli: Callable, monkeypatch: pytest.MonkeyPatch) -> None:
     """A history whose new rows are more causal work than one unit holds is associated as several units
     (one Ray task each in a cluster): the segments are its row blocks, and the edges equal one unit's."""
-    from memgas.jobs.stages import segments
+    from memgas.pipeline.association import segments
 
     a, b = files
     one, cut = tmp_path / "one", tmp_path / "cut"

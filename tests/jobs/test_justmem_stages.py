@@ -1,5 +1,6 @@
-"""JustMem in the job (issue 17): the cards and plan stages, encode embedding cards and rewrites, and the rank
-stage scoring the JustMem methods beside the MemGAS ones, in one real in-process run on the LoCoMo sample."""
+"""JustMem in the job (issues 17, 30): its own branch (cards, plan, card-encode embedding cards and rewrites,
+card-rank scoring the JustMem methods, card-read) beside MemGAS's, in one real in-process run on the LoCoMo
+sample; a change on one branch re-runs nothing of the other."""
 
 from __future__ import annotations
 
@@ -11,9 +12,14 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
+from memgas.jobs import keys, tables
 from memgas.jobs import stages as S
+from memgas.jobs.placement import resolve_stage_runtimes
 from memgas.jobs.stage import StageContext
-from memgas.jobs.stages import resolve_stage_runtimes
+from memgas.jobs.stages.justmem import current_cards, current_plans
+from memgas.jobs.stages.rank import query_vectors
+from memgas.jobs.stages.read import current_answers
+from memgas.jobs.stages.shards import matrix_loader
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.methods import JUSTMEM_METHOD_NAMES
@@ -37,10 +43,21 @@ def _jm(tmp: Path, **extra: object) -> MemgasConfig:
 def _ctx(cfg: MemgasConfig, run_dir: Path) -> StageContext:
     """A context with the run's own fingerprints (they name the plan and rank parts; computed afresh they
     would hash upstream fingerprints instead of the committed outputs the runner hashed)."""
-    ctx = StageContext(cfg, Bank(run_dir / "bank"), Bank(run_dir / "results"), use_ray=False)
+    ctx = StageContext(cfg, Bank(run_dir / "bank"), Bank(run_dir / "results"), use_ray=False, pipeline=S.PIPELINE)
     resolve_stage_runtimes(ctx)
     ctx.fingerprints.update(json.loads((run_dir / "metrics.json").read_text())["run"]["fingerprints"])
     return ctx
+
+
+def _rankings(ctx: StageContext) -> "object":
+    """Every current ranking of the run: MemGAS's and JustMem's (one bank table, two writers)."""
+    parts = sorted([*tables.current_parts(ctx, "rankings"), *tables.current_parts(ctx, "card_rankings")])
+    return ctx.results.read("rankings", parts=parts).to_pandas()
+
+
+#: MemGAS's stages (the branch a JustMem setting must leave alone) and JustMem's
+MEMGAS_STAGES = ("generate", "nodes", "encode", "associate", "rank", "read")
+JUSTMEM_STAGES = ("cards", "plan", "card-encode", "card-rank", "card-read")
 
 
 @pytest.fixture(scope="module")
@@ -54,21 +71,21 @@ def test_cards_and_plan_run_only_with_a_justmem_method(tmp_path, fake_bank) -> N
     plain = _fingerprints(_base(tmp_path), fake_bank)
     assert plain["cards"] == plain["plan"] == "disabled"
     jm = _fingerprints(_jm(tmp_path), fake_bank)
-    assert "disabled" not in (jm["cards"], jm["plan"])
-    # selecting a JustMem method changes nothing upstream of what reads cards and plans (associate follows
-    # encode, whose output now also holds the card and rewrite vectors: its edges are recomputed, equal)
-    assert [s for s in ("ingest", "generate", "nodes") if plain[s] != jm[s]] == []
+    assert "disabled" not in [jm[s] for s in JUSTMEM_STAGES]
+    # selecting JustMem methods changes nothing of MemGAS's index: its branch is separate
+    assert [s for s in ("ingest", "generate", "nodes", "encode", "associate") if plain[s] != jm[s]] == []
 
 
 # (field, value, stages whose fingerprint changes) with JustMem selected (LLM-free extractor and planner)
+# JustMem is its own branch: no justmem.* field re-runs a MemGAS stage (associate, rank, ...)
 JM_CASES: list[tuple[str, object, list[str]]] = [
-    ("justmem.extractor", "llm", ["cards", "encode", "associate", "rank", "read"]),
-    ("justmem.planner", "llm", ["plan", "encode", "associate", "rank", "read"]),
-    ("justmem.rewrites", 1, ["plan", "encode", "associate", "rank", "read"]),
-    ("justmem.candidates", 20, ["rank", "read"]),
-    ("justmem.top_k", 5, ["rank", "read"]),
-    ("justmem.reranker", "dense", ["rank", "read"]),
-    ("justmem.replay_tokens", 256, ["read"]),
+    ("justmem.extractor", "llm", ["cards", "card-encode", "card-rank", "card-read"]),
+    ("justmem.planner", "llm", ["plan", "card-encode", "card-rank", "card-read"]),
+    ("justmem.rewrites", 1, ["plan", "card-encode", "card-rank", "card-read"]),
+    ("justmem.candidates", 20, ["card-rank", "card-read"]),
+    ("justmem.top_k", 5, ["card-rank", "card-read"]),
+    ("justmem.reranker", "dense", ["card-rank", "card-read"]),
+    ("justmem.replay_tokens", 256, ["card-read"]),
     # inactive under the LLM-free extractor and planner
     ("justmem.extract_max_tokens", 64, []),
     ("justmem.extract_max_input_tokens", 64, []),
@@ -87,7 +104,7 @@ def test_justmem_fields_change_exactly_their_stages(tmp_path, fake_bank, field, 
 @pytest.mark.slow
 def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
     rec = _record(jm_run)
-    for stage in ("cards", "plan", "encode", "rank"):
+    for stage in ("cards", "plan", "encode", "card-encode", "rank", "card-rank", "read", "card-read"):
         assert rec[stage]["status"] == "executed", (stage, rec[stage])
     metrics = json.loads((jm_run / "metrics.json").read_text())
     session = metrics["retrieval"]["session"]
@@ -98,21 +115,20 @@ def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
     ctx = _ctx(cfg, jm_run)
     bank = ctx.bank
     # every session of the bank has cards under this config's key, and every card vector is encoded
-    cards = S.current_cards(ctx)
+    cards = current_cards(ctx)
     sessions = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
     assert set(cards["session_hash"].to_pylist()) == sessions
-    enc = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == S.encoder_key(ctx))
+    enc = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == keys.encoder_key(ctx))
     encoded = set(enc["text_hash"].to_pylist())
     assert set(cards["text_hash"].to_pylist()) <= encoded
-    plans = S.current_plans(ctx)
+    plans = current_plans(ctx)
     assert sorted(plans["query_id"].to_pylist()) == sorted(bank.read("queries", ["query_id"])["query_id"].to_pylist())
     from memgas.pipeline.hashing import text_hash
 
     rewrites = {text_hash(r) for rs in plans["rewrites"].to_pylist() for r in rs or []}
     assert rewrites and rewrites <= encoded
     # rankings: every query, every method, a permutation of the history's sessions (top store_top)
-    results = Bank(jm_run / "results")
-    rk = results.read("rankings", parts=S.parts_with_prefix(results, "rankings", S.prefix_of(ctx, "rank"))).to_pandas()
+    rk = _rankings(ctx)
     n_sessions = bank.read("sessions", ["history_id"]).num_rows  # data.limit=1: one history
     top = min(cfg.retrieval.store_top, n_sessions)
     for (m, q), g in rk.groupby(["method", "query_id"]):
@@ -126,7 +142,7 @@ def test_a_run_ranks_and_scores_justmem_beside_memgas(jm_run) -> None:
                    "completion": int(pc.sum(cards["completion_tokens"]).as_py() or 0)}
     for m in JUSTMEM_METHOD_NAMES:
         assert tokens[m]["construction"] == card_tokens == {"prompt": 0, "completion": 0}, m
-    ans = results.read("answers", parts=S.parts_with_prefix(results, "answers", S.prefix_of(ctx, "read"))).to_pandas()
+    ans = current_answers(ctx).to_pandas()
     for m in METHODS:
         mine = ans[ans["method"] == m]
         want = {"prompt": int(mine["prompt_tokens"].sum()), "completion": int(mine["completion_tokens"].sum())}
@@ -157,17 +173,15 @@ def test_card_readers_read_the_rank_stages_picks_and_replay_their_source_turns(j
 
     cfg = _jm(jm_run)
     ctx = _ctx(cfg, jm_run)
-    results = ctx.results
-    prefix = S.prefix_of(ctx, "rank")
-    picks = results.read("card_picks", parts=S.parts_with_prefix(results, "card_picks", prefix)).to_pandas()
+    picks = tables.read_current(ctx, "card_picks").to_pandas()
     assert sorted(picks["method"].unique()) == ["justmem", "justmem-compose", "justmem-lookup", "justmem-replay"]
-    plans = S.current_plans(ctx).to_pandas().set_index("query_id")
+    plans = current_plans(ctx).to_pandas().set_index("query_id")
     for (m, q), g in picks.groupby(["method", "query_id"]):
         assert g["rank"].tolist() == list(range(1, len(g) + 1)) and 0 < len(g) <= cfg.justmem.top_k, (m, q)
         want = plans.loc[q, "profile"] if m == "justmem" else m.removeprefix("justmem-")
         assert set(g["profile"]) == {want}, (m, q)
-    cards = S.current_cards(ctx).to_pandas().set_index("card_id")
-    ans = results.read("answers", parts=S.parts_with_prefix(results, "answers", S.prefix_of(ctx, "read"))).to_pandas()
+    cards = current_cards(ctx).to_pandas().set_index("card_id")
+    ans = current_answers(ctx).to_pandas()
     turns = turns_by_session(ctx.bank.read("turns"))
     for _, a in ans[ans["method"].isin(["justmem", "justmem-replay"])].iterrows():
         mine = picks[(picks["method"] == a["method"]) & (picks["query_id"] == a["query_id"])].sort_values("rank")
@@ -192,22 +206,22 @@ def test_rank_stage_equals_the_library_for_every_justmem_method(jm_run) -> None:
 
     cfg = _jm(jm_run)
     ctx = _ctx(cfg, jm_run)
-    bank, results = ctx.bank, ctx.results
-    key = S.encoder_key(ctx)
-    rk = results.read("rankings", parts=S.parts_with_prefix(results, "rankings", S.prefix_of(ctx, "rank"))).to_pandas()
-    plans = plans_from_table(S.current_plans(ctx))
+    bank = ctx.bank
+    key = keys.encoder_key(ctx)
+    rk = _rankings(ctx)
+    plans = plans_from_table(current_plans(ctx))
     sess = bank.read("sessions", ["history_id", "session_id", "text_hash"]).to_pandas()
     q = bank.read("queries", ["query_id", "history_id", "question"]).to_pandas()
-    loader = S.matrix_loader(ctx, sorted(sess["history_id"].unique()))
+    loader = matrix_loader(ctx, sorted(sess["history_id"].unique()))
     for h, g in q.groupby("history_id"):
         sids = loader.get(h)["session_ids"]
         hashes = [sess[(sess["history_id"] == h) & (sess["session_id"] == s)]["text_hash"].iloc[0] for s in sids]
-        cards = S.current_cards(ctx, sorted(set(hashes)))
-        vec = S.query_vectors(bank, cards["text"].to_pylist(), key)
+        cards = current_cards(ctx, sorted(set(hashes)))
+        vec = query_vectors(bank, cards["text"].to_pylist(), key)
         hc = HistoryCards.from_table(hashes, cards, vec)
-        qv = S.query_vectors(bank, g["question"].tolist(), key)
+        qv = query_vectors(bank, g["question"].tolist(), key)
         pl = [plans[x] for x in g["query_id"]]
-        rv = [S.query_vectors(bank, p.rewrites, key) if p.rewrites else None for p in pl]
+        rv = [query_vectors(bank, p.rewrites, key) if p.rewrites else None for p in pl]
         want = rank_history_cards(hc, g["question"].tolist(), qv, list(JUSTMEM_METHOD_NAMES), cfg.justmem, plans=pl,
                                   rewrite_vecs=rv)
         top = min(cfg.retrieval.store_top, len(sids))
@@ -229,7 +243,7 @@ def test_a_rerun_skips_everything_and_equals_a_fresh_run(tmp_path_factory, jm_ru
 
 @pytest.mark.slow
 def test_a_deleted_card_picks_part_reruns_its_rank_unit(tmp_path_factory, jm_run) -> None:
-    """A rank unit writes a rankings part and a card_picks part of one name; with only the card_picks part
+    """A card-rank unit writes a rankings part and a card_picks part of one name; with only the card_picks part
     deleted, the unit runs again (its rankings part is dropped with it: otherwise the unit counted as
     done and card_picks stayed missing) and the run's outputs equal the reference, bytes of the part too."""
     work = tmp_path_factory.mktemp("jmpicks")
@@ -239,27 +253,42 @@ def test_a_deleted_card_picks_part_reruns_its_rank_unit(tmp_path_factory, jm_run
     before = picks[0].read_bytes()
     picks[0].unlink()
     _run(_jm(work))
-    assert "rank" in _executed(work)
+    assert "card-rank" in _executed(work)
     assert picks[0].read_bytes() == before
     assert _outputs(work) == _outputs(jm_run)
 
 
 @pytest.mark.slow
 def test_a_justmem_field_reruns_exactly_its_stages_and_matches_a_fresh_run(tmp_path_factory, jm_run) -> None:
-    """justmem.rewrites=1: new plans, encode runs (their one rewrite each is the first of the two already
-    encoded: nothing new to encode), ranked again; the rankings equal a fresh run's exactly; then back to the
-    original config. Associate runs again too: encode's output digest covers every row this config reads
-    (rewrites included), and associate hashes it whole (an extra re-run with the same edges, never a stale
-    one; a per-role digest would spare it)."""
+    """justmem.rewrites=1: new plans, the JustMem encoder runs (their one rewrite each is the first of the two
+    already encoded: nothing new to encode), the cards are ranked and read again; the rankings equal a fresh
+    run's exactly; then back to the original config. Every MemGAS stage is skipped: JustMem is its own
+    branch (it used to re-run encode, associate, rank and read)."""
     work = tmp_path_factory.mktemp("jmrewrites")
     shutil.copytree(jm_run, work, dirs_exist_ok=True)
     _run(_jm(work, **{"justmem.rewrites": 1}))
-    assert _executed(work) == ["associate", "encode", "plan", "rank", "read"]
+    assert _executed(work) == ["card-encode", "card-rank", "card-read", "plan"]
+    rec = _record(work)
+    assert {s: rec[s]["status"] for s in MEMGAS_STAGES} == {s: "skipped" for s in MEMGAS_STAGES}
     fresh = tmp_path_factory.mktemp("jmfresh")
     _run(_jm(fresh, **{"justmem.rewrites": 1}))
     assert _outputs(work) == _outputs(fresh)
     _run(_jm(work))
     assert _outputs(work) == _outputs(jm_run)
+
+
+@pytest.mark.slow
+def test_a_memgas_field_reruns_no_justmem_stage(tmp_path_factory, jm_run) -> None:
+    """association.mem_threshold=20 beside JustMem methods: associate, the MemGAS rank and read run again;
+    cards, plan and the rest of JustMem's branch are skipped (their rows and rankings unchanged)."""
+    work = tmp_path_factory.mktemp("jmassoc")
+    shutil.copytree(jm_run, work, dirs_exist_ok=True)
+    _run(_jm(work, **{"association.mem_threshold": 20}))
+    assert _executed(work) == ["associate", "rank", "read"]
+    rec = _record(work)
+    assert {s: rec[s]["status"] for s in JUSTMEM_STAGES} == {s: "skipped" for s in JUSTMEM_STAGES}
+    jm_rows = [r for r in _outputs(jm_run)["rankings"] if r["method"] not in MEMGAS]
+    assert [r for r in _outputs(work)["rankings"] if r["method"] not in MEMGAS] == jm_rows
 
 
 @pytest.mark.slow
@@ -270,7 +299,7 @@ def test_without_justmem_the_run_is_unchanged(tmp_path_factory, jm_run) -> None:
     shutil.copytree(jm_run, work, dirs_exist_ok=True)
     _run(_base(work, **{"retrieval.methods": MEMGAS}))
     rec = _record(work)
-    assert rec["cards"]["status"] == rec["plan"]["status"] == "disabled"
+    assert {rec[s]["status"] for s in JUSTMEM_STAGES} == {"disabled"}
     rows = [r for r in _outputs(jm_run)["rankings"] if r["method"] in MEMGAS]
     assert _outputs(work)["rankings"] == rows
     assert np.all([r["method"] in MEMGAS for r in _outputs(work)["rankings"]])

@@ -16,11 +16,14 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from memgas.jobs import main_job, runner
-from memgas.jobs import stages as S
+from memgas.jobs import keys, main_job, runner, tables
 from memgas.jobs.executor import forwarded_env, init_ray, run_task, stage_fn, task_options
+from memgas.jobs.placement import kernel_device, num_gpus, placement, resolve_stage_runtimes
 from memgas.jobs.stage import StageContext
-from memgas.jobs.stages import resolve_stage_runtimes
+from memgas.jobs.stages.associate import AssociateStage, current_coverage, stored_segments
+from memgas.jobs.stages.encode import EncodeStage
+from memgas.jobs.stages.generate import GenerateStage
+from memgas.jobs.stages.rank import RankStage
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 
@@ -39,7 +42,7 @@ def _cfg(out: Path, *extra: str) -> MemgasConfig:
 def _rankings(run_dir: Path) -> list[dict]:
     fps = json.loads((run_dir / "metrics.json").read_text())["run"]["fingerprints"]
     results = Bank(run_dir / "results")
-    parts = [p for p in results.parts("rankings") if p.startswith(f"rank-{fps['rank']}-")]
+    parts = [p for p in results.parts("rankings") if p.startswith(f"rank-{fps['rank']}-")]  # MemGAS methods only
     t = results.read("rankings", parts=parts)
     return t.sort_by([("method", "ascending"), ("query_id", "ascending"), ("rank", "ascending")]).to_pylist()
 
@@ -51,7 +54,7 @@ def indexed(tmp_path_factory) -> Path:
     return out
 
 
-class _ProbeStage(S.AssociateStage):
+class _ProbeStage(AssociateStage):
     """The association stage's scheduling (its num_gpus), with a run that reports what Ray gave it."""
 
     @staticmethod
@@ -71,8 +74,9 @@ def test_kernel_tasks_request_gpus_and_see_the_ids_ray_gives_them(tmp_path) -> N
     try:
         ctx = StageContext(cfg, Bank.create(tmp_path / "bank"), None, use_ray=True)
         stage = _ProbeStage()
-        assert stage.num_gpus(ctx) == 0.5
-        remote = ray.remote(run_task).options(num_cpus=0, num_gpus=stage.num_gpus(ctx))
+        gpus = num_gpus(stage, stage.active(ctx), ctx)
+        assert gpus == 0.5
+        remote = ray.remote(run_task).options(num_cpus=0, num_gpus=gpus)
         outs = ray.get([remote.remote(stage_fn(stage), {}, {}) for _ in range(4)])
         for out in outs:
             ids = json.loads(out["probe"]["gpu_ids"][0].as_py())
@@ -81,19 +85,19 @@ def test_kernel_tasks_request_gpus_and_see_the_ids_ray_gives_them(tmp_path) -> N
         # the executor's GPU tasks run one per worker process (a reused worker keeps its first GPU's CUDA
         # context): one after the other, each in a new process
         assert task_options(0.0).get("max_calls") is None and task_options(0.5)["max_calls"] == 1
-        gpu_task = ray.remote(**task_options(stage.num_gpus(ctx)))(run_task)
+        gpu_task = ray.remote(**task_options(gpus))(run_task)
         pids = [ray.get(gpu_task.remote(stage_fn(stage), {}, {}))["probe"]["pid"][0].as_py() for _ in range(3)]
         assert len(set(pids)) == 3, pids
         # device auto: CUDA only where it can run. The cluster declares GPUs, but without CuPy (this machine)
         # the kernels could not use them, so auto is the CPU path; so it is when tasks request no GPU
         auto = StageContext(_cfg(tmp_path, "retrieval.device=auto"), ctx.bank, None, use_ray=True)
         has_cupy = importlib.util.find_spec("cupy") is not None
-        assert S.kernel_device(auto, "auto") == ("cuda" if has_cupy else "cpu")
+        assert kernel_device(auto, "auto") == ("cuda" if has_cupy else "cpu")
         no_task_gpus = StageContext(_cfg(tmp_path, "ray.num_gpus_per_task=0"), ctx.bank, None, use_ray=True)
-        assert S.kernel_device(no_task_gpus, "auto") == "cpu"
+        assert kernel_device(no_task_gpus, "auto") == "cpu"
     finally:
         ray.shutdown()
-    assert S.kernel_device(StageContext(_cfg(tmp_path), ctx.bank, None, use_ray=False), "auto") == "cpu"
+    assert kernel_device(StageContext(_cfg(tmp_path), ctx.bank, None, use_ray=False), "auto") == "cpu"
 
 
 def test_tasks_never_open_the_bank(tmp_path, indexed) -> None:
@@ -106,19 +110,20 @@ def test_tasks_never_open_the_bank(tmp_path, indexed) -> None:
     ctx = StageContext(cfg, bank, results, use_ray=False)
     resolve_stage_runtimes(ctx)
     runner.compute_fingerprints(ctx)
-    for stage in (S.AssociateStage(), S.RankStage()):  # the fingerprints the run committed its parts under
-        ctx.fingerprints[stage.name] = json.loads((ctx.store(stage).path / "_stages" / f"{stage.name}.json")
+    for stage in (AssociateStage(), RankStage()):  # the fingerprints the run committed its parts under
+        ctx.fingerprints[stage.name] = json.loads((tables.store_of(ctx, stage).path / "_stages" / f"{stage.name}.json")
                                                   .read_text())["fingerprint"]
-    assoc, rank = S.AssociateStage(), S.RankStage()
-    part = assoc.coverage(ctx).parts[0]  # a stored unit of the index: its segments are in edge_segments
-    units = {assoc: {"part": part, "segments": [list(s) for s in assoc.stored_segments(ctx)[part]]},
-             rank: runner.named_by_content(rank.plan(ctx))[0]}  # part names as the runner gives them
+    assoc, rank = AssociateStage(), RankStage()
+    prefix = tables.prefix(assoc, ctx)
+    part = current_coverage(ctx, prefix).parts[0]  # a stored unit of the index: its segments are in edge_segments
+    units = {assoc: {"part": part, "segments": [list(s) for s in stored_segments(ctx, prefix)[part]]},
+             rank: tables.name_units(rank, ctx, rank.plan(ctx))[0]}  # part names as the runner gives them
     table = {"associate": "edges", "rank": "rankings"}
     want: dict[str, pa.Table] = {}
     payloads = {}
     for stage, unit in units.items():
-        payloads[stage.name] = (stage, stage.inputs(ctx, unit), stage.params(ctx))
-        want[stage.name] = ctx.store(stage).read(table[stage.name], parts=[unit["part"]])
+        payloads[stage.name] = (stage, stage.inputs(ctx, unit), stage.active(ctx).params)
+        want[stage.name] = tables.store_of(ctx, stage).read(table[stage.name], parts=[unit["part"]])
     moved = tmp_path / "elsewhere"
     shutil.move(str(indexed), str(moved))
     try:
@@ -140,9 +145,15 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
     import pyarrow.compute as pc
     import ray
 
-    from memgas.jobs.executor import _pool_for, actor_config, actor_count
+    from memgas.jobs.executor import _pool_for
 
-    stage = S.EncodeStage()
+    def actor_count(stage, ctx):
+        return placement(stage, stage.active(ctx), ctx).actors
+
+    def actor_config(stage, ctx):
+        return placement(stage, stage.active(ctx), ctx).config
+
+    stage = EncodeStage()
     bank = Bank(indexed / "bank")
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     try:
@@ -151,21 +162,21 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
         runner.compute_fingerprints(ctx)
         assert ctx.resolved["encoder"]["device"] == "cpu"
         assert actor_count(stage, ctx) == 2 and actor_config(stage, ctx)["threads"] == 1
-        gen = S.GenerateStage()  # the LLM-free generator holds no model: one 1-thread actor per CPU too
+        gen = GenerateStage()  # the LLM-free generator holds no model: one 1-thread actor per CPU too
         assert ctx.cfg.generation.generator == "llm-free"
         assert actor_count(gen, ctx) == 2 and actor_config(gen, ctx)["threads"] == 1
         with_llm = StageContext(_cfg(indexed, "generation.generator=llm+fallback"), bank, None, use_ray=True)
         resolve_stage_runtimes(with_llm)
         assert actor_count(gen, with_llm) == 1 and actor_config(gen, with_llm)["threads"] is None
-        pool = _pool_for(stage, ctx, S.FACTORY, {}, n_units=10)
+        pool = _pool_for(stage, placement(stage, stage.active(ctx), ctx), {}, n_units=10)
         try:
             assert len(pool.actors) == 2
             assert ray.get([a.torch_threads.remote() for a in pool.actors]) == [1, 1]
-            key = S.encoder_key(ctx)
+            key = keys.encoder_key(ctx)
             have = bank.read("embeddings", ["text_hash", "vector"], filter=pc.field("encoder") == key)
             hashes = have["text_hash"].to_pylist()[:40]
             payload = stage.inputs(ctx, {"part": "probe", "hashes": hashes})
-            got = ray.get(pool.actors[1].call.remote(stage_fn(stage), payload, stage.params(ctx)))["embeddings"]
+            got = ray.get(pool.actors[1].call.remote(stage_fn(stage), payload, stage.active(ctx).params))["embeddings"]
             want = np.asarray(have["vector"].to_pylist()[:40], np.float32)
             assert got["text_hash"].to_pylist() == hashes
             np.testing.assert_allclose(np.asarray(got["vector"].to_pylist(), np.float32), want, atol=1e-5)

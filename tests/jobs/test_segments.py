@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from memgas.jobs.stages.segments import causal_work, coverage, prefix_digests, split_segment
+from memgas.pipeline.association.segments import causal_work, coverage, prefix_digests, split_segment
 from memgas.pipeline.association import split_rows
 from memgas.pipeline.schema import NODES
 

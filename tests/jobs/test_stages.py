@@ -13,10 +13,14 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel
 
-from memgas.jobs import main_job, runner
+from memgas.jobs import keys, main_job, placement, runner
 from memgas.jobs import stages as S
+from memgas.jobs.placement import resolve_stage_runtimes
 from memgas.jobs.stage import StageContext
-from memgas.jobs.stages import resolve_stage_runtimes
+from memgas.jobs.stages.ingest import IngestSource, ingest_output
+from memgas.jobs.stages.rank import RankStage
+from memgas.jobs.stages.texts import TextBlocks
+from memgas.jobs.units import attempt_of, cost_chunks, even_chunks
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 
@@ -40,7 +44,8 @@ def _leaves(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 def test_every_config_leaf_is_declared_or_runtime_only() -> None:
     leaves = set(_leaves(MemgasConfig))
-    declared, runtime = S.declared_fields(), set(S.RUNTIME_ONLY)
+    declared = {f for s in S.PIPELINE for f in getattr(s, "fields", ())}
+    runtime = set(keys.RUNTIME_ONLY)
     assert not (declared & runtime), f"both declared and runtime-only: {sorted(declared & runtime)}"
     orphans = sorted(leaves - declared - runtime)
     assert not orphans, f"config keys no stage declares and not runtime-only: {orphans}"
@@ -50,8 +55,8 @@ def test_every_config_leaf_is_declared_or_runtime_only() -> None:
 
 def test_runtime_only_fields_never_enter_a_fingerprint() -> None:
     for stage in S.PIPELINE:
-        for f in stage.config_fields:
-            assert f not in S.RUNTIME_ONLY, (stage.name, f)
+        for f in getattr(stage, "fields", ()):
+            assert f not in keys.RUNTIME_ONLY, (stage.name, f)
 
 
 # (field, new value, stages whose fingerprint must change) under the base config below
@@ -152,7 +157,7 @@ def fake_bank(tmp_path: Path) -> Bank:
 
 @pytest.mark.parametrize("field,value,expected", CASES, ids=[c[0] for c in CASES])
 def test_changing_a_field_changes_exactly_its_stage_and_downstream(tmp_path, fake_bank, field, value, expected) -> None:
-    if field.startswith("encoder.") and S.GenerateStage.uses_encoder(_base(tmp_path)):
+    if field.startswith("encoder.") and keys.generator_uses_encoder(_base(tmp_path)):
         expected = ["generate", "nodes", *ENC_DOWN]  # the LLM-free summary ranks sentences with the encoder
     elif expected == "ENC":
         expected = ENC_DOWN
@@ -166,6 +171,40 @@ def test_changing_a_field_changes_exactly_its_stage_and_downstream(tmp_path, fak
     changed = _fingerprints(changed_cfg, fake_bank)
     got = sorted(s for s in base if base[s] != changed[s])
     assert got == sorted(expected), f"{field}: stages re-run {got}, expected {sorted(expected)}"
+
+
+#: the two branches (DESIGN.md section 6): with JustMem methods selected beside MemGAS's, a justmem.* field
+#: re-runs JustMem's stages only (never associate or the MemGAS rank), and a MemGAS field re-runs MemGAS's only
+#: (never cards or plan); encoder fields re-run both encoders, which share their rows by content
+MEMGAS_BRANCH = ["generate", "nodes", "encode", "associate", "rank", "read"]
+JUSTMEM_BRANCH = ["cards", "plan", "card-encode", "card-rank", "card-read"]
+BRANCH_CASES: list[tuple[str, object, list[str]]] = [
+    ("justmem.extractor", "llm", ["cards", "card-encode", "card-rank", "card-read"]),
+    ("justmem.rewrites", 1, ["plan", "card-encode", "card-rank", "card-read"]),
+    ("justmem.top_k", 5, ["card-rank", "card-read"]),
+    ("justmem.replay_tokens", 256, ["card-read"]),
+    ("generation.summary_source", "dataset", GEN_DOWN),
+    ("association.mem_threshold", 20, INDEX_DOWN),
+    ("retrieval.num_seeds", 10, ["rank", "read"]),
+    ("retrieval.store_top", 40, ["rank", "read", "card-rank", "card-read"]),
+    ("encoder.max_tokens", 128, ["generate", "nodes", *ENC_DOWN, "card-encode", "card-rank", "card-read"]),
+]
+
+
+@pytest.mark.parametrize("field,value,expected", BRANCH_CASES, ids=[c[0] for c in BRANCH_CASES])
+def test_a_branch_change_re_runs_nothing_of_the_other_branch(tmp_path, fake_bank, field, value, expected) -> None:
+    both = {"retrieval.methods": ["session", "memgas", "justmem", "cards"], "reading.methods": ["memgas", "justmem"]}
+    if field.startswith("encoder.") and not keys.generator_uses_encoder(_base(tmp_path)):
+        expected = [s for s in expected if s not in ("generate", "nodes")]
+    base = _fingerprints(_base(tmp_path, **both), fake_bank)
+    assert "disabled" not in [base[s] for s in MEMGAS_BRANCH + JUSTMEM_BRANCH]
+    changed = _fingerprints(_base(tmp_path, **both, **{field: value}), fake_bank)
+    got = sorted(s for s in base if base[s] != changed[s])
+    assert got == sorted({*expected, "evaluate"}), f"{field}: stages re-run {got}"
+    if field.startswith("justmem."):
+        assert not set(got) & set(MEMGAS_BRANCH)
+    elif not field.startswith(("encoder.", "retrieval.store_top")):
+        assert not set(got) & set(JUSTMEM_BRANCH)
 
 
 @pytest.mark.parametrize("field,value", [("llm.threads", 1), ("llm.concurrency", 2), ("llm.timeout_s", 5.0),
@@ -193,9 +232,10 @@ def _outputs(run_dir: Path) -> dict[str, object]:
     results = Bank(run_dir / "results")
     fps = metrics["run"]["fingerprints"]
     out: dict[str, object] = {"retrieval": metrics["retrieval"], "qa": metrics.get("qa")}
-    for table, stage, prefix in (("rankings", "rank", "rank"), ("card_picks", "rank", "rank"),
-                                 ("answers", "read", "ans")):
-        parts = [p for p in results.parts(table) if p.startswith(f"{prefix}-{fps.get(stage)}-")]
+    for table, stages in (("rankings", ("rank", "card-rank")), ("card_picks", ("card-rank",)),
+                          ("answers", ("read", "card-read"))):
+        prefixes = tuple(f"{stage}-{fps.get(stage)}-" for stage in stages)
+        parts = [p for p in results.parts(table) if p.startswith(prefixes)]
         t = results.read(table, parts=parts) if parts else None
         rows = None if t is None else t.to_pylist()
         if rows:
@@ -234,14 +274,18 @@ MATRIX = [
 @pytest.mark.slow
 def test_first_run_executes_every_stage_and_reads_in_the_job(reference_run) -> None:
     rec = _record(reference_run)
-    # cards and plan are disabled without a JustMem method (tests/jobs/test_justmem_stages.py runs them)
-    assert [r["status"] for r in rec.values()] == (["executed"] * 2 + ["disabled"] * 2 + ["executed"] * 5
-                                                   + ["disabled", "executed"])
+    # JustMem's branch is disabled without a JustMem method (tests/jobs/test_justmem_stages.py runs it)
+    assert {s: r["status"] for s, r in rec.items()} == {
+        "ingest": "executed", "generate": "executed", "cards": "disabled", "plan": "disabled", "nodes": "executed",
+        "encode": "executed", "card-encode": "disabled", "associate": "executed", "rank": "executed",
+        "card-rank": "disabled", "read": "executed", "card-read": "disabled", "judge": "disabled",
+        "evaluate": "executed"}
+    assert list(rec) == [s.name for s in S.PIPELINE]
     # ingest's entry has what every stage's has: its fingerprint, where it ran, and its verified output
     ingest = rec["ingest"]
     bank = Bank(reference_run / "bank")
-    assert ingest["where"] == "driver" and ingest["output"] == S.ingest_output(bank)
-    assert ingest["fingerprint"] == S.IngestStage().fingerprint(StageContext(_base(reference_run), bank, None, False))
+    assert ingest["where"] == "driver" and ingest["output"] == ingest_output(bank)
+    assert ingest["fingerprint"] == IngestSource().fingerprint(StageContext(_base(reference_run), bank, None, False))
     metrics = json.loads((reference_run / "metrics.json").read_text())
     qa = metrics["qa"]["memgas"]
     assert qa["n"] + qa["failed"] == 1 and qa["failed"] == 0  # reading.max_questions=1, answered
@@ -259,7 +303,7 @@ def test_config_change_matrix(tmp_path_factory, reference_run, field, value, exp
     shutil.copytree(reference_run, work, dirs_exist_ok=True)
     cfg = _base(work, **{field: value})
     if expected is None:
-        expected = ["generate", "nodes", *ENC_DOWN] if S.GenerateStage.uses_encoder(cfg) else ENC_DOWN
+        expected = ["generate", "nodes", *ENC_DOWN] if keys.generator_uses_encoder(cfg) else ENC_DOWN
     _run(cfg)
     assert _executed(work) == sorted(expected)
     if compare_fresh:
@@ -284,10 +328,10 @@ def test_a_pair_window_encodes_only_the_pairs_again(tmp_path_factory, reference_
     bank = Bank(work / "bank")
     ctx = StageContext(cfg, bank, None, use_ray=False)
     resolve_stage_runtimes(ctx)
-    key, pair_key = S.encoder_key(ctx), S.encoder_keys(ctx)["pair"]
+    key, pair_key = keys.encoder_key(ctx), keys.encoder_keys(ctx)["pair"]
     ref_ctx = StageContext(_base(work), bank, None, use_ray=False)
     resolve_stage_runtimes(ref_ctx)
-    assert pair_key != key and key == S.encoder_key(ref_ctx)  # the other texts keep their cache key
+    assert pair_key != key and key == keys.encoder_key(ref_ctx)  # the other texts keep their cache key
     before = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == key).num_rows
     _run(cfg)
     pairs = set(bank.read("pairs", ["text_hash"])["text_hash"].to_pylist())
@@ -317,12 +361,12 @@ def test_sessions_at_the_pair_window_share_its_key_and_vector_when_they_equal_th
     bank = Bank(work / "bank")
     ctx = StageContext(cfg, bank, None, use_ray=False)
     resolve_stage_runtimes(ctx)
-    keys = S.encoder_keys(ctx)
-    assert keys["session"] == keys["pair"] != keys["main"]
-    before = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == keys["main"]).num_rows
+    by_role = keys.encoder_keys(ctx)
+    assert by_role["session"] == by_role["pair"] != by_role["main"]
+    before = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == by_role["main"]).num_rows
     _run(cfg)
-    assert bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == keys["main"]).num_rows == before
-    got = bank.read("embeddings", ["text_hash", "tokens", "vector"], filter=pc.field("encoder") == keys["pair"])
+    assert bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == by_role["main"]).num_rows == before
+    got = bank.read("embeddings", ["text_hash", "tokens", "vector"], filter=pc.field("encoder") == by_role["pair"])
     tokens = dict(zip(got["text_hash"].to_pylist(), got["tokens"].to_pylist()))
     vec = dict(zip(got["text_hash"].to_pylist(), got["vector"].to_pylist()))
     sessions = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
@@ -395,7 +439,7 @@ def test_text_blocks_read_the_bank_once_per_block(tmp_path) -> None:
     bank.write("texts", pa.Table.from_pylist([{"text_hash": h, "text": t} for h, t in sorted(texts.items())]))
     hashes = sorted(texts)
     units = [{"part": f"u{i}", "hashes": hashes[i * 10:(i + 1) * 10]} for i in range(5)]
-    blocks = S.TextBlocks(units, lambda u: u["hashes"], block_texts=25)  # blocks: u0+u1 | u2+u3 | u4
+    blocks = TextBlocks(units, lambda u: u["hashes"], block_texts=25)  # blocks: u0+u1 | u2+u3 | u4
     for u in units:
         assert blocks.get(bank, u) == {h: texts[h] for h in u["hashes"]}
     assert blocks.reads == 3
@@ -403,26 +447,26 @@ def test_text_blocks_read_the_bank_once_per_block(tmp_path) -> None:
     assert blocks.reads == 4
     stray = {"part": "other", "hashes": hashes[:2] + [text_hash("not in the bank")]}
     assert blocks.get(bank, stray) == {h: texts[h] for h in hashes[:2]}  # absent texts stay absent
-    one_each = S.TextBlocks(units, lambda u: u["hashes"], block_texts=1)  # a unit larger than a block is one block
+    one_each = TextBlocks(units, lambda u: u["hashes"], block_texts=1)  # a unit larger than a block is one block
     for u in units:
         one_each.get(bank, u)
     assert one_each.reads == 5
 
 
 def test_even_and_cost_chunks_balance_units_without_making_more_of_them() -> None:
-    assert [len(c) for c in S.even_chunks(list(range(38)), 32)] == [19, 19]
-    assert [len(c) for c in S.even_chunks(list(range(64)), 32)] == [32, 32]
-    assert S.even_chunks([], 32) == [] and S.even_chunks([1], 32) == [[1]]
+    assert [len(c) for c in even_chunks(list(range(38)), 32)] == [19, 19]
+    assert [len(c) for c in even_chunks(list(range(64)), 32)] == [32, 32]
+    assert even_chunks([], 32) == [] and even_chunks([1], 32) == [[1]]
     # 857 texts, units of 512: two units by count, cut where half the cost is reached
     costs = [250.0] * 400 + [10.0] * 457
-    got = S.cost_chunks(list(range(857)), costs, 512)
+    got = cost_chunks(list(range(857)), costs, 512)
     assert len(got) == 2 and sum(map(len, got)) == 857 and [x for c in got for x in c] == list(range(857))
     halves = [sum(costs[i] for i in c) for c in got]
     assert abs(halves[0] - halves[1]) <= 2 * 250  # the cut is after the text that crosses half
-    assert len(S.cost_chunks(list(range(1024)), [1.0] * 1024, 512)) == 2  # equal costs: equal counts
-    many_cheap = S.cost_chunks(list(range(2000)), [500.0] * 100 + [1.0] * 1900, 512)
+    assert len(cost_chunks(list(range(1024)), [1.0] * 1024, 512)) == 2  # equal costs: equal counts
+    many_cheap = cost_chunks(list(range(2000)), [500.0] * 100 + [1.0] * 1900, 512)
     assert all(len(c) <= 1024 for c in many_cheap) and sum(map(len, many_cheap)) == 2000
-    assert S.cost_chunks([], [], 512) == [] and S.cost_chunks([1, 2], [5.0, 1.0], 512) == [[1, 2]]
+    assert cost_chunks([], [], 512) == [] and cost_chunks([1, 2], [5.0, 1.0], 512) == [[1, 2]]
 
 
 # -- resolved LLM device/dtype and GPU placement (issue 20, items 1, 3, 4) -------------------------------------
@@ -434,7 +478,7 @@ def test_llm_device_and_dtype_key_everything_an_llm_writes(tmp_path, fake_bank) 
         ctx = StageContext(cfg, fake_bank, None, use_ray=False)
         resolve_stage_runtimes(ctx)
         ctx.resolved["llm"] = llm
-        return S.generation_key(ctx), runner.compute_fingerprints(ctx)
+        return keys.generation_key(ctx), runner.compute_fingerprints(ctx)
 
     cpu_key, cpu_fps = keyed({"device": "cpu", "dtype": "float32"})
     gpu_key, gpu_fps = keyed({"device": "cuda", "dtype": "bfloat16"})
@@ -445,41 +489,48 @@ def test_llm_device_and_dtype_key_everything_an_llm_writes(tmp_path, fake_bank) 
         assert cpu_fps[stage] != gpu_fps[stage], stage
     # the LLM-free generator holds no LLM: its rows do not depend on the LLM's device
     free = _base(tmp_path)
-    keys = set()
+    gen_keys = set()
     for llm in ({"device": "cpu", "dtype": "float32"}, {"device": "cuda", "dtype": "bfloat16"}):
         ctx = StageContext(free, fake_bank, None, use_ray=False)
         resolve_stage_runtimes(ctx)
         ctx.resolved["llm"] = llm
-        keys.add(S.generation_key(ctx))
-    assert len(keys) == 1
+        gen_keys.add(keys.generation_key(ctx))
+    assert len(gen_keys) == 1
 
 
 def test_llm_runtime_is_resolved_where_the_model_will_run() -> None:
     base = MemgasConfig.load(REPO / "configs" / "demo.yaml")
     gpu = MemgasConfig.load(REPO / "configs" / "demo.yaml", ["ray.num_gpus_per_model_actor=1"])
-    assert S.resolve_llm_runtime(base, use_ray=True, local_cuda=False) == {"device": "cpu", "dtype": "float32"}
-    assert S.resolve_llm_runtime(gpu, use_ray=True, local_cuda=False) == {"device": "cuda", "dtype": "bfloat16"}
-    assert S.resolve_llm_runtime(gpu, use_ray=False, local_cuda=False) == {"device": "cpu", "dtype": "float32"}
+    assert placement.resolve_llm_runtime(base, use_ray=True, local_cuda=False) == {"device": "cpu", "dtype": "float32"}
+    assert placement.resolve_llm_runtime(gpu, use_ray=True, local_cuda=False) == {"device": "cuda", "dtype": "bfloat16"}
+    assert placement.resolve_llm_runtime(gpu, use_ray=False, local_cuda=False) == {"device": "cpu", "dtype": "float32"}
     vllm = MemgasConfig.load(REPO / "configs" / "gpu.yaml")
-    assert S.resolve_llm_runtime(vllm, use_ray=True, local_cuda=False) == {"device": "cuda", "dtype": "auto"}
+    assert placement.resolve_llm_runtime(vllm, use_ray=True, local_cuda=False) == {"device": "cuda", "dtype": "auto"}
     http = MemgasConfig.load(REPO / "configs" / "demo.yaml", ["llm.backend=openai", "llm.base_url=http://h:1/v1"])
-    assert S.resolve_llm_runtime(http, use_ray=True, local_cuda=False) is None
+    assert placement.resolve_llm_runtime(http, use_ray=True, local_cuda=False) is None
+
+
+def _gpus(name: str, ctx: StageContext) -> float:
+    """GPUs per actor of stage ``name`` as the executor places it (:func:`memgas.jobs.placement.placement`)."""
+    stage = next(s for s in S.PIPELINE if s.name == name)
+    return placement.num_gpus(stage, stage.active(ctx), ctx)
 
 
 def test_stages_request_gpus_only_for_models_that_run_on_cuda(tmp_path, fake_bank) -> None:
     """configs/gpu.yaml with the LLM-free generator: generate requests no GPU (it used to ask for one per CPU
     actor), the CUDA encoder and the vLLM reader one each."""
-    cfg = MemgasConfig.load(REPO / "configs" / "gpu.yaml", [f"output_dir={tmp_path}", "generation.generator=llm-free"])
+    cfg = MemgasConfig.load(REPO / "configs" / "gpu.yaml", [f"output_dir={tmp_path}", "generation.generator=llm-free",
+                                                           "evaluation.judge=true"])
     ctx = StageContext(cfg, fake_bank, None, use_ray=True)
     ctx.resolved["encoder"] = {"device": "cuda", "dtype": "bfloat16"}
-    ctx.resolved["llm"] = S.resolve_llm_runtime(cfg, use_ray=True, local_cuda=False)
-    assert [S.STAGES[n].num_gpus(ctx) for n in ("generate", "encode", "read", "judge")] == [0.0, 1.0, 1.0, 1.0]
+    ctx.resolved["llm"] = placement.resolve_llm_runtime(cfg, use_ray=True, local_cuda=False)
+    assert [_gpus(n, ctx) for n in ("generate", "encode", "read", "judge")] == [0.0, 1.0, 1.0, 1.0]
     ctx.resolved["encoder"] = {"device": "cpu", "dtype": "float32"}
-    assert S.EncodeStage().num_gpus(ctx) == 0.0
+    assert _gpus("encode", ctx) == 0.0
     with_llm = StageContext(MemgasConfig.load(REPO / "configs" / "gpu.yaml", [f"output_dir={tmp_path}"]), fake_bank,
                             None, use_ray=True)
     with_llm.resolved["llm"] = {"device": "cuda", "dtype": "auto"}
-    assert S.GenerateStage().num_gpus(with_llm) == 1.0
+    assert _gpus("generate", with_llm) == 1.0
 
 
 def test_retrieval_device_auto_is_cpu_without_cupy(tmp_path, fake_bank) -> None:
@@ -490,9 +541,9 @@ def test_retrieval_device_auto_is_cpu_without_cupy(tmp_path, fake_bank) -> None:
     if importlib.util.find_spec("cupy") is not None:
         pytest.skip("CuPy is installed: the no-CuPy case cannot be observed here")
     ctx = StageContext(_base(tmp_path), fake_bank, None, use_ray=False)
-    assert S.kernel_device(ctx, "auto") == "cpu"
-    assert S.HistoryShardStage().num_gpus(StageContext(_base(tmp_path, **{"retrieval.device": "auto"}), fake_bank,
-                                                       None, use_ray=False)) == 0.0
+    assert placement.kernel_device(ctx, "auto") == "cpu"
+    auto = StageContext(_base(tmp_path, **{"retrieval.device": "auto"}), fake_bank, None, use_ray=False)
+    assert placement.num_gpus(RankStage(), RankStage().active(auto), auto) == 0.0
 
 
 # -- parts verified before use -----------------------------------------------------------------------------
@@ -581,7 +632,7 @@ def test_model_files_and_prompt_texts_key_their_outputs(tmp_path, fake_bank, mon
     with open(model / "config.json", "a") as f:
         f.write("\n")
     changed = _fingerprints(_base(tmp_path, **{"encoder.model": str(model), "evaluation.judge": True}), fake_bank)
-    gen = ["generate", "nodes"] if S.GenerateStage.uses_encoder(_base(tmp_path)) else []
+    gen = ["generate", "nodes"] if keys.generator_uses_encoder(_base(tmp_path)) else []
     assert sorted(s for s in base if base[s] != changed[s]) == sorted([*gen, *ENC_DOWN, "judge", "evaluate"])
     import memgas.pipeline.evaluate.judge as judge
     import memgas.pipeline.prompts as prompts
@@ -596,9 +647,9 @@ def test_model_files_and_prompt_texts_key_their_outputs(tmp_path, fake_bank, mon
 
 def test_retry_attempts_sort_numerically() -> None:
     names = [f"ans-f-memgas-a{a:04d}-00000-0a1b" for a in (9, 10, 2)]
-    assert [S.attempt_of(n) for n in names] == [9, 10, 2]
-    assert [S.attempt_of(n) for n in sorted(names)] == [2, 9, 10]  # parts are read in name order: last wins
-    assert S.attempt_of("ans-f-memgas-a0003-00012-a123") == 3  # a digest that starts with "a" is not an attempt
+    assert [attempt_of(n) for n in names] == [9, 10, 2]
+    assert [attempt_of(n) for n in sorted(names)] == [2, 9, 10]  # parts are read in name order: last wins
+    assert attempt_of("ans-f-memgas-a0003-00012-a123") == 3  # a digest that starts with "a" is not an attempt
 
 
 @pytest.mark.slow
@@ -616,13 +667,12 @@ def test_rank_sessions_equals_the_rank_stage_for_every_method(reference_run) -> 
     bank = Bank(reference_run / "bank")
     ctx = StageContext(cfg, bank, Bank(reference_run / "results"), use_ray=False)
     resolve_stage_runtimes(ctx)
-    for stage in S.PIPELINE:
-        runner.set_fingerprint(stage, ctx)
-    # the rank stage's own code path: its inputs from the bank, its run on them
-    ctx.fingerprints["associate"] = json.loads((bank.path / "_stages" / "associate.json").read_text())["fingerprint"]
-    unit = S.RankStage().plan(ctx)[0]
-    payload = S.RankStage().inputs(ctx, unit)
-    job = S.RankStage.run(None, payload, S.RankStage().params(ctx))["rankings"].to_pandas()
+    runner.compute_fingerprints(ctx)
+    # the rank stage's own code path: its inputs from the bank, its run on them (the edges' parts are named
+    # by the associate stage's key, which this config shares with the run's)
+    unit = RankStage().plan(ctx)[0]
+    payload = RankStage().inputs(ctx, unit)
+    job = RankStage.run(None, payload, RankStage().active(ctx).params)["rankings"].to_pandas()
     assert payload["histories"]
     for h in payload["histories"]:
         m = h["matrices"]

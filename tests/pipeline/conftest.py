@@ -76,20 +76,20 @@ def run_stage_in_process(bank: Bank, cfg, name: str, model=None, results: Bank |
     ``model``: an already loaded (e.g. wrapped) model the stage's worker uses instead of loading its own.
     Returns (the run-record entry, the stage context).
     """
-    from memgas.jobs import runner
-    from memgas.jobs import stages as S
-    from memgas.jobs.executor import actor_config, use_loaded_model
+    from memgas.jobs import runner, tables
+    from memgas.jobs.executor import use_loaded_model
+    from memgas.jobs.placement import placement, resolve_stage_runtimes
     from memgas.jobs.profiling import Profiler
     from memgas.jobs.stage import StageContext
-    from memgas.jobs.stages import resolve_stage_runtimes
 
     ctx = StageContext(cfg, bank, results, use_ray=False)
     resolve_stage_runtimes(ctx)
     runner.compute_fingerprints(ctx)
-    stage = S.STAGES[name]
+    stage = next(s for s in ctx.pipeline if s.name == name)
+    active = stage.active(ctx)
     if model is not None:
-        use_loaded_model(S.FACTORY, stage.model, actor_config(stage, ctx), model)
-    entry = runner.run_stage(stage, ctx, ctx.store(stage), ctx.fingerprints[name], Profiler(), {})
+        use_loaded_model(stage.model, placement(stage, active, ctx).config, model)
+    entry = runner.run_stage(stage, ctx, active, tables.store_of(ctx, stage), ctx.fingerprints[name], Profiler(), {})
     return entry, ctx
 
 

@@ -49,7 +49,7 @@ def test_encode_plan_puts_each_session_beside_its_turn_pairs(tmp_path, make_bank
     hybrid text and its summary); every text is planned exactly once."""
     import pyarrow as pa
 
-    from memgas.jobs.stages import EncodeStage
+    from memgas.jobs.stages.encode import EncodeStage
     from memgas.pipeline.hashing import text_hash
     from memgas.pipeline.schema import NODES
 

@@ -27,7 +27,7 @@ def _queries(bank) -> None:
 
 @pytest.mark.slow
 def test_nodes_and_matrices_through_the_stages(tmp_path, encoder, make_bank, run_stage) -> None:
-    from memgas.jobs.stages import encoder_key, generation_key
+    from memgas.jobs.keys import encoder_key, generation_key
 
     bank = make_bank(tmp_path)
     _queries(bank)
@@ -58,7 +58,7 @@ def test_nodes_and_matrices_through_the_stages(tmp_path, encoder, make_bank, run
     # a one-pair session: turn = its only pair (= the session text here)
     np.testing.assert_allclose(m["h2"]["turn"][1], m["h2"]["session"][1], atol=1e-5)
     # the question was embedded too, and a re-run encodes nothing
-    from memgas.jobs.stages import query_vectors
+    from memgas.jobs.stages.rank import query_vectors
 
     assert query_vectors(bank, ["What is my cat's name? 🐱"], key).shape == (1, encoder.dim)
     again, _ = run_stage(bank, cfg, "encode")

@@ -1,14 +1,17 @@
-"""Where stages compute: devices, dtypes and threads decided on the driver (so they can key the caches of
-what they compute), GPUs per model actor, the threads a model host sets. (How many actors, and how many
-threads each, the executor decides from what a stage declares: memgas.jobs.executor.actor_config.)"""
+"""Where stages compute, decided in one place for the executor: devices, dtypes and threads decided on the
+driver (so they can key the caches of what they compute), and per stage the GPUs, actors and threads of
+its model (:func:`placement`), from the model it holds (``Stage.model``) and the config it loads
+(``Active.model``): a stage declares none of it."""
 
 from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from memgas.jobs.stage import StageContext
+from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.pipeline.config import MemgasConfig, check_ray_gpus
 from memgas.pipeline.errors import MemgasError
 
@@ -148,3 +151,58 @@ def _torch_cuda() -> bool:
     except ImportError:
         return False
 
+
+
+# -- per stage: GPUs, actors, threads ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class Placement:
+    #: what an actor loads: the stage's model config and the torch threads it computes with
+    config: dict[str, Any]
+    gpus: float
+    #: how many actors hold the model (at most one per unit; the executor caps it)
+    actors: int
+
+
+def _holds_cuda_model(stage: Stage, active: Active, ctx: StageContext) -> bool:
+    """Whether the stage's actor computes on CUDA: its LLM (where the model config loads one) or its encoder."""
+    m = active.model  # llm_runtime is None where the config loads no LLM, encoder None where no encoder
+    return (m.get("llm_runtime") or {}).get("device") == "cuda" or (m.get("encoder") is not None
+                                                                     and encoder_on_cuda(ctx))
+
+
+def fits_one_core(stage: Stage, active: Active, ctx: StageContext) -> bool:
+    """Whether the model computes as well on one core in one thread as on many: no LLM and no encoder (the
+    LLM-free generator, LLM-free JustMem stages), or a CPU encoder with ``encoder.actors`` unset. Under Ray
+    such a stage gets one single-threaded actor per Ray CPU; otherwise actors of ``llm.threads`` threads."""
+    m = active.model
+    if stage.model == "encoder":
+        return ctx.cfg.encoder.actors is None and not encoder_on_cuda(ctx)
+    if stage.model == "llm":
+        return False
+    return not m.get("llm_runtime") and not m.get("use_llm") and not m.get("encoder")
+
+
+def num_gpus(stage: Stage, active: Active, ctx: StageContext) -> float:
+    """GPUs per actor or task: ``ray.num_gpus_per_model_actor`` for a model that runs on CUDA, else none (a
+    CPU model asking for a GPU would hold one it never uses, or wait forever on a cluster without);
+    ``ray.num_gpus_per_task`` for a kernel task on CUDA (``params["device"]``)."""
+    if stage.where == "task":
+        return float(ctx.cfg.ray.num_gpus_per_task) if active.params.get("device") == "cuda" else 0.0
+    return model_gpus(ctx, _holds_cuda_model(stage, active, ctx)) if stage.where == "actor" else 0.0
+
+
+def placement(stage: Stage, active: Active, ctx: StageContext) -> Placement:
+    """Where a stage's units run. Under Ray a model that fits one core gets one single-threaded actor per
+    CPU; otherwise ``encoder.actors`` (encoders) or ``ray.model_actors`` actors of ``llm.threads`` threads
+    (None: every core it has; Ray sets OMP_NUM_THREADS=1 in a worker, which the model host undoes)."""
+    one_core = ctx.use_ray and fits_one_core(stage, active, ctx)
+    if one_core:
+        from memgas.jobs.executor import ray_cpus
+
+        actors = ray_cpus()
+    elif stage.model == "encoder" and ctx.cfg.encoder.actors is not None:
+        actors = ctx.cfg.encoder.actors
+    else:
+        actors = ctx.cfg.ray.model_actors
+    return Placement({**active.model, "threads": 1 if one_core else ctx.cfg.llm.threads},
+                     num_gpus(stage, active, ctx), actors)

@@ -1,10 +1,11 @@
-"""The models actors hold (built by :func:`make_model`, named by ``FACTORY`` for the executor)."""
+"""The models actors hold, built by :func:`make_model` from a stage's ``model`` kind and the config its
+``active`` returns (the executor's model hosts call it; placement is :mod:`memgas.jobs.placement`'s)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from memgas.jobs.stages.placement import set_torch_threads
+from memgas.jobs.placement import set_torch_threads
 
 
 class Generator:
@@ -51,5 +52,3 @@ def make_model(kind: str, config: dict[str, Any]) -> Any:
         return JustMemModel(config)
     raise ValueError(f"unknown model kind {kind!r}")
 
-
-FACTORY = "memgas.jobs.stages:make_model"

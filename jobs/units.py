@@ -1,12 +1,11 @@
-"""Units of work and their parts: chunking, history shards, and the part-name prefixes that tell one
-fingerprint's parts from another's in a shared table."""
+"""Units of work: chunking a stage's items into units, history shards, retry attempts in part names (the
+parts themselves are named by :func:`memgas.jobs.tables.name_units`)."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
-from memgas.jobs.stage import Stage, StageContext
 from memgas.pipeline.bank import Bank
 
 
@@ -43,37 +42,12 @@ def cost_chunks(items: list[Any], costs: list[float], size: int) -> list[list[An
     return out + ([cur] if cur else [])
 
 
-def prefix_of(ctx: StageContext, name: str) -> str:
-    """Name prefix of stage ``name``'s unit parts under its current fingerprint."""
-    return registered(name).prefix(ctx)
-
-
 def attempt_of(part: str) -> int:
     """The retry attempt a read part belongs to (``...-<method>-a0003-00001-<digest>``)."""
     found = re.search(r"-a(\d+)-\d{5}(?:-|$)", part)
     return int(found.group(1)) if found else 0
 
 
-def parts_with_prefix(bank: Bank, table: str, prefix: str) -> list[str]:
-    return [p for p in bank.parts(table) if p.startswith(prefix)]
-
-
-def drop_other_parts(bank: Bank, table: str, prefix: str) -> int:
-    """Drop the parts of ``table`` computed under another fingerprint (called after the new ones are complete)."""
-    stale = [p for p in bank.parts(table) if not p.startswith(prefix)]
-    for p in stale:
-        bank.drop_part(table, p)
-    return len(stale)
-
-
 def history_shards(bank: Bank, size: int) -> list[list[str]]:
     ids = sorted(set(bank.read("histories", columns=["history_id"])["history_id"].to_pylist()))
     return chunk(ids, size)
-
-
-def registered(name: str) -> Stage:
-    """The pipeline's stage ``name``: where one stage needs another's declarations (its part prefix, its
-    cache key). Imported when called: every stage module imports this one."""
-    from memgas.jobs.stages import STAGES
-
-    return STAGES[name]

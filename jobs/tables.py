@@ -1,0 +1,213 @@
+"""Tables, the unit of data flow, and their kinds: the one place that names parts, compacts, drops stale
+parts and digests what a stage committed.
+
+A :class:`Table` is declared by the stage that writes it (each table has exactly one writer); stages read
+tables by name. Several tables may be stored in one bank table (``stored_in``): the MemGAS and JustMem
+encoders both write ``embeddings``, the MemGAS and JustMem rankers both write ``rankings``. Kinds:
+
+* ``source``: the ingested dataset's tables, held by the bank (:class:`memgas.jobs.stage.Source`);
+* ``content``: content-addressed rows keyed by text (or input) hash plus the producer's key (generations,
+  cards, embeddings), shared by every config and dataset that produces the same rows. Parts are compacted
+  into one sorted part after the stage; what the stage committed is the digest of *this config's rows*
+  (``rows``), verified by reading them again: another config's rows, or another writer's compaction of
+  the same bank table, change nothing downstream;
+* ``fingerprint``: rows of one fingerprint (plans, nodes, rankings, answers, judgments): parts named
+  ``<stage>-<fingerprint>-...``; after the stage the writer's parts of other fingerprints are dropped;
+  what it committed is the digest of its parts' bytes, recorded in its marker and verified before use;
+* ``segmented``: rows valid while a prefix of their history is unchanged (association edges, see
+  :mod:`memgas.pipeline.association.segments`): parts named by the writer's key (not its fingerprint: an
+  append keeps the old segments), current parts chosen by ``current``, every other part dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import pyarrow as pa
+from memgas.jobs.stage import Active, Report, Stage, StageContext, config_value, short_hash, table_digest
+from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, Bank
+
+Kind = Literal["source", "content", "fingerprint", "segmented"]
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    kind: Kind
+    store: Literal["bank", "results"] = "bank"
+    #: the bank table the rows live in (default: ``name``)
+    stored_in: str | None = None
+    #: rows whose LLM call failed stay in the table, marked by their error, and the next run retries them:
+    #: the run counts its writer's unfinished rows as failures (metrics.json ``run.failures``)
+    retried: bool = False
+    #: content tables: this config's rows (their digest is what the writer committed); None: the table
+    #: adds nothing to the digest (derived texts: a function of the generations and the sessions)
+    rows: Callable[[StageContext], pa.Table] | None = None
+    #: segmented tables: the current parts, given the writer's part prefix
+    current: Callable[[StageContext, str], list[str]] | None = None
+
+    @property
+    def physical(self) -> str:
+        return self.stored_in or self.name
+
+
+# -- who writes what ------------------------------------------------------------------------------------
+def enabled(ctx: StageContext, step: Any) -> bool:
+    return ctx.fingerprints.get(step.name) != "disabled"
+
+
+def writer_of(ctx: StageContext, name: str) -> Any:
+    """The step of ``ctx.pipeline`` that writes table ``name``."""
+    for step in ctx.pipeline:
+        if any(t.name == name for t in getattr(step, "writes", ())):
+            return step
+    raise KeyError(f"no step of the pipeline writes table {name!r}")
+
+
+def table(ctx: StageContext, name: str) -> Table:
+    return next(t for t in writer_of(ctx, name).writes if t.name == name)
+
+
+def writers(ctx: StageContext, physical: str) -> Iterator[tuple[Any, Table]]:
+    """(step, table) of every table of ``ctx.pipeline`` stored in bank table ``physical``."""
+    for step in ctx.pipeline:
+        for t in getattr(step, "writes", ()):
+            if t.physical == physical:
+                yield step, t
+
+
+def store_of(ctx: StageContext, stage: Stage | Report) -> Bank | None:
+    """The bank a stage writes to (its first table's store); None for a report or results without a run."""
+    writes = getattr(stage, "writes", ())
+    if writes and writes[0].store == "bank":
+        return ctx.bank
+    return ctx.results
+
+
+# -- keys and fingerprints --------------------------------------------------------------------------------
+def stage_key(stage: Stage | Report, ctx: StageContext, active: Active) -> str:
+    """hash(name, version, values of the active fields, resolved facts): no upstream, no dataset."""
+    fields = stage.fields if active.fields is None else active.fields
+    values = {f: config_value(ctx.cfg, f) for f in fields}
+    return short_hash([stage.name, getattr(stage, "version", "1"), values, active.resolved])
+
+
+def read_digest(ctx: StageContext, name: str) -> str | None:
+    """What the writer of table ``name`` committed (its fingerprint before it ran)."""
+    w = writer_of(ctx, name)
+    return ctx.outputs.get(w.name) or ctx.fingerprints.get(w.name)
+
+
+def fingerprint(stage: Stage | Report, ctx: StageContext, active: Active) -> str:
+    """hash(the stage's key, the digest of each table it reads)."""
+    reads = stage.reads if active.reads is None else active.reads
+    return short_hash([stage_key(stage, ctx, active), {t: read_digest(ctx, t) for t in sorted(reads)}])
+
+
+# -- parts ------------------------------------------------------------------------------------------------
+def prefix(stage: Stage, ctx: StageContext) -> str:
+    """Name prefix of the stage's unit parts: by its key for segmented tables, else by its fingerprint."""
+    by = ctx.keys[stage.name] if stage.writes[0].kind == "segmented" else ctx.fingerprints[stage.name]
+    return f"{stage.name}-{by}-"
+
+
+def name_units(stage: Stage, ctx: StageContext, units: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Units with their part names: ``<prefix><tag->index-<digest of the unit>``. The digest: a plan made
+    again with other unit sizes (a lost plan file, other histories in a shard) never mistakes another
+    unit's part for its own."""
+    out = []
+    for i, u in enumerate(units):
+        body = {k: v for k, v in u.items() if k != "tag"}
+        tag = f"{u['tag']}-" if u.get("tag") else ""
+        out.append({**body, "part": f"{prefix(stage, ctx)}{tag}{i:05d}-{short_hash(body, 4)}"})
+    return out
+
+
+def _own_parts(bank: Bank, physical: str) -> list[str]:
+    """Parts of a bank table other than ingest's own (ingest's parts of ``texts`` are the source's)."""
+    parts = bank.parts(physical)
+    return [p for p in parts if not p.startswith(INGEST_PREFIX)] if physical in INGEST_TABLES else parts
+
+
+def stage_parts(stage: Stage, ctx: StageContext, t: Table) -> list[str]:
+    """The parts that hold the current rows ``stage`` wrote to table ``t``."""
+    store = store_of(ctx, stage)
+    if store is None or not store.exists(t.physical):
+        return []
+    if t.kind == "content":
+        return _own_parts(store, t.physical)
+    if t.kind == "segmented":
+        return t.current(ctx, prefix(stage, ctx)) if t.current is not None else []
+    p = prefix(stage, ctx)
+    return [x for x in store.parts(t.physical) if x.startswith(p)]
+
+
+def current_parts(ctx: StageContext, name: str) -> list[str]:
+    """The current parts of table ``name`` (its writer's, when the writer is enabled)."""
+    w = writer_of(ctx, name)
+    return stage_parts(w, ctx, table(ctx, name)) if enabled(ctx, w) else []
+
+
+def read_current(ctx: StageContext, name: str, *, filter: Any = None, columns: list[str] | None = None) -> pa.Table:
+    """The current rows of a per-fingerprint table (empty with the table's schema when it has none)."""
+    from memgas.pipeline.schema import schema_for
+
+    t = table(ctx, name)
+    store = store_of(ctx, writer_of(ctx, name))
+    parts = current_parts(ctx, name)
+    if not parts:
+        empty = schema_for(t.physical).empty_table()
+        return empty.select(columns) if columns else empty
+    return store.read(t.physical, columns, parts=parts, filter=filter)
+
+
+def finish_tables(stage: Stage, ctx: StageContext) -> int:
+    """After a stage's units: compact its content tables; drop its parts of other fingerprints (and, for
+    segmented tables, every part that is not current). Returns the stale parts dropped from its first table."""
+    store = store_of(ctx, stage)
+    dropped = 0
+    for i, t in enumerate(stage.writes):
+        if t.kind == "content":
+            if store.exists(t.physical):
+                store.compact(t.physical)
+            continue
+        keep = set(stage_parts(stage, ctx, t))
+        others = tuple(f"{s.name}-" for s, _ in writers(ctx, t.physical) if s is not stage)
+        for part in store.parts(t.physical):
+            if part in keep or (others and part.startswith(others)):
+                continue
+            if t.kind == "fingerprint" and not part.startswith(f"{stage.name}-") and others:
+                continue  # a part of no writer of this pipeline's: not this stage's to judge
+            store.drop_part(t.physical, part)
+            dropped += i == 0
+    return dropped
+
+
+# -- what a stage committed ------------------------------------------------------------------------------
+def output_parts(stage: Stage, ctx: StageContext) -> list[tuple[str, str]]:
+    """(bank table, part) of every part that holds the stage's output, for its per-fingerprint and segmented
+    tables (content tables are digested by their rows instead: their parts are compacted, also by others)."""
+    return [(t.physical, p) for t in stage.writes if t.kind != "content" for p in stage_parts(stage, ctx, t)]
+
+
+def output_digest(stage: Stage, ctx: StageContext, parts: dict[str, str]) -> str:
+    """Digest of what the stage committed: its parts' digests and its content tables' rows under this config."""
+    rows = [table_digest(t.rows(ctx)) for t in stage.writes if t.kind == "content" and t.rows is not None]
+    return short_hash([sorted(parts.items()), rows], 12)
+
+
+def has_content(stage: Stage) -> bool:
+    return any(t.kind == "content" for t in stage.writes)
+
+
+def damaged_content(stage: Stage, ctx: StageContext) -> str | None:
+    """The first part of the stage's content tables whose bytes are not those written, or None."""
+    store = store_of(ctx, stage)
+    for t in stage.writes:
+        if t.kind == "content" and store.exists(t.physical):
+            for p in _own_parts(store, t.physical):
+                if not store.verify_part(t.physical, p):
+                    return f"{t.physical}/{p}"
+    return None
