@@ -122,7 +122,7 @@ def encoding_table(encoding: dict[str, Any]) -> str:
 
 
 def tokens_table(tokens: dict[str, Any]) -> str:
-    """Prompt + completion tokens per method and step (``stages.method_tokens``)."""
+    """Prompt + completion tokens per method and step (``evaluate_run.method_tokens``)."""
     rows = []
     for m, v in tokens.items():
         steps = [_d(_d(v).get(k)) for k in ("construction", "planner", "answer")]
@@ -287,7 +287,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
         rows = [[r.get("stage", "?"), r.get("status", "?"), str(r.get("units_done", "")), str(r.get("units_resumed", "")),
                  str(r.get("fingerprint", ""))] for r in record]
         parts += ["", "## What ran", "", "A stage is skipped when its outputs were computed under the same "
-                  "fingerprint (same declared config fields, upstream stages and dataset).", "",
+                  "fingerprint (same declared config fields and the same rows of the tables it reads).", "",
                   _md_table(["stage", "status", "units run", "units resumed", "fingerprint"], rows)]
     if _d(metrics.get("stages")):
         parts += ["", "## Stages", "", stage_table(metrics["stages"])]
@@ -302,7 +302,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
         parts += ["", "## LLM tokens per method", "", tokens_table(metrics["tokens"]), "",
                   "construction: the memory the method reads (MemGAS summaries/keywords, JustMem cards) over the "
                   "bank's sessions; planner: JustMem plans over the bank's questions (methods that read them); "
-                  "answer: the read stage's prompts and answers of the method. LLM-free steps count 0."]
+                  "answer: the reader's prompts and answers of the method. LLM-free steps count 0."]
     profiles = _d(metrics.get("profiles"))
     if profiles:
         names = sorted({p for v in profiles.values() if isinstance(v, dict) for p in v})
