@@ -103,3 +103,17 @@ def test_a_toy_stage_runs_resumes_and_is_fingerprinted(bank_cfg, monkeypatch) ->
     other = runner.compute_fingerprints(StageContext(cfg, bank, None, use_ray=False), PIPELINE)
     bank.update_manifest(datasets=[{**bank.manifest["datasets"][-1], "sha256": "0" * 64}])
     assert runner.compute_fingerprints(StageContext(cfg, bank, None, use_ray=False), PIPELINE)["toy"] != other["toy"]
+
+
+def test_the_contract_stays_small_and_the_library_never_needs_jobs() -> None:
+    """Stage is at most twelve members; the stages package exports the pipeline and nothing else; pipeline/
+    and kernels/ never import jobs/ (the library runs without the job layer)."""
+    import memgas.jobs.stages as stages
+
+    members = {n for n in vars(Stage) if not n.startswith("__")} | set(Stage.__annotations__)
+    assert len(members) <= 12, sorted(members)
+    assert stages.__all__ == ["ANSWER", "INDEX", "PIPELINE"]
+    assert len(Path(stages.__file__).read_text().splitlines()) < 40
+    offenders = [str(p.relative_to(REPO)) for d in ("pipeline", "kernels") for p in (REPO / d).rglob("*.py")
+                 if "memgas.jobs" in p.read_text() or "from memgas import jobs" in p.read_text()]
+    assert offenders == []
