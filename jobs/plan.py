@@ -3,8 +3,8 @@
 Why: a resumed run does exactly the units it planned. Encoder vectors do not depend on the units (nor on
 batches), but an LLM's padded batches can (in the last bits, and then in a greedy token), so the units of
 an LLM stage must not change when half of them are done. The plan is written once (atomically) and removed
-when the stage completes; unit part names end in a digest of the unit (runner.named_by_content), so a plan
-made again with other sizes never takes another unit's part for its own.
+when the stage completes; unit part names end in a digest of the unit (tables.name_units), so a plan made
+again with other sizes never takes another unit's part for its own.
 """
 
 from __future__ import annotations
@@ -33,9 +33,3 @@ def load_or_make_plan(bank: Bank, stage: str, make: Callable[[], list[Any]]) -> 
 
 def finish_plan(bank: Bank, stage: str) -> None:
     (bank.path / "_plans" / f"{stage}.json").unlink(missing_ok=True)
-
-
-def compact(bank: Bank, name: str, *, dim: int | None = None) -> int:
-    """Merge the parts of ``name`` into one part sorted by the table's key (deterministic bytes), crash-safe
-    (see :meth:`Bank.compact`: the new part is complete before the old ones go)."""
-    return bank.compact(name, dim=dim)
