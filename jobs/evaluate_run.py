@@ -172,7 +172,7 @@ def method_tokens(ctx: StageContext) -> dict[str, dict[str, Any]]:
     """LLM tokens per retrieval method (metrics.json ``tokens``): ``construction`` = the memory it reads
     (MemGAS: this config's generations, for the methods that read summaries or keywords; JustMem: this config's
     cards), ``planner`` = this config's plans for the methods that read them (:data:`PLANNED_METHODS`),
-    ``answer`` = the read stage's answers of that method (prompt includes the filter step). LLM-free
+    ``answer`` = the readers' answers of that method (prompt includes the filter step). LLM-free
     construction and planning count 0 tokens. Over the whole bank's sessions and questions (the same for every
     method of the run), answers over the questions read."""
     from memgas.pipeline.methods import get_method

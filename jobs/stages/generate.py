@@ -34,7 +34,8 @@ class GenerateStage(Stage):
     """A summary and keywords per unique session (LLM, LLM-free, or LLM with LLM-free fallback).
 
     Content-addressed: rows are keyed by (session text_hash, kind, generator identity, prompt version @
-    cache key), shared by every history and dataset; a unit holds only sessions still missing.
+    key, :func:`memgas.jobs.keys.generation_key`), shared by every history and dataset; a unit holds only
+    sessions still missing.
     """
 
     name = "generate"

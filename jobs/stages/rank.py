@@ -1,4 +1,4 @@
-"""The rank stage: every query ranked by every retrieval method."""
+"""The rank stage: every query ranked by every MemGAS retrieval method (JustMem's are the card ranker's)."""
 
 from __future__ import annotations
 
