@@ -32,10 +32,9 @@ from memgas.kernels.segment import segment_sum_contiguous
 from memgas.kernels.topk import stable_argsort_desc
 from memgas.pipeline.association import N_GRAN, associate
 from memgas.pipeline.methods import get_method
+from memgas.pipeline.schema import GRANULARITIES
 
 log = logging.getLogger(__name__)
-
-GRANULARITIES = ("session", "turn", "summary", "keyword")
 
 
 def stack_nodes(session_emb: Any, turn_emb: Any, summary_emb: Any, keyword_emb: Any) -> np.ndarray:
