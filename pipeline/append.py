@@ -56,11 +56,19 @@ def _same_row(name: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
     return t[0] == t[1]
 
 
+def _same_session(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """A session re-sent under a known id is the stored one when every field but its place (history,
+    position: a file may hold only what is new) is equal: text, date as given and parsed, turns. Another
+    date would silently keep the old one (issue 31), so it is "other content" like changed text."""
+    place = {"history_id": "", "position": 0}
+    return _same_row("sessions", {**old, **place}, {**new, **place})
+
+
 def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder: bool, path: Path
                    ) -> tuple[list[dict[str, Any]], int | None]:
     """The session rows an append writes for an existing history, and the first position whose rows must
     be recomputed (None: only new positions). Sessions already there (same id, same text) are skipped; a
-    changed one is an error; new ones go after the last one, or, dated before it and with
+    changed one (text, date, any field) is an error; new ones go after the last one, or, dated before it and with
     ``allow_reorder``, into date order (the positions after the insertion point shift)."""
     have = {r["session_id"]: r for r in old}
     new = []
@@ -68,7 +76,7 @@ def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder:
         o = have.get(s["session_id"])
         if o is None:
             new.append(dict(s))
-        elif o["text_hash"] != s["text_hash"]:
+        elif not _same_session(o, s):
             raise DataError(str(path), f"session {s['session_id']!r} is already in history {rec.history_id!r} "
                             "with other content (an append adds sessions, it never changes one)",
                             index=rec.index, record_id=rec.history_id)

@@ -166,3 +166,40 @@ def test_a_new_question_may_name_old_sessions_and_come_without_sessions(base: tu
     assert queries["u2:q0"]["evidence_session_ids"] == ["t1"]
     assert summary["counts"]["queries"] == 2 and summary["warning_count"] == 1
     assert "nowhere" in json.dumps(summary["warnings"])
+
+
+def _append_cli(f: Path, bank: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memgas", "ingest", str(f), "--append", "--out", str(bank)],
+                          capture_output=True, text=True)
+
+
+def test_a_known_session_with_another_date_is_refused_like_changed_text(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """Issue 31: a session re-sent with another date was "nothing to append" (exit 0) and kept its old date
+    silently. A re-sent session must be the same in every field (position aside): else the one line that
+    changed text gets, exit 2, the bank unchanged."""
+    _, bank = base
+    files = _files(bank)
+    lines = []
+    for name, date, text in (("changed", "2024-02-01 10:00", "Other text."), ("redated", "2024-02-02 10:00", "My cat is Tom."),
+                             ("reformatted", "2024/02/01 10:00", "My cat is Tom.")):
+        f = _write(tmp_path / f"{name}.jsonl", [_record("u1", [_session("s2", date, text)])])
+        p = _append_cli(f, bank)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (name, p.returncode, p.stderr)
+        lines.append(p.stderr.strip().replace(str(f), "FILE"))
+        assert _files(bank) == files
+    assert lines[0] == lines[1] == lines[2]
+    assert "'s2' is already in history 'u1' with other content" in lines[0]
+
+
+def test_a_question_only_record_for_an_unknown_history_is_refused(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """Issue 31: a record with questions and no sessions adds questions to a history the bank holds; for a
+    history it does not hold (a typo in the id, say) its questions were dropped with a warning and exit 0.
+    Refused: one line naming the record, exit 2, the bank unchanged."""
+    _, bank = base
+    files = _files(bank)
+    f = _write(tmp_path / "orphan.jsonl", [_record("u2", [], [_q("u2:q9", "u2", ["t1"])]),
+                                           _record("u9", [], [_q("u9:q0", "u9", [])])])
+    p = _append_cli(f, bank)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "record 1 (id=u9)" in p.stderr and "not in the bank" in p.stderr, p.stderr
+    assert _files(bank) == files
