@@ -85,6 +85,8 @@ def _setup_logging(args: argparse.Namespace) -> None:
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"
+    if not args.verbose:  # model-loading bars of in-process models (--no-ray, serve); workers: QUIET_WORKER_ENV
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 # -- errors -------------------------------------------------------------------------------------------------

@@ -105,6 +105,19 @@ def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(FORWARDED_PREFIXES) and not is_secret_name(k)}
 
 
+#: Worker environment unless the driver logs at DEBUG (``-v``): the libraries' own progress bars (model
+#: loading, encoder batches) would otherwise reach the terminal through Ray's log forwarding, interleaved
+#: with the driver's one bar per stage and Ray's deduplication banners. Warnings and errors still reach the
+#: driver (they are log lines, not bars); variables the user forwards (:func:`forwarded_env`) win.
+QUIET_WORKER_ENV: dict[str, str] = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def worker_env() -> dict[str, str]:
+    """What the job's workers get through ``runtime_env``: :func:`forwarded_env`, quietened unless ``-v``."""
+    quiet = {} if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else QUIET_WORKER_ENV
+    return {**quiet, **forwarded_env()}
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Connect to a cluster (``address`` or RAY_ADDRESS) or start a local embedded Ray.
 
@@ -116,7 +129,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if ray.is_initialized():
         return "already-initialized"
     address = address or os.environ.get("RAY_ADDRESS") or None
-    runtime_env = {"env_vars": forwarded_env()}
+    runtime_env = {"env_vars": worker_env()}
     previous = signal.getsignal(signal.SIGTERM)  # ray.init replaces it (see _restore_sigterm)
     if address:
         _check_reachable(address)
