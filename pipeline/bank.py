@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 from memgas import __version__
 from memgas.pipeline import faults
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.hashing import file_digest
+from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, regular_file_size
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, schema_for
 
 log = logging.getLogger(__name__)
@@ -130,6 +130,13 @@ def _file_digest(path: str | Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def _reason(exc: BaseException) -> str:
+    """The first line of why a part could not be read (a part that is not a regular file: which kind)."""
+    if isinstance(exc, NotARegularFile):
+        return str(exc.strerror)
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
 def conform(table: pa.Table, schema: pa.Schema, name: str) -> pa.Table:
@@ -308,11 +315,12 @@ class Bank:
         return str(digest) if digest else self.current_digest(name, part)
 
     def current_digest(self, name: str, part: str) -> str | None:
-        """The digest of a part's bytes now (None when the file is gone)."""
+        """The digest of a part's bytes now (None when the file is gone, or is a FIFO, a device or a folder:
+        never read, as /dev/zero would be for ever)."""
         path = self._dir(name) / f"{part}.parquet"
         try:
             return file_digest(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotARegularFile):
             return None
 
     def verify_part(self, name: str, part: str, expected: str | None = None) -> bool:
@@ -321,7 +329,16 @@ class Bank:
         recorded = self.part_digest(name, part)
         if recorded is None or (expected is not None and recorded != expected):
             return False
-        return self.current_digest(name, part) == recorded
+        # the file's type and recorded size are checked before a byte is hashed
+        return file_matches(self._dir(name) / f"{part}.parquet", recorded, self._recorded_bytes(name, part))
+
+    def _recorded_bytes(self, name: str, part: str) -> int | None:
+        """A part's size in its marker (markers written before sizes were recorded have none)."""
+        try:
+            size = json.loads((self._dir(name) / "_done" / f"{part}.json").read_text()).get("bytes")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return size if isinstance(size, int) and not isinstance(size, bool) else None
 
     def write_part(
         self, name: str, part: str, table: pa.Table, *, dim: int | None = None, info: dict | None = None
@@ -342,7 +359,8 @@ class Bank:
         _sweep_temps(self._dir(name), f".{part}.parquet.")  # of an earlier write of this part, killed
         atomic_write_parquet(path, table, point="bank:write-part")
         faults.hit("bank:write-part:before-marker")
-        atomic_write_json(marker, {"rows": table.num_rows, "digest": _file_digest(path), **(info or {})},
+        atomic_write_json(marker, {"rows": table.num_rows, "digest": _file_digest(path),
+                                   "bytes": path.stat().st_size, **(info or {})},
                           point="bank:write-marker")
         return path
 
@@ -407,6 +425,7 @@ class Bank:
                 faults.hit("bank:compact:before-marker")
                 atomic_write_json(d / "_done" / f"{part}.json",
                                   {"rows": table.num_rows, "digest": part[len(COMPACT_PREFIX):],
+                                   "bytes": (d / f"{part}.parquet").stat().st_size,
                                    "replaces": sorted(p for p in replace if p != part), **(info or {})},
                                   point="bank:compact-marker")
         except BaseException:
@@ -509,13 +528,14 @@ class Bank:
     def _read_part(self, name: str, part: str, columns: list[str] | None = None, filter: pc.Expression | None = None) -> pa.Table:
         path = self._dir(name) / f"{part}.parquet"
         try:
+            regular_file_size(path)  # a FIFO would block the reader for ever
             return pq.read_table(path, columns=columns, filters=filter)
         except (OSError, pa.ArrowException) as exc:
             if name in INGEST_TABLES and part.startswith(INGEST_PREFIX):
                 advice = "delete it and re-run: `memgas run` (or `memgas ingest`) then re-ingests the dataset"
             else:
                 advice = "delete it and re-run the stage that wrote it"
-            raise BankError(f"{path}: unreadable Parquet part ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); {advice}") from None
+            raise BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); {advice}") from None
 
     def read(
         self,
@@ -548,9 +568,10 @@ class Bank:
     def _rows(self, name: str, part: str) -> int:
         path = self._dir(name) / f"{part}.parquet"
         try:
+            regular_file_size(path)  # a FIFO would block the reader for ever
             return pq.ParquetFile(path).metadata.num_rows
         except (OSError, pa.ArrowException) as exc:
-            raise BankError(f"{path}: unreadable Parquet part ({exc}); delete it and re-run") from None
+            raise BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); delete it and re-run") from None
 
     def count(self, name: str) -> int:
         """Rows of the table. Exact when a compacted part overlaps others (an interrupted compaction, or
