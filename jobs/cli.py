@@ -280,7 +280,10 @@ def _load_config(args: argparse.Namespace):
 def _cmd_serve(args: argparse.Namespace) -> int:
     from memgas.pipeline.models.server import serve_forever_from_config
 
+    from memgas.jobs.preflight import check
+
     cfg = _load_config(args)
+    check(cfg, "serve", use_ray=False)  # the LLM's backend, device and package, before the socket or the model
     serve_forever_from_config(cfg.llm, host=args.host, port=args.port, seed=cfg.seed)
     return 0
 

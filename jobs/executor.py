@@ -199,6 +199,13 @@ def actor_count(stage: Stage, ctx: StageContext) -> int:
     return ray_cpus() if _one_core_actors(stage, ctx) else stage.actor_count(ctx)
 
 
+#: what to change when no node has the GPUs a kernel task / a model actor asks for (:func:`require_gpus`;
+#: the job's pre-flight asks the same before the first stage, memgas.jobs.preflight.check_cluster)
+TASK_GPU_HINT = "set retrieval.device=cpu (or auto), or ray.num_gpus_per_task to what one node has"
+ACTOR_GPU_HINT = ("set ray.num_gpus_per_model_actor=0 with encoder.device=cpu (or auto) and a CPU LLM backend, "
+                  "or start GPU nodes")
+
+
 def require_gpus(what: str, per_worker: float, hint: str) -> None:
     """Fail fast (exit 3, one line) when no live node of the cluster has ``per_worker`` GPUs.
 
@@ -443,8 +450,7 @@ def _run_as_tasks(stage, ctx, todo, fn, params, counts, bar, store) -> None:
     import ray
 
     num_gpus = stage.num_gpus(ctx)
-    require_gpus(f"stage {stage.name}", num_gpus,
-                 "set retrieval.device=cpu (or auto), or ray.num_gpus_per_task to what one node has")
+    require_gpus(f"stage {stage.name}", num_gpus, TASK_GPU_HINT)
     remote = ray.remote(**task_options(num_gpus))(run_task)
     params_ref = ray.put(params)
     limit = max(2, int(ray.available_resources().get("CPU", 1)) * 2)
@@ -525,9 +531,7 @@ def _pool_for(stage: Stage, ctx: StageContext, factory: str, pools: dict[str, Ac
     if open_pool is not None:
         open_pool.close()
         pools.pop("current")
-    require_gpus(f"stage {stage.name} ({stage.model} actors)", num_gpus,
-                 "set ray.num_gpus_per_model_actor=0 with encoder.device=cpu (or auto) and a CPU LLM backend, "
-                 "or start GPU nodes")
+    require_gpus(f"stage {stage.name} ({stage.model} actors)", num_gpus, ACTOR_GPU_HINT)
     pool = ActorPool(factory, stage.model, model_cfg, n, num_cpus=1, num_gpus=num_gpus)
     pools["current"] = pool
     return pool

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memgas.jobs import preflight
 from memgas.jobs import stages as S
 from memgas.jobs.executor import init_ray, shutdown_ray
 from memgas.jobs.profiling import Profiler, percentiles_ms
@@ -35,7 +36,7 @@ from memgas.jobs.runner import run_stages
 from memgas.jobs.stage import StageContext
 from memgas.jobs.stages import resolve_stage_runtimes
 from memgas.pipeline.bank import Bank, atomic_write_json
-from memgas.pipeline.config import MemgasConfig, check_ray_gpus
+from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError, MemgasError
 from memgas.pipeline.hashing import file_sha256
 from memgas.pipeline.locks import locked
@@ -104,25 +105,33 @@ def require_data(bank: Bank, what: str) -> None:
 
 
 # -- commands -----------------------------------------------------------------------------------------
-def start_ray(cfg: MemgasConfig, use_ray: bool) -> bool:
+def start_ray(cfg: MemgasConfig, use_ray: bool, command: preflight.Command = "run") -> bool:
+    """Start (or connect to) Ray, then check the GPUs ``command``'s stages will ask it for, before the first
+    stage (preflight.check_cluster). True when this call started it (the caller shuts it down)."""
     import ray
 
     if not use_ray:
         return False
-    check_ray_gpus(cfg)  # before a local Ray takes seconds to start
-    if ray.is_initialized():
-        return False
-    log.info("ray: %s", init_ray(cfg.ray.address, cfg.ray.num_cpus))
-    return True
+    own = not ray.is_initialized()
+    if own:
+        log.info("ray: %s", init_ray(cfg.ray.address, cfg.ray.num_cpus))
+    try:
+        preflight.check_cluster(cfg, command)
+    except BaseException:
+        if own:
+            shutdown_ray()
+        raise
+    return own
 
 
 def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = None, use_ray: bool = True) -> list[dict]:
     """generate -> nodes -> encode -> associate on an ingested bank (resumable)."""
+    preflight.check(cfg, "index", use_ray)  # devices, backends, GPUs: before any work, before Ray starts
     prof = prof or Profiler()
     bank = Bank(bank_path)
     warn_if_stale_bank(cfg, bank)
     require_data(bank, "sessions")
-    own = start_ray(cfg, use_ray)
+    own = start_ray(cfg, use_ray, "index")
     try:
         with locked(bank.path):
             ctx = StageContext(cfg, bank, None, use_ray)
@@ -139,11 +148,12 @@ def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = N
 def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | None = None, use_ray: bool = True,
            profile: bool = False) -> Path:
     """rank -> read -> judge -> evaluate -> report, on an indexed bank."""
+    preflight.check(cfg, "answer", use_ray)  # devices, backends, GPUs: before any work, before Ray starts
     run_dir = Path(run_dir or cfg.output_dir)
     bank = Bank(bank_path)
     warn_if_stale_bank(cfg, bank)
     require_data(bank, "questions")
-    own = start_ray(cfg, use_ray)
+    own = start_ray(cfg, use_ray, "answer")
     try:
         check_output_dir(run_dir, fresh=False, bank_dir=bank.path)
         with locked(run_dir):
@@ -158,17 +168,18 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
 
 def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ray: bool = True) -> Path:
     """The main job: ingest -> index -> answer -> evaluate -> report, in ``cfg.output_dir``."""
-    if use_ray:
-        check_ray_gpus(cfg)  # a refused config leaves the run directory as it was (even with --fresh)
+    # devices, backends, GPUs, before any work and before Ray starts: a refused config leaves the run
+    # directory as it was (even with --fresh)
+    preflight.check(cfg, "run", use_ray)
     out = Path(cfg.output_dir)
     check_output_dir(out, fresh=fresh, bank_dir=cfg.bank_path)
     started = time.time()
     with locked(out):
         claim_run_dir(out, cfg.bank_path)  # again under the lock: the directory may have changed since the check
-        if fresh:
-            empty_run_dir(out)
-        own = start_ray(cfg, use_ray)
+        own = start_ray(cfg, use_ray, "run")  # the cluster's GPUs checked before --fresh empties anything
         try:
+            if fresh:
+                empty_run_dir(out)
             atomic_write_json(out / RUN_MARKER, {"status": "running", "config": cfg.public_dump(),
                                                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                                  "pid": os.getpid()})
