@@ -27,7 +27,7 @@ from typing import Any
 import pyarrow as pa
 from memgas.jobs.stage import Stage, StageContext, short_hash
 from memgas.pipeline import faults
-from memgas.pipeline.bank import Bank
+from memgas.pipeline.bank import Bank, key_order
 from memgas.pipeline.errors import MemgasError
 from tqdm.auto import tqdm
 
@@ -363,6 +363,8 @@ def _write(store: Bank, stage: Stage, part: str, tables: dict[str, pa.Table]) ->
     check = stage.check_table
     if check not in tables:
         raise MemgasError(f"{stage.name}: unit {part} returned no {check!r} table")
+    if stage.store == "results":  # a run's results in one row order, whatever the order of the input files
+        tables = {name: key_order(name, t) for name, t in tables.items()}
     for name, t in tables.items():
         if name != check:
             store.write_part(name, part, t)

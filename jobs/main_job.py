@@ -35,6 +35,8 @@ from memgas.jobs.run_dir import (
 from memgas.jobs.runner import run_stages
 from memgas.jobs.stage import StageContext
 from memgas.jobs.stages import resolve_stage_runtimes
+from memgas.jobs.stages.ingest import refuse_grown_bank
+from memgas.pipeline.append import dataset_identity
 from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError, MemgasError
@@ -98,7 +100,7 @@ def require_data(bank: Bank, what: str) -> None:
     table = {"sessions": "sessions", "questions": "queries"}[what]
     if bank.count(table) > 0:
         return
-    ds = (bank.manifest.get("datasets") or [{}])[-1]
+    ds = dataset_identity(bank)
     limit = f" with limit {ds['limit']}" if ds.get("limit") is not None else ""
     raise MemgasError(f"the dataset {ds.get('path', '?')}{limit} (in bank {bank.path}) has no {what}; nothing to "
                       f"{'index' if what == 'sessions' else 'answer or evaluate'}: check the file (and data.limit)")
@@ -171,6 +173,7 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
     # devices, backends, GPUs, before any work and before Ray starts: a refused config leaves the run
     # directory as it was (even with --fresh)
     preflight.check(cfg, "run", use_ray)
+    refuse_grown_bank(cfg)  # before the run directory is touched (checked again under the bank's lock)
     out = Path(cfg.output_dir)
     check_output_dir(out, fresh=fresh, bank_dir=cfg.bank_path)
     started = time.time()
@@ -287,7 +290,7 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
 
     cfg, bank = ctx.cfg, ctx.bank
     ended = time.time()
-    ds = (bank.manifest.get("datasets") or [{}])[-1]
+    ds = dataset_identity(bank)  # a grown bank: its whole ingest history, with the bank's counts
     model, version = S.generation_key(ctx)
     run_info = {
         "name": cfg.name, "version": __version__, "git_commit": _git_commit(), "encoder": S.encoder_key(ctx),

@@ -163,6 +163,13 @@ def dedupe_last(table: pa.Table, keys: Iterable[str]) -> pa.Table:
     return table.take(pc.take(last, pc.sort_indices(last)))
 
 
+def key_order(name: str, table: pa.Table) -> pa.Table:
+    """``table`` in its key order (:data:`memgas.pipeline.schema.KEYS`): one row order whatever order the
+    rows were computed in (compaction; every results table's parts)."""
+    keys = KEYS.get(name)
+    return table.sort_by([(k, "ascending") for k in keys]) if keys and table.num_rows > 1 else table
+
+
 class Bank:
     """A memory bank directory. ``Bank.create`` makes one; ``Bank(path)`` opens an existing one."""
 
@@ -393,10 +400,7 @@ class Bank:
             return 0
         if len(own) == 1 and own[0].startswith(COMPACT_PREFIX):
             return self._rows(name, own[0])
-        table = self.read(name, parts=own)
-        keys = KEYS.get(name)
-        if keys:
-            table = table.sort_by([(k, "ascending") for k in keys])
+        table = key_order(name, self.read(name, parts=own))
         self.write(name, table, dim=dim)
         return table.num_rows
 

@@ -85,6 +85,9 @@ class RankStage(HistoryShardStage):
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         bank, ids = ctx.bank, unit["histories"]
         queries = bank.read("queries", ["query_id", "history_id", "question"], filter=pc.field("history_id").isin(ids))
+        # in id order, not the files' order: a history's questions are ranked as one batch, whose float
+        # sums depend on the rows' order (the same data ingested in another order gives the same bits)
+        queries = queries.sort_by("query_id")
         if queries.num_rows == 0:
             return {"histories": []}
         key = encoder_key(ctx)
