@@ -102,9 +102,8 @@ def config_problems(cfg: MemgasConfig, command: Command, use_ray: bool) -> list[
             out.append(f"encoder.device=cuda but ray.num_gpus_per_model_actor=0 gives the encoder actors no GPU "
                        f"{_stages(n['encoder'])}; set ray.num_gpus_per_model_actor=1 or encoder.device=auto")
         elif e.runtime not in ("auto", "torch"):
-            from memgas.pipeline.models.encoder_runtime import resolve_runtime
-
             import torch
+            from memgas.pipeline.models.encoder_runtime import resolve_runtime
 
             try:
                 resolve_runtime(e.runtime, torch.device(_encoder_device(cfg, use_ray)))
@@ -137,10 +136,10 @@ def environment_problems(cfg: MemgasConfig, command: Command, use_ray: bool) -> 
             if not _installed("vllm"):
                 out.append(f"llm.backend=vllm needs the package 'vllm', which is not installed {where}; make setup-gpu "
                            "installs it (the gpu extra), or choose another llm.backend")
-            elif not use_ray and _local_cuda_devices() < llm.tensor_parallel_size:
+            elif not use_ray and (seen := _local_cuda_devices()) < llm.tensor_parallel_size:
                 out.append(f"llm.backend=vllm with llm.tensor_parallel_size={llm.tensor_parallel_size} needs as many "
-                           f"CUDA devices but torch sees {_local_cuda_devices()} {where}; run where there are, or "
-                           "choose a CPU llm.backend (transformers-gguf)")
+                           f"CUDA devices but torch sees {seen} {where}; run where there are, or choose a CPU "
+                           "llm.backend (transformers-gguf)")
         if llm.backend == "llama-cpp" and not _installed("llama_cpp"):
             out.append(f"llm.backend=llama-cpp needs the package 'llama_cpp', which is not installed {where}; "
                        "pip install llama-cpp-python, or choose llm.backend=transformers-gguf")
