@@ -7,6 +7,13 @@ the output is validated here either way, since not every backend enforces it and
 invalid whatever the backend. An invalid output gets exactly one repair call (the prompt, the bad reply and
 the problem); an output still invalid after it comes back with ``error`` set and ``value`` None, and the
 caller applies its LLM-free fallback and records it (never silently).
+
+Parsing is bounded, because a reply is untrusted input of any size and shape (runaway whitespace is a known
+failure of JSON-guided decoding, and ``llm.timeout_s`` does not cover parsing): a reply longer than
+``MAX_REPLY_CHARS`` is invalid unread; the parse is linear in the reply (no backtracking regex; at most
+``MAX_OBJECT_STARTS`` candidate objects, each scanned once and decoded once); a structure nested deeper than
+``MAX_JSON_DEPTH`` is invalid before the (recursive) decoder sees it. Every failure is an
+:class:`InvalidOutput`, i.e. the repair/fallback path above, never another exception.
 """
 
 from __future__ import annotations
@@ -25,7 +32,21 @@ from memgas.pipeline.prompts import justmem_repair_prompt
 #: Prompts per ``llm.generate`` call (as generation's CHUNK: backend batching and progress).
 CHUNK = 64
 
-_FENCE_RE = re.compile(r"^\s*```[a-zA-Z]*\s*|\s*```\s*$")
+#: Longest reply parsed, in characters. Far above any real reply (a session's cards at ``MAX_CARDS_PER_SESSION``
+#: cards of ``CARD_TEXT_LIMIT`` characters would be about this size; a normal one is a few KB): a longer reply
+#: is runaway output, invalid without being read.
+MAX_REPLY_CHARS = 1_000_000
+#: Deepest nesting of objects and arrays parsed. The JustMem schemas need 3 levels (object, list, object); the
+#: json decoder recurses once per level and raises RecursionError near 1,000.
+MAX_JSON_DEPTH = 32
+#: ``{`` positions tried as the start of the reply's object (text or a code fence around it is tolerated);
+#: bounds the parse to this many linear passes however many braces the reply holds.
+MAX_OBJECT_STARTS = 8
+
+# a brace, a bracket, a whole JSON string (unrolled loop: no nested quantifier, so one pass), or a quote that
+# opens a string never closed (matched last: the scan stops there instead of retrying from each later quote)
+_TOKEN_RE = re.compile(r'[{}\[\]]|"[^"\\]*(?:\\.[^"\\]*)*"|"', re.DOTALL)
+_DECODER = json.JSONDecoder()
 
 
 class InvalidOutput(ValueError):
@@ -33,19 +54,48 @@ class InvalidOutput(ValueError):
     to the model in the repair prompt, so it says what to fix)."""
 
 
-def parse_json_object(raw: str) -> dict[str, Any]:
-    """The first JSON object in ``raw`` (code fences and text around it tolerated). Raises InvalidOutput."""
-    text = _FENCE_RE.sub("", raw or "").strip()
-    dec = json.JSONDecoder()
-    for m in re.finditer(r"\{", text):
-        try:
-            obj, _ = dec.raw_decode(text[m.start():])
-        except json.JSONDecodeError:
+def _object_end(text: str, start: int) -> int | None:
+    """End of the balanced ``{...}`` at ``start`` (strings skipped whole), None when it never closes.
+    Raises InvalidOutput when it nests deeper than ``MAX_JSON_DEPTH`` (checked before decoding: the decoder
+    would recurse that deep)."""
+    depth = 0
+    for m in _TOKEN_RE.finditer(text, start):
+        tok = m.group()
+        if tok == '"':  # a string that never closes: nothing after it closes the object
+            return None
+        c = tok[0]
+        if c == '"':
             continue
-        if isinstance(obj, dict):
-            return obj
-    if not text:
+        if c in "{[":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise InvalidOutput(f"the reply nests deeper than {MAX_JSON_DEPTH} levels")
+        else:
+            depth -= 1
+            if depth == 0:
+                return m.end()
+    return None
+
+
+def parse_json_object(raw: str) -> dict[str, Any]:
+    """The first JSON object in ``raw`` (code fences and text around it tolerated), within the bounds of the
+    module docstring. Raises InvalidOutput."""
+    raw = raw or ""
+    if len(raw) > MAX_REPLY_CHARS:
+        raise InvalidOutput(f"the reply is {len(raw)} characters; at most {MAX_REPLY_CHARS} are parsed")
+    if not raw.strip():
         raise InvalidOutput("the reply is empty")
+    start = raw.find("{")
+    for _ in range(MAX_OBJECT_STARTS):
+        if start < 0:
+            break
+        end = _object_end(raw, start)
+        if end is not None:  # None: never closes, so no complete object starts here
+            try:
+                return _DECODER.raw_decode(raw[start:end])[0]  # a dict: the span starts with "{"
+            except ValueError:  # JSONDecodeError, or a number past Python's int digit limit
+                pass
+        start = raw.find("{", start + 1)
     raise InvalidOutput("the reply holds no complete JSON object")
 
 
