@@ -73,6 +73,22 @@ def _lazy_import(module: str, install_hint: str) -> Any:
 
 # -- prompt fitting ---------------------------------------------------------------------------------------
 
+#: ``GenerationResult.extra`` flag of an item whose prompt does not fit the context even when cut: the
+#: request's fault, not the model's (``memgas serve`` answers it with 400 ``context_length_exceeded``).
+PROMPT_TOO_LONG = "prompt_too_long"
+
+
+class PromptTooLong(ValueError):
+    """A prompt that does not fit the model's context even with its contents cut."""
+
+
+def item_error(result: GenerationResult, exc: BaseException) -> None:
+    """Record ``exc`` as one item's error (``Type: message``), flagging :data:`PROMPT_TOO_LONG`."""
+    result.error = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, PromptTooLong):
+        result.extra[PROMPT_TOO_LONG] = True
+
+
 
 def truncate_messages_middle(
     messages: ChatPrompt,
@@ -103,7 +119,7 @@ def truncate_messages_middle(
         msgs[i]["content"] = decode(head) + marker + decode(tail) if keep else ""
         dropped += cut
     if prompt_len(msgs) > budget:
-        raise ValueError(f"prompt does not fit in {budget} tokens even after truncation")
+        raise PromptTooLong(f"prompt does not fit in {budget} tokens even after truncation")
     return msgs, dropped
 
 
@@ -278,7 +294,7 @@ class TransformersLLM:
             try:
                 ids, dropped = self._prepare(p, max_new)
             except Exception as exc:  # a bad chat (template error, unfittable prompt) fails only its item
-                results[i].error = f"{type(exc).__name__}: {exc}"
+                item_error(results[i], exc)
                 continue
             if dropped:
                 results[i].extra["truncated"] = True
@@ -435,7 +451,7 @@ class LlamaCppLLM:
                 r.prompt_tokens = int(usage.get("prompt_tokens", 0))
                 r.completion_tokens = int(usage.get("completion_tokens", 0))
             except Exception as exc:
-                r.error = f"{type(exc).__name__}: {exc}"
+                item_error(r, exc)
         return results
 
 
@@ -559,7 +575,7 @@ class VLLMOfflineLLM:
                     self._tok.decode, self.context_tokens - max_new,
                 )
             except Exception as exc:
-                results[i].error = f"{type(exc).__name__}: {exc}"
+                item_error(results[i], exc)
                 continue
             if dropped:
                 results[i].extra.update(truncated=True, dropped_tokens=dropped)

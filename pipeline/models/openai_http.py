@@ -20,7 +20,7 @@ from typing import Any, Callable
 import httpx
 
 from memgas.pipeline.models.base import ChatPrompt, GenerationResult, SamplingParams
-from memgas.pipeline.models.llms import validate_prompt, truncate_messages_middle
+from memgas.pipeline.models.llms import PROMPT_TOO_LONG, PromptTooLong, truncate_messages_middle, validate_prompt
 from memgas.pipeline.redact import redact
 
 logger = logging.getLogger(__name__)
@@ -173,6 +173,8 @@ class OpenAIHTTPLLM:
             )
         except ValueError as exc:
             r.error = str(exc)
+            if isinstance(exc, PromptTooLong):
+                r.extra[PROMPT_TOO_LONG] = True
             return r
         if dropped:
             r.extra.update(truncated=True, dropped_tokens=dropped)
