@@ -49,6 +49,17 @@ _TOKEN_RE = re.compile(r'[{}\[\]]|"[^"\\]*(?:\\.[^"\\]*)*"|"', re.DOTALL)
 _DECODER = json.JSONDecoder()
 
 
+_FENCE_OPEN_RE = re.compile(r"\A\s*```[a-zA-Z]*\s*")
+
+
+def strip_code_fences(text: str) -> str:
+    """``text`` without a leading ```` ```lang ```` fence and a trailing ```` ``` ````, stripped. Linear: the
+    trailing fence is found by ``rstrip`` (a regex ``\\s*```\\s*$`` retries from every whitespace character
+    of a long trailing run, quadratic)."""
+    text = _FENCE_OPEN_RE.sub("", text, count=1).strip()
+    return text[:-3].strip() if text.endswith("```") else text
+
+
 class InvalidOutput(ValueError):
     """An LLM output that does not satisfy the schema; the message names the first problem (it is sent back
     to the model in the repair prompt, so it says what to fix)."""

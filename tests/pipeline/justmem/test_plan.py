@@ -12,6 +12,7 @@ from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import JustMemConfig
 from memgas.pipeline.justmem.plan import (
     LLM_FREE_PLANNER,
+    MAX_PLAN_ITEMS,
     Plan,
     plan_json_schema,
     plan_llm_free,
@@ -19,7 +20,9 @@ from memgas.pipeline.justmem.plan import (
     planner_key,
     plans_from_table,
     profile_for,
+    validate_plan,
 )
+from memgas.pipeline.justmem.structured import InvalidOutput
 from memgas.pipeline.schema import KEYS, PLANS, TABLES
 
 from .conftest import FakeLLM
@@ -118,3 +121,25 @@ def test_llm_planner_falls_back_to_the_rules_and_says_why(reply) -> None:
     rules = plan_llm_free(q, 2)
     assert (row["operation"], row["d"], row["f"], row["rewrites"]) == (rules.operation, rules.d, rules.f, rules.rewrites)
     assert row["fallback"].startswith(f"{LLM_FREE_PLANNER} (invalid output after one repair: ")
+
+
+def test_plan_lists_are_capped_in_the_schema_and_in_validation() -> None:
+    schema = plan_json_schema(2)["properties"]
+    assert schema["entities"]["maxItems"] == schema["time_constraints"]["maxItems"] == MAX_PLAN_ITEMS
+    assert schema["rewrites"]["maxItems"] == 2
+    many = {**GOOD, "entities": [f"e{i}" for i in range(10_000)]}
+    with pytest.raises(InvalidOutput) as e:
+        validate_plan(many, 2)
+    assert str(e.value) == f'"entities" holds 10000 items; at most {MAX_PLAN_ITEMS}'
+    with pytest.raises(InvalidOutput) as e:
+        validate_plan({**GOOD, "time_constraints": ["x"] * (MAX_PLAN_ITEMS + 1)}, 2)
+    assert str(e.value) == f'"time_constraints" holds {MAX_PLAN_ITEMS + 1} items; at most {MAX_PLAN_ITEMS}'
+    assert validate_plan({**GOOD, "entities": ["x"] * MAX_PLAN_ITEMS}, 2).entities == ["x"] * MAX_PLAN_ITEMS
+    # through the planner: recorded as invalid, the rules' plan used
+    llm = FakeLLM(lambda p, n: json.dumps(many))
+    ledger = TokenLedger()
+    row = plan_queries([("q1", "What books has Melanie read?", None)], _cfg(), key="k", llm=llm,
+                       ledger=ledger).to_pylist()[0]
+    assert row["fallback"].startswith(f'{LLM_FREE_PLANNER} (invalid output after one repair: "entities" holds 10000')
+    assert row["entities"] == plan_llm_free("What books has Melanie read?", 2).entities
+    assert ledger.stages["justmem-plan"].counters == {"repair": 1, "fallback": 1}
