@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 from memgas import __version__
 from memgas.pipeline import faults
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, regular_file_size
+from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, read_regular_bytes, regular_file_size
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, schema_for
 
 log = logging.getLogger(__name__)
@@ -223,11 +223,13 @@ class Bank:
             key = (st.st_mtime_ns, st.st_size, st.st_ino)
             if self._mcache is not None and self._mcache[0] == key:
                 return self._mcache[1]
-            m = json.loads(path.read_bytes())
+            m = json.loads(read_regular_bytes(path))  # a FIFO would block every command for ever
         except FileNotFoundError:
             raise BankError(f"{self.path}: not a memory bank (no {MANIFEST}); create one with `memgas ingest`") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BankError(f"{path}: corrupt manifest: {exc}") from None
+        except NotARegularFile as exc:
+            raise BankError(f"{path}: corrupt manifest: {exc.strerror}") from None
         if not isinstance(m, dict):
             raise BankError(f"{path}: corrupt manifest: expected a JSON object")
         self._mcache = (key, m)
@@ -311,7 +313,7 @@ class Bank:
         marker = self._dir(name) / "_done" / f"{part}.json"
         path = self._dir(name) / f"{part}.parquet"
         try:
-            info = json.loads(marker.read_text())
+            info = json.loads(read_regular_bytes(marker))
         except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             return None
         if not path.is_file():
@@ -342,7 +344,7 @@ class Bank:
     def _recorded_bytes(self, name: str, part: str) -> int | None:
         """A part's size in its marker (markers written before sizes were recorded have none)."""
         try:
-            size = json.loads((self._dir(name) / "_done" / f"{part}.json").read_text()).get("bytes")
+            size = json.loads(read_regular_bytes(self._dir(name) / "_done" / f"{part}.json")).get("bytes")
         except (OSError, ValueError, AttributeError):
             return None
         return size if isinstance(size, int) and not isinstance(size, bool) else None

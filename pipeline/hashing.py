@@ -41,6 +41,13 @@ def open_regular(path: str | Path) -> BinaryIO:
         raise
 
 
+def read_regular_bytes(path: str | Path) -> bytes:
+    """A small file's bytes (a manifest, a marker, a recorded digest) through :func:`open_regular`: a FIFO
+    there raises :class:`NotARegularFile` instead of blocking the reader for ever."""
+    with open_regular(path) as f:
+        return f.read()
+
+
 def regular_file_size(path: str | Path) -> int:
     """Size in bytes of a regular file (symlinks followed), or :class:`NotARegularFile`; reads nothing."""
     st = os.stat(path)

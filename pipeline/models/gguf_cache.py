@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from memgas.pipeline.hashing import file_digest, file_matches
+from memgas.pipeline.hashing import file_digest, file_matches, read_regular_bytes
 from memgas.pipeline.models.cache_dir import memgas_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ def _intact(folder: Path) -> bool:
     is a link to /dev/zero or a FIFO would otherwise be read for ever. (Copies written before sizes were
     recorded have no ``sizes``: their files' types and digests are still checked.)"""
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest = json.loads(read_regular_bytes(folder / MANIFEST))
         recorded, sizes = manifest["files"], manifest.get("sizes") or {}
         return bool(recorded) and all(file_matches(folder / name, digest, sizes.get(name))
                                       for name, digest in recorded.items())

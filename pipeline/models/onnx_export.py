@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from memgas.pipeline.bank import atomic_write_bytes
-from memgas.pipeline.hashing import open_regular
+from memgas.pipeline.hashing import read_regular_bytes
 from memgas.pipeline.models.cache_dir import memgas_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -141,9 +141,8 @@ def _blob_digest(blob: bytes) -> str:
 
 def _read_regular(path: Path) -> bytes | None:
     """A cache file's bytes; None when it is missing, unreadable, or not a regular file (a FIFO would block
-    the read, a link to /dev/zero never end it: ``hashing.open_regular`` refuses both before reading)."""
+    the read, a link to /dev/zero never end it: ``hashing.read_regular_bytes`` refuses both before reading)."""
     try:
-        with open_regular(path) as f:
-            return f.read()
+        return read_regular_bytes(path)
     except OSError:
         return None

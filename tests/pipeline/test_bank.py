@@ -231,6 +231,36 @@ def test_a_part_that_is_not_a_regular_file_is_damaged_not_read_for_ever(tmp_path
     }
 
 
+_FIFO_MARKER_PROBE = textwrap.dedent("""
+    import os, sys
+    from memgas.pipeline.bank import Bank
+    from memgas.pipeline.errors import BankError
+    bank = Bank(sys.argv[1])
+    marker = bank.path / "texts" / "_done" / "derived-1.json"
+    marker.unlink()
+    os.mkfifo(marker)
+    print(bank.verify_part("texts", "derived-1"), bank.part_digest("texts", "derived-1"))
+    (bank.path / "manifest.json").unlink()  # replaced while the bank is open
+    os.mkfifo(bank.path / "manifest.json")
+    try:
+        bank.manifest
+    except BankError as exc:
+        print(exc)
+""")
+
+
+def test_a_marker_or_manifest_that_is_a_fifo_is_never_waited_on(tmp_path: Path) -> None:
+    _bank_with_parts(tmp_path / "b")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _FIFO_MARKER_PROBE, str(tmp_path / "b")], capture_output=True,
+                              text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the bank waited on a FIFO for 60 s")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "False None", f"{tmp_path / 'b' / 'manifest.json'}: corrupt manifest: not a regular file: a FIFO"]
+
+
 def test_a_part_marker_records_its_size(tmp_path: Path) -> None:
     """Checked before any byte is hashed: a part of another size is damaged without reading it."""
     bank = _bank_with_parts(tmp_path / "b")
