@@ -112,6 +112,8 @@ MAX_COMPLETION_TOKENS = 1 << 20
 #: Most messages in one request (OpenAI's own cap). Each costs template tokens, and a prompt is re-rendered
 #: whole while it is cut to fit: thousands of them hold the only model for nothing.
 MAX_MESSAGES = 2048
+#: Most stop sequences in one request (OpenAI's own cap).
+MAX_STOP = 4
 #: Roles a memgas chat prompt has and every served chat template renders; others (``tool``, ``function``,
 #: ``developer``, made-up ones) are refused rather than rendered as text the model was never trained on.
 ROLES = ("system", "user", "assistant")
@@ -434,6 +436,10 @@ def parse_chat_request(raw: bytes, *, served: Sequence[str] = (),
     elif isinstance(stop, str):
         stop = (stop,)
     elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        if len(stop) > MAX_STOP:  # each is searched in the text after every step
+            raise BadRequest(f"Invalid 'stop': array too long. Expected an array with maximum length {MAX_STOP}, "
+                             f"but got an array with length {len(stop)} instead.", "stop",
+                             code="array_above_max_length")
         stop = tuple(stop)
     else:
         raise BadRequest("stop must be a string or an array of strings", "stop")

@@ -196,6 +196,7 @@ BAD_REQUESTS = [
     ("10000-messages", {"messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, "messages",
      "array_above_max_length"),
     ("model-not-a-string", {"model": 5, "messages": _MSG}, 400, "model", None),
+    ("5-stop-sequences", {"messages": _MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "array_above_max_length"),
     ("response-format-unknown-type", {"messages": _MSG, "response_format": {"type": "yaml"}}, 400,
      "response_format", None),
 ]
