@@ -41,6 +41,7 @@ from memgas.pipeline.evaluate.categories import (
     is_longmemeval_abstention,
 )
 from memgas.pipeline.evaluate.qa import as_text
+from memgas.pipeline.llm_calls import SURROGATE_RE
 from memgas.pipeline.models.base import LLM, ChatPrompt, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -233,10 +234,11 @@ def run_judge(
         if len(results) != len(prompts):
             raise RuntimeError(f"judge LLM {llm.name} returned {len(results)} results for {len(prompts)} prompts")
         for i, res in zip(prompt_rows, results):
+            text = SURROGATE_RE.sub("\ufffd", res.text or "")  # not UTF-8: the rows go to Parquet
             if res.error is not None:
-                rows[i].update(error=str(res.error), judge_output=res.text or "")
+                rows[i].update(error=SURROGATE_RE.sub("\ufffd", str(res.error)), judge_output=text)
                 continue
-            out = (res.text or "").strip()
+            out = text.strip()
             rows[i].update(judge_output=out, label=parse_yes_no(out))
         n_err = sum(r.error is not None for r in results)
         if n_err:

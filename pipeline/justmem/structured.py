@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memgas.pipeline.accounting import TokenLedger
-from memgas.pipeline.llm_calls import generate_batch
+from memgas.pipeline.llm_calls import SURROGATE_RE, generate_batch
 from memgas.pipeline.models.base import LLM, ChatPrompt, SamplingParams
 from memgas.pipeline.prompts import justmem_repair_prompt
 
@@ -88,6 +88,14 @@ def _object_end(text: str, start: int) -> int | None:
     return None
 
 
+def _check_text(obj: dict[str, Any]) -> None:
+    """InvalidOutput when a string of ``obj`` holds a lone surrogate (a JSON ``\\ud800`` escape): not text,
+    and no UTF-8 table can store it. One linear pass over the re-encoded object."""
+    m = SURROGATE_RE.search(json.dumps(obj, ensure_ascii=False))
+    if m:
+        raise InvalidOutput(f"the reply holds a lone surrogate (\\u{ord(m.group()):04x}), which is not text")
+
+
 def parse_json_object(raw: str) -> dict[str, Any]:
     """The first JSON object in ``raw`` (code fences and text around it tolerated), within the bounds of the
     module docstring. Raises InvalidOutput."""
@@ -103,9 +111,12 @@ def parse_json_object(raw: str) -> dict[str, Any]:
         end = _object_end(raw, start)
         if end is not None:  # None: never closes, so no complete object starts here
             try:
-                return _DECODER.raw_decode(raw[start:end])[0]  # a dict: the span starts with "{"
+                obj = _DECODER.raw_decode(raw[start:end])[0]  # a dict: the span starts with "{"
             except ValueError:  # JSONDecodeError, or a number past Python's int digit limit
-                pass
+                obj = None
+            if obj is not None:
+                _check_text(obj)
+                return obj
         start = raw.find("{", start + 1)
     raise InvalidOutput("the reply holds no complete JSON object")
 

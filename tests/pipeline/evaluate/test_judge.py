@@ -162,3 +162,16 @@ def test_run_judge_length_mismatch_raises() -> None:
 
     with pytest.raises(RuntimeError):
         run_judge(Broken({}), _judge_df().iloc[[0]])
+
+
+def test_a_judge_reply_that_is_not_valid_unicode_is_stored_readable() -> None:
+    """A lone surrogate in a reply (an HTTP backend's JSON can carry one) or its error: the judged rows still
+    go to Parquet (UTF-8 only), with U+FFFD in its place."""
+    import pyarrow as pa
+
+    llm = FakeLLM({"MARK-ERROR": GenerationResult(text="", error="HTTP 500: \udc80"), "Boston": "Yes \ud800"})
+    out = run_judge(llm, _judge_df())
+    by = out.set_index("query_id")
+    assert (by.loc["q3", "judge_output"], by.loc["q3", "label"]) == ("Yes \ufffd", True)
+    assert by.loc["q4", "error"] == "HTTP 500: \ufffd"
+    pa.Table.from_pandas(out)  # raised UnicodeEncodeError

@@ -287,3 +287,9 @@ def test_a_long_unpunctuated_turn_makes_cards_within_the_limit_with_exact_spans(
     for c in cards:
         hit, total = grounding(c.text, [t for t in turns if c.turn_start <= t.turn_index <= c.turn_end])
         assert hit == total, c.text[:80]
+
+
+def test_a_backend_error_that_is_not_valid_unicode_is_recorded_readable() -> None:
+    llm = FakeLLM(lambda p, n: RuntimeError("HTTP 502: \udc80"))
+    t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm)  # raised UnicodeEncodeError
+    assert set(t.column("fallback").to_pylist()) == {f"{LLM_FREE_EXTRACTOR} (llm: HTTP 502: \ufffd)"}

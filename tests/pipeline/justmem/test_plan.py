@@ -143,3 +143,18 @@ def test_plan_lists_are_capped_in_the_schema_and_in_validation() -> None:
     assert row["fallback"].startswith(f'{LLM_FREE_PLANNER} (invalid output after one repair: "entities" holds 10000')
     assert row["entities"] == plan_llm_free("What books has Melanie read?", 2).entities
     assert ledger.stages["justmem-plan"].counters == {"repair": 1, "fallback": 1}
+
+
+def test_a_reply_that_is_not_valid_unicode_is_recorded_not_a_crash() -> None:
+    """A lone surrogate in the reply's text (an HTTP backend's JSON can carry one) or escaped in its JSON: the
+    plans table is written (Parquet needs UTF-8) with the rules' plan and the reply kept readable."""
+    lone = json.dumps({**GOOD, "entities": ["Mel\ud800"]})  # json.dumps escapes it: "Mel\\ud800"
+    for reply in ("bad \ud800 reply", lone):
+        t = plan_queries([("q1", "What books has Melanie read?", None)], _cfg(), key="k",
+                         llm=FakeLLM(lambda p, n, reply=reply: reply))
+        row = t.to_pylist()[0]
+        assert row["fallback"].startswith(f"{LLM_FREE_PLANNER} (invalid output after one repair: ")
+        assert row["entities"] == plan_llm_free("What books has Melanie read?", 2).entities
+    assert row["raw_output"] == lone
+    t = plan_queries([("q1", "Q?", None)], _cfg(), key="k", llm=FakeLLM(lambda p, n: "bad \ud800 reply"))
+    assert t.column("raw_output").to_pylist() == ["bad \ufffd reply"]

@@ -99,3 +99,12 @@ def test_every_parse_failure_is_invalid_output(reply, problem) -> None:
     with pytest.raises(InvalidOutput) as e:
         parse_json_object(reply)
     assert str(e.value) == problem
+
+
+def test_a_lone_surrogate_in_a_reply_is_invalid_output() -> None:
+    """``\\ud800`` escaped in JSON decodes to a string Parquet cannot store (not UTF-8): invalid, like any
+    other unusable reply; a surrogate pair (an emoji) is one character and fine."""
+    with pytest.raises(InvalidOutput) as e:
+        parse_json_object('{"cards": [{"text": "Max \\ud800"}]}')
+    assert str(e.value) == "the reply holds a lone surrogate (\\ud800), which is not text"
+    assert parse_json_object('{"t": "\\ud83d\\ude00"}') == {"t": "\U0001F600"}
