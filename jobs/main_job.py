@@ -98,8 +98,12 @@ def require_data(bank: Bank, what: str) -> None:
     answer or evaluate) with one line that names the dataset, before any model loads or stage runs
     (otherwise the first empty table further on said "run `memgas index` first", which does not help)."""
     table = {"sessions": "sessions", "questions": "queries"}[what]
-    if bank.count(table) > 0:
-        return
+    try:
+        if bank.count(table) > 0:
+            return
+    except BankError:  # an unreadable ingest part: the line that names the commands rebuilding the dataset
+        S.ingest_output(bank)
+        raise
     ds = dataset_identity(bank)
     limit = f" with limit {ds['limit']}" if ds.get("limit") is not None else ""
     raise MemgasError(f"the dataset {ds.get('path', '?')}{limit} (in bank {bank.path}) has no {what}; nothing to "

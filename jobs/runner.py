@@ -112,6 +112,7 @@ def run_stage(stage: Stage, ctx: StageContext, store: Bank, fp: str, prof: Profi
         # complete once, but a part it committed is gone or altered: drop what is damaged, re-run its units
         log.warning("stage %s: %s; rebuilding it", stage.name, _first_damaged(stage, ctx, store, prev))
         entry["rebuilt"] = _drop_damaged(stage, ctx, store, prev)
+        ctx.cache[f"rebuilt:{stage.name}"] = True  # a stage whose rows are not all unit outputs repairs them (generate)
     # from here on the old marker no longer describes the table: drop it before the first write
     _marker_path(store, stage).unlink(missing_ok=True)
     with prof.stage(stage.name) as st:
@@ -213,20 +214,36 @@ def _drop_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str
     part is missing, the parts of the same name in the stage's other output tables go too: a unit writes
     one part per table, and it counts as done while its check table's part is there, so without this it
     would be skipped and its missing table never written again. Their units run again, and
-    content-addressed rows are recomputed."""
+    content-addressed rows are recomputed.
+
+    The damaged parts go first, before the stage lists its output (``output_parts``): the associate stage
+    lists it by reading its ``edge_segments`` parts, and an unreadable one there stopped the rebuild that the
+    error message had asked for (issue 31)."""
+    dropped = _drop_altered(stage, ctx, store)
     keys = set(marker.get("parts") or {}) | {f"{t}/{p}" for t, p in stage.output_parts(ctx)}
-    dropped = []
-    for key in sorted(keys):
+    for key in sorted(keys | set(dropped)):
         table, _, part = key.partition("/")
         if store.part_digest(table, part) is None:
             for other in stage.outputs:
                 if other != table and store.has_part(other, part):
                     store.drop_part(other, part)
                     dropped.append(f"{other}/{part}")
-        elif not store.verify_part(table, part):
-            store.drop_part(table, part)
-            dropped.append(key)
     return sorted(set(dropped))
+
+
+def _drop_altered(stage: Stage, ctx: StageContext, store: Bank) -> list[str]:
+    """Drop the parts of the stage's output tables (its own, where it has a part prefix; never ingest's)
+    whose bytes are not those written; returns their ``table/part``."""
+    from memgas.pipeline.bank import INGEST_PREFIX
+
+    prefix = stage.prefix(ctx) if stage.part_prefix else ""
+    dropped = []
+    for table in stage.outputs or ((stage.check_table,) if stage.check_table else ()):
+        for part in store.parts(table):
+            if part.startswith(prefix) and not part.startswith(INGEST_PREFIX) and not store.verify_part(table, part):
+                store.drop_part(table, part)
+                dropped.append(f"{table}/{part}")
+    return dropped
 
 
 def mark_done(ctx: StageContext, name: str) -> None:

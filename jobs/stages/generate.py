@@ -168,6 +168,12 @@ class GenerateStage(Stage):
 
         ctx.cache.pop("generate:texts", None)
         bank = ctx.bank
+        if ctx.cache.pop(f"rebuilt:{self.name}", False):
+            # a damaged texts part was dropped: its derived texts come back from the generations (a unit only
+            # runs for sessions without generations, so no unit would write them again)
+            from memgas.jobs.stages.texts import rederive_texts
+
+            rederive_texts(ctx, None)
         compact(bank, "generations")
         compact(bank, "texts")
         model, version = self.key(ctx)

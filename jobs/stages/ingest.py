@@ -19,11 +19,12 @@ class IngestStage(Stage):
 
     def fingerprint(self, ctx: StageContext) -> str:
         # what the bank holds, not what the config names: index/answer on an existing bank use the same key
-        # (a grown bank: its whole ingest history, see dataset_identity)
-        from memgas.pipeline.append import dataset_identity
+        # (a grown bank: its whole ingest history, see dataset_identity; read from the manifest alone)
+        from memgas.pipeline.append import dataset_digest, ingest_history
 
-        ds = dataset_identity(ctx.bank)
-        return short_hash([self.name, self.version, ds.get("sha256"), ds.get("format"), ds.get("limit"),
+        datasets = ctx.bank.manifest.get("datasets") or []
+        ds = (ingest_history(datasets) or [{}])[0]
+        return short_hash([self.name, self.version, dataset_digest(datasets), ds.get("format"), ds.get("limit"),
                            ds.get("strict")])
 
     def held_output(self, ctx: StageContext) -> str | None:

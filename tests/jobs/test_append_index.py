@@ -8,7 +8,9 @@ the CLI in-process, with the real LLM-free generator and MiniLM encoder, no Ray.
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,7 @@ def built(tmp_path_factory: pytest.TempPathFactory, files: tuple[Path, Path], cl
     cli("ingest", str(a), "--format", "jsonl", "--out", str(grown))
     cli("index", str(grown), *_config(grown))
     out["edges_before"], out["segments_before"] = _edges(grown), _segments(grown)
+    out["parts_before"] = {t: Bank(grown).parts(t) for t in Bank(grown).tables()}
     cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(grown))
     cli("index", str(grown), *_config(grown))
     cli("ingest", str(a), "--format", "jsonl", "--out", str(fresh))
@@ -283,3 +286,67 @@ def test_run_refuses_a_grown_bank_and_loses_nothing(tmp_path: Path, files: tuple
         assert f"memgas answer {bank} --config" in p.stderr and "new directory" in p.stderr, p.stderr
         assert _bank_files(bank) == before
         assert not out.exists()
+
+
+def _rows(bank: Path, table: str) -> list[str]:
+    return sorted(json.dumps(r, sort_keys=True, default=str) for r in Bank(bank).read(table).to_pylist())
+
+
+def _follow(cli: Callable, cmd: list[str], bank: Path, run: Path) -> subprocess.CompletedProcess:
+    """``memgas answer`` until it succeeds, each time running the command its one-line error names (which
+    must succeed): `memgas index` with the same config, or the ingest (and appends) it spells out."""
+    for _ in range(3):
+        p = cli("answer", str(bank), *_config(bank), "--out", str(run), check=False)
+        if p.returncode == 0:
+            return p
+        line = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and line.startswith("memgas answer: error:"), (cmd, p.returncode, p.stderr[-1500:])
+        ingests = re.findall(r"memgas ingest (\S+) (--format \S+.*?) --out ([^\s,]+)", line)
+        if "run `memgas index`" in line:
+            cli("index", str(bank), *_config(bank))
+        elif ingests:
+            for path, opts, out in ingests:
+                assert Path(out) == bank, line
+                cli("ingest", path, *opts.split(), "--out", out)
+        else:
+            raise AssertionError(f"{cmd}: the error names no command that rebuilds: {line}")
+    raise AssertionError(f"{cmd}: still refused after the commands it named: {p.stderr[-1500:]}")
+
+
+@pytest.mark.slow
+def test_every_damaged_part_is_rebuilt_by_the_command_the_error_names(tmp_path: Path, built: dict[str, Any],
+                                                                       cli: Callable) -> None:
+    """Issue 31: after an append, a damaged (unreadable) pre-append `edge_segments` part trapped the user:
+    `answer` said "run `memgas index`", which logged "altered; rebuilding it" and then stopped on the
+    unreadable part (exit 2, "delete it and re-run"). For one part of every table of the bank (the oldest:
+    written before the append) and of the run's results: the command the error names rebuilds it, and the
+    bank's rows and the rankings' bytes equal those before the damage."""
+    ref, ref_run = built["grown"], built["run_grown"]
+    ingest = {"histories", "sessions", "texts", "turns", "pairs", "queries"}
+    tables = [t for t in Bank(ref).tables() if t not in ingest or t in ("queries", "texts")]  # ingest tables are one unit
+    assert {"generations", "nodes", "embeddings", "edges", "edge_segments", "texts"} <= set(tables), tables
+    # the rows of every table; edge_segments only says which rows each edges part holds: a history whose
+    # first segment was rebuilt is associated again from session 0 as one segment, as a fresh index does
+    compared = [t for t in Bank(ref).tables() if t != "edge_segments"]
+    want = {t: _rows(ref, t) for t in compared}
+    want_rankings = _part_bytes(ref_run / "results", "rankings")
+    results = [("results", t) for t in Bank(ref_run / "results").tables()]
+    bank, run = tmp_path / "bank", tmp_path / "run"
+    for where, table in [("bank", t) for t in tables] + results:
+        if where == "bank" or not bank.exists():
+            shutil.rmtree(bank, ignore_errors=True)
+            shutil.rmtree(run, ignore_errors=True)
+            shutil.copytree(ref, bank)
+        store = bank if where == "bank" else run / "results"
+        if where == "results" and not run.exists():
+            cli("answer", str(bank), *_config(bank), "--out", str(run))
+        parts = Bank(store).parts(table)
+        if table == "texts":  # a part ingest did not write (derived texts): ingest's is the queries case
+            parts = [p for p in parts if not p.startswith("ingest-")]
+        old = [p for p in parts if p in built["parts_before"].get(table, ())] if where == "bank" else []
+        part = (old or parts)[0]
+        f = store / table / f"{part}.parquet"
+        f.write_bytes(b"\0not parquet" * (f.stat().st_size // 12 + 1))
+        _follow(cli, [where, table, part], bank, run)
+        assert {t: _rows(bank, t) for t in compared} == want, (where, table, part)
+        assert _part_bytes(run / "results", "rankings") == want_rankings, (where, table, part)
