@@ -143,7 +143,6 @@ def judge_prompt(
     )
 
 
-_THINK_RE = re.compile(r"<think>.*?</think>", re.IGNORECASE | re.DOTALL)
 _YES_NO_RE = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 
 
@@ -158,9 +157,10 @@ def parse_yes_no(text: Any) -> bool | None:
     if text is None:
         return None
     s = str(text)
+    # everything up to the last </think> is reasoning (no closed <think> block is left after it, so no
+    # regex over <think>...</think> pairs: that rescans to the end from every unclosed tag, quadratic)
     if "</think>" in s.lower():
         s = s[s.lower().rfind("</think>") + len("</think>") :]
-    s = _THINK_RE.sub(" ", s)
     m = _YES_NO_RE.search(s)
     if m is None:
         return None
