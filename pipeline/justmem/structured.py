@@ -11,7 +11,7 @@ caller applies its LLM-free fallback and records it (never silently).
 Parsing is bounded, because a reply is untrusted input of any size and shape (runaway whitespace is a known
 failure of JSON-guided decoding, and ``llm.timeout_s`` does not cover parsing): a reply longer than
 ``MAX_REPLY_CHARS`` is invalid unread; the parse is linear in the reply (no backtracking regex; at most
-``MAX_OBJECT_STARTS`` candidate objects, each scanned once and decoded once); a structure nested deeper than
+``MAX_OBJECT_STARTS`` candidate objects, each one scan and one decode); a structure nested deeper than
 ``MAX_JSON_DEPTH`` is invalid before the (recursive) decoder sees it. Every failure is an
 :class:`InvalidOutput`, i.e. the repair/fallback path above, never another exception.
 """
@@ -47,8 +47,6 @@ MAX_OBJECT_STARTS = 8
 # opens a string never closed (matched last: the scan stops there instead of retrying from each later quote)
 _TOKEN_RE = re.compile(r'[{}\[\]]|"[^"\\]*(?:\\.[^"\\]*)*"|"', re.DOTALL)
 _DECODER = json.JSONDecoder()
-
-
 _FENCE_OPEN_RE = re.compile(r"\A\s*```[a-zA-Z]*\s*")
 
 
