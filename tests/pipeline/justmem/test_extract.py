@@ -272,7 +272,8 @@ def test_a_long_unpunctuated_turn_makes_cards_within_the_limit_with_exact_spans(
     words = [f"word{i % 97}x" for i in range(5000)]
     turns = [Turn(0, "Caroline", "Short hello there friend."), Turn(1, "Melanie", " ".join(words)),
              Turn(2, "user", "```\n" + "\n".join(words) + "\n```"),
-             Turn(3, "Melanie", "Nice." + CAPTION_SEP + " ".join(words[:900]))]
+             Turn(3, "Melanie", "Nice." + CAPTION_SEP + " ".join(words[:900])),
+             Turn(4, "R" * 5000, "I adopted a dog named Max.")]  # a role is data too: the label is cut
     cards = extract_llm_free(turns)
     assert max(len(c.text) for c in cards) <= CARD_TEXT_LIMIT
     said = [c for c in cards if c.turn_start == 1]
@@ -283,6 +284,7 @@ def test_a_long_unpunctuated_turn_makes_cards_within_the_limit_with_exact_spans(
     assert "\n".join(c.text.removeprefix("The user wrote: ") for c in code) == turns[2].content
     image = [c for c in cards if c.turn_start == 3]
     assert all(c.turn_end == 3 for c in image) and len(image) > 1
+    assert [c.text for c in cards if c.turn_start == 4] == ["R" * 100 + " said: I adopted a dog named Max."]
     # every card's words occur in its turn: the pieces are the turn's own text, cut on word boundaries
     for c in cards:
         hit, total = grounding(c.text, [t for t in turns if c.turn_start <= t.turn_index <= c.turn_end])
