@@ -152,17 +152,22 @@ def call_structured(
     stage: str,
 ) -> list[StructuredResult]:
     """One call per prompt, validated by ``validate(obj, item_index)`` (raises :class:`InvalidOutput`);
-    invalid outputs get one repair call (batched), backend failures none (the client already retried)."""
+    invalid outputs get one repair call (batched), backend failures none (the client already retried), and
+    neither does a reply over ``MAX_REPLY_CHARS``: the repair prompt would send it back whole. ``raw`` keeps
+    at most ``MAX_REPLY_CHARS`` characters of a reply (the plans table records it)."""
     out = [StructuredResult() for _ in prompts]
     repair: list[int] = []
     for i, r in enumerate(generate_batch(llm, prompts, params, ledger, stage, chunk=CHUNK)):
         res = out[i]
-        res.raw, res.prompt_tokens, res.completion_tokens = r.text, r.prompt_tokens, r.completion_tokens
+        res.raw = r.text[:MAX_REPLY_CHARS]
+        res.prompt_tokens, res.completion_tokens = r.prompt_tokens, r.completion_tokens
         if r.error is not None:
             res.error = f"llm: {r.error}"
             continue
         res.value, problem = _check(r.text, validate, i)
-        if problem is not None:
+        if problem is not None and len(r.text) > MAX_REPLY_CHARS:
+            res.error = f"invalid output, not repaired: {problem}"
+        elif problem is not None:
             res.first_problem = problem
             repair.append(i)
     if not repair:

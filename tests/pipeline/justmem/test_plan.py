@@ -158,3 +158,20 @@ def test_a_reply_that_is_not_valid_unicode_is_recorded_not_a_crash() -> None:
     assert row["raw_output"] == lone
     t = plan_queries([("q1", "Q?", None)], _cfg(), key="k", llm=FakeLLM(lambda p, n: "bad \ud800 reply"))
     assert t.column("raw_output").to_pylist() == ["bad \ufffd reply"]
+
+
+def test_a_reply_over_the_size_cap_is_not_sent_back_nor_stored_whole() -> None:
+    """A runaway reply is not echoed into a repair prompt (60 MB would go back to the model) and the plans
+    table keeps its first MAX_REPLY_CHARS characters only."""
+    from memgas.pipeline.justmem.structured import MAX_REPLY_CHARS
+
+    reply = json.dumps(GOOD) + " " * 2 * MAX_REPLY_CHARS
+    llm = FakeLLM(lambda p, n: reply)
+    ledger = TokenLedger()
+    row = plan_queries([("q1", "What books has Melanie read?", None)], _cfg(), key="k", llm=llm,
+                       ledger=ledger).to_pylist()[0]
+    assert len(llm.calls) == 1
+    assert row["fallback"] == (f"{LLM_FREE_PLANNER} (invalid output, not repaired: the reply is {len(reply)} "
+                               f"characters; at most {MAX_REPLY_CHARS} are parsed)")
+    assert row["raw_output"] == reply[:MAX_REPLY_CHARS]
+    assert ledger.stages["justmem-plan"].counters == {"fallback": 1}

@@ -50,7 +50,8 @@ def test_trailing_whitespace_up_to_the_size_cap_parses_in_linear_time() -> None:
 
 @pytest.mark.parametrize("expr, want", [
     # never closed, nested: the old loop decoded from every "{" to the end (quadratic)
-    (f"'{{\"a\": [' * ({structured.MAX_REPLY_CHARS} // 8)", f"invalid the reply nests deeper than {structured.MAX_JSON_DEPTH} levels"),
+    (f"'{{\"a\": [' * ({structured.MAX_REPLY_CHARS} // 8)",
+     f"invalid the reply nests deeper than {structured.MAX_JSON_DEPTH} levels"),
     # a string never closed, full of escaped quotes: a scan retrying from each quote would be quadratic
     (f"'{{\"' + '\\\\\"' * ({structured.MAX_REPLY_CHARS} // 2 - 2)", "invalid the reply holds no complete JSON object"),
 ])
