@@ -44,14 +44,18 @@ def clean_answer(text: str) -> str:
     for m in _CUT_MARKERS:
         if m in ans:
             ans = ans.split(m)[0]
-    changed = True
+    # prefixes skipped by position, one copy at the end (slicing after each one is quadratic on a looping
+    # "Answer: Answer: ..." reply)
+    pos, changed = 0, True
     while changed:
         changed = False
         for p in _STRIP_PREFIXES:
-            if ans.startswith(p):
-                ans = ans[len(p) :].strip()
+            if ans.startswith(p, pos):
+                pos += len(p)
+                while pos < len(ans) and ans[pos].isspace():
+                    pos += 1
                 changed = True
-    return ans.strip()
+    return ans[pos:].strip()
 
 
 def usable(text: str) -> bool:

@@ -14,6 +14,22 @@ from memgas.pipeline.schema import ANSWERS
 def test_clean_answer() -> None:
     assert clean_answer("Answer: Miso\nQuestion: next?") == "Miso"
     assert clean_answer("  [bot]: Lisbon ") == "Lisbon"
+    assert clean_answer("Answer:  Assistant: Answer:Rome\nQ: x") == "Rome"
+
+
+def test_clean_answer_is_linear_on_repeated_prefixes() -> None:
+    """8 MB of "Answer: " (a looping model behind a backend that ignores max_tokens): the old loop copied the
+    rest of the answer once per prefix (quadratic, minutes). In a subprocess with a hang bound, not a timing
+    assert."""
+    import subprocess
+    import sys
+
+    code = "from memgas.pipeline.read import clean_answer\nprint(clean_answer('Answer: ' * 1_000_000 + 'Paris'))"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("clean_answer on 8 MB did not end within 20 s: not linear")
+    assert (r.returncode, r.stdout) == (0, "Paris\n"), r.stderr[-2000:]
 
 
 class Recorder:
