@@ -528,8 +528,19 @@ class Bank:
                 raise BankError(
                     f"{self.path}: the ingested dataset is incomplete ({missing[0]} is missing"
                     + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
-                    + "); re-ingest it (`memgas ingest`, or `memgas run`, which re-ingests by itself)"
+                    + "); " + self.reingest_advice()
                 )
+
+    def reingest_advice(self) -> str:
+        """What rebuilds the ingested dataset (an ingest part cannot be rebuilt from the bank): its ingest and
+        every append, spelled out; `memgas run` too, unless the bank was grown (run refuses a grown bank)."""
+        from memgas.pipeline.append import appended_files, rebuild_commands  # append builds on this module
+
+        try:
+            cmds, grown = rebuild_commands(self), bool(appended_files(self))
+        except BankError:  # the manifest itself is unreadable
+            return "re-ingest it (`memgas ingest`)"
+        return f"re-ingest it: {cmds}" + ("" if grown else " (or memgas run, which re-ingests by itself)")
 
     def _read_part(self, name: str, part: str, columns: list[str] | None = None, filter: pc.Expression | None = None) -> pa.Table:
         path = self._dir(name) / f"{part}.parquet"
@@ -538,7 +549,7 @@ class Bank:
             return pq.read_table(path, columns=columns, filters=filter)
         except (OSError, pa.ArrowException) as exc:
             if name in INGEST_TABLES and part.startswith(INGEST_PREFIX):
-                advice = "delete it and re-run: `memgas run` (or `memgas ingest`) then re-ingests the dataset"
+                advice = self.reingest_advice()
             else:
                 advice = "delete it and re-run the stage that wrote it"
             raise BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); {advice}") from None
@@ -577,12 +588,16 @@ class Bank:
             regular_file_size(path)  # a FIFO would block the reader for ever
             return pq.ParquetFile(path).metadata.num_rows
         except (OSError, pa.ArrowException) as exc:
-            raise BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); delete it and re-run") from None
+            advice = self.reingest_advice() if name in INGEST_TABLES and part.startswith(INGEST_PREFIX) else \
+                "delete it and re-run"
+            raise BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); {advice}") from None
 
     def count(self, name: str) -> int:
         """Rows of the table. Exact when a compacted part overlaps others (an interrupted compaction, or
         rows re-written since): then counted by unique key."""
         parts = self.parts(name)
-        if len(parts) > 1 and name in KEYS and any(p.startswith(COMPACT_PREFIX) for p in parts):
+        # an append rewrites the history rows it extends (and the session rows a reorder moves) in its parts
+        rewritten = name in ("histories", "sessions") and sum(p.startswith(INGEST_PREFIX) for p in parts) > 1
+        if len(parts) > 1 and name in KEYS and (rewritten or any(p.startswith(COMPACT_PREFIX) for p in parts)):
             return self.read(name, list(KEYS[name]), parts=parts).num_rows
         return sum(self._rows(name, p) for p in parts)

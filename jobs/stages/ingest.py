@@ -61,15 +61,14 @@ def ingest_output(bank: Bank) -> str:
     """Digest of the bank's ingested dataset: its committed parts' bytes (verified) and the dataset record.
     The ingested data cannot be rebuilt from the bank: a missing or altered part is refused, naming a
     command that re-ingests."""
-    from memgas.pipeline.append import appended_files, dataset_digest, rebuild_commands
+    from memgas.pipeline.append import dataset_digest
 
     damaged = bank.damaged_ingest_parts()
     if damaged:
         # a grown bank is rebuilt by its ingest and every append, in order (`run` refuses a grown bank)
         raise BankError(f"{bank.path}: the ingested dataset is damaged ({damaged[0]} is missing or altered"
-                        + (f", and {len(damaged) - 1} more" if len(damaged) > 1 else "") + "); re-ingest it: "
-                        + rebuild_commands(bank)
-                        + ("" if appended_files(bank) else " (or memgas run, which re-ingests by itself)"))
+                        + (f", and {len(damaged) - 1} more" if len(damaged) > 1 else "") + "); "
+                        + bank.reingest_advice())
     digests = sorted(f"{t}:{bank.part_digest(t, p)}" for t in INGEST_TABLES for p in (bank.ingest_parts() or [])
                      if bank.has_part(t, p))
     # the parts' bytes are the data: a re-ingest that writes the same bytes (another slot, data.strict

@@ -203,3 +203,17 @@ def test_a_question_only_record_for_an_unknown_history_is_refused(base: tuple[Pa
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "record 1 (id=u9)" in p.stderr and "not in the bank" in p.stderr, p.stderr
     assert _files(bank) == files
+
+
+def test_row_counts_of_a_grown_bank_count_each_row_once(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """An append rewrites the history rows it extends (and, reordering, the session rows it moves) in new
+    parts, which readers merge by key: Bank.count and the manifest's row_counts counted both copies."""
+    _, bank = base
+    append(_delta(tmp_path), "jsonl", bank, progress=False)
+    late = _write(tmp_path / "late.jsonl", [_record("u1", [_session("s0", "2024-01-15 10:00", "Between s1 and s2.")])])
+    append(late, "jsonl", bank, allow_reorder=True, progress=False)
+    b = Bank(bank)
+    want = {t: b.read(t).num_rows for t in INGEST_TABLES}
+    assert want["histories"] == 3 and want["sessions"] == 7
+    assert {t: b.count(t) for t in INGEST_TABLES} == want
+    assert {t: b.manifest["row_counts"][t] for t in INGEST_TABLES} == want
