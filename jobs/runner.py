@@ -23,7 +23,7 @@ from memgas.jobs.plan import finish_plan, load_or_make_plan
 from memgas.jobs.profiling import Profiler
 from memgas.jobs.stage import Stage, StageContext, short_hash
 from memgas.pipeline import faults
-from memgas.pipeline.bank import Bank, atomic_write_json
+from memgas.pipeline.bank import INGEST_PREFIX, Bank, atomic_write_json
 from memgas.pipeline.errors import BankError, MemgasError
 
 log = logging.getLogger(__name__)
@@ -234,8 +234,6 @@ def _drop_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str
 def _drop_altered(stage: Stage, ctx: StageContext, store: Bank) -> list[str]:
     """Drop the parts of the stage's output tables (its own, where it has a part prefix; never ingest's)
     whose bytes are not those written; returns their ``table/part``."""
-    from memgas.pipeline.bank import INGEST_PREFIX
-
     prefix = stage.prefix(ctx) if stage.part_prefix else ""
     dropped = []
     for table in stage.outputs or ((stage.check_table,) if stage.check_table else ()):

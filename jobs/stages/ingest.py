@@ -7,6 +7,7 @@ from typing import Any
 
 from memgas.jobs.stage import Stage, StageContext, short_hash
 from memgas.pipeline.bank import INGEST_TABLES, Bank
+from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError
 
 
@@ -76,7 +77,7 @@ def ingest_output(bank: Bank) -> str:
     return short_hash([digests, dataset_digest(bank.manifest.get("datasets") or [])], 12)
 
 
-def refuse_grown_bank(cfg: Any, bank: Bank | None = None) -> None:
+def refuse_grown_bank(cfg: MemgasConfig, bank: Bank | None = None) -> None:
     """`memgas run` ingests ``data.path`` into its bank (``cfg.bank_path`` unless ``bank`` is given),
     replacing what the bank holds. A bank grown by ``memgas ingest --append`` holds data no config names:
     re-ingesting would delete the appended sessions and questions (issue 31), so `run` refuses it, naming
