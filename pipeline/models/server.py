@@ -17,7 +17,9 @@ One request at a time reaches the model (a lock; batch size 1): this is for test
 CPU model between processes, not for throughput (use ``vllm serve`` for that).
 
 Fault injection, for testing clients: ``delay_s`` before answering, the next N requests answer 500 / 429,
-or the next N answer malformed JSON. Knobs are on ``server.faults`` and can be changed while it runs.
+the next N answer malformed JSON, a valid completion of ``HUGE_FAULT_BYTES`` (``huge_body``), or a body that
+never ends (``endless_body``: a byte every ``ENDLESS_FAULT_GAP_S`` until the client hangs up). Knobs are on
+``server.faults`` and can be changed while it runs.
 
     python -m memgas.pipeline.models.server --port 8011                  # SmolLM2 (CPU default)
     python -m memgas.pipeline.models.server --port 8011 --backend echo --fail-500 2
@@ -90,18 +92,26 @@ class Faults:
     fail_500: int = 0
     fail_429: int = 0
     malformed: int = 0
+    huge_body: int = 0
+    endless_body: int = 0
     retry_after_s: float | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def take(self) -> str | None:
-        """The fault to inject into this request, if any (500 first, then 429, then malformed)."""
+        """The fault to inject into this request, if any (in this order: 500, 429, malformed, huge, endless)."""
         with self._lock:
-            for attr in ("fail_500", "fail_429", "malformed"):
+            for attr in ("fail_500", "fail_429", "malformed", "huge_body", "endless_body"):
                 if getattr(self, attr) > 0:
                     setattr(self, attr, getattr(self, attr) - 1)
                     return attr
         return None
 
+
+#: Size of the ``huge_body`` fault's answer: a valid completion far over any client's sane response cap.
+HUGE_FAULT_BYTES = 50 << 20
+#: Seconds between the bytes of the ``endless_body`` fault's answer: far under any read timeout, so only a
+#: client with a deadline for the whole response gives up.
+ENDLESS_FAULT_GAP_S = 0.05
 
 #: Largest request body accepted (413 above it). A prompt for a small served model fits in a few hundred KB;
 #: without a bound one huge prompt holds the only model for as long as it takes to run.
@@ -332,6 +342,9 @@ class _Handler(BaseHTTPRequestHandler):
         if fault == "malformed":
             self._send(200, raw=b'{"choices": [{"message": {"content": "trunc')
             return
+        if fault in ("huge_body", "endless_body"):
+            self._send_hostile(fault)
+            return
         if result.error:
             if result.extra.get(PROMPT_TOO_LONG):  # the request's fault: OpenAI's 400 for it
                 self._error(400, f"the prompt does not fit this model's context of {srv.llm.context_tokens} tokens "
@@ -357,6 +370,35 @@ class _Handler(BaseHTTPRequestHandler):
             },
             "memgas": {"truncated": bool(result.extra.get("truncated", False))},
         })
+
+    def _send_hostile(self, fault: str) -> None:
+        """A 200 that a client must not read whole: a valid completion of HUGE_FAULT_BYTES, or a chunked body of
+        whitespace that never ends. Stops when the client hangs up."""
+        self.close_connection = True
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        head, tail = b'{"choices": [{"message": {"content": "', b'"}, "finish_reason": "stop"}]}'
+        if fault == "huge_body":
+            self.send_header("Content-Length", str(HUGE_FAULT_BYTES))
+        else:
+            self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        try:
+            if fault == "huge_body":
+                self.wfile.write(head)
+                left = HUGE_FAULT_BYTES - len(head) - len(tail)
+                while left > 0:
+                    n = min(left, 1 << 20)
+                    self.wfile.write(b"a" * n)
+                    left -= n
+                self.wfile.write(tail)
+            else:
+                while True:  # JSON may start with any amount of whitespace: the body is never invalid, only endless
+                    self.wfile.write(b"1\r\n \r\n")
+                    self.wfile.flush()
+                    time.sleep(ENDLESS_FAULT_GAP_S)
+        except OSError:  # the client hung up (what a client with a cap or a deadline does)
+            pass
 
 
 def _dispatching(method: str) -> Any:

@@ -14,7 +14,7 @@ import pytest
 from memgas.pipeline.config import LLMConfig
 from memgas.pipeline.models.base import LLM, SamplingParams
 from memgas.pipeline.models.factory import make_llm
-from memgas.pipeline.models.openai_http import OpenAIHTTPLLM
+from memgas.pipeline.models.openai_http import MAX_RESPONSE_BYTES, OpenAIHTTPLLM
 from memgas.pipeline.models.server import ChatServer, EchoLLM, Faults, serve_in_thread
 
 P = SamplingParams(max_tokens=5)
@@ -139,3 +139,37 @@ def test_real_model_behind_server() -> None:
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _bounded_generate(llm: OpenAIHTTPLLM, prompts: list, bound_s: float) -> list:
+    """``llm.generate`` in a daemon thread, failing the test (instead of hanging it) past ``bound_s``."""
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(llm.generate(prompts, P)), daemon=True)
+    t.start()
+    t.join(bound_s)
+    if t.is_alive():
+        pytest.fail(f"generate did not return within {bound_s} s")
+    return box[0]
+
+
+def test_huge_response_body_is_capped_and_retried(echo_server: ChatServer) -> None:
+    """A 50 MB body (a valid completion) is read only up to MAX_RESPONSE_BYTES, then counted and retried like a
+    transport failure; the next answer is used. A server that keeps sending it fails the item, not the run."""
+    echo_server.faults.huge_body = 1
+    r = _bounded_generate(_client(echo_server, timeout_s=20), [_q("after the flood")], 60)[0]
+    assert (r.ok, r.text, r.retries) == (True, "after the flood", 1)
+    echo_server.faults.huge_body = 3
+    r = _bounded_generate(_client(echo_server, timeout_s=20, max_retries=2), [_q("x")], 60)[0]
+    assert (r.ok, r.text, r.retries) == (False, "", 2)
+    assert r.error == (f"ResponseTooLarge: the response body is larger than the limit of {MAX_RESPONSE_BYTES} "
+                       f"bytes (after 2 retries)")
+
+
+def test_endless_response_body_gives_up_within_the_timeout(echo_server: ChatServer) -> None:
+    """A body that never ends (a byte every 50 ms, so no single read ever times out) is given up after
+    ``timeout_s`` per attempt, counted and retried; two items in one batch both fail, within the bound."""
+    echo_server.faults.endless_body = 4
+    res = _bounded_generate(_client(echo_server, timeout_s=1.0, max_retries=1), [_q("a"), _q("b")], 30)
+    assert [(r.ok, r.text, r.retries) for r in res] == [(False, "", 1), (False, "", 1)]
+    assert [r.error for r in res] == ["TimeoutError: no complete response within 1 s (after 1 retries)"] * 2
+    assert echo_server.faults.endless_body == 0
