@@ -78,7 +78,7 @@ def _ingest_entry(stage: S.IngestStage, cfg: MemgasConfig, bank: Bank, status: s
 
 
 def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
-    """`index`/`answer` on a bank whose dataset is not the config's file: say so (run re-ingests). The
+    """`index`/`answer` on a bank whose dataset is not the config's file: say so. The
     bank's dataset is its base file (the last entry that is not an append: appends grow it)."""
     from memgas.pipeline.ingest import APPEND_KIND
 
@@ -88,9 +88,11 @@ def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
     except (OSError, MemgasError):  # missing, unreadable, a FIFO: nothing to compare (only a warning)
         return
     if ds.get("sha256") and ds.get("sha256") != sha:
+        grown = any(d.get("kind") == APPEND_KIND for d in bank.manifest.get("datasets") or [])
+        # a grown bank is never re-ingested by `memgas run` (it refuses it: the appends would be lost)
         log.warning("bank %s holds %s (sha256 %s...) but the config's data.path %s has sha256 %s...; "
-                    "results describe the bank's dataset (memgas run re-ingests)", bank.path, ds.get("path"),
-                    str(ds.get("sha256"))[:12], cfg.data.path, sha[:12])
+                    "results describe the bank's dataset%s", bank.path, ds.get("path"), str(ds.get("sha256"))[:12],
+                    cfg.data.path, sha[:12], " and its appends" if grown else " (memgas run re-ingests)")
 
 
 def require_data(bank: Bank, what: str) -> None:

@@ -217,3 +217,25 @@ def test_row_counts_of_a_grown_bank_count_each_row_once(base: tuple[Path, Path],
     assert want["histories"] == 3 and want["sessions"] == 7
     assert {t: b.count(t) for t in INGEST_TABLES} == want
     assert {t: b.manifest["row_counts"][t] for t in INGEST_TABLES} == want
+
+
+def test_the_stale_bank_warning_does_not_send_a_grown_bank_to_memgas_run(base: tuple[Path, Path], tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """`index`/`answer` with a config naming another file: the warning said "memgas run re-ingests", which on a
+    grown bank is refused (it would drop the appends); it now says the results describe the bank and its appends."""
+    import logging
+
+    from memgas.jobs.main_job import warn_if_stale_bank
+    from memgas.pipeline.config import MemgasConfig
+
+    _, bank = base
+    other = _write(tmp_path / "other.jsonl", [_record("u9", [_session("z1", "2024-01-01 10:00", "Other data.")])])
+    cfg = MemgasConfig.load(None, [f"data.path={other}", "data.format=jsonl"])
+    with caplog.at_level(logging.WARNING):
+        warn_if_stale_bank(cfg, Bank(bank))
+    assert [r.getMessage().endswith("(memgas run re-ingests)") for r in caplog.records] == [True]
+    caplog.clear()
+    append(_delta(tmp_path), "jsonl", bank, progress=False)
+    with caplog.at_level(logging.WARNING):
+        warn_if_stale_bank(cfg, Bank(bank))
+    assert [r.getMessage().endswith("results describe the bank's dataset and its appends") for r in caplog.records] == [True]
