@@ -228,9 +228,28 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
             _show(json.dumps(summary, indent=2, default=str) if args.verbose else
                   _ingest_line(summary, args.out).replace("ingested into", "appended to", 1))
         return 0
+    if not args.replace:
+        _refuse_to_replace_appends(args.out, args.file)
     summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit, progress=not args.quiet)
     _show(json.dumps(summary, indent=2, default=str) if args.verbose else _ingest_line(summary, args.out))
     return 0
+
+
+def _refuse_to_replace_appends(out: str, file: str) -> None:
+    """A plain ingest replaces the bank's dataset; on a bank grown by ``--append`` that would drop what the
+    appends added, which the user never asked for in this command: refuse, naming both ways on."""
+    from memgas.pipeline.bank import Bank
+    from memgas.pipeline.ingest import APPEND_KIND
+
+    try:
+        datasets = Bank(out).manifest.get("datasets") or [] if Path(out, "manifest.json").exists() else []
+    except (MemgasError, OSError, ValueError):  # not a bank, or a damaged one: replacing it loses nothing usable
+        return
+    appends = [d.get("path") or "?" for d in datasets if d.get("kind") == APPEND_KIND]
+    if appends:
+        raise MemgasError(f"{out} was grown by {len(appends)} append(s) ({', '.join(map(str, appends))}); a plain "
+                          f"ingest would replace them with {file}: add it with --append, or start the bank over "
+                          "with --replace")
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:

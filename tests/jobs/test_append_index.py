@@ -286,6 +286,14 @@ def test_run_refuses_a_grown_bank_and_loses_nothing(tmp_path: Path, files: tuple
         assert f"memgas answer {bank} --config" in p.stderr and "new directory" in p.stderr, p.stderr
         assert _bank_files(bank) == before
         assert not out.exists()
+    # a plain ingest would replace the appends as well: refused unless --replace says so
+    p = cli("ingest", str(a), "--format", "jsonl", "--out", str(bank), check=False)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "grown by 1 append(s)" in p.stderr and "--append" in p.stderr and "--replace" in p.stderr, p.stderr
+    assert _bank_files(bank) == before
+    cli("ingest", str(a), "--format", "jsonl", "--out", str(bank), "--replace")
+    assert Bank(bank).count("sessions") == 9 + 7  # a's sessions only: the bank starts over from a
+    assert [d.get("kind") for d in Bank(bank).manifest["datasets"]].count("append") == 0
 
 
 def _rows(bank: Path, table: str) -> list[str]:
