@@ -222,6 +222,11 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         if not summary["committed"]:
             if not summary["records"]:
                 _show(f"nothing appended to {args.out}: {args.file} holds no history record")
+            elif summary.get("warning_count"):  # skipped with a warning (no turns, ...), not found in the bank
+                kinds = ", ".join(f"{k} {v.get('count', 0)}" for k, v in (summary.get("warnings") or {}).items()
+                                  if isinstance(v, dict))
+                _show(f"nothing to append to {args.out}: {args.file} adds no new session or question "
+                      f"({summary['warning_count']} warnings ({kinds}); see the log)")
             else:
                 _show(f"nothing to append to {args.out}: every session and question of {args.file} is there already")
         else:

@@ -85,7 +85,8 @@ def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder:
                             index=rec.index, record_id=rec.history_id)
     if not new:
         return [], None
-    last = old[-1]
+    # the last *dated* one: an undated session appended earlier must not switch the check off
+    last = next((o for o in reversed(old) if o["date"] is not None), old[-1])
     early = [s for s in new if s["date"] is not None and last["date"] is not None and s["date"] < last["date"]]
     if early and not allow_reorder:
         s = early[0]

@@ -121,6 +121,38 @@ def test_out_of_order_session_is_refused_then_reordered(base: tuple[Path, Path],
     assert Bank(bank).manifest["datasets"][-1]["recompute_from"] == {"u1": 1}
 
 
+def test_an_undated_last_session_does_not_let_an_earlier_one_through(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """The order check compares with the history's last *dated* session: an undated one appended first used to
+    disable it, and a session dated a year before the history's dates went to the end without a word."""
+    _, bank = base
+    undated = {"session_id": "s3", "turns": [{"role": "user", "content": "No date here."}]}
+    append(_write(tmp_path / "undated.jsonl", [_record("u1", [undated])]), "jsonl", bank, progress=False)
+    files = _files(bank)
+    old = _write(tmp_path / "old.jsonl", [_record("u1", [_session("s0", "2023-01-01 10:00", "Long ago.")])])
+    with pytest.raises(DataError, match="'s0' \\(2023-01-01 10:00\\) is dated before the last session 's2' "
+                                        "\\(2024-02-01 10:00\\)"):
+        append(old, "jsonl", bank, progress=False)
+    assert _files(bank) == files
+    s = append(old, "jsonl", bank, allow_reorder=True, progress=False)
+    assert s["recompute_from"] == {"u1": 0}
+    ses = {r["session_id"]: r["position"] for r in Bank(bank).read("sessions").to_pylist() if r["history_id"] == "u1"}
+    assert ses == {"s0": 0, "s1": 1, "s2": 2, "s3": 3}
+
+
+def test_an_append_whose_sessions_were_all_skipped_does_not_say_they_are_there(base: tuple[Path, Path],
+                                                                               tmp_path: Path) -> None:
+    """A session with no turns is skipped with a warning; the closing line used to say every session of the file
+    was in the bank already, which is false (the session was never stored)."""
+    _, bank = base
+    f = _write(tmp_path / "no_turns.jsonl", [_record("u1", [{"session_id": "s6", "date": "2024-06-01 10:00",
+                                                             "turns": []}])])
+    p = subprocess.run([sys.executable, "-m", "memgas", "-q", "ingest", str(f), "--append", "--out", str(bank)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == (f"nothing to append to {bank}: {f} adds no new session or question "
+                        "(1 warnings (empty_session 1); see the log)\n")
+
+
 def test_bad_file_or_conflict_leaves_bank_as_it_was(base: tuple[Path, Path], tmp_path: Path) -> None:
     _, bank = base
     files = _files(bank)
