@@ -9,7 +9,8 @@ status. An invalid request gets 400 naming the parameter (``stream: true`` inclu
 whole, never streamed; ``n`` other than 1, ``logprobs``, tools and fields OpenAI does not define are refused,
 never ignored); an unknown ``model`` 404 ``model_not_found`` (a request without ``model`` gets the served one);
 a route the method does not fit 405 with ``Allow``; an unknown route 404; a body over ``MAX_BODY_BYTES`` 413;
-a body shorter than its Content-Length a 400 after ``BODY_TIMEOUT_S``; a repeated Content-Length or any
+a body shorter than its Content-Length, or one still arriving ``BODY_TIMEOUT_S`` after the request's first byte, a
+400; a request line or headers still arriving then a 408 (slowloris); a repeated Content-Length or any
 Transfer-Encoding 400 (two framings of one body are how requests are smuggled past a proxy). Caps:
 ``MAX_MESSAGES`` messages, ``max_tokens`` below the model's context (400 ``integer_above_max_value``), and a
 prompt that does not fit the rest of the context even when cut gets 400 ``context_length_exceeded``.
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -146,8 +148,10 @@ ROUTES: dict[str, tuple[str, ...]] = {"/health": ("GET",), "/v1/models": ("GET",
                                       "/v1/chat/completions": ("POST",)}
 #: Methods answered 405 (or 404) with the JSON error instead of http.server's HTML 501.
 OTHER_METHODS = ("PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "CONNECT")
-#: Seconds a connection may take to send its headers or body: a Content-Length larger than the body
-#: sent ends in a 400 after this instead of holding a handler thread for ever.
+#: Seconds a request may take to arrive whole (request line, headers and body, counted from its first byte), and
+#: an idle keep-alive connection may wait for its next request. Past it the request gets 408 and the connection
+#: is closed: a client trickling a byte every few seconds (slowloris) never trips a per-read timeout, and would
+#: hold its handler thread for as long as it liked. A Content-Length larger than the body sent ends the same way.
 BODY_TIMEOUT_S = 10.0
 
 
@@ -198,6 +202,45 @@ class _Handler(BaseHTTPRequestHandler):
     server: ChatServer
     protocol_version = "HTTP/1.1"
     timeout = BODY_TIMEOUT_S  # socket timeout of every read (StreamRequestHandler sets it on the connection)
+    _late = False  # the request did not arrive within ``timeout`` (its reads were cut off)
+    _deadline: threading.Timer | None = None
+
+    def handle_one_request(self) -> None:
+        """http.server's, under a deadline: once the first byte of a request is in, the whole request must arrive
+        within ``timeout`` seconds. Past it the read side is shut, so the blocked read returns what came, and the
+        request gets 408 (``_late``). The deadline ends once the request is read, before the model runs."""
+        try:
+            if not self.rfile.peek(1):  # the client closed an idle connection
+                self.close_connection = True
+                return
+        except TimeoutError:  # an idle keep-alive connection: closed after ``timeout``, as before
+            self.close_connection = True
+            return
+        self._late = False
+        self._deadline = threading.Timer(self.timeout, self._cut_off)
+        self._deadline.daemon = True
+        self._deadline.start()
+        try:
+            super().handle_one_request()
+        finally:
+            self._received()
+
+    def _cut_off(self) -> None:
+        self._late = True
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RD)  # wakes the blocked read with what has come; writes still work
+        except OSError:  # already closed
+            pass
+
+    def _received(self) -> None:
+        """The request is in (or given up): its deadline no longer applies."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _late_message(self) -> str:
+        return f"the request did not arrive within {self.timeout:g} s (request line, headers and body)"
 
     def log_message(self, fmt: str, *args: Any) -> None:  # route access logs to logging, never headers
         logger.debug("%s %s", self.address_string(), fmt % args)
@@ -213,6 +256,8 @@ class _Handler(BaseHTTPRequestHandler):
         """http.server's own errors (a malformed request line, headers too long, an unknown method) as the JSON
         error object instead of an HTML page; the connection is closed (what follows cannot be trusted)."""
         self.close_connection = True
+        if self._late:  # what was cut off is not what the client meant to send
+            code, message = 408, self._late_message()
         # a request line it could not parse leaves http.server in HTTP/0.9 mode, which writes no status line
         self.request_version = "HTTP/1.1" if self.request_version == "HTTP/0.9" else self.request_version
         self._error(code, message or explain or f"HTTP {code}", "server_error" if code >= 500 else
@@ -249,18 +294,23 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _read_body(self) -> bytes:
         """The request body, or BadRequest: a bad Content-Length (see ``_content_length``), a body over
-        MAX_BODY_BYTES (413), or fewer bytes than announced within BODY_TIMEOUT_S."""
+        MAX_BODY_BYTES (413), or fewer bytes than announced within the request's deadline (``timeout``)."""
         length = self._content_length()
         if not length:
             return b""
         if length > MAX_BODY_BYTES:
             raise BadRequest(f"request body of {length} bytes is larger than the limit of {MAX_BODY_BYTES} bytes",
                              "Content-Length", status=413)
+        late = BadRequest(f"the body did not reach the {length} bytes that Content-Length announced within "
+                          f"{self.timeout:g} s", "Content-Length")
         try:
             raw = self.rfile.read(length)
         except TimeoutError:  # the client sent fewer bytes than announced and waits
-            raise BadRequest(f"the body did not reach the {length} bytes that Content-Length announced within "
-                             f"{BODY_TIMEOUT_S:g} s", "Content-Length") from None
+            raise late from None
+        finally:
+            self._received()
+        if len(raw) != length and self._late:  # trickled past the deadline
+            raise late
         if len(raw) != length:  # the client closed its side early
             raise BadRequest(f"the body ended after {len(raw)} of the {length} bytes that Content-Length announced",
                              "Content-Length")
@@ -271,7 +321,12 @@ class _Handler(BaseHTTPRequestHandler):
         return urlsplit(self.path).path.rstrip("/") or "/"
 
     def _dispatch(self, method: str) -> None:
+        if self._late:  # headers cut off at the deadline
+            self._error(408, self._late_message(), headers={"Connection": "close"})
+            return
         path = self._route()
+        if not (method == "POST" and path == "/v1/chat/completions"):  # no body will be read
+            self._received()
         allowed = ROUTES.get(path, ("GET",) if path.startswith("/v1/models/") else None)
         if method != "POST" or allowed is None or method not in allowed:
             # the body, if any, is not read: close, so that its bytes are never parsed as the next request

@@ -380,3 +380,60 @@ def test_http_servers_own_errors_are_json_too(echo_server, head, status) -> None
     """An unknown method, a malformed request line: http.server's errors, answered with the JSON error object."""
     got, err = _status_and_error(_raw_exchange(echo_server, head))
     assert got == status and set(err) == {"message", "type", "param", "code"} and err["code"] is None
+
+
+def _trickle(srv, at_once: bytes, data: bytes, gap_s: float, bound_s: float) -> tuple[float, bytes]:
+    """Send ``at_once``, then ``data`` one byte every ``gap_s`` (a slowloris client: each byte well within the
+    per-read timeout) until the server answers or hangs up: the seconds the trickle took and the answer.
+    ``bound_s`` bounds the test."""
+    with socket.create_connection(srv.server_address[:2], timeout=bound_s) as s:
+        s.sendall(at_once)
+        s.setblocking(False)
+        t0 = time.monotonic()
+        answer = b""
+        for byte in data:
+            if time.monotonic() - t0 > bound_s:
+                break
+            try:
+                s.send(bytes([byte]))
+            except OSError:  # the server hung up
+                break
+            time.sleep(gap_s)
+            try:
+                answer = s.recv(65536)
+            except BlockingIOError:
+                continue
+            break
+        seconds = time.monotonic() - t0
+        s.setblocking(True)
+        answer += b"".join(iter(lambda: s.recv(65536), b""))
+        return seconds, answer
+
+
+@pytest.mark.parametrize("what", ["headers", "body"])
+def test_a_slow_client_is_answered_once_its_request_takes_longer_than_the_deadline(echo_server, monkeypatch,
+                                                                                 what) -> None:
+    """Slowloris: a byte every 0.2 s never trips the per-read timeout, so the old server held the connection (and
+    its thread) for as long as the client liked. Now the whole request (line, headers, body) must arrive within the
+    handler's timeout (BODY_TIMEOUT_S; 1 s here) from its first byte: 408 for headers, the short body's 400 for a
+    body; other clients are served meanwhile."""
+    monkeypatch.setattr(server_mod._Handler, "timeout", 1.0)
+    body = json.dumps({"messages": _MSG}).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    at_once, trickled = (b"", head + body) if what == "headers" else (head, body)
+    box: list = []
+    slow = threading.Thread(target=lambda: box.append(_trickle(echo_server, at_once, trickled, 0.2, 8)))
+    slow.start()
+    time.sleep(0.3)
+    assert _post(echo_server, body)[0] == 200  # not blocked by the slow one
+    slow.join(15)
+    assert not slow.is_alive()
+    seconds, answer = box[0]
+    assert 0.9 < seconds < 3, (seconds, answer)
+    status, err = _status_and_error(answer)
+    if what == "headers":
+        assert (status, err["type"], err["param"]) == (408, "invalid_request_error", None)
+        assert err["message"] == "the request did not arrive within 1 s (request line, headers and body)"
+    else:  # the contract of a body shorter than its Content-Length
+        assert (status, err["type"], err["param"]) == (400, "invalid_request_error", "Content-Length")
+        assert err["message"] == f"the body did not reach the {len(body)} bytes that Content-Length announced within 1 s"
