@@ -342,8 +342,9 @@ class TransformersLLM:
         else:
             kw.update(temperature=params.temperature, top_p=params.top_p)
             torch.manual_seed(params.seed)
-        if params.stop:
-            kw.update(stop_strings=list(params.stop), tokenizer=self._tok)
+        stops = [x for x in params.stop if x]  # transformers matches an empty one before the first token
+        if stops:
+            kw.update(stop_strings=stops, tokenizer=self._tok)
         with torch.inference_mode():
             out = self._model.generate(
                 input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device), **kw
@@ -438,7 +439,7 @@ class LlamaCppLLM:
                     "temperature": params.temperature,
                     "top_p": params.top_p,
                     "seed": params.seed,
-                    "stop": list(params.stop) or None,
+                    "stop": [x for x in params.stop if x] or None,  # an empty one would match at once
                 }
                 if params.json_schema is not None:
                     kw["response_format"] = {"type": "json_object", "schema": params.json_schema}
@@ -493,8 +494,8 @@ def vllm_sampling_kwargs(params: SamplingParams, max_new: int) -> tuple[dict[str
         "top_p": params.top_p,
         "seed": params.seed,
     }
-    if params.stop:
-        kw["stop"] = list(params.stop)
+    if any(params.stop):  # an empty stop string would match at once
+        kw["stop"] = [x for x in params.stop if x]
     structured = {"json": params.json_schema} if params.json_schema is not None else None
     return kw, structured
 

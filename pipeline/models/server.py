@@ -540,6 +540,8 @@ def parse_chat_request(raw: bytes, *, served: Sequence[str] = (),
         stop = tuple(stop)
     else:
         raise BadRequest("stop must be a string or an array of strings", "stop")
+    if any(not x for x in stop):  # it matches before the first token: a stop that can mean nothing
+        raise BadRequest("stop sequences must be non-empty strings", "stop")
     params = SamplingParams(
         max_tokens=256 if max_tokens is None else max_tokens,
         temperature=_number(req, "temperature", 0.0, 0.0, 2.0),

@@ -197,6 +197,10 @@ BAD_REQUESTS = [
      "array_above_max_length"),
     ("model-not-a-string", {"model": 5, "messages": _MSG}, 400, "model", None),
     ("5-stop-sequences", {"messages": _MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "array_above_max_length"),
+    # hostile pass: an empty stop string matches before the first token (transformers stopped after one token
+    # and called it "length"); it can mean nothing else
+    ("stop-empty-string", {"messages": _MSG, "stop": ""}, 400, "stop", None),
+    ("stop-list-with-an-empty-string", {"messages": _MSG, "stop": ["x", ""]}, 400, "stop", None),
     ("response-format-unknown-type", {"messages": _MSG, "response_format": {"type": "yaml"}}, 400,
      "response_format", None),
 ]
