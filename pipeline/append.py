@@ -309,8 +309,9 @@ def rebuild_commands(bank: Bank) -> str:
     history = ingest_history(bank.manifest.get("datasets") or []) or [{}]
     base = history[0]
     limit = f" --limit {base['limit']}" if base.get("limit") is not None else ""
+    replace = " --replace" if len(history) > 1 else ""  # a plain ingest refuses to replace a grown bank
     cmds = [f"memgas ingest {base.get('path', 'FILE')} --format {base.get('format', 'F')}{limit}"
-            f"{' --strict' if base.get('strict') else ''} --out {bank.path}"]
+            f"{' --strict' if base.get('strict') else ''}{replace} --out {bank.path}"]
     cmds += [f"memgas ingest {d.get('path')} --format {d.get('format')} --append{' --strict' if d.get('strict') else ''}"
              f"{' --allow-reorder' if d.get('allow_reorder') else ''} --out {bank.path}" for d in history[1:]]
     return ", then ".join(cmds)

@@ -149,7 +149,7 @@ def test_the_rankings_parquet_of_a_grown_bank_equals_a_fresh_index_byte_for_byte
     one.write_text("".join(json.dumps(r) + "\n" for r in reversed(list(records.values()))))
     bank = tmp_path / "one"
     shutil.copytree(built["fresh"], bank)  # its caches: the index has nothing to compute again
-    cli("ingest", str(one), "--format", "jsonl", "--out", str(bank))
+    cli("ingest", str(one), "--format", "jsonl", "--replace", "--out", str(bank))
     cli("index", str(bank), *_config(bank))
     cli("answer", str(bank), *_config(bank), "--out", str(tmp_path / "run"))
     assert _rankings(tmp_path / "run") == _rankings(built["run_grown"])  # the same rows
