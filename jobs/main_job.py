@@ -277,7 +277,8 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
         e = {mode: edges.get((q.history_id, mode), empty) for mode in ("gmm", "topk")}
         t0 = time.perf_counter()
         rank_history(S.node_matrix(mats[q.history_id]), qv[i : i + 1], e, [method], num_seeds=r.num_seeds,
-                     damping=r.damping, temp=r.temp, router=r.router, device=device)
+                     damping=r.damping, temp=r.temp, router=r.router, device=device, ppr=r.ppr,
+                     ppr_epsilon=r.ppr_epsilon)
         samples.append(time.perf_counter() - t0)
     return percentiles_ms(samples)
 

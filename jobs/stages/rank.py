@@ -61,7 +61,8 @@ class RankStage(HistoryShardStage):
     name = "rank"
     upstream = ("ingest", "nodes", "encode", "associate")
     config_fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp",
-                     "retrieval.router", "retrieval.store_top", "retrieval.device", *JUSTMEM_RANK_FIELDS)
+                     "retrieval.router", "retrieval.ppr", "retrieval.ppr_epsilon", "retrieval.store_top",
+                     "retrieval.device", *JUSTMEM_RANK_FIELDS)
     store = "results"
     check_table = "rankings"
     outputs = ("rankings", "card_picks")
@@ -71,6 +72,8 @@ class RankStage(HistoryShardStage):
         from memgas.pipeline.methods import uses_justmem
 
         base = tuple(f for f in self.config_fields if f not in JUSTMEM_RANK_FIELDS)
+        if cfg.retrieval.ppr != "push":  # the push threshold changes nothing under the exact kernel
+            base = tuple(f for f in base if f != "retrieval.ppr_epsilon")
         return (*base, *JUSTMEM_RANK_FIELDS) if uses_justmem(cfg.retrieval.methods) else base
 
     def fingerprint(self, ctx: StageContext) -> str:
@@ -192,7 +195,8 @@ class RankStage(HistoryShardStage):
         jm = [x for x in r["methods"] if get_method(x).family == "justmem"]
         ranked = rank_history(node_matrix(m), owned(h["queries"], np.float32), edges, memgas,
                               hybrid=m.get("hybrid"), num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
-                              router=r["router"], device=device) if memgas else {}
+                              router=r["router"], device=device, ppr=r["ppr"],
+                              ppr_epsilon=r["ppr_epsilon"]) if memgas else {}
         chosen: dict[str, tuple] = {}
         if jm:
             card_ids, selections = RankStage.rank_cards(h, jm, justmem or {})
