@@ -238,21 +238,52 @@ class OpenAIHTTPLLM:
                 chunks.append(chunk)
             return resp.status_code, resp.headers, b"".join(chunks)
 
-    def _parse(self, content: bytes, r: GenerationResult, attempt: int) -> GenerationResult:
+    def _parse(self, raw: bytes, r: GenerationResult, attempt: int) -> GenerationResult:
+        """The item's text, finish reason and usage from a 200 body, or its malformed-response error: a body
+        whose values are of the wrong type or out of range is the server's fault, never stored (a usage of 10^30
+        tokens overflowed the Parquet write and ended the run)."""
         r.retries = attempt
         try:
-            data = json.loads(content)
+            data = json.loads(raw)
             choice = data["choices"][0]
-            content = choice["message"].get("content")
-            r.text = content if isinstance(content, str) else ""
-            r.finish_reason = choice.get("finish_reason") or ""
+            text = _text_or_null(choice["message"].get("content"), "choices[0].message.content")
+            finish = _text_or_null(choice.get("finish_reason"), "choices[0].finish_reason")
             usage = data.get("usage") or {}
-            r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            r.completion_tokens = int(usage.get("completion_tokens") or 0)
+            prompt_tokens = _token_count(usage, "prompt_tokens")
+            completion_tokens = _token_count(usage, "completion_tokens")
         except (json.JSONDecodeError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             r.text = ""
-            r.error = f"malformed response ({type(exc).__name__}: {exc}): {content[:200].decode('utf-8', 'replace')!r}"
+            r.error = f"malformed response ({type(exc).__name__}: {exc}): {raw[:200].decode('utf-8', 'replace')!r}"
+            return r
+        r.text, r.finish_reason = text, finish
+        r.prompt_tokens, r.completion_tokens = prompt_tokens, completion_tokens
         return r
+
+
+#: Largest token count a response's usage may report (far above any context; counts are stored as int64).
+MAX_USAGE_TOKENS = 2**31 - 1
+
+
+def _text_or_null(v: Any, where: str) -> str:
+    """A string field of the response; null (no text: a refusal, a tool call) is the empty string."""
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise ValueError(f"{where} is a {type(v).__name__}, not text or null")
+    return v
+
+
+def _token_count(usage: Any, key: str) -> int:
+    """``usage[key]``: a whole number of tokens in [0, MAX_USAGE_TOKENS] (a whole-number float is taken; missing
+    or null is 0)."""
+    v = usage.get(key)
+    if v is None:
+        return 0
+    if isinstance(v, float) and v.is_integer() and 0 <= v <= MAX_USAGE_TOKENS:
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_USAGE_TOKENS:
+        raise ValueError(f"usage.{key} {v!r} is not a token count")
+    return v
 
 
 class _Secret:

@@ -173,3 +173,74 @@ def test_endless_response_body_gives_up_within_the_timeout(echo_server: ChatServ
     assert [(r.ok, r.text, r.retries) for r in res] == [(False, "", 1), (False, "", 1)]
     assert [r.error for r in res] == ["TimeoutError: no complete response within 1 s (after 1 retries)"] * 2
     assert echo_server.faults.endless_body == 0
+
+
+@pytest.fixture()
+def canned_server() -> Iterator[tuple[list[bytes], str]]:
+    """A real HTTP server answering every POST with 200 and the next body of its list (the last one repeats):
+    a backend that speaks HTTP but sends what no OpenAI-compatible server should."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    bodies: list[bytes] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            raw = bodies.pop(0) if len(bodies) > 1 else bodies[0]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield bodies, f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _completion(content: object = "Paris", usage: object = None) -> bytes:
+    import json
+
+    body = {"choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+    if usage is not None:
+        body["usage"] = usage
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("usage, why", [
+    ({"prompt_tokens": 10**30, "completion_tokens": 3}, "usage.prompt_tokens 1000000000000000000000000000000 is not a "
+                                                          "token count"),
+    ({"prompt_tokens": 5, "completion_tokens": -9}, "usage.completion_tokens -9 is not a token count"),
+    ({"prompt_tokens": 1e30, "completion_tokens": 3}, "usage.prompt_tokens 1e+30 is not a token count"),
+    ({"prompt_tokens": "12", "completion_tokens": "x"}, "usage.prompt_tokens '12' is not a token count"),
+    ({"prompt_tokens": True, "completion_tokens": 3}, "usage.prompt_tokens True is not a token count"),
+])
+def test_usage_that_is_not_a_token_count_is_a_malformed_response(canned_server, usage: dict, why: str) -> None:
+    """A backend's usage of 10^30 tokens passed the client and ended `memgas answer` with exit 1 (OverflowError at
+    the Parquet write); "x" raised inside the error path (AttributeError). Each is the item's malformed response."""
+    bodies, url = canned_server
+    bodies.append(_completion(usage=usage))
+    r = OpenAIHTTPLLM(url, "m", max_retries=0).generate([_q("a")], P)[0]
+    assert (r.ok, r.text, r.prompt_tokens, r.completion_tokens) == (False, "", 0, 0)
+    assert r.error == f"malformed response (ValueError: {why}): {bodies[0][:200].decode()!r}"
+
+
+def test_content_that_is_not_text_is_a_malformed_response(canned_server) -> None:
+    """A number for the message's content was taken as an empty answer; null (no text: a refusal, a tool call)
+    stays an empty answer, and whole-number floats and missing usage stay accepted."""
+    bodies, url = canned_server
+    bodies.extend([_completion(content=12345), _completion(content=None), _completion(usage={"prompt_tokens": 7.0})])
+    llm = OpenAIHTTPLLM(url, "m", max_retries=0, concurrency=1)
+    bad, null, floats = llm.generate([_q("a"), _q("b"), _q("c")], P)
+    assert bad.error == ("malformed response (ValueError: choices[0].message.content is a int, not text or null): "
+                         f"{_completion(content=12345).decode()!r}")
+    assert (null.ok, null.text) == (True, "")
+    assert (floats.ok, floats.text, floats.prompt_tokens, floats.completion_tokens) == (True, "Paris", 7, 0)
