@@ -34,6 +34,11 @@ MARGIN = 32
 #: Output budget of the filter step: it copies original tokens, so it needs more room than an answer.
 DEFAULT_FILTER_MAX_TOKENS = 512
 
+#: Most characters of an answer per token of ``max_new_tokens``: no tokenizer's token is this long, so a longer
+#: reply comes from a backend that ignored max_tokens (a looping model behind a server that does not cap it). It is
+#: cut, and noted, before it is stored: the judge and the QA metrics read it (ROUGE took 25 s on one 3.6 MB answer).
+ANSWER_CHARS_PER_TOKEN = 16
+
 # the authors' get_answer(): cut the answer where the model starts a new speaker/question
 _CUT_MARKERS = ("\n[human]:", "\nQuestion:", "\nQ:", "\nHistory Dialogs:")
 _STRIP_PREFIXES = ("Answer:", "[bot]:", "Assistant:")
@@ -261,7 +266,12 @@ class _Reader:
                 errors[i].append(f"{ANSWER_FAILED} {r.error}")
                 n_fail += 1
                 continue
-            ans = clean_answer(r.text)
+            text, limit = r.text, ANSWER_CHARS_PER_TOKEN * cfg.max_new_tokens
+            if len(text) > limit:
+                errors[i].append(f"answer cut to {limit} characters (the backend returned {len(text)} for "
+                                 f"max_new_tokens {cfg.max_new_tokens})")  # noted, not a failure
+                text = text[:limit]
+            ans = clean_answer(text)
             if usable(ans):
                 rows[i]["hypothesis"] = ans
             else:
