@@ -149,9 +149,10 @@ ROUTES: dict[str, tuple[str, ...]] = {"/health": ("GET",), "/v1/models": ("GET",
 #: Methods answered 405 (or 404) with the JSON error instead of http.server's HTML 501.
 OTHER_METHODS = ("PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "CONNECT")
 #: Seconds a request may take to arrive whole (request line, headers and body, counted from its first byte), and
-#: an idle keep-alive connection may wait for its next request. Past it the request gets 408 and the connection
-#: is closed: a client trickling a byte every few seconds (slowloris) never trips a per-read timeout, and would
-#: hold its handler thread for as long as it liked. A Content-Length larger than the body sent ends the same way.
+#: an idle keep-alive connection may wait for its next request. Past it the request is refused (408 while the
+#: request line or headers arrive, the short body's 400 while the body does) and the connection is closed: a
+#: client trickling a byte every few seconds (slowloris) never trips a per-read timeout, and would hold its
+#: handler thread for as long as it liked. A Content-Length larger than the body sent ends the same way.
 BODY_TIMEOUT_S = 10.0
 
 
@@ -208,7 +209,7 @@ class _Handler(BaseHTTPRequestHandler):
     def handle_one_request(self) -> None:
         """http.server's, under a deadline: once the first byte of a request is in, the whole request must arrive
         within ``timeout`` seconds. Past it the read side is shut, so the blocked read returns what came, and the
-        request gets 408 (``_late``). The deadline ends once the request is read, before the model runs."""
+        request is refused (``_late``). The deadline ends once the request is read, before the model runs."""
         try:
             if not self.rfile.peek(1):  # the client closed an idle connection
                 self.close_connection = True
