@@ -264,15 +264,18 @@ def _queries(nodes: np.ndarray, n: int) -> np.ndarray:
 def part_router(args: argparse.Namespace, dev: str) -> dict[str, Any]:
     from memgas.kernels.backend import get_xp, same_up_to_ties, to_host
     from memgas.kernels.router import entropy_router
+    from memgas.pipeline.config import RetrievalConfig
+    from memgas.pipeline.schema import N_GRAN
 
+    ROUTER = RetrievalConfig()  # the job's defaults: temperature and rule
     s = sizes(args)
     xp, _ = get_xp(dev)
     nodes = _histories({**s, "histories": 1})[0].reshape(-1, 384)
     sims = (_queries(nodes, s["queries"]) @ nodes.T).astype(np.float64)
-    stacked = np.stack([sims[:, g::4] for g in range(4)])
-    entropy_router(stacked[:, :2], device=dev)  # warm-up
-    (w_dev, _), t_dev = timed(lambda: entropy_router(stacked, device=dev), xp)
-    (w_cpu, _), t_cpu = timed(lambda: entropy_router(stacked, device="cpu"))
+    stacked = np.stack([sims[:, g::N_GRAN] for g in range(N_GRAN)])
+    entropy_router(stacked[:, :2], temp=ROUTER.temp, rule=ROUTER.router, device=dev)  # warm-up
+    (w_dev, _), t_dev = timed(lambda: entropy_router(stacked, temp=ROUTER.temp, rule=ROUTER.router, device=dev), xp)
+    (w_cpu, _), t_cpu = timed(lambda: entropy_router(stacked, temp=ROUTER.temp, rule=ROUTER.router, device="cpu"))
     w_dev = to_host(w_dev)
     dw = float(np.abs(w_dev - w_cpu).max())
     order_ok = same_up_to_ties(np.argsort(-w_dev, axis=1, kind="stable"), np.argsort(-w_cpu, axis=1, kind="stable"),

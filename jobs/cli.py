@@ -85,6 +85,8 @@ def _setup_logging(args: argparse.Namespace) -> None:
         logging.getLogger(noisy).setLevel(max(level, logging.WARNING))
     if args.quiet:
         os.environ["TQDM_DISABLE"] = "1"
+    if not args.verbose:  # model-loading bars of in-process models (--no-ray, serve); workers: QUIET_WORKER_ENV
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 # -- errors -------------------------------------------------------------------------------------------------
@@ -220,15 +222,39 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         if not summary["committed"]:
             if not summary["records"]:
                 _show(f"nothing appended to {args.out}: {args.file} holds no history record")
+            elif summary.get("warning_count"):  # skipped with a warning (no turns, ...), not found in the bank
+                kinds = ", ".join(f"{k} {v.get('count', 0)}" for k, v in (summary.get("warnings") or {}).items()
+                                  if isinstance(v, dict))
+                _show(f"nothing to append to {args.out}: {args.file} adds no new session or question "
+                      f"({summary['warning_count']} warnings ({kinds}); see the log)")
             else:
                 _show(f"nothing to append to {args.out}: every session and question of {args.file} is there already")
         else:
             _show(json.dumps(summary, indent=2, default=str) if args.verbose else
                   _ingest_line(summary, args.out).replace("ingested into", "appended to", 1))
         return 0
+    if not args.replace:
+        _refuse_to_replace_appends(args.out, args.file)
     summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit, progress=not args.quiet)
     _show(json.dumps(summary, indent=2, default=str) if args.verbose else _ingest_line(summary, args.out))
     return 0
+
+
+def _refuse_to_replace_appends(out: str, file: str) -> None:
+    """A plain ingest replaces the bank's dataset; on a bank grown by ``--append`` that would drop what the
+    appends added, which the user never asked for in this command: refuse, naming both ways on."""
+    from memgas.pipeline.bank import Bank
+    from memgas.pipeline.ingest import APPEND_KIND
+
+    try:
+        datasets = Bank(out).manifest.get("datasets") or [] if Path(out, "manifest.json").exists() else []
+    except (MemgasError, OSError, ValueError):  # not a bank, or a damaged one: replacing it loses nothing usable
+        return
+    appends = [d.get("path") or "?" for d in datasets if d.get("kind") == APPEND_KIND]
+    if appends:
+        raise MemgasError(f"{out} was grown by {len(appends)} append(s) ({', '.join(map(str, appends))}); a plain "
+                          f"ingest would replace them with {file}: add it with --append, or start the bank over "
+                          "with --replace")
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -278,7 +304,10 @@ def _load_config(args: argparse.Namespace):
 def _cmd_serve(args: argparse.Namespace) -> int:
     from memgas.pipeline.models.server import serve_forever_from_config
 
+    from memgas.jobs.preflight import check
+
     cfg = _load_config(args)
+    check(cfg, "serve", use_ray=False)  # the LLM's backend, device and package, before the socket or the model
     serve_forever_from_config(cfg.llm, host=args.host, port=args.port, seed=cfg.seed)
     return 0
 

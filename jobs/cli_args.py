@@ -105,6 +105,9 @@ def _add_ingest(sub: Any) -> None:
         same file appended twice changes nothing. A new session dated before its history's last session
         is refused unless --allow-reorder (then it goes into date order and the manifest records the
         position from which that history's association must be recomputed).
+
+        A bank grown by --append is not replaced by a plain ingest (its appends would be lost) unless
+        --replace says so.
         """)
     p.add_argument("file", help="dataset file (.json or .jsonl)")
     p.add_argument("--format", "-f", default=AUTO, choices=[*FORMATS, AUTO],
@@ -113,6 +116,8 @@ def _add_ingest(sub: Any) -> None:
     p.add_argument("--strict", action="store_true",
                    help="turn data warnings (bad dates, dangling evidence, repeated sessions) into errors")
     p.add_argument("--limit", type=_int_at_least(0), help="only the first N histories/questions")
+    p.add_argument("--replace", action="store_true",
+                   help="replace a bank grown by --append with this file (its appends are dropped)")
     p.add_argument("--append", action="store_true",
                    help="add the file's sessions, histories and questions to the bank at --out (which must exist)")
     p.add_argument("--allow-reorder", action="store_true",

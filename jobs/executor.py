@@ -28,7 +28,7 @@ import pyarrow as pa
 from memgas.jobs.placement import Placement, placement
 from memgas.jobs.stage import Active, Stage, StageContext, short_hash
 from memgas.pipeline import faults
-from memgas.pipeline.bank import Bank
+from memgas.pipeline.bank import Bank, key_order
 from memgas.pipeline.errors import MemgasError
 from tqdm.auto import tqdm
 
@@ -106,6 +106,19 @@ def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(FORWARDED_PREFIXES) and not is_secret_name(k)}
 
 
+#: Worker environment unless the driver logs at DEBUG (``-v``): the libraries' own progress bars (model
+#: loading, encoder batches) would otherwise reach the terminal through Ray's log forwarding, interleaved
+#: with the driver's one bar per stage and Ray's deduplication banners. Warnings and errors still reach the
+#: driver (they are log lines, not bars); variables the user forwards (:func:`forwarded_env`) win.
+QUIET_WORKER_ENV: dict[str, str] = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def worker_env() -> dict[str, str]:
+    """What the job's workers get through ``runtime_env``: :func:`forwarded_env`, quietened unless ``-v``."""
+    quiet = {} if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else QUIET_WORKER_ENV
+    return {**quiet, **forwarded_env()}
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Connect to a cluster (``address`` or RAY_ADDRESS) or start a local embedded Ray.
 
@@ -117,7 +130,7 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     if ray.is_initialized():
         return "already-initialized"
     address = address or os.environ.get("RAY_ADDRESS") or None
-    runtime_env = {"env_vars": forwarded_env()}
+    runtime_env = {"env_vars": worker_env()}
     previous = signal.getsignal(signal.SIGTERM)  # ray.init replaces it (see _restore_sigterm)
     if address:
         _check_reachable(address)
@@ -167,6 +180,13 @@ def ray_cpus() -> int:
     import ray
 
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+#: what to change when no node has the GPUs a kernel task / a model actor asks for (:func:`require_gpus`;
+#: the job's pre-flight asks the same before the first stage, memgas.jobs.preflight.check_cluster)
+TASK_GPU_HINT = "set retrieval.device=cpu (or auto), or ray.num_gpus_per_task to what one node has"
+ACTOR_GPU_HINT = ("set ray.num_gpus_per_model_actor=0 with encoder.device=cpu (or auto) and a CPU LLM backend, "
+                  "or start GPU nodes")
 
 
 def require_gpus(what: str, per_worker: float, hint: str) -> None:
@@ -329,6 +349,8 @@ def _write(store: Bank, stage: Stage, part: str, tables: dict[str, pa.Table]) ->
     check = stage.writes[0].physical
     if check not in tables:
         raise MemgasError(f"{stage.name}: unit {part} returned no {check!r} table")
+    if stage.writes[0].store == "results":  # a run's results in one row order, whatever the order of the input files
+        tables = {name: key_order(name, t) for name, t in tables.items()}
     for name, t in tables.items():
         if name != check:
             store.write_part(name, part, t)
@@ -417,8 +439,7 @@ def task_options(num_gpus: float) -> dict[str, Any]:
 def _run_as_tasks(stage, ctx, place, todo, fn, params, counts, bar, store) -> None:
     import ray
 
-    require_gpus(f"stage {stage.name}", place.gpus,
-                 "set retrieval.device=cpu (or auto), or ray.num_gpus_per_task to what one node has")
+    require_gpus(f"stage {stage.name}", place.gpus, TASK_GPU_HINT)
     remote = ray.remote(**task_options(place.gpus))(run_task)
     params_ref = ray.put(params)
     limit = max(2, int(ray.available_resources().get("CPU", 1)) * 2)
@@ -493,9 +514,7 @@ def _pool_for(stage: Stage, place: Placement, pools: dict[str, ActorPool], n_uni
     if open_pool is not None:
         open_pool.close()
         pools.pop("current")
-    require_gpus(f"stage {stage.name} ({stage.model} actors)", place.gpus,
-                 "set ray.num_gpus_per_model_actor=0 with encoder.device=cpu (or auto) and a CPU LLM backend, "
-                 "or start GPU nodes")
+    require_gpus(f"stage {stage.name} ({stage.model} actors)", place.gpus, ACTOR_GPU_HINT)
     pool = ActorPool(stage.model, place.config, min(place.actors, n_units), num_cpus=1, num_gpus=place.gpus)
     pools["current"] = pool
     return pool

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from memgas.jobs import keys, tables
+from memgas.jobs import keys, preflight, tables
 from memgas.jobs import stages as S
 from memgas.jobs.executor import init_ray, shutdown_ray
 from memgas.jobs.profiling import Profiler, percentiles_ms
@@ -35,9 +35,10 @@ from memgas.jobs.run_dir import (
 from memgas.jobs.runner import run_stages
 from memgas.jobs.placement import kernel_device, resolve_stage_runtimes
 from memgas.jobs.stage import Report, StageContext
-from memgas.jobs.stages.ingest import IngestSource
+from memgas.jobs.stages.ingest import IngestSource, ingest_output, refuse_grown_bank
+from memgas.pipeline.append import dataset_identity
 from memgas.pipeline.bank import Bank, atomic_write_json
-from memgas.pipeline.config import MemgasConfig, check_ray_gpus
+from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError, MemgasError
 from memgas.pipeline.hashing import file_sha256
 from memgas.pipeline.locks import locked
@@ -77,7 +78,7 @@ def _ingest_entry(stage: IngestSource, cfg: MemgasConfig, bank: Bank, status: st
 
 
 def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
-    """`index`/`answer` on a bank whose dataset is not the config's file: say so (run re-ingests). The
+    """`index`/`answer` on a bank whose dataset is not the config's file: say so. The
     bank's dataset is its base file (the last entry that is not an append: appends grow it)."""
     from memgas.pipeline.ingest import APPEND_KIND
 
@@ -87,9 +88,11 @@ def warn_if_stale_bank(cfg: MemgasConfig, bank: Bank) -> None:
     except (OSError, MemgasError):  # missing, unreadable, a FIFO: nothing to compare (only a warning)
         return
     if ds.get("sha256") and ds.get("sha256") != sha:
+        grown = any(d.get("kind") == APPEND_KIND for d in bank.manifest.get("datasets") or [])
+        # a grown bank is never re-ingested by `memgas run` (it refuses it: the appends would be lost)
         log.warning("bank %s holds %s (sha256 %s...) but the config's data.path %s has sha256 %s...; "
-                    "results describe the bank's dataset (memgas run re-ingests)", bank.path, ds.get("path"),
-                    str(ds.get("sha256"))[:12], cfg.data.path, sha[:12])
+                    "results describe the bank's dataset%s", bank.path, ds.get("path"), str(ds.get("sha256"))[:12],
+                    cfg.data.path, sha[:12], " and its appends" if grown else " (memgas run re-ingests)")
 
 
 def require_data(bank: Bank, what: str) -> None:
@@ -97,34 +100,46 @@ def require_data(bank: Bank, what: str) -> None:
     answer or evaluate) with one line that names the dataset, before any model loads or stage runs
     (otherwise the first empty table further on said "run `memgas index` first", which does not help)."""
     table = {"sessions": "sessions", "questions": "queries"}[what]
-    if bank.count(table) > 0:
-        return
-    ds = (bank.manifest.get("datasets") or [{}])[-1]
+    try:
+        if bank.count(table) > 0:
+            return
+    except BankError:  # an unreadable ingest part: the line that names the commands rebuilding the dataset
+        ingest_output(bank)
+        raise
+    ds = dataset_identity(bank)
     limit = f" with limit {ds['limit']}" if ds.get("limit") is not None else ""
     raise MemgasError(f"the dataset {ds.get('path', '?')}{limit} (in bank {bank.path}) has no {what}; nothing to "
                       f"{'index' if what == 'sessions' else 'answer or evaluate'}: check the file (and data.limit)")
 
 
 # -- commands -----------------------------------------------------------------------------------------
-def start_ray(cfg: MemgasConfig, use_ray: bool) -> bool:
+def start_ray(cfg: MemgasConfig, use_ray: bool, command: preflight.Command = "run") -> bool:
+    """Start (or connect to) Ray, then check the GPUs ``command``'s stages will ask it for, before the first
+    stage (preflight.check_cluster). True when this call started it (the caller shuts it down)."""
     import ray
 
     if not use_ray:
         return False
-    check_ray_gpus(cfg)  # before a local Ray takes seconds to start
-    if ray.is_initialized():
-        return False
-    log.info("ray: %s", init_ray(cfg.ray.address, cfg.ray.num_cpus))
-    return True
+    own = not ray.is_initialized()
+    if own:
+        log.info("ray: %s", init_ray(cfg.ray.address, cfg.ray.num_cpus))
+    try:
+        preflight.check_cluster(cfg, command)
+    except BaseException:
+        if own:
+            shutdown_ray()
+        raise
+    return own
 
 
 def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = None, use_ray: bool = True) -> list[dict]:
     """generate -> nodes -> encode -> associate on an ingested bank (resumable)."""
+    preflight.check(cfg, "index", use_ray)  # devices, backends, GPUs: before any work, before Ray starts
     prof = prof or Profiler()
     bank = Bank(bank_path)
     warn_if_stale_bank(cfg, bank)
     require_data(bank, "sessions")
-    own = start_ray(cfg, use_ray)
+    own = start_ray(cfg, use_ray, "index")
     try:
         with locked(bank.path):
             ctx = StageContext(cfg, bank, None, use_ray)
@@ -141,11 +156,12 @@ def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = N
 def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | None = None, use_ray: bool = True,
            profile: bool = False) -> Path:
     """rank -> read -> judge -> evaluate -> report, on an indexed bank."""
+    preflight.check(cfg, "answer", use_ray)  # devices, backends, GPUs: before any work, before Ray starts
     run_dir = Path(run_dir or cfg.output_dir)
     bank = Bank(bank_path)
     warn_if_stale_bank(cfg, bank)
     require_data(bank, "questions")
-    own = start_ray(cfg, use_ray)
+    own = start_ray(cfg, use_ray, "answer")
     try:
         check_output_dir(run_dir, fresh=False, bank_dir=bank.path)
         with locked(run_dir):
@@ -160,17 +176,19 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
 
 def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ray: bool = True) -> Path:
     """The main job: ingest -> index -> answer -> evaluate -> report, in ``cfg.output_dir``."""
-    if use_ray:
-        check_ray_gpus(cfg)  # a refused config leaves the run directory as it was (even with --fresh)
+    # devices, backends, GPUs, before any work and before Ray starts: a refused config leaves the run
+    # directory as it was (even with --fresh)
+    preflight.check(cfg, "run", use_ray)
+    refuse_grown_bank(cfg)  # before the run directory is touched (checked again under the bank's lock)
     out = Path(cfg.output_dir)
     check_output_dir(out, fresh=fresh, bank_dir=cfg.bank_path)
     started = time.time()
     with locked(out):
         claim_run_dir(out, cfg.bank_path)  # again under the lock: the directory may have changed since the check
-        if fresh:
-            empty_run_dir(out)
-        own = start_ray(cfg, use_ray)
+        own = start_ray(cfg, use_ray, "run")  # the cluster's GPUs checked before --fresh empties anything
         try:
+            if fresh:
+                empty_run_dir(out)
             atomic_write_json(out / RUN_MARKER, {"status": "running", "config": cfg.public_dump(),
                                                  "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                                  "pid": os.getpid()})
@@ -263,7 +281,8 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
         e = {mode: edges.get((q.history_id, mode), empty) for mode in ("gmm", "topk")}
         t0 = time.perf_counter()
         rank_history(node_matrix(mats[q.history_id]), qv[i : i + 1], e, [method], num_seeds=r.num_seeds,
-                     damping=r.damping, temp=r.temp, router=r.router, device=device)
+                     damping=r.damping, temp=r.temp, router=r.router, device=device, ppr=r.ppr,
+                     ppr_epsilon=r.ppr_epsilon)
         samples.append(time.perf_counter() - t0)
     return percentiles_ms(samples)
 
@@ -282,7 +301,7 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
 
     cfg, bank = ctx.cfg, ctx.bank
     ended = time.time()
-    ds = (bank.manifest.get("datasets") or [{}])[-1]
+    ds = dataset_identity(bank)  # a grown bank: its whole ingest history, with the bank's counts
     model, version = keys.generation_key(ctx)
     run_info = {
         "name": cfg.name, "version": __version__, "git_commit": _git_commit(), "encoder": keys.encoder_key(ctx),

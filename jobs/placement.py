@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from memgas.jobs.stage import Active, Stage, StageContext
-from memgas.pipeline.config import MemgasConfig, check_ray_gpus
+from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import MemgasError
 
 log = logging.getLogger(__name__)
@@ -100,10 +100,8 @@ def resolve_stage_runtimes(ctx: StageContext) -> None:
     """Facts the fingerprints need that the config leaves open: the encoder's and the LLM's device and dtype.
 
     Under Ray a model runs on CUDA where its actor gets a GPU (``ray.num_gpus_per_model_actor`` > 0; whether
-    the cluster has one is checked before the actors are created, executor.require_gpus); in-process where
-    torch sees one."""
-    if ctx.use_ray:
-        check_ray_gpus(ctx.cfg)
+    the cluster has one is checked before the first stage, memgas.jobs.preflight); in-process where torch
+    sees one."""
     e = ctx.cfg.encoder
     device = e.device
     local_cuda = _torch_cuda()

@@ -230,6 +230,9 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
     parts = [f"# memgas report: {md_escape(run.get('name', '?'))}", ""]
     info = [
         ("dataset", dataset.get("path")),
+        # a grown bank: the files appended to it, in order; its sha256 is that of its whole ingest history
+        ("appended", ", ".join(Path(str(_d(x).get("path"))).name for x in dataset["appends"])
+         if isinstance(dataset.get("appends"), list) and dataset["appends"] else None),
         ("dataset sha256", dataset.get("sha256")),
         ("encoder", run.get("encoder")),
         ("generator", run.get("generator")),
@@ -442,6 +445,8 @@ def dataset_differences(runs: dict[str, dict[str, Any]]) -> str | None:
     for name, m in runs.items():
         ds = _d(m.get("dataset"))
         label = Path(str(ds.get("path"))).name if ds.get("path") else "?"
+        if isinstance(ds.get("appends"), list) and ds["appends"]:
+            label += f" + {len(ds['appends'])} appended"
         sha = str(ds.get("sha256") or "unknown")[:12]
         lim = f", limit {ds['limit']}" if ds.get("limit") is not None else ""
         parts.append(md_escape(f"{name}: {label} (sha256 {sha}{lim})"))

@@ -22,7 +22,7 @@ from memgas.jobs.plan import finish_plan, load_or_make_plan
 from memgas.jobs.profiling import Profiler
 from memgas.jobs.stage import Active, Report, Source, Stage, StageContext
 from memgas.pipeline import faults
-from memgas.pipeline.bank import Bank, atomic_write_json
+from memgas.pipeline.bank import INGEST_PREFIX, Bank, atomic_write_json
 from memgas.pipeline.errors import BankError, MemgasError
 
 log = logging.getLogger(__name__)
@@ -149,6 +149,7 @@ def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: 
         # complete once, but a part it committed is gone or altered: drop what is damaged, re-run its units
         log.warning("stage %s: %s; rebuilding it", stage.name, _first_damaged(stage, ctx, store, prev))
         entry["rebuilt"] = _drop_damaged(stage, ctx, store, prev)
+        ctx.cache[f"rebuilt:{stage.name}"] = True  # a stage whose rows are not all unit outputs repairs them (generate)
     # from here on the old marker no longer describes the table: drop it before the first write
     _marker_path(store, stage).unlink(missing_ok=True)
     ctx.scratch = {}
@@ -254,22 +255,36 @@ def _drop_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str
     part is missing, the parts of the same name in the stage's other tables go too: a unit writes one part
     per table, and it counts as done while its first table's part is there, so without this it would be
     skipped and its missing table never written again. Their units run again, and content-addressed rows
-    are recomputed."""
+    are recomputed.
+
+    The damaged parts go first, before the stage lists its output (``output_parts``): the associate stage
+    lists it by reading its ``edge_segments`` parts, and an unreadable one there stopped the rebuild that the
+    error message had asked for (issue 31)."""
+    dropped = _drop_altered(stage, ctx, store)
     keys = set(marker.get("parts") or {}) | {f"{t}/{p}" for t, p in T.output_parts(stage, ctx)}
     keys |= {f"{t.physical}/{p}" for t in stage.writes if t.kind == "content" for p in T.stage_parts(stage, ctx, t)}
     physical = [t.physical for t in stage.writes]
-    dropped = []
-    for key in sorted(keys):
+    for key in sorted(keys | set(dropped)):
         table, _, part = key.partition("/")
         if store.part_digest(table, part) is None:
             for other in physical:
                 if other != table and store.has_part(other, part):
                     store.drop_part(other, part)
                     dropped.append(f"{other}/{part}")
-        elif not store.verify_part(table, part):
-            store.drop_part(table, part)
-            dropped.append(key)
     return sorted(set(dropped))
+
+
+def _drop_altered(stage: Stage, ctx: StageContext, store: Bank) -> list[str]:
+    """Drop the stage's parts (named by it; in a content table, any part but ingest's) whose bytes are not
+    those written; returns their ``table/part``."""
+    dropped = []
+    for t in stage.writes:
+        for part in store.parts(t.physical):
+            mine = not part.startswith(INGEST_PREFIX) if t.kind == "content" else part.startswith(f"{stage.name}-")
+            if mine and not store.verify_part(t.physical, part):
+                store.drop_part(t.physical, part)
+                dropped.append(f"{t.physical}/{part}")
+    return dropped
 
 
 def mark_done(ctx: StageContext, name: str) -> None:

@@ -116,8 +116,11 @@ class StageContext:
 
     @property
     def dataset_sha(self) -> str | None:
-        ds = self.bank.manifest.get("datasets") or []
-        return ds[-1].get("sha256") if ds else None
+        """The bank's dataset identity: its file's sha256, or for a grown bank a digest of its whole ingest
+        history (two banks built by the same ingest and appends agree; see pipeline.append.dataset_identity)."""
+        from memgas.pipeline.append import dataset_digest
+
+        return dataset_digest(self.bank.manifest.get("datasets") or [])
 
 
 class Stage:

@@ -78,7 +78,7 @@ def _to_backend_csr(adj: Any, xp: Any) -> Any:
 def personalized_pagerank(
     adj: Any,
     reset: Any,
-    damping: float = 0.85,
+    damping: float,
     *,
     tol: float = 1e-12,
     max_iter: int = 10_000,

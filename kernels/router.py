@@ -37,8 +37,9 @@ def _entropy(xp: Any, s: Any, mask: Any, temp: float) -> Any:
 def entropy_router(
     sims: Sequence[Any] | Any,
     mask: Any | None = None,
-    temp: float = 0.2,
-    rule: str = "paper",
+    *,
+    temp: float,
+    rule: str,
     device: str = "cpu",
 ) -> tuple[Any, Any]:
     """Router weights and entropies, both float64 [Q, G].

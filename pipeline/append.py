@@ -7,6 +7,8 @@ holds the chunk buffer and row dedup an append shares with an ingest.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import sys
 import time
@@ -23,11 +25,12 @@ from memgas.pipeline.errors import BankError, DataError
 from memgas.pipeline.hashing import file_sha256
 from memgas.pipeline.ingest import APPEND_KIND, IngestInterrupted, _add_rows, _check_args, _Chunk
 from memgas.pipeline.locks import locked
-from memgas.pipeline.schema import schema_for
+from memgas.pipeline.schema import KEYS, schema_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["APPEND_KIND", "APPEND_TAG", "append"]
+__all__ = ["APPEND_KIND", "APPEND_TAG", "append", "appended_files", "dataset_digest", "dataset_identity",
+           "ingest_history", "rebuild_commands"]
 
 #: append parts: ``ingest-<slot>-x<NNNN>-<nnnnn>``, in the committed slot, named after every base part
 APPEND_TAG = "x"
@@ -56,11 +59,19 @@ def _same_row(name: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
     return t[0] == t[1]
 
 
+def _same_session(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """A session re-sent under a known id is the stored one when every field but its place (history,
+    position: a file may hold only what is new) is equal: text, date as given and parsed, turns. Another
+    date would silently keep the old one (issue 31), so it is "other content" like changed text."""
+    place = {"history_id": "", "position": 0}
+    return _same_row("sessions", {**old, **place}, {**new, **place})
+
+
 def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder: bool, path: Path
                    ) -> tuple[list[dict[str, Any]], int | None]:
     """The session rows an append writes for an existing history, and the first position whose rows must
     be recomputed (None: only new positions). Sessions already there (same id, same text) are skipped; a
-    changed one is an error; new ones go after the last one, or, dated before it and with
+    changed one (text, date, any field) is an error; new ones go after the last one, or, dated before it and with
     ``allow_reorder``, into date order (the positions after the insertion point shift)."""
     have = {r["session_id"]: r for r in old}
     new = []
@@ -68,13 +79,14 @@ def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder:
         o = have.get(s["session_id"])
         if o is None:
             new.append(dict(s))
-        elif o["text_hash"] != s["text_hash"]:
+        elif not _same_session(o, s):
             raise DataError(str(path), f"session {s['session_id']!r} is already in history {rec.history_id!r} "
                             "with other content (an append adds sessions, it never changes one)",
                             index=rec.index, record_id=rec.history_id)
     if not new:
         return [], None
-    last = old[-1]
+    # the last *dated* one: an undated session appended earlier must not switch the check off
+    last = next((o for o in reversed(old) if o["date"] is not None), old[-1])
     early = [s for s in new if s["date"] is not None and last["date"] is not None and s["date"] < last["date"]]
     if early and not allow_reorder:
         s = early[0]
@@ -242,6 +254,67 @@ def append(
     log.info("appended %s: %d new histories, %d extended, %d sessions, %d questions in %.1fs", p.name,
              counts["histories"], counts["histories_extended"], counts["sessions"], counts["queries"], summary["seconds"])
     return summary
+
+
+# -- the bank's data: one ingest and the appends after it ---------------------------------------------------
+#: what of a manifest ``datasets`` entry decides the rows it gave (not its path: the same file elsewhere is
+#: the same data)
+_IDENTITY_FIELDS = ("kind", "sha256", "format", "limit", "strict", "allow_reorder")
+
+
+def ingest_history(datasets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The manifest ``datasets`` entries the bank's data was built from, in order: the last ingest (an
+    entry without ``kind``) and the appends after it."""
+    base = max((i for i, d in enumerate(datasets) if d.get("kind") != APPEND_KIND), default=0)
+    return datasets[base:]
+
+
+def appended_files(bank: Bank) -> list[dict[str, Any]]:
+    """The appends in the bank's ingest history (empty for a bank ingested from one file)."""
+    return [d for d in ingest_history(bank.manifest.get("datasets") or []) if d.get("kind") == APPEND_KIND]
+
+
+def dataset_digest(datasets: list[dict[str, Any]]) -> str | None:
+    """The ``sha256`` of :func:`dataset_identity` from the manifest's ``datasets`` alone (cheap: the
+    fingerprints hash it): the file's sha256 for a bank from one file, else a digest of the ingest history."""
+    history = ingest_history(datasets)
+    if len(history) <= 1:
+        return history[0].get("sha256") if history else None
+    key = [{f: d.get(f) for f in _IDENTITY_FIELDS} for d in history]
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def dataset_identity(bank: Bank) -> dict[str, Any]:
+    """What a run names as its dataset (metrics.json / manifest.json ``dataset``, the fingerprints' dataset
+    digest). A bank ingested from one file: that file's entry (``sha256`` is the file's). A grown bank: its
+    whole ingest history, so that two runs over the same history compare as the same data and a run over
+    another base file with the same append does not: ``sha256`` digests every entry's identity fields in
+    order (paths left out), ``appends`` lists the appended files and ``counts`` are the bank's rows (what
+    was evaluated), not the last file's."""
+    history = ingest_history(bank.manifest.get("datasets") or [])
+    if len(history) <= 1:
+        return history[0] if history else {}
+    base = history[0]
+    return {"path": base.get("path"), "format": base.get("format"), "limit": base.get("limit"),
+            "strict": base.get("strict"), "sha256": dataset_digest(history), "identity": "ingest history",
+            "appends": [{k: d.get(k) for k in ("path", "sha256", "format", "strict", "allow_reorder", "counts")}
+                        for d in history[1:]],
+            # rows by key: an append rewrites the rows of the histories it extends (later parts win)
+            "counts": {t: bank.read(t, list(KEYS[t])).num_rows for t in ("histories", "sessions", "queries")}}
+
+
+def rebuild_commands(bank: Bank) -> str:
+    """The commands that build the bank's data again from its files: ``memgas ingest`` of its base file,
+    then one ``--append`` per appended file, in order (an ingested dataset cannot be rebuilt from the bank)."""
+    history = ingest_history(bank.manifest.get("datasets") or []) or [{}]
+    base = history[0]
+    limit = f" --limit {base['limit']}" if base.get("limit") is not None else ""
+    replace = " --replace" if len(history) > 1 else ""  # a plain ingest refuses to replace a grown bank
+    cmds = [f"memgas ingest {base.get('path', 'FILE')} --format {base.get('format', 'F')}{limit}"
+            f"{' --strict' if base.get('strict') else ''}{replace} --out {bank.path}"]
+    cmds += [f"memgas ingest {d.get('path')} --format {d.get('format')} --append{' --strict' if d.get('strict') else ''}"
+             f"{' --allow-reorder' if d.get('allow_reorder') else ''} --out {bank.path}" for d in history[1:]]
+    return ", then ".join(cmds)
 
 
 def _append_rows(rec: HistoryRecord, hrow: dict[str, Any], n_new: int, chunk: _Chunk, counts: dict[str, int],

@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 from memgas import __version__
 from memgas.pipeline import faults
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.hashing import file_digest
+from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, read_regular_bytes, regular_file_size
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, schema_for
 
 log = logging.getLogger(__name__)
@@ -132,6 +132,13 @@ def _file_digest(path: str | Path) -> str:
     return h.hexdigest()
 
 
+def _reason(exc: BaseException) -> str:
+    """The first line of why a part could not be read (a part that is not a regular file: which kind)."""
+    if isinstance(exc, NotARegularFile):
+        return str(exc.strerror)
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 def conform(table: pa.Table, schema: pa.Schema, name: str) -> pa.Table:
     """Select and cast ``table``'s columns to ``schema`` (clear error when a column is missing)."""
     missing = [f.name for f in schema if f.name not in table.column_names]
@@ -154,6 +161,13 @@ def dedupe_last(table: pa.Table, keys: Iterable[str]) -> pa.Table:
     if len(last) == table.num_rows:
         return table
     return table.take(pc.take(last, pc.sort_indices(last)))
+
+
+def key_order(name: str, table: pa.Table) -> pa.Table:
+    """``table`` in its key order (:data:`memgas.pipeline.schema.KEYS`): one row order whatever order the
+    rows were computed in (compaction; every results table's parts)."""
+    keys = KEYS.get(name)
+    return table.sort_by([(k, "ascending") for k in keys]) if keys and table.num_rows > 1 else table
 
 
 class Bank:
@@ -209,11 +223,13 @@ class Bank:
             key = (st.st_mtime_ns, st.st_size, st.st_ino)
             if self._mcache is not None and self._mcache[0] == key:
                 return self._mcache[1]
-            m = json.loads(path.read_bytes())
+            m = json.loads(read_regular_bytes(path))  # a FIFO would block every command for ever
         except FileNotFoundError:
             raise BankError(f"{self.path}: not a memory bank (no {MANIFEST}); create one with `memgas ingest`") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BankError(f"{path}: corrupt manifest: {exc}") from None
+        except NotARegularFile as exc:
+            raise BankError(f"{path}: corrupt manifest: {exc.strerror}") from None
         if not isinstance(m, dict):
             raise BankError(f"{path}: corrupt manifest: expected a JSON object")
         self._mcache = (key, m)
@@ -297,7 +313,7 @@ class Bank:
         marker = self._dir(name) / "_done" / f"{part}.json"
         path = self._dir(name) / f"{part}.parquet"
         try:
-            info = json.loads(marker.read_text())
+            info = json.loads(read_regular_bytes(marker))
         except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             return None
         if not path.is_file():
@@ -308,11 +324,12 @@ class Bank:
         return str(digest) if digest else self.current_digest(name, part)
 
     def current_digest(self, name: str, part: str) -> str | None:
-        """The digest of a part's bytes now (None when the file is gone)."""
+        """The digest of a part's bytes now (None when the file is gone, or is a FIFO, a device or a folder:
+        never read, as /dev/zero would be for ever)."""
         path = self._dir(name) / f"{part}.parquet"
         try:
             return file_digest(path)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotARegularFile):
             return None
 
     def verify_part(self, name: str, part: str, expected: str | None = None) -> bool:
@@ -321,7 +338,16 @@ class Bank:
         recorded = self.part_digest(name, part)
         if recorded is None or (expected is not None and recorded != expected):
             return False
-        return self.current_digest(name, part) == recorded
+        # the file's type and recorded size are checked before a byte is hashed
+        return file_matches(self._dir(name) / f"{part}.parquet", recorded, self._recorded_bytes(name, part))
+
+    def _recorded_bytes(self, name: str, part: str) -> int | None:
+        """A part's size in its marker (markers written before sizes were recorded have none)."""
+        try:
+            size = json.loads(read_regular_bytes(self._dir(name) / "_done" / f"{part}.json")).get("bytes")
+        except (OSError, ValueError, AttributeError):
+            return None
+        return size if isinstance(size, int) and not isinstance(size, bool) else None
 
     def write_part(
         self, name: str, part: str, table: pa.Table, *, dim: int | None = None, info: dict | None = None
@@ -342,7 +368,8 @@ class Bank:
         _sweep_temps(self._dir(name), f".{part}.parquet.")  # of an earlier write of this part, killed
         atomic_write_parquet(path, table, point="bank:write-part")
         faults.hit("bank:write-part:before-marker")
-        atomic_write_json(marker, {"rows": table.num_rows, "digest": _file_digest(path), **(info or {})},
+        atomic_write_json(marker, {"rows": table.num_rows, "digest": _file_digest(path),
+                                   "bytes": path.stat().st_size, **(info or {})},
                           point="bank:write-marker")
         return path
 
@@ -375,10 +402,7 @@ class Bank:
             return 0
         if len(own) == 1 and own[0].startswith(COMPACT_PREFIX):
             return self._rows(name, own[0])
-        table = self.read(name, parts=own)
-        keys = KEYS.get(name)
-        if keys:
-            table = table.sort_by([(k, "ascending") for k in keys])
+        table = key_order(name, self.read(name, parts=own))
         self.write(name, table, dim=dim)
         return table.num_rows
 
@@ -407,6 +431,7 @@ class Bank:
                 faults.hit("bank:compact:before-marker")
                 atomic_write_json(d / "_done" / f"{part}.json",
                                   {"rows": table.num_rows, "digest": part[len(COMPACT_PREFIX):],
+                                   "bytes": (d / f"{part}.parquet").stat().st_size,
                                    "replaces": sorted(p for p in replace if p != part), **(info or {})},
                                   point="bank:compact-marker")
         except BaseException:
@@ -503,19 +528,31 @@ class Bank:
                 raise BankError(
                     f"{self.path}: the ingested dataset is incomplete ({missing[0]} is missing"
                     + (f", and {len(missing) - 1} more" if len(missing) > 1 else "")
-                    + "); re-ingest it (`memgas ingest`, or `memgas run`, which re-ingests by itself)"
+                    + "); " + self.reingest_advice()
                 )
+
+    def reingest_advice(self) -> str:
+        """What rebuilds the ingested dataset (an ingest part cannot be rebuilt from the bank): its ingest and
+        every append, spelled out; `memgas run` too, unless the bank was grown (run refuses a grown bank)."""
+        from memgas.pipeline.append import appended_files, rebuild_commands  # append builds on this module
+
+        try:
+            cmds, grown = rebuild_commands(self), bool(appended_files(self))
+        except BankError:  # the manifest itself is unreadable
+            return "re-ingest it (`memgas ingest`)"
+        return f"re-ingest it: {cmds}" + ("" if grown else " (or memgas run, which re-ingests by itself)")
 
     def _read_part(self, name: str, part: str, columns: list[str] | None = None, filter: pc.Expression | None = None) -> pa.Table:
         path = self._dir(name) / f"{part}.parquet"
         try:
+            regular_file_size(path)  # a FIFO would block the reader for ever
             return pq.read_table(path, columns=columns, filters=filter)
         except (OSError, pa.ArrowException) as exc:
             if name in INGEST_TABLES and part.startswith(INGEST_PREFIX):
-                advice = "delete it and re-run: `memgas run` (or `memgas ingest`) then re-ingests the dataset"
+                advice = self.reingest_advice()
             else:
                 advice = "delete it and re-run the stage that wrote it"
-            raise BankError(f"{path}: unreadable Parquet part ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__}); {advice}") from None
+            raise BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); {advice}") from None
 
     def read(
         self,
@@ -548,14 +585,19 @@ class Bank:
     def _rows(self, name: str, part: str) -> int:
         path = self._dir(name) / f"{part}.parquet"
         try:
+            regular_file_size(path)  # a FIFO would block the reader for ever
             return pq.ParquetFile(path).metadata.num_rows
         except (OSError, pa.ArrowException) as exc:
-            raise BankError(f"{path}: unreadable Parquet part ({exc}); delete it and re-run") from None
+            advice = self.reingest_advice() if name in INGEST_TABLES and part.startswith(INGEST_PREFIX) else \
+                "delete it and re-run"
+            raise BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); {advice}") from None
 
     def count(self, name: str) -> int:
         """Rows of the table. Exact when a compacted part overlaps others (an interrupted compaction, or
         rows re-written since): then counted by unique key."""
         parts = self.parts(name)
-        if len(parts) > 1 and name in KEYS and any(p.startswith(COMPACT_PREFIX) for p in parts):
+        # an append rewrites the history rows it extends (and the session rows a reorder moves) in its parts
+        rewritten = name in ("histories", "sessions") and sum(p.startswith(INGEST_PREFIX) for p in parts) > 1
+        if len(parts) > 1 and name in KEYS and (rewritten or any(p.startswith(COMPACT_PREFIX) for p in parts)):
             return self.read(name, list(KEYS[name]), parts=parts).num_rows
         return sum(self._rows(name, p) for p in parts)

@@ -182,6 +182,12 @@ class RetrievalConfig(_Strict):
     #: softmax temperature of the entropy router
     temp: float = Field(0.2, gt=0)
     router: Literal["paper", "reference"] = "paper"
+    #: PPR kernel: "exact" (power iteration over the whole graph, all queries at once, CPU or GPU:
+    #: kernels/ppr.py) or "push" (local forward push from the seeds, CPU only: kernels/ppr_push.py)
+    ppr: Literal["exact", "push"] = "exact"
+    #: push's residual threshold per unit of degree (error < ppr_epsilon * degree / (1 - damping) per node);
+    #: the default keeps the top-10 of the exact PPR on >= 99.9% of questions (benchmarks/bench_ppr_push.py)
+    ppr_epsilon: float = Field(1e-7, gt=0, lt=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: how many ranked sessions to store per query (at least the largest evaluation.ks)
     store_top: int = Field(50, ge=1, le=MAX_RANKED)
@@ -379,34 +385,6 @@ def cross_field_problems(cfg: MemgasConfig) -> list[tuple[tuple[str, ...], str]]
                     f"llm.tensor_parallel_size={tp} needs {tp} GPUs per model actor but "
                     f"ray.num_gpus_per_model_actor={gpus:g}"))
     return out
-
-
-def ray_gpu_problems(cfg: MemgasConfig) -> list[tuple[tuple[str, ...], str]]:
-    """(keys, message) of GPU work that ``cfg`` gives Ray workers without GPUs (empty: none). Under Ray a
-    worker that requests no GPU sees none (Ray sets CUDA_VISIBLE_DEVICES=""), so the stage would fail, model
-    actors only after several reloads. Checked when the job runs under Ray (``--no-ray`` uses the local GPU)."""
-    out: list[tuple[tuple[str, ...], str]] = []
-    actor_gpus, task_gpus = cfg.ray.num_gpus_per_model_actor, cfg.ray.num_gpus_per_task
-    llm_used = cfg.generation.generator != "llm-free" or cfg.reading.enabled
-    if cfg.llm.backend == "vllm" and llm_used and actor_gpus == 0:
-        out.append((("llm.backend", "ray.num_gpus_per_model_actor"),
-                    "llm.backend=vllm runs on a GPU but ray.num_gpus_per_model_actor=0 gives its actor none; "
-                    "set ray.num_gpus_per_model_actor=1"))
-    if cfg.encoder.device == "cuda" and actor_gpus == 0:
-        out.append((("encoder.device", "ray.num_gpus_per_model_actor"),
-                    "encoder.device=cuda but ray.num_gpus_per_model_actor=0 gives the encoder actors no GPU; "
-                    "set ray.num_gpus_per_model_actor=1 or encoder.device=auto"))
-    if cfg.retrieval.device == "cuda" and task_gpus == 0:
-        out.append((("retrieval.device", "ray.num_gpus_per_task"),
-                    "retrieval.device=cuda but ray.num_gpus_per_task=0 gives the association/ranking tasks no "
-                    "GPU; set ray.num_gpus_per_task (e.g. 0.25) or retrieval.device=auto"))
-    return out
-
-
-def check_ray_gpus(cfg: MemgasConfig) -> None:
-    """:func:`ray_gpu_problems` as a one-line ConfigError (exit 2), before Ray starts."""
-    for _keys, message in ray_gpu_problems(cfg):
-        raise ConfigError(message)
 
 
 #: Largest config file read (bytes). The shipped configs are ~2 KB; a bound keeps `--config /dev/zero`-like

@@ -23,7 +23,6 @@ added to ``texts`` by hash, so the encoding stage can embed it like any other te
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import time
@@ -36,6 +35,7 @@ import pyarrow as pa
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import GenerationConfig
 from memgas.pipeline.hashing import text_hash
+from memgas.pipeline.justmem.structured import parse_json_object, strip_code_fences
 from memgas.pipeline.llm_calls import generate_batch
 from memgas.pipeline.llm_free import LLM_FREE_NAME, LLMFreeGenerator
 from memgas.pipeline.models.base import LLM, GenerationResult, SamplingParams
@@ -86,7 +86,6 @@ def hybrid_text(summary: str, keywords: str, session: str) -> str:
 _ECHO_PREFIX_RE = re.compile(
     r"^\s*(?:(?:your\s+answer|answer|summary|keywords?|key\s*words|json|output)\s*[:：]\s*)+", re.IGNORECASE
 )
-_FENCE_RE = re.compile(r"^\s*```[a-zA-Z]*\s*|\s*```\s*$")
 _BULLET_RE = re.compile(r"^\s*(?:[-*•·‣▪◦>]+|\(?\d{1,3}[.)])\s*")
 _SPEAKER_LINE_RE = re.compile(r"^\s*\[?[^\]\n:]{1,40}\]?:\s+\S")
 # Lines that start a re-echo of the prompt: cut the output there.
@@ -110,7 +109,7 @@ MAX_KEYWORD_CHARS = 60
 
 def strip_echo(raw: str) -> str:
     """Remove code fences, leading cues ("Your answer:", "Summary:") and anything after a prompt echo."""
-    text = _FENCE_RE.sub("", raw or "").strip()
+    text = strip_code_fences(raw or "")
     text = _ECHO_PREFIX_RE.sub("", text).strip()
     for marker in _PROMPT_ECHO_MARKERS:
         i = text.find(marker)
@@ -231,24 +230,10 @@ def clean_keywords(raw: str) -> tuple[str, str | None]:
 def parse_joint(raw: str) -> tuple[str, str]:
     """Robustly parse ``{"summary": ..., "keywords": [...]}`` from a model's answer.
 
-    Tolerates code fences, text around the object and keywords given as one string. Raises ValueError.
+    Tolerates code fences, text around the object and keywords given as one string; bounded like every LLM
+    reply (size, depth, linear time: justmem/structured.py). Raises ValueError.
     """
-    text = _FENCE_RE.sub("", raw or "").strip()
-    start = text.find("{")
-    if start < 0:
-        raise ValueError("no JSON object")
-    obj: Any = None
-    dec = json.JSONDecoder()
-    # try every '{' from the first: the model may prefix prose containing braces
-    for m in re.finditer(r"\{", text[start:]):
-        try:
-            obj, _ = dec.raw_decode(text[start + m.start() :])
-            if isinstance(obj, dict):
-                break
-        except json.JSONDecodeError:
-            continue
-    if not isinstance(obj, dict):
-        raise ValueError("no parseable JSON object")
+    obj = parse_json_object(raw)
     lower = {str(k).lower(): v for k, v in obj.items()}
     summary = lower.get("summary", "")
     kws = lower.get("keywords", lower.get("keyword", ""))

@@ -6,6 +6,7 @@ Used by generation (summaries/keywords) and reading (filter/answer) alike.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Sequence
 
@@ -15,6 +16,10 @@ from memgas.pipeline.models.base import LLM, ChatPrompt, GenerationResult, Sampl
 
 log = logging.getLogger(__name__)
 
+#: UTF-16 surrogate code points: not text on their own (an HTTP backend's JSON can carry "\ud800"), and
+#: Parquet, which stores every reply, holds only UTF-8
+SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
 
 def generate_batch(
     llm: LLM, prompts: Sequence[ChatPrompt], params: SamplingParams, ledger: TokenLedger | None, stage: str,
@@ -23,7 +28,8 @@ def generate_batch(
     """``llm.generate`` over ``prompts`` in chunks of ``chunk`` (all at once when None).
 
     A backend that raises, or returns the wrong number of results, yields one ``GenerationResult`` per
-    prompt with ``error`` starting ``"llm: "``: callers treat those as retryable backend failures.
+    prompt with ``error`` starting ``"llm: "``: callers treat those as retryable backend failures. A lone
+    surrogate in a reply's text or error becomes U+FFFD (``SURROGATE_RE``).
     """
     out: list[GenerationResult] = []
     size = chunk or max(1, len(prompts))
@@ -39,6 +45,11 @@ def generate_batch(
         if len(res) != len(part):
             log.error("%s: LLM returned %d results for %d prompts", stage, len(res), len(part))
             res = [GenerationResult(error="llm: result count mismatch") for _ in part]
+        for r in res:  # U+FFFD: what a UTF-8 decoder shows for bad bytes
+            if r.text and SURROGATE_RE.search(r.text):
+                r.text = SURROGATE_RE.sub("\ufffd", r.text)
+            if r.error and SURROGATE_RE.search(r.error):
+                r.error = SURROGATE_RE.sub("\ufffd", r.error)
         if ledger is not None:
             ledger.record(stage, res, time.perf_counter() - t0)
         out.extend(res)

@@ -34,6 +34,11 @@ MARGIN = 32
 #: Output budget of the filter step: it copies original tokens, so it needs more room than an answer.
 DEFAULT_FILTER_MAX_TOKENS = 512
 
+#: Most characters of an answer per token of ``max_new_tokens``: no tokenizer's token is this long, so a longer
+#: reply comes from a backend that ignored max_tokens (a looping model behind a server that does not cap it). It is
+#: cut, and noted, before it is stored: the judge and the QA metrics read it (ROUGE took 25 s on one 3.6 MB answer).
+ANSWER_CHARS_PER_TOKEN = 16
+
 # the authors' get_answer(): cut the answer where the model starts a new speaker/question
 _CUT_MARKERS = ("\n[human]:", "\nQuestion:", "\nQ:", "\nHistory Dialogs:")
 _STRIP_PREFIXES = ("Answer:", "[bot]:", "Assistant:")
@@ -44,14 +49,18 @@ def clean_answer(text: str) -> str:
     for m in _CUT_MARKERS:
         if m in ans:
             ans = ans.split(m)[0]
-    changed = True
+    # prefixes skipped by position, one copy at the end (slicing after each one is quadratic on a looping
+    # "Answer: Answer: ..." reply)
+    pos, changed = 0, True
     while changed:
         changed = False
         for p in _STRIP_PREFIXES:
-            if ans.startswith(p):
-                ans = ans[len(p) :].strip()
+            if ans.startswith(p, pos):
+                pos += len(p)
+                while pos < len(ans) and ans[pos].isspace():
+                    pos += 1
                 changed = True
-    return ans.strip()
+    return ans[pos:].strip()
 
 
 def usable(text: str) -> bool:
@@ -257,7 +266,12 @@ class _Reader:
                 errors[i].append(f"{ANSWER_FAILED} {r.error}")
                 n_fail += 1
                 continue
-            ans = clean_answer(r.text)
+            text, limit = r.text, ANSWER_CHARS_PER_TOKEN * cfg.max_new_tokens
+            if len(text) > limit:
+                errors[i].append(f"answer cut to {limit} characters (the backend returned {len(text)} for "
+                                 f"max_new_tokens {cfg.max_new_tokens})")  # noted, not a failure
+                text = text[:limit]
+            ans = clean_answer(text)
             if usable(ans):
                 rows[i]["hypothesis"] = ans
             else:

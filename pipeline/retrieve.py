@@ -7,7 +7,8 @@ MemGAS (``method="memgas"``), per query q of one history with S sessions (4*S no
 2. node score = w_g * sim; keep the ``num_seeds`` best node scores *and every score equal to the
    num_seeds-th* (the authors' threshold test ``score >= kth``), zero the rest, clip negatives to 0.
 3. Personalized PageRank (``damping`` = follow-edge probability) on the association graph with that
-   reset vector (``memgas.kernels.ppr``), all queries at once.
+   reset vector: ``ppr="exact"`` (``memgas.kernels.ppr``, all queries at once) or ``ppr="push"`` (local
+   forward push, ``memgas.kernels.ppr_push``, residual < ``ppr_epsilon`` * degree, CPU).
 4. session score = sum of its 4 nodes' PPR values; order = descending, ties by lower session index.
 
 Ablations: ``memgas-no-gmm`` (association keeps top-k edges, see ``association.associate``),
@@ -27,15 +28,15 @@ import numpy as np
 
 from memgas.kernels.backend import get_xp, one_blas_thread, to_device, to_host
 from memgas.kernels.ppr import build_csr, personalized_pagerank
+from memgas.kernels.ppr_push import personalized_pagerank_push
 from memgas.kernels.router import entropy_router
 from memgas.kernels.segment import segment_sum_contiguous
 from memgas.kernels.topk import stable_argsort_desc
 from memgas.pipeline.association import N_GRAN, associate
 from memgas.pipeline.methods import get_method
+from memgas.pipeline.schema import GRANULARITIES
 
 log = logging.getLogger(__name__)
-
-GRANULARITIES = ("session", "turn", "summary", "keyword")
 
 
 def stack_nodes(session_emb: Any, turn_emb: Any, summary_emb: Any, keyword_emb: Any) -> np.ndarray:
@@ -69,6 +70,18 @@ def _with_defaults(num_seeds: int | None, damping: float | None, temp: float | N
             r.temp if temp is None else temp, r.router if router is None else router)
 
 
+def _ppr_settings(ppr: str | None, ppr_epsilon: float | None) -> tuple[str, float]:
+    """The PPR kernel and push threshold, ``None`` replaced by ``RetrievalConfig``'s defaults."""
+    if ppr is None or ppr_epsilon is None:
+        from memgas.pipeline.config import RetrievalConfig  # noqa: PLC0415  (as _with_defaults)
+
+        r = RetrievalConfig()
+        ppr, ppr_epsilon = r.ppr if ppr is None else ppr, r.ppr_epsilon if ppr_epsilon is None else ppr_epsilon
+    if ppr not in ("exact", "push"):
+        raise ValueError(f"ppr must be 'exact' or 'push', got {ppr!r}")
+    return ppr, ppr_epsilon
+
+
 def score_with_edges(
     node_emb: Any,
     query_emb: Any,
@@ -81,6 +94,8 @@ def score_with_edges(
     temp: float | None = None,
     router: str | None = None,
     device: str = "cpu",
+    ppr: str | None = None,
+    ppr_epsilon: float | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rank sessions of one history given a precomputed association edge list.
 
@@ -90,6 +105,7 @@ def score_with_edges(
     Settings left ``None`` take ``RetrievalConfig``'s defaults.
     """
     num_seeds, damping, temp, router = _with_defaults(num_seeds, damping, temp, router)
+    ppr_kind, ppr_epsilon = _ppr_settings(ppr, ppr_epsilon)
     m = get_method(method)
     if not m.is_graph:
         raise ValueError(f"score_with_edges handles the MemGAS methods, not {method!r}")
@@ -114,8 +130,11 @@ def score_with_edges(
         if m.edges is None:  # no association: PPR on an empty graph
             src, dst = np.zeros(0, np.int64), np.zeros(0, np.int64)
         adj = build_csr(to_host(src), to_host(dst), n)
-        ppr = personalized_pagerank(adj, reset, damping, device=device)
-        scores = segment_sum_contiguous(ppr, N_GRAN)
+        if ppr_kind == "push":  # CPU only (kernels/ppr_push.py says why); the scores go back to the device
+            pr = to_device(personalized_pagerank_push(adj, to_host(reset), damping, epsilon=ppr_epsilon), xp)
+        else:
+            pr = personalized_pagerank(adj, reset, damping, device=device)
+        scores = segment_sum_contiguous(pr, N_GRAN)
     order = stable_argsort_desc(scores)
     return to_host(order).astype(np.int64), to_host(scores).astype(np.float64)
 
@@ -138,6 +157,8 @@ def rank_sessions(
     hybrid_emb: Any | None = None,
     topk_edges: int | None = None,
     return_scores: bool = False,
+    ppr: str | None = None,
+    ppr_epsilon: float | None = None,
 ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
     """Session indices per query, best first (int64 [Q, S]); ties broken by the lower session index.
 
@@ -180,7 +201,8 @@ def rank_sessions(
         order, scores = rank_history(nodes, q, edges, [method], hybrid=H,
                                      num_seeds=r.num_seeds if num_seeds is None else num_seeds,
                                      damping=r.damping if damping is None else damping,
-                                     temp=r.temp if temp is None else temp, router=router, device=device)[method]
+                                     temp=r.temp if temp is None else temp, router=router, device=device,
+                                     ppr=ppr, ppr_epsilon=ppr_epsilon)[method]
     return (order, scores) if return_scores else order
 
 
@@ -196,12 +218,14 @@ def rank_history(
     temp: float | None = None,
     router: str | None = None,
     device: str = "cpu",
+    ppr: str | None = None,
+    ppr_epsilon: float | None = None,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """(order [Q, S], scores [Q, S]) per method for the queries of one history, from stored edges.
 
     ``nodes`` [4*S, d] in node order; ``edges`` = {"gmm": (src, dst), "topk": (src, dst)} as the
-    association stage stored them; ``hybrid`` [S, d] for the hybrid baseline. Settings left ``None`` take
-    ``RetrievalConfig``'s defaults.
+    association stage stored them; ``hybrid`` [S, d] for the hybrid baseline. ``ppr``: "exact" or "push"
+    (``ppr_epsilon`` its threshold). Settings left ``None`` take ``RetrievalConfig``'s defaults.
     """
     num_seeds, damping, temp, router = _with_defaults(num_seeds, damping, temp, router)
     out = {}
@@ -220,5 +244,5 @@ def rank_history(
         else:
             src, dst = edges.get(m.edges or "gmm", (np.zeros(0, np.int64), np.zeros(0, np.int64)))
             out[name] = score_with_edges(nodes, queries, src, dst, method=name, num_seeds=num_seeds, damping=damping,
-                                         temp=temp, router=router, device=device)
+                                         temp=temp, router=router, device=device, ppr=ppr, ppr_epsilon=ppr_epsilon)
     return out

@@ -39,8 +39,11 @@ import pyarrow as pa
 #: Bump when a table's columns change; banks of another version are refused with a clear error.
 SCHEMA_VERSION = 2
 
-#: Granularities of a memory node, in the node order of DESIGN.md §3 (node id = 4 * position + index).
+#: Granularities of a memory node, in the node order of DESIGN.md §3 (node id = N_GRAN * position + index).
+#: The one list: every count of granularities (node matrices, segments, the router) follows from it.
 GRANULARITIES: tuple[str, ...] = ("session", "turn", "summary", "keyword")
+#: Nodes per session.
+N_GRAN: int = len(GRANULARITIES)
 
 #: Generation kinds stored in ``generations``.
 GENERATION_KINDS: tuple[str, ...] = ("summary", "keywords")

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-N_GRAN = 4
+from memgas.pipeline.schema import N_GRAN
+
 #: sessions per generation block (each block has its own seed: ranges are independent of the length)
 GEN_BLOCK = 4096
 

@@ -25,7 +25,7 @@ from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import segments
 from memgas.pipeline.association.segments import Coverage, Segment, coverage, prefix_digests, split_segment
-from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES
+from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, N_GRAN
 
 MODES = ("gmm", "topk")  # the method's edges and those of the "no GMM" ablation
 
@@ -107,11 +107,11 @@ class AssociateStage(HistoryShardStage):
         segs = unit["segments"]
         loader = matrix_loader(ctx, sorted({s[0] for s in segs}))
         # each segment's rows see the nodes of its sessions [0, end): only that prefix is shipped
-        return {"segments": segs, "matrices": [node_matrix(loader.get(h))[: 4 * b] for h, _, b, _ in segs]}
+        return {"segments": segs, "matrices": [node_matrix(loader.get(h))[: N_GRAN * b] for h, _, b, _ in segs]}
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
-        from memgas.pipeline.association import N_GRAN, causal_rows
+        from memgas.pipeline.association import causal_rows
         from memgas.pipeline.association.edges import edges_from
 
         a, device, segs = params["association"], params["device"], payload["segments"]

@@ -112,6 +112,13 @@ class GenerateStage(Stage):
         return {"generations": gens, "texts": derived_texts(gens, texts)}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
+        if ctx.cache.pop(f"rebuilt:{self.name}", False):
+            # a damaged texts part was dropped: its derived texts come back from the generations (a unit only
+            # runs for sessions without generations, so no unit would write them again)
+            from memgas.jobs.stages.texts import rederive_texts
+
+            rederive_texts(ctx, None)
+            ctx.bank.compact("texts")  # as the table kinds leave a content table: one sorted part
         model, version = keys.generation_key(ctx)
         mine = ctx.bank.read("generations", ["prompt_tokens", "completion_tokens", "error", "fallback"],
                              filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))

@@ -67,7 +67,7 @@ class RankStage(HistoryShardStage):
     reads = ("queries", "nodes", "node_vectors", "edges")
     writes = (RANKINGS,)
     fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp", "retrieval.router",
-              "retrieval.store_top", "retrieval.device")
+              "retrieval.ppr", "retrieval.ppr_epsilon", "retrieval.store_top", "retrieval.device")
 
     def active(self, ctx: StageContext) -> Active | None:
         methods = family_methods(ctx.cfg.retrieval.methods, "memgas")
@@ -75,7 +75,9 @@ class RankStage(HistoryShardStage):
             return None
         active = super().active(ctx)
         # the MemGAS subset of retrieval.methods keys the rankings (a JustMem method added changes nothing)
-        active.fields = tuple(f for f in self.fields if f != "retrieval.methods")
+        # and the push threshold changes nothing under the exact kernel
+        unused = ("retrieval.methods",) + (("retrieval.ppr_epsilon",) if ctx.cfg.retrieval.ppr != "push" else ())
+        active.fields = tuple(f for f in self.fields if f not in unused)
         active.resolved["methods"] = methods
         active.params["retrieval"] = {**ctx.cfg.retrieval.model_dump(), "methods": methods}
         return active
@@ -83,6 +85,9 @@ class RankStage(HistoryShardStage):
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         bank, ids = ctx.bank, unit["histories"]
         queries = bank.read("queries", ["query_id", "history_id", "question"], filter=pc.field("history_id").isin(ids))
+        # in id order, not the files' order: a history's questions are ranked as one batch, whose float
+        # sums depend on the rows' order (the same data ingested in another order gives the same bits)
+        queries = queries.sort_by("query_id")
         if queries.num_rows == 0:
             return {"histories": []}
         loader = matrix_loader(ctx, ids)
@@ -120,7 +125,7 @@ class RankStage(HistoryShardStage):
         edges = {mode: (owned(src, np.int64), owned(dst, np.int64)) for mode, (src, dst) in h["edges"].items()}
         ranked = rank_history(node_matrix(m), owned(h["queries"], np.float32), edges, r["methods"],
                               hybrid=m.get("hybrid"), num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
-                              router=r["router"], device=device)
+                              router=r["router"], device=device, ppr=r["ppr"], ppr_epsilon=r["ppr_epsilon"])
         return m, {x: ranked[x] for x in r["methods"]}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:

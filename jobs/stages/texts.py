@@ -65,11 +65,13 @@ def unit_texts(ctx: StageContext, unit: dict[str, Any], hashes: list[str]) -> di
     return blocks.get(ctx.bank, unit) if blocks is not None else texts_by_hash(ctx.bank, hashes)
 
 
-def rederive_texts(ctx: StageContext, wanted: list[str]) -> dict[str, str]:
-    """Summary, keyword and hybrid texts of this config's generations, written back to ``texts``.
+def rederive_texts(ctx: StageContext, wanted: list[str] | None) -> dict[str, str]:
+    """Summary, keyword and hybrid texts of this config's generations, written back to ``texts``; returns
+    those of ``wanted`` (None: all).
 
     The generate stage stores them once; when a texts part was lost (deleted as unreadable) they are
-    rebuilt from ``generations`` and the session texts rather than failing the encode stage."""
+    rebuilt from ``generations`` and the session texts rather than failing the encode stage (or, when the
+    generate stage rebuilds its damaged output, by it: its units only generate what has no generation)."""
     from memgas.pipeline.generate import derived_texts
 
     bank = ctx.bank
@@ -79,7 +81,7 @@ def rederive_texts(ctx: StageContext, wanted: list[str]) -> dict[str, str]:
     sessions = texts_by_hash(bank, sorted(set(gens["text_hash"].to_pylist())))
     derived = derived_texts(gens, sessions)
     got = dict(zip(derived["text_hash"].to_pylist(), derived["text"].to_pylist()))
-    found = {h: got[h] for h in wanted if h in got}
+    found = got if wanted is None else {h: got[h] for h in wanted if h in got}
     if found:
         log.warning("encode: %d texts were missing from 'texts' and were rebuilt from the generations", len(found))
         bank.write_part("texts", f"derived-repair-{short_hash(sorted(found), 8)}", derived)

@@ -38,7 +38,6 @@ from memgas.pipeline.association.exact_search import (
     CAUSAL_BLOCK_SESSIONS,
     COL_CHUNK,
     COL_PAD,
-    DENSE_MAX_NODES,
     GROUP_TILES,
     ROW_CHUNK,
     causal_rows,
@@ -56,7 +55,7 @@ from memgas.pipeline.association.nodes import _first_row_session as _first_row_s
 from memgas.pipeline.association.nodes import _rescore as _rescore
 
 __all__ = [
-    "CAUSAL_BLOCK_SESSIONS", "COL_CHUNK", "COL_PAD", "DENSE_MAX_NODES", "GMM_ROWS", "GROUP_TILES", "N_GRAN",
+    "CAUSAL_BLOCK_SESSIONS", "COL_CHUNK", "COL_PAD", "GMM_ROWS", "GROUP_TILES", "N_GRAN",
     "ROW_CHUNK", "SMALL_HISTORY_NODES", "Candidates", "CausalHNSW", "CausalIVF", "Edges", "HNSWParams",
     "IVFParams", "NodeFile", "associate", "associate_hnsw", "associate_ivf", "associate_many", "associate_rows", "candidates", "causal_rows",
     "concat_edges", "split_rows",

@@ -12,7 +12,6 @@ from memgas.pipeline.association.edges import Edges, _accept, _edges
 from memgas.pipeline.association.exact_search import (
     CAUSAL_BLOCK_SESSIONS,
     COL_CHUNK,
-    DENSE_MAX_NODES,
     _causal_candidates,
     _dense_candidates,
     _faiss_candidates,
@@ -20,7 +19,7 @@ from memgas.pipeline.association.exact_search import (
 )
 from memgas.pipeline.association.hnsw_search import CausalHNSW, HNSWParams
 from memgas.pipeline.association.ivf_search import CausalIVF, IVFParams
-from memgas.pipeline.association.nodes import N_GRAN, Candidates, _as_nodes, _first_row_session, _rescore
+from memgas.pipeline.association.nodes import MEM_THRESHOLD, MIN_PRIOR_NODES, N_GRAN, Candidates, _as_nodes, _first_row_session, _rescore
 
 log = logging.getLogger(__name__)
 
@@ -31,10 +30,9 @@ def candidates(
     emb_nodes: Any,
     *,
     n_sessions_done: int = 0,
-    mem_threshold: int = 30,
-    min_prior_nodes: int = 20,
+    mem_threshold: int = MEM_THRESHOLD,
+    min_prior_nodes: int = MIN_PRIOR_NODES,
     device: str = "cpu",
-    dense_max_nodes: int = DENSE_MAX_NODES,
     search: str = "auto",
     approx_min_nodes: int | None = None,
     hnsw: HNSWParams | None = None,
@@ -45,8 +43,9 @@ def candidates(
     ``search``: "causal" (blocked causal top-k, :func:`_causal_candidates`), "dense" (the full masked
     matrix, the reference), "faiss", "hnsw" (approximate, :class:`CausalHNSW` with ``hnsw``), "ivf"
     (approximate, :class:`CausalIVF` with ``ivf``; never picked by "auto"), or "auto":
-    on CPU, "hnsw" from ``approx_min_nodes`` nodes (None: never), else faiss above ``dense_max_nodes``
-    nodes, else causal; on CUDA always causal (exact: there is no GPU faiss path).
+    on CPU, "hnsw" from ``approx_min_nodes`` nodes (None: never), else causal; on CUDA always causal.
+    The causal search is exact with memory bounded by column blocks whatever the history's length, so
+    "auto" no longer switches to faiss for long histories (the job's search, pipeline/config.py).
     """
     E = _as_nodes(emb_nodes)
     S = E.shape[0] // N_GRAN
@@ -60,7 +59,7 @@ def candidates(
         elif approx_min_nodes is not None and E.shape[0] >= approx_min_nodes:
             search = "hnsw"
         else:
-            search = "faiss" if E.shape[0] > dense_max_nodes else "causal"
+            search = "causal"
     if search == "hnsw":
         if n_sessions_done:
             raise ValueError("search='hnsw' with n_sessions_done: use associate_hnsw with the saved index")
@@ -82,7 +81,7 @@ def candidates(
 
 
 def associate_rows(
-    emb_nodes: Any, a: int, b: int, *, mem_threshold: int = 30, min_prior_nodes: int = 20, mode: str = "gmm",
+    emb_nodes: Any, a: int, b: int, *, mem_threshold: int = MEM_THRESHOLD, min_prior_nodes: int = MIN_PRIOR_NODES, mode: str = "gmm",
     topk_edges: int | None = None, device: str = "cpu", block_sessions: int = CAUSAL_BLOCK_SESSIONS,
     col_chunk: int = COL_CHUNK,
 ) -> Edges:
@@ -99,8 +98,7 @@ def associate_rows(
     return _edges(c, _accept([c], mode, topk_edges, device)[0])
 
 
-def _small_blas(histories: Sequence[Any], device: str, search: str = "auto",
-                dense_max_nodes: int = DENSE_MAX_NODES) -> Any:
+def _small_blas(histories: Sequence[Any], device: str, search: str, approx_min_nodes: int | None) -> Any:
     """Single-threaded BLAS for the CPU candidate search, except faiss searches of huge histories.
 
     Multi-threaded OpenBLAS on small products (a LoCoMo history is ~110 nodes; a causal block is 256 rows
@@ -109,7 +107,7 @@ def _small_blas(histories: Sequence[Any], device: str, search: str = "auto",
     """
     shapes = [tuple(getattr(h, "shape", None) or np.shape(h)) for h in histories]  # never reads a NodeFile
     n_max = max((int(np.prod(sh[:-1])) for sh in shapes if sh), default=0)
-    causal = search == "causal" or (search == "auto" and n_max <= dense_max_nodes)
+    causal = search == "causal" or (search == "auto" and (approx_min_nodes is None or n_max < approx_min_nodes))
     small = device == "cpu" and (causal or n_max <= SMALL_HISTORY_NODES)
     if small:
         try:
@@ -125,12 +123,11 @@ def associate(
     emb_nodes: Any,
     *,
     n_sessions_done: int = 0,
-    mem_threshold: int = 30,
-    min_prior_nodes: int = 20,
+    mem_threshold: int = MEM_THRESHOLD,
+    min_prior_nodes: int = MIN_PRIOR_NODES,
     mode: str = "gmm",
     topk_edges: int | None = None,
     device: str = "cpu",
-    dense_max_nodes: int = DENSE_MAX_NODES,
     search: str = "auto",
     approx_min_nodes: int | None = None,
     hnsw: HNSWParams | None = None,
@@ -143,7 +140,7 @@ def associate(
     return associate_many(
         [emb_nodes], n_sessions_done=[n_sessions_done], mem_threshold=mem_threshold,
         min_prior_nodes=min_prior_nodes, mode=mode, topk_edges=topk_edges, device=device,
-        dense_max_nodes=dense_max_nodes, search=search, approx_min_nodes=approx_min_nodes, hnsw=hnsw, ivf=ivf,
+        search=search, approx_min_nodes=approx_min_nodes, hnsw=hnsw, ivf=ivf,
     )[0]
 
 
@@ -151,12 +148,11 @@ def associate_many(
     histories: Sequence[Any],
     *,
     n_sessions_done: Sequence[int] | None = None,
-    mem_threshold: int = 30,
-    min_prior_nodes: int = 20,
+    mem_threshold: int = MEM_THRESHOLD,
+    min_prior_nodes: int = MIN_PRIOR_NODES,
     mode: str = "gmm",
     topk_edges: int | None = None,
     device: str = "cpu",
-    dense_max_nodes: int = DENSE_MAX_NODES,
     search: str = "auto",
     approx_min_nodes: int | None = None,
     hnsw: HNSWParams | None = None,
@@ -167,10 +163,10 @@ def associate_many(
     Returns one :class:`Edges` per history (node ids local to that history; edges never cross histories).
     """
     done = list(n_sessions_done) if n_sessions_done is not None else [0] * len(histories)
-    with _small_blas(histories, device, search, dense_max_nodes):
+    with _small_blas(histories, device, search, approx_min_nodes):
         cands = [
             candidates(h, n_sessions_done=d, mem_threshold=mem_threshold, min_prior_nodes=min_prior_nodes,
-                       device=device, dense_max_nodes=dense_max_nodes, search=search,
+                       device=device, search=search,
                        approx_min_nodes=approx_min_nodes, hnsw=hnsw, ivf=ivf)
             for h, d in zip(histories, done)
         ]

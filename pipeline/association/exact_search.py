@@ -21,11 +21,12 @@ from memgas.pipeline.association.nodes import (
     _read_cols,
     _read_rows,
     _rescore,
+    MEM_THRESHOLD,
+    MIN_PRIOR_NODES,
 )
 
 log = logging.getLogger(__name__)
 
-DENSE_MAX_NODES = 20_000  # above this many nodes, candidate search goes through faiss
 ROW_CHUNK = 4096  # query rows per dense similarity block (bounds memory to ROW_CHUNK x n_nodes floats)
 #: sessions per row block of the causal search (64 sessions = 256 rows: a 256 x prefix float32 block)
 CAUSAL_BLOCK_SESSIONS = 64
@@ -243,7 +244,7 @@ def _faiss_candidates(
 
 
 def causal_rows(
-    emb_nodes: Any, a: int, b: int, *, mem_threshold: int = 30, min_prior_nodes: int = 20, device: str = "cpu",
+    emb_nodes: Any, a: int, b: int, *, mem_threshold: int = MEM_THRESHOLD, min_prior_nodes: int = MIN_PRIOR_NODES, device: str = "cpu",
     block_sessions: int = CAUSAL_BLOCK_SESSIONS, col_chunk: int = COL_CHUNK,
 ) -> Candidates:
     """Exact causal candidates of the rows (node ids) ``[a, b)`` of one history: one Ray task's share.

@@ -18,6 +18,8 @@ from memgas.pipeline.association.nodes import (
     _read_rows,
     _rescore,
     _scores64,
+    MEM_THRESHOLD,
+    MIN_PRIOR_NODES,
 )
 
 
@@ -132,8 +134,8 @@ class CausalHNSW(FaissCausalIndex):
 
 
 def associate_hnsw(
-    emb_nodes: Any, index: CausalHNSW | None = None, *, n_sessions_done: int = 0, mem_threshold: int = 30,
-    min_prior_nodes: int = 20, hnsw: HNSWParams | None = None,
+    emb_nodes: Any, index: CausalHNSW | None = None, *, n_sessions_done: int = 0, mem_threshold: int = MEM_THRESHOLD,
+    min_prior_nodes: int = MIN_PRIOR_NODES, hnsw: HNSWParams | None = None,
 ) -> tuple[Edges, CausalHNSW]:
     """Approximate association of the sessions >= ``n_sessions_done``, block by block (bounded memory:
     one block's candidates and GMM at a time; the edges are the only thing that grows).

@@ -25,6 +25,8 @@ from memgas.pipeline.association.nodes import (
     _new_rows,
     _read_cols,
     _scores64,
+    MEM_THRESHOLD,
+    MIN_PRIOR_NODES,
 )
 
 #: nodes per coarse-assignment tile; tiles sit on a grid of node ids so a node's float32 centroid
@@ -273,8 +275,8 @@ def _gather(E: Any, ids: np.ndarray) -> np.ndarray:
 
 
 def associate_ivf(
-    emb_nodes: Any, index: CausalIVF | None = None, *, n_sessions_done: int = 0, mem_threshold: int = 30,
-    min_prior_nodes: int = 20, ivf: IVFParams | None = None,
+    emb_nodes: Any, index: CausalIVF | None = None, *, n_sessions_done: int = 0, mem_threshold: int = MEM_THRESHOLD,
+    min_prior_nodes: int = MIN_PRIOR_NODES, ivf: IVFParams | None = None,
 ) -> tuple[Edges, CausalIVF]:
     """:func:`associate_hnsw` with the IVF search: the edges of the sessions >= ``n_sessions_done`` (an
     ``index`` holding exactly the sessions before them, or None to build one) and the index, which then

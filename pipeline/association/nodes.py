@@ -9,7 +9,13 @@ from typing import Any
 
 import numpy as np
 
-N_GRAN = 4
+from memgas.pipeline.config import AssociationConfig
+from memgas.pipeline.schema import N_GRAN
+
+# The library's defaults are the job's: one home for each value, the config (pipeline/config.py).
+_DEFAULTS = AssociationConfig()
+MEM_THRESHOLD: int = _DEFAULTS.mem_threshold
+MIN_PRIOR_NODES: int = _DEFAULTS.min_prior_nodes
 
 
 @dataclass
@@ -81,10 +87,10 @@ def _as_nodes(emb_nodes: Any, whole_sessions: bool = True) -> Any:
     e = np.asarray(emb_nodes)
     if e.ndim == 3:
         if e.shape[1] != N_GRAN:
-            raise ValueError(f"emb_nodes [S, 4, d] expected, got {e.shape}")
+            raise ValueError(f"emb_nodes [S, {N_GRAN}, d] expected, got {e.shape}")
         e = e.reshape(-1, e.shape[-1])
     if e.ndim != 2 or (whole_sessions and e.shape[0] % N_GRAN):
-        raise ValueError(f"emb_nodes must be [4*S, d] (or [S, 4, d]), got shape {e.shape}")
+        raise ValueError(f"emb_nodes must be [{N_GRAN}*S, d] (or [S, {N_GRAN}, d]), got shape {e.shape}")
     return np.ascontiguousarray(e, dtype=np.float32)  # a float32 memmap stays a map (no copy)
 
 

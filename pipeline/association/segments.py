@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from memgas.pipeline.schema import GRANULARITIES
+from memgas.pipeline.schema import GRANULARITIES, N_GRAN
 
 #: (history_id, first_session, end_session, prefix_digest)
 Segment = tuple[str, int, int, str]
@@ -115,7 +115,7 @@ def coverage(stored: Mapping[str, Iterable[Segment]], chains: Mapping[str, list[
         allowed -= off_chain
 
 
-def causal_work(a: int, b: int, n_gran: int = len(GRANULARITIES)) -> int:
+def causal_work(a: int, b: int, n_gran: int = N_GRAN) -> int:
     """Summed prefix lengths (in nodes) of the rows of sessions ``[a, b)``: each row sees every node of the
     sessions before its own."""
     return n_gran * n_gran * (b * (b - 1) - a * (a - 1)) // 2

@@ -236,6 +236,8 @@ class Warnings:
         self.strict = strict
         #: session ids each history already has outside the file (an append's bank): evidence may name them
         self.known_sessions = known_sessions or {}
+        #: whether the file is appended to a bank (``known_sessions`` given): what a record may leave out differs
+        self.appending = known_sessions is not None
         self.once = set(once)
         self.counts: dict[str, int] = {}
         self.examples: dict[str, list[str]] = {}

@@ -65,6 +65,9 @@ def parse_history(index: int, item: Any, file: str, warnings: Warnings) -> Histo
     report_repeats(rec, warnings)
     note_date_order(rec, warnings)
     if not rec.sessions and hid not in warnings.known_sessions:  # an append may bring only new questions
+        if warnings.appending and not sessions and questions:  # ... to a known history: else they are lost
+            raise ctx.error(f"a record without sessions adds questions to a history the bank holds, but {hid!r} is "
+                            "not in the bank (check the id, or add the history with its sessions)", "sessions")
         warnings.warn("empty_history", "history has no non-empty session (skipped)", index=index, record_id=hid, field="sessions")
         return None
     if speakers is not None:

@@ -41,6 +41,7 @@ from memgas.pipeline.evaluate.categories import (
     is_longmemeval_abstention,
 )
 from memgas.pipeline.evaluate.qa import as_text
+from memgas.pipeline.llm_calls import SURROGATE_RE
 from memgas.pipeline.models.base import LLM, ChatPrompt, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -142,7 +143,6 @@ def judge_prompt(
     )
 
 
-_THINK_RE = re.compile(r"<think>.*?</think>", re.IGNORECASE | re.DOTALL)
 _YES_NO_RE = re.compile(r"\b(yes|no)\b", re.IGNORECASE)
 
 
@@ -157,9 +157,10 @@ def parse_yes_no(text: Any) -> bool | None:
     if text is None:
         return None
     s = str(text)
+    # everything up to the last </think> is reasoning (no closed <think> block is left after it, so no
+    # regex over <think>...</think> pairs: that rescans to the end from every unclosed tag, quadratic)
     if "</think>" in s.lower():
         s = s[s.lower().rfind("</think>") + len("</think>") :]
-    s = _THINK_RE.sub(" ", s)
     m = _YES_NO_RE.search(s)
     if m is None:
         return None
@@ -233,10 +234,11 @@ def run_judge(
         if len(results) != len(prompts):
             raise RuntimeError(f"judge LLM {llm.name} returned {len(results)} results for {len(prompts)} prompts")
         for i, res in zip(prompt_rows, results):
+            text = SURROGATE_RE.sub("\ufffd", res.text or "")  # not UTF-8: the rows go to Parquet
             if res.error is not None:
-                rows[i].update(error=str(res.error), judge_output=res.text or "")
+                rows[i].update(error=SURROGATE_RE.sub("\ufffd", str(res.error)), judge_output=text)
                 continue
-            out = (res.text or "").strip()
+            out = text.strip()
             rows[i].update(judge_output=out, label=parse_yes_no(out))
         n_err = sum(r.error is not None for r in results)
         if n_err:

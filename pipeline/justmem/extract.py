@@ -17,6 +17,9 @@ LLM-free method (``LLM_FREE_EXTRACTOR``; measured on LoCoMo in docs/benchmarks.m
    repeat the words of the answer that follows, which then competes with the answer for the same query.
 3. Each kept sentence is one card (``MAX_CARD_CHARS`` = 0; a positive value packs consecutive sentences of a
    turn up to that many characters), prefixed with the speaker: "Caroline said: ...", "The user said: ...".
+   A card that would pass ``CARD_TEXT_LIMIT`` (the limit LLM cards are held to; an unpunctuated turn is one
+   "sentence") is cut on word boundaries into several cards of the same turn, each with the prefix; so is a
+   code/list card, and an image note that does not fit on the turn's last card gets its own.
 4. A turn whose every sentence was dropped but which answers the previous turn's question ("Yes, I did!")
    becomes one card holding the question and the answer, spanning both turns.
 5. A shared image (LoCoMo's BLIP caption) is appended to the turn's last card: "[Melanie shared an image:
@@ -62,13 +65,27 @@ from memgas.pipeline.schema import CARD_TYPES, CARDS
 log = logging.getLogger(__name__)
 
 #: Key of the LLM-free extractor; bump the version whenever its output can change.
-LLM_FREE_EXTRACTOR = "llm-free/justmem-cards-v1"
+#: v2: cards cut at ``CARD_TEXT_LIMIT`` (identical to v1's on both bundled samples, which have no card that long).
+LLM_FREE_EXTRACTOR = "llm-free/justmem-cards-v2"
 #: Longest card the LLM-free extractor packs consecutive sentences of a turn into; 0 = one sentence per card.
 #: Measured on the LoCoMo sample (benchmarks/justmem_quality.py, MiniLM): one sentence per card beat packing
 #: to 240 or 600 chars on R_all@3/@10 and NDCG@10 of every card method, and tied on R_all@5.
 MAX_CARD_CHARS = 0
 #: Content words a sentence needs to be kept.
 MIN_CONTENT_WORDS = 2
+#: Longest card text, in characters, on both paths: an LLM card longer than this is invalid (a "card" that long
+#: is a copy of the session, not a card); the LLM-free extractor cuts longer text on word boundaries into
+#: several cards of the same turn span.
+CARD_TEXT_LIMIT = 4000
+#: Most cards one LLM reply may give a session (schema ``maxItems`` and validation); more is runaway output.
+#: The LLM-free extractor's most on the bundled samples is 142 (a long LongMemEval session).
+MAX_CARDS_PER_SESSION = 256
+#: Share of an LLM card's content words (:func:`grounding`) that must occur in the turns it cites, else the
+#: card is invalid. Every LLM-free card of the bundled samples scores 100% (its words are its turns' words),
+#: so the check never rejects that method's output; 50% leaves the LLM room to paraphrase ("prefers" for
+#: "prefer", "attended" for "went to") while a card about something else ("The user's bank password is
+#: hunter2", 0 of 4) fails.
+MIN_GROUNDED_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -162,13 +179,17 @@ _STATE_RE = re.compile(
     r"i live|i work|my \w+ (?:is|are))\b", re.IGNORECASE)
 
 
+#: Longest speaker label a card starts with (a role is user data: a huge one must not fill the card limit).
+_SPEAKER_CHARS = 100
+
+
 def _speaker(role: str) -> str:
     low = role.strip().lower()
     if low in ("user", "human"):
         return "The user"
     if low in ("assistant", "ai", "bot", "system"):
         return "The assistant"
-    return role.strip() or "Someone"
+    return role.strip()[:_SPEAKER_CHARS].strip() or "Someone"
 
 
 def _is_assistant(role: str) -> bool:
@@ -179,6 +200,31 @@ def content_words(text: str) -> list[str]:
     """Words of three letters or more that are neither stop words nor interjections ("Melanie's" -> melanie)."""
     words = (m.group(0).lower().replace("’", "'").removesuffix("'s") for m in _WORD_RE.finditer(text))
     return [w for w in words if len(w) >= 3 and w not in _STOP and w.split("'")[0] not in _STOP]
+
+
+#: words the card format itself adds ("<speaker> said:", "[... shared an image: ...]"), not evidence
+_FRAME_WORDS = frozenset("said wrote asked answered shared image".split())
+_TOKEN_RE = re.compile(r"[^\W_]+")
+
+
+def _grounding_words(text: str) -> list[str]:
+    """Lower-cased word tokens (letters and digits; "hunter2" is one) of two characters or more, less stop
+    words and the card format's own words."""
+    return [w for w in _TOKEN_RE.findall(text.lower())
+            if (len(w) > 1 or w.isdigit()) and w not in _STOP and w not in _FRAME_WORDS]
+
+
+def grounding(text: str, turns: Sequence[Turn]) -> tuple[int, int]:
+    """(content words of ``text`` that occur in ``turns``, content words of ``text``): how much of a card its
+    cited turns support. A turn's words include its role and the speaker label the cards use ("The user"
+    for a "human" turn). Exact words, no stemming: the threshold (``MIN_GROUNDED_SHARE``) leaves room for
+    inflections. Known limit: scripts without spaces between words (Chinese, Japanese) make one token per
+    run of text, so a paraphrase there rarely matches."""
+    source: set[str] = set()
+    for t in turns:
+        source.update(_grounding_words(f"{t.role} {_speaker(t.role)} {t.content}"))
+    words = _grounding_words(text)
+    return sum(w in source for w in words), len(words)
 
 
 def split_sentences(text: str) -> list[str]:
@@ -266,11 +312,40 @@ def _pack(sentences: list[str], max_chars: int) -> list[str]:
     return out
 
 
+_SPACE_RUN_RE = re.compile(r"\s+")
+
+
+def cut_words(text: str, limit: int) -> list[str]:
+    """``text`` in pieces of at most ``limit`` characters, cut at the last whitespace that fits (inside a word
+    only when one word is longer than ``limit``). The pieces are the text's own substrings in order, so
+    joining them with the whitespace cut out gives ``text`` back. One pass: each window is scanned once."""
+    limit = max(limit, 1)
+    out: list[str] = []
+    pos = 0
+    while len(text) - pos > limit:
+        last = None
+        for last in _SPACE_RUN_RE.finditer(text, pos + 1, pos + limit + 1):
+            pass
+        cut, nxt = (last.start(), last.end()) if last is not None else (pos + limit, pos + limit)
+        out.append(text[pos:cut])
+        m = _SPACE_RUN_RE.match(text, nxt)
+        pos = m.end() if m else nxt
+    if pos < len(text):
+        out.append(text[pos:])
+    return out
+
+
+def _cards_of(prefix: str, body: str, *, i0: int, i1: int, block: bool, assistant: bool) -> list[Card]:
+    """``prefix + body`` as one card, or, past ``CARD_TEXT_LIMIT``, as several cards of the same turn span
+    (``body`` cut on word boundaries, each piece with the prefix; type and time per piece)."""
+    return [Card(text=f"{prefix}{piece}", type=card_type(piece, block=block, assistant=assistant),
+                 time=find_time(piece), turn_start=i0, turn_end=i1)
+            for piece in cut_words(body, CARD_TEXT_LIMIT - len(prefix))]
+
+
 def _make(speaker: str, body: str, *, i0: int, i1: int, block: bool, assistant: bool,
-          verb: str = "said") -> Card:
-    text = f"{speaker} {verb}: {body}"
-    return Card(text=text, type=card_type(body, block=block, assistant=assistant), time=find_time(body),
-                turn_start=i0, turn_end=i1)
+          verb: str = "said") -> list[Card]:
+    return _cards_of(f"{speaker} {verb}: ", body, i0=i0, i1=i1, block=block, assistant=assistant)
 
 
 def extract_llm_free(turns: Sequence[Turn], *, max_chars: int = MAX_CARD_CHARS,
@@ -287,22 +362,22 @@ def extract_llm_free(turns: Sequence[Turn], *, max_chars: int = MAX_CARD_CHARS,
         sentences = [s for p in prose for s in split_sentences(p)]
         kept = [s for s in sentences if (keep_questions or not s.rstrip("\"')] ").endswith("?"))
                 and len(content_words(s)) >= MIN_CONTENT_WORDS]
-        own = [_make(speaker, body, i0=t.turn_index, i1=t.turn_index, block=False, assistant=assistant)
-               for body in _pack(kept, max_chars)]
-        own += [_make(speaker, b, i0=t.turn_index, i1=t.turn_index, block=True, assistant=assistant, verb="wrote")
-                for b in blocks]
+        own = [c for body in _pack(kept, max_chars)
+               for c in _make(speaker, body, i0=t.turn_index, i1=t.turn_index, block=False, assistant=assistant)]
+        own += [c for b in blocks for c in _make(speaker, b, i0=t.turn_index, i1=t.turn_index, block=True,
+                                                 assistant=assistant, verb="wrote")]
         if not own and prev_question is not None and sentences and not caption:
             q_turn, q = prev_question
             body = f"{_speaker(q_turn.role)} asked: {q} {speaker} answered: {' '.join(sentences)}"
-            own = [Card(text=body, type=card_type(body, assistant=assistant), time=find_time(body),
-                        turn_start=q_turn.turn_index, turn_end=t.turn_index)]
+            own = _cards_of("", body, i0=q_turn.turn_index, i1=t.turn_index, block=False, assistant=assistant)
         if caption.strip():
             note = f"[{speaker} shared an image: {caption.strip()}]"
-            if own:
+            if own and len(own[-1].text) + 1 + len(note) <= CARD_TEXT_LIMIT:
                 last = own[-1]
                 own[-1] = Card(f"{last.text} {note}", last.type, last.time, last.turn_start, last.turn_end)
-            else:
-                own = [Card(note, "event", find_time(text), t.turn_index, t.turn_index)]
+            else:  # no card to carry it, or it would pass the limit: the note's own card(s)
+                own += [Card(piece, "event", find_time(text), t.turn_index, t.turn_index)
+                        for piece in cut_words(note, CARD_TEXT_LIMIT)]
         cards += own
         questions = [s for s in sentences if s.rstrip("\"')] ").endswith("?")]
         prev_question = (t, questions[-1]) if questions else None
@@ -310,8 +385,8 @@ def extract_llm_free(turns: Sequence[Turn], *, max_chars: int = MAX_CARD_CHARS,
         longest = max(turns, key=lambda u: (len(u.content.strip()), -u.turn_index), default=None)
         if longest is not None and longest.content.strip():
             body = " ".join(longest.content.split())
-            cards = [_make(_speaker(longest.role), body, i0=longest.turn_index, i1=longest.turn_index,
-                           block=False, assistant=_is_assistant(longest.role))]
+            cards = _make(_speaker(longest.role), body, i0=longest.turn_index, i1=longest.turn_index,
+                          block=False, assistant=_is_assistant(longest.role))
     return cards
 
 
@@ -384,23 +459,23 @@ def cards_json_schema() -> dict[str, Any]:
         "required": ["text", "type", "time", "turn_start", "turn_end"],
         "additionalProperties": False,
     }
-    return {"type": "object", "properties": {"cards": {"type": "array", "items": card, "minItems": 1}},
+    cards = {"type": "array", "items": card, "minItems": 1, "maxItems": MAX_CARDS_PER_SESSION}
+    return {"type": "object", "properties": {"cards": cards},
             "required": ["cards"], "additionalProperties": False}
 
 
-#: Longest card text accepted from the LLM (a "card" longer than this is a copy of the session, not a card).
-MAX_LLM_CARD_CHARS = 4000
-
-
-def validate_cards(obj: dict[str, Any], turn_indices: Sequence[int]) -> list[Card]:
-    """Cards of a parsed extraction output, or InvalidOutput naming the first problem. ``turn_indices``: the
-    turns the prompt showed (provenance must point at one of them)."""
+def validate_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> list[Card]:
+    """Cards of a parsed extraction output, or InvalidOutput naming the first problem. ``turns``: the turns
+    the prompt showed (provenance must point at them, and a card's words must occur in the turns it cites:
+    ``MIN_GROUNDED_SHARE``)."""
     items = obj.get("cards")
     if not isinstance(items, list):
         raise InvalidOutput('"cards" must be a list of card objects')
     if not items:
         raise InvalidOutput('"cards" is empty: a session has at least one card')
-    shown = set(turn_indices)
+    if len(items) > MAX_CARDS_PER_SESSION:
+        raise InvalidOutput(f'"cards" holds {len(items)} cards; at most {MAX_CARDS_PER_SESSION} per dialogue')
+    shown = {t.turn_index for t in turns}
     lo, hi = min(shown), max(shown)
     out: list[Card] = []
     for k, c in enumerate(items):
@@ -410,7 +485,7 @@ def validate_cards(obj: dict[str, Any], turn_indices: Sequence[int]) -> list[Car
         text = c.get("text")
         if not isinstance(text, str) or not text.strip():
             raise InvalidOutput(f'{where}.text must be a non-empty string')
-        if len(text) > MAX_LLM_CARD_CHARS:
+        if len(text) > CARD_TEXT_LIMIT:
             raise InvalidOutput(f"{where}.text is {len(text)} characters; a card is one short statement")
         typ = c.get("type")
         typ = typ.strip().lower() if isinstance(typ, str) else typ
@@ -429,6 +504,10 @@ def validate_cards(obj: dict[str, Any], turn_indices: Sequence[int]) -> list[Car
             span.append(v)
         if span[0] > span[1]:
             raise InvalidOutput(f"{where}: turn_start={span[0]} is after turn_end={span[1]}")
+        hit, total = grounding(text, [t for t in turns if span[0] <= t.turn_index <= span[1]])
+        if total and hit < MIN_GROUNDED_SHARE * total:
+            raise InvalidOutput(f"{where}.text is not grounded in turns {span[0]}..{span[1]}: {hit} of its {total} "
+                                f"content words occur there (at least {MIN_GROUNDED_SHARE:.0%} must)")
         t = " ".join(time.split()).lower() if time else ""
         out.append(Card(" ".join(text.split()), typ, t or None, span[0], span[1]))
     return out
@@ -494,7 +573,7 @@ def extract_cards(
                                       dialogue_kind_for(kind)) for (shown, _), (_, _, kind) in zip(fitted, todo)]
     params = SamplingParams(max_tokens=cfg.extract_max_tokens, temperature=temperature, seed=seed,
                             json_schema=cards_json_schema())
-    results = call_structured(llm, prompts, lambda obj, i: validate_cards(obj, [t.turn_index for t in fitted[i][0]]),
+    results = call_structured(llm, prompts, lambda obj, i: validate_cards(obj, fitted[i][0]),
                               params, ledger=ledger, stage="justmem-cards")
     by_hash: dict[str, list[dict[str, Any]]] = {}
     n_fallback = 0

@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 
 #: Key of the LLM-free planner; bump the version whenever its output can change.
 LLM_FREE_PLANNER = "llm-free/justmem-plan-v1"
+#: Most ``entities`` and most ``time_constraints`` an LLM plan may hold (schema ``maxItems`` and validation; a
+#: question names a handful; more is runaway output, not a plan).
+MAX_PLAN_ITEMS = 16
 
 
 def profile_for(d: bool, f: bool) -> str:
@@ -199,8 +202,8 @@ def plan_json_schema(n_rewrites: int) -> dict[str, Any]:
     return {
         "type": "object",
         "properties": {
-            "entities": strings,
-            "time_constraints": strings,
+            "entities": {**strings, "maxItems": MAX_PLAN_ITEMS},
+            "time_constraints": {**strings, "maxItems": MAX_PLAN_ITEMS},
             "operation": {"type": "string", "enum": list(PLAN_OPERATIONS)},
             "d": {"type": "boolean"},
             "f": {"type": "boolean"},
@@ -211,17 +214,20 @@ def plan_json_schema(n_rewrites: int) -> dict[str, Any]:
     }
 
 
-def _strings(obj: dict[str, Any], name: str) -> list[str]:
+def _strings(obj: dict[str, Any], name: str, cap: int | None = None) -> list[str]:
     v = obj.get(name, [])
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise InvalidOutput(f'"{name}" must be a list of strings')
+    if cap is not None and len(v) > cap:
+        raise InvalidOutput(f'"{name}" holds {len(v)} items; at most {cap}')
     return [" ".join(x.split()) for x in v if x.strip()]
 
 
 def validate_plan(obj: dict[str, Any], n_rewrites: int) -> Plan:
-    """A plan from a parsed planner output, or InvalidOutput naming the first problem. Extra rewrites beyond
+    """A plan from a parsed planner output, or InvalidOutput naming the first problem: more than
+    ``MAX_PLAN_ITEMS`` entities or time constraints is invalid (the schema's bound); extra rewrites beyond
     ``n_rewrites`` are dropped (the budget is ours, not the model's)."""
-    ents, cons = _strings(obj, "entities"), _strings(obj, "time_constraints")
+    ents, cons = _strings(obj, "entities", MAX_PLAN_ITEMS), _strings(obj, "time_constraints", MAX_PLAN_ITEMS)
     op = obj.get("operation")
     op = op.strip().lower().replace(" ", "_") if isinstance(op, str) else op
     if op not in PLAN_OPERATIONS:

@@ -7,6 +7,13 @@ the output is validated here either way, since not every backend enforces it and
 invalid whatever the backend. An invalid output gets exactly one repair call (the prompt, the bad reply and
 the problem); an output still invalid after it comes back with ``error`` set and ``value`` None, and the
 caller applies its LLM-free fallback and records it (never silently).
+
+Parsing is bounded, because a reply is untrusted input of any size and shape (runaway whitespace is a known
+failure of JSON-guided decoding, and ``llm.timeout_s`` does not cover parsing): a reply longer than
+``MAX_REPLY_CHARS`` is invalid unread; the parse is linear in the reply (no backtracking regex; at most
+``MAX_OBJECT_STARTS`` candidate objects, each one scan and one decode); a structure nested deeper than
+``MAX_JSON_DEPTH`` is invalid before the (recursive) decoder sees it. Every failure is an
+:class:`InvalidOutput`, i.e. the repair/fallback path above, never another exception.
 """
 
 from __future__ import annotations
@@ -18,14 +25,37 @@ from dataclasses import dataclass
 from typing import Any
 
 from memgas.pipeline.accounting import TokenLedger
-from memgas.pipeline.llm_calls import generate_batch
+from memgas.pipeline.llm_calls import SURROGATE_RE, generate_batch
 from memgas.pipeline.models.base import LLM, ChatPrompt, SamplingParams
 from memgas.pipeline.prompts import justmem_repair_prompt
 
 #: Prompts per ``llm.generate`` call (as generation's CHUNK: backend batching and progress).
 CHUNK = 64
 
-_FENCE_RE = re.compile(r"^\s*```[a-zA-Z]*\s*|\s*```\s*$")
+#: Longest reply parsed, in characters. Far above any real reply (a session's cards at ``MAX_CARDS_PER_SESSION``
+#: cards of ``CARD_TEXT_LIMIT`` characters would be about this size; a normal one is a few KB): a longer reply
+#: is runaway output, invalid without being read.
+MAX_REPLY_CHARS = 1_000_000
+#: Deepest nesting of objects and arrays parsed. The JustMem schemas need 3 levels (object, list, object); the
+#: json decoder recurses once per level and raises RecursionError near 1,000.
+MAX_JSON_DEPTH = 32
+#: ``{`` positions tried as the start of the reply's object (text or a code fence around it is tolerated);
+#: bounds the parse to this many linear passes however many braces the reply holds.
+MAX_OBJECT_STARTS = 8
+
+# a brace, a bracket, a whole JSON string (unrolled loop: no nested quantifier, so one pass), or a quote that
+# opens a string never closed (matched last: the scan stops there instead of retrying from each later quote)
+_TOKEN_RE = re.compile(r'[{}\[\]]|"[^"\\]*(?:\\.[^"\\]*)*"|"', re.DOTALL)
+_DECODER = json.JSONDecoder()
+_FENCE_OPEN_RE = re.compile(r"\A\s*```[a-zA-Z]*\s*")
+
+
+def strip_code_fences(text: str) -> str:
+    """``text`` without a leading ```` ```lang ```` fence and a trailing ```` ``` ````, stripped. Linear: the
+    trailing fence is found by ``rstrip`` (a regex ``\\s*```\\s*$`` retries from every whitespace character
+    of a long trailing run, quadratic)."""
+    text = _FENCE_OPEN_RE.sub("", text, count=1).strip()
+    return text[:-3].strip() if text.endswith("```") else text
 
 
 class InvalidOutput(ValueError):
@@ -33,19 +63,59 @@ class InvalidOutput(ValueError):
     to the model in the repair prompt, so it says what to fix)."""
 
 
-def parse_json_object(raw: str) -> dict[str, Any]:
-    """The first JSON object in ``raw`` (code fences and text around it tolerated). Raises InvalidOutput."""
-    text = _FENCE_RE.sub("", raw or "").strip()
-    dec = json.JSONDecoder()
-    for m in re.finditer(r"\{", text):
-        try:
-            obj, _ = dec.raw_decode(text[m.start():])
-        except json.JSONDecodeError:
+def _object_end(text: str, start: int) -> int | None:
+    """End of the balanced ``{...}`` at ``start`` (strings skipped whole), None when it never closes.
+    Raises InvalidOutput when it nests deeper than ``MAX_JSON_DEPTH`` (checked before decoding: the decoder
+    would recurse that deep)."""
+    depth = 0
+    for m in _TOKEN_RE.finditer(text, start):
+        tok = m.group()
+        if tok == '"':  # a string that never closes: nothing after it closes the object
+            return None
+        c = tok[0]
+        if c == '"':
             continue
-        if isinstance(obj, dict):
-            return obj
-    if not text:
+        if c in "{[":
+            depth += 1
+            if depth > MAX_JSON_DEPTH:
+                raise InvalidOutput(f"the reply nests deeper than {MAX_JSON_DEPTH} levels")
+        else:
+            depth -= 1
+            if depth == 0:
+                return m.end()
+    return None
+
+
+def _check_text(obj: dict[str, Any]) -> None:
+    """InvalidOutput when a string of ``obj`` holds a lone surrogate (a JSON ``\\ud800`` escape): not text,
+    and no UTF-8 table can store it. One linear pass over the re-encoded object."""
+    m = SURROGATE_RE.search(json.dumps(obj, ensure_ascii=False))
+    if m:
+        raise InvalidOutput(f"the reply holds a lone surrogate (\\u{ord(m.group()):04x}), which is not text")
+
+
+def parse_json_object(raw: str) -> dict[str, Any]:
+    """The first JSON object in ``raw`` (code fences and text around it tolerated), within the bounds of the
+    module docstring. Raises InvalidOutput."""
+    raw = raw or ""
+    if len(raw) > MAX_REPLY_CHARS:
+        raise InvalidOutput(f"the reply is {len(raw)} characters; at most {MAX_REPLY_CHARS} are parsed")
+    if not raw.strip():
         raise InvalidOutput("the reply is empty")
+    start = raw.find("{")
+    for _ in range(MAX_OBJECT_STARTS):
+        if start < 0:
+            break
+        end = _object_end(raw, start)
+        if end is not None:  # None: never closes, so no complete object starts here
+            try:
+                obj = _DECODER.raw_decode(raw[start:end])[0]  # a dict: the span starts with "{"
+            except ValueError:  # JSONDecodeError, or a number past Python's int digit limit
+                obj = None
+            if obj is not None:
+                _check_text(obj)
+                return obj
+        start = raw.find("{", start + 1)
     raise InvalidOutput("the reply holds no complete JSON object")
 
 
@@ -82,17 +152,22 @@ def call_structured(
     stage: str,
 ) -> list[StructuredResult]:
     """One call per prompt, validated by ``validate(obj, item_index)`` (raises :class:`InvalidOutput`);
-    invalid outputs get one repair call (batched), backend failures none (the client already retried)."""
+    invalid outputs get one repair call (batched), backend failures none (the client already retried), and
+    neither does a reply over ``MAX_REPLY_CHARS``: the repair prompt would send it back whole. ``raw`` keeps
+    at most ``MAX_REPLY_CHARS`` characters of a reply (the plans table records it)."""
     out = [StructuredResult() for _ in prompts]
     repair: list[int] = []
     for i, r in enumerate(generate_batch(llm, prompts, params, ledger, stage, chunk=CHUNK)):
         res = out[i]
-        res.raw, res.prompt_tokens, res.completion_tokens = r.text, r.prompt_tokens, r.completion_tokens
+        res.raw = r.text[:MAX_REPLY_CHARS]
+        res.prompt_tokens, res.completion_tokens = r.prompt_tokens, r.completion_tokens
         if r.error is not None:
             res.error = f"llm: {r.error}"
             continue
         res.value, problem = _check(r.text, validate, i)
-        if problem is not None:
+        if problem is not None and len(r.text) > MAX_REPLY_CHARS:
+            res.error = f"invalid output, not repaired: {problem}"
+        elif problem is not None:
             res.first_problem = problem
             repair.append(i)
     if not repair:

@@ -11,8 +11,9 @@ Trust: the cache never changes a result.
   every tensor bit for bit (same names, dtypes, bytes), the config, the generation config, and the tokenizer
   on probe texts and a rendered chat prompt. Otherwise the GGUF-loaded model is used and nothing is cached.
 - The folder's key is the GGUF file's digest, the dtype, this recipe and the versions of the libraries that
-  de-quantise and convert; its files' digests are recorded last (``memgas-cache.json``) and checked before
-  every load: a folder that is incomplete or altered is set aside and converted again.
+  de-quantise and convert; its files' sizes and digests are recorded last (``memgas-cache.json``) and checked
+  before every load, type and size before any byte is hashed: a folder that is incomplete or altered, or holds
+  a FIFO or a link to a device, is set aside and converted again.
 - Written in a temporary folder and renamed into place, under a lock that processes starting together wait
   for: they never read half a folder, and the GGUF is de-quantised once.
 A cache that cannot be written (read-only or full disk) costs time only: the model is loaded from the GGUF.
@@ -32,7 +33,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
 
-from memgas.pipeline.hashing import file_digest
+from memgas.pipeline.hashing import file_digest, file_matches, read_regular_bytes
 from memgas.pipeline.models.cache_dir import memgas_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -119,11 +120,16 @@ def _converting(folder: Path) -> Iterator[None]:
 
 
 def _intact(folder: Path) -> bool:
-    """The folder's manifest is there and every file it lists has its recorded digest."""
+    """The folder's manifest is there and every file it lists is a regular file (symlinks followed) of its
+    recorded size and digest. Type and size are checked before a byte is hashed: a ``model.safetensors`` that
+    is a link to /dev/zero or a FIFO would otherwise be read for ever. (Copies written before sizes were
+    recorded have no ``sizes``: their files' types and digests are still checked.)"""
     try:
-        recorded = json.loads((folder / MANIFEST).read_text())["files"]
-        return bool(recorded) and all(file_digest(folder / name) == digest for name, digest in recorded.items())
-    except (OSError, ValueError, KeyError, TypeError):
+        manifest = json.loads(read_regular_bytes(folder / MANIFEST))
+        recorded, sizes = manifest["files"], manifest.get("sizes") or {}
+        return bool(recorded) and all(file_matches(folder / name, digest, sizes.get(name))
+                                      for name, digest in recorded.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return False
 
 
@@ -222,7 +228,8 @@ def _convert(model: Any, tok: Any, folder: Path, dtype_name: str) -> None:
             return
         files = sorted(p.name for p in tmp.iterdir() if p.is_file())
         (tmp / MANIFEST).write_text(json.dumps({"recipe": GGUF_RECIPE, "files": {
-            name: file_digest(tmp / name) for name in files}}, indent=2, sort_keys=True))
+            name: file_digest(tmp / name) for name in files}, "sizes": {
+            name: (tmp / name).stat().st_size for name in files}}, indent=2, sort_keys=True))
         try:
             os.rename(tmp, folder)
         except OSError:

@@ -73,6 +73,22 @@ def _lazy_import(module: str, install_hint: str) -> Any:
 
 # -- prompt fitting ---------------------------------------------------------------------------------------
 
+#: ``GenerationResult.extra`` flag of an item whose prompt does not fit the context even when cut: the
+#: request's fault, not the model's (``memgas serve`` answers it with 400 ``context_length_exceeded``).
+PROMPT_TOO_LONG = "prompt_too_long"
+
+
+class PromptTooLong(ValueError):
+    """A prompt that does not fit the model's context even with its contents cut."""
+
+
+def item_error(result: GenerationResult, exc: BaseException) -> None:
+    """Record ``exc`` as one item's error (``Type: message``), flagging :data:`PROMPT_TOO_LONG`."""
+    result.error = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, PromptTooLong):
+        result.extra[PROMPT_TOO_LONG] = True
+
+
 
 def truncate_messages_middle(
     messages: ChatPrompt,
@@ -103,7 +119,7 @@ def truncate_messages_middle(
         msgs[i]["content"] = decode(head) + marker + decode(tail) if keep else ""
         dropped += cut
     if prompt_len(msgs) > budget:
-        raise ValueError(f"prompt does not fit in {budget} tokens even after truncation")
+        raise PromptTooLong(f"prompt does not fit in {budget} tokens even after truncation")
     return msgs, dropped
 
 
@@ -278,7 +294,7 @@ class TransformersLLM:
             try:
                 ids, dropped = self._prepare(p, max_new)
             except Exception as exc:  # a bad chat (template error, unfittable prompt) fails only its item
-                results[i].error = f"{type(exc).__name__}: {exc}"
+                item_error(results[i], exc)
                 continue
             if dropped:
                 results[i].extra["truncated"] = True
@@ -326,8 +342,9 @@ class TransformersLLM:
         else:
             kw.update(temperature=params.temperature, top_p=params.top_p)
             torch.manual_seed(params.seed)
-        if params.stop:
-            kw.update(stop_strings=list(params.stop), tokenizer=self._tok)
+        stops = [x for x in params.stop if x]  # transformers matches an empty one before the first token
+        if stops:
+            kw.update(stop_strings=stops, tokenizer=self._tok)
         with torch.inference_mode():
             out = self._model.generate(
                 input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device), **kw
@@ -422,7 +439,7 @@ class LlamaCppLLM:
                     "temperature": params.temperature,
                     "top_p": params.top_p,
                     "seed": params.seed,
-                    "stop": list(params.stop) or None,
+                    "stop": [x for x in params.stop if x] or None,  # an empty one would match at once
                 }
                 if params.json_schema is not None:
                     kw["response_format"] = {"type": "json_object", "schema": params.json_schema}
@@ -435,7 +452,7 @@ class LlamaCppLLM:
                 r.prompt_tokens = int(usage.get("prompt_tokens", 0))
                 r.completion_tokens = int(usage.get("completion_tokens", 0))
             except Exception as exc:
-                r.error = f"{type(exc).__name__}: {exc}"
+                item_error(r, exc)
         return results
 
 
@@ -477,8 +494,8 @@ def vllm_sampling_kwargs(params: SamplingParams, max_new: int) -> tuple[dict[str
         "top_p": params.top_p,
         "seed": params.seed,
     }
-    if params.stop:
-        kw["stop"] = list(params.stop)
+    if any(params.stop):  # an empty stop string would match at once
+        kw["stop"] = [x for x in params.stop if x]
     structured = {"json": params.json_schema} if params.json_schema is not None else None
     return kw, structured
 
@@ -559,7 +576,7 @@ class VLLMOfflineLLM:
                     self._tok.decode, self.context_tokens - max_new,
                 )
             except Exception as exc:
-                results[i].error = f"{type(exc).__name__}: {exc}"
+                item_error(results[i], exc)
                 continue
             if dropped:
                 results[i].extra.update(truncated=True, dropped_tokens=dropped)

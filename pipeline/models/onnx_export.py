@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from memgas.pipeline.bank import atomic_write_bytes
+from memgas.pipeline.hashing import read_regular_bytes
 from memgas.pipeline.models.cache_dir import memgas_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -113,9 +114,9 @@ def onnx_model_bytes(load_model: Any, input_names: list[str], *, int8: bool) -> 
     cache = onnx_cache_dir()
     path = cache / f"{key}.onnx"
     recorded = cache / f"{key}.onnx.blake2b"  # written after the model file: its presence marks a complete one
-    if path.is_file():
-        blob = path.read_bytes()
-        if _read_text(recorded) == _blob_digest(blob):
+    blob = _read_regular(path)
+    if blob is not None:
+        if (_read_regular(recorded) or b"").decode("ascii", "replace").strip() == _blob_digest(blob):
             logger.info("ONNX model from cache %s", path)
             return blob
         # altered, half-copied, or written by a memgas that recorded no digest: never used, exported again
@@ -138,8 +139,10 @@ def _blob_digest(blob: bytes) -> str:
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
 
 
-def _read_text(path: Path) -> str | None:
+def _read_regular(path: Path) -> bytes | None:
+    """A cache file's bytes; None when it is missing, unreadable, or not a regular file (a FIFO would block
+    the read, a link to /dev/zero never end it: ``hashing.read_regular_bytes`` refuses both before reading)."""
     try:
-        return path.read_text().strip()
-    except (OSError, UnicodeDecodeError):
+        return read_regular_bytes(path)
+    except OSError:
         return None

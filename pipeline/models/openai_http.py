@@ -1,7 +1,9 @@
 """OpenAI-compatible chat-completions client (vLLM serve, llama.cpp server, hosted APIs).
 
 ``httpx.AsyncClient`` with bounded concurrency (a semaphore), a per-request timeout, and retries with
-exponential backoff and seeded jitter on 429, 5xx, timeouts and connection errors. Every failure ends up in
+exponential backoff and seeded jitter on 429, 5xx, timeouts and connection errors. ``timeout_s`` bounds each
+attempt whole (connect, send and the entire response), so a server trickling an endless body is a timeout, and
+a body over ``MAX_RESPONSE_BYTES`` is a failure retried like a dropped connection. Every failure ends up in
 its item's ``GenerationResult.error``; the batch never raises. The API key is read from the environment
 variable named in the config, sent as a Bearer header, and never logged or shown in ``repr``.
 """
@@ -20,12 +22,22 @@ from typing import Any, Callable
 import httpx
 
 from memgas.pipeline.models.base import ChatPrompt, GenerationResult, SamplingParams
-from memgas.pipeline.models.llms import validate_prompt, truncate_messages_middle
+from memgas.pipeline.models.llms import PROMPT_TOO_LONG, PromptTooLong, truncate_messages_middle, validate_prompt
 from memgas.pipeline.redact import redact
 
 logger = logging.getLogger(__name__)
 
+#: Largest response body read (bytes after any Content-Encoding is undone). A completion of a few thousand
+#: tokens is tens of KB of JSON, even with every character escaped as ``\\uXXXX``; a body past this is a
+#: broken or hostile server, and reading it whole would hold the worker's memory for nothing. Such a body is
+#: a counted, retried failure, like a dropped connection.
+MAX_RESPONSE_BYTES = 4 << 20
+
 _RETRY_STATUS = {408, 409, 425, 429}
+
+
+class ResponseTooLarge(Exception):
+    """The server's response body passed MAX_RESPONSE_BYTES (retried like a transport failure)."""
 
 
 def _retryable_status(code: int) -> bool:
@@ -173,6 +185,8 @@ class OpenAIHTTPLLM:
             )
         except ValueError as exc:
             r.error = str(exc)
+            if isinstance(exc, PromptTooLong):
+                r.extra[PROMPT_TOO_LONG] = True
             return r
         if dropped:
             r.extra.update(truncated=True, dropped_tokens=dropped)
@@ -186,17 +200,20 @@ class OpenAIHTTPLLM:
             while True:
                 retry_after: float | None = None
                 try:
-                    resp = await client.post(url, json=body, headers=self._headers())
-                except (httpx.TimeoutException, httpx.TransportError) as exc:
+                    # httpx's timeout bounds each read, not the response: a byte every few seconds never trips it
+                    status, headers, content = await asyncio.wait_for(self._post(client, url, body), self.timeout_s)
+                except (httpx.TimeoutException, httpx.TransportError, ResponseTooLarge) as exc:
                     reason = redact(f"{type(exc).__name__}: {exc or 'no detail'}")  # httpx may quote the URL
+                except TimeoutError:
+                    reason = f"TimeoutError: no complete response within {self.timeout_s:g} s"
                 else:
-                    if resp.status_code == 200:
-                        return self._parse(resp, r, attempt)
-                    reason = f"HTTP {resp.status_code}: {resp.text[:300]}"
-                    if not _retryable_status(resp.status_code):
+                    if status == 200:
+                        return self._parse(content, r, attempt)
+                    reason = f"HTTP {status}: {content.decode('utf-8', 'replace')[:300]}"
+                    if not _retryable_status(status):
                         r.error, r.retries = reason, attempt
                         return r
-                    retry_after = _retry_after(resp)
+                    retry_after = _retry_after(headers)
                 if attempt >= self.max_retries:
                     r.error = f"{reason} (after {attempt} retries)"
                     r.retries = attempt
@@ -209,21 +226,64 @@ class OpenAIHTTPLLM:
                 await asyncio.sleep(delay)
                 attempt += 1
 
-    def _parse(self, resp: httpx.Response, r: GenerationResult, attempt: int) -> GenerationResult:
+    async def _post(self, client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> tuple[int, httpx.Headers, bytes]:
+        """One request: status, headers and the body, read in chunks and given up past MAX_RESPONSE_BYTES
+        (ResponseTooLarge) without reading the rest."""
+        async with client.stream("POST", url, json=body, headers=self._headers()) as resp:
+            chunks, size = [], 0
+            async for chunk in resp.aiter_bytes():
+                size += len(chunk)
+                if size > MAX_RESPONSE_BYTES:
+                    raise ResponseTooLarge(f"the response body is larger than the limit of {MAX_RESPONSE_BYTES} bytes")
+                chunks.append(chunk)
+            return resp.status_code, resp.headers, b"".join(chunks)
+
+    def _parse(self, raw: bytes, r: GenerationResult, attempt: int) -> GenerationResult:
+        """The item's text, finish reason and usage from a 200 body, or its malformed-response error: a body
+        whose values are of the wrong type or out of range is the server's fault, never stored (a usage of 10^30
+        tokens overflowed the Parquet write and ended the run)."""
         r.retries = attempt
         try:
-            data = resp.json()
+            data = json.loads(raw)
             choice = data["choices"][0]
-            content = choice["message"].get("content")
-            r.text = content if isinstance(content, str) else ""
-            r.finish_reason = choice.get("finish_reason") or ""
+            text = _text_or_null(choice["message"].get("content"), "choices[0].message.content")
+            finish = _text_or_null(choice.get("finish_reason"), "choices[0].finish_reason")
             usage = data.get("usage") or {}
-            r.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            r.completion_tokens = int(usage.get("completion_tokens") or 0)
+            prompt_tokens = _token_count(usage, "prompt_tokens")
+            completion_tokens = _token_count(usage, "completion_tokens")
         except (json.JSONDecodeError, ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
             r.text = ""
-            r.error = f"malformed response ({type(exc).__name__}: {exc}): {resp.text[:200]!r}"
+            r.error = f"malformed response ({type(exc).__name__}: {exc}): {raw[:200].decode('utf-8', 'replace')!r}"
+            return r
+        r.text, r.finish_reason = text, finish
+        r.prompt_tokens, r.completion_tokens = prompt_tokens, completion_tokens
         return r
+
+
+#: Largest token count a response's usage may report (far above any context; counts are stored as int64).
+MAX_USAGE_TOKENS = 2**31 - 1
+
+
+def _text_or_null(v: Any, where: str) -> str:
+    """A string field of the response; null (no text: a refusal, a tool call) is the empty string."""
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise ValueError(f"{where} is a {type(v).__name__}, not text or null")
+    return v
+
+
+def _token_count(usage: Any, key: str) -> int:
+    """``usage[key]``: a whole number of tokens in [0, MAX_USAGE_TOKENS] (a whole-number float is taken; missing
+    or null is 0)."""
+    v = usage.get(key)
+    if v is None:
+        return 0
+    if isinstance(v, float) and v.is_integer() and 0 <= v <= MAX_USAGE_TOKENS:
+        return int(v)
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_USAGE_TOKENS:
+        raise ValueError(f"usage.{key} {v!r} is not a token count")
+    return v
 
 
 class _Secret:
@@ -246,8 +306,8 @@ class _Secret:
     __str__ = __repr__
 
 
-def _retry_after(resp: httpx.Response) -> float | None:
-    v = resp.headers.get("retry-after")
+def _retry_after(headers: httpx.Headers) -> float | None:
+    v = headers.get("retry-after")
     try:
         return float(v) if v is not None else None
     except ValueError:

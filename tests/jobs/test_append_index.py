@@ -8,8 +8,12 @@ the CLI in-process, with the real LLM-free generator and MiniLM encoder, no Ray.
 from __future__ import annotations
 
 import json
+import re
+import shutil
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -84,31 +88,105 @@ def _rankings(run: Path) -> tuple[list[dict], dict]:
     return rows, json.loads((run / "metrics.json").read_text())["retrieval"]
 
 
-@pytest.mark.slow
-def test_index_after_append_equals_a_fresh_index_byte_for_byte(tmp_path: Path, files: tuple[Path, Path],
-                                                               cli: Callable) -> None:
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory, files: tuple[Path, Path], cli: Callable) -> dict[str, Any]:
+    """Two banks of the same ingest history (A, then B appended), indexed two ways, and answered:
+    ``grown`` indexed after A and again after B (only B's rows computed the second time), ``fresh`` indexed
+    once over everything. The tests below read them; none changes them (item 5's test works on copies)."""
     a, b = files
-    grown, fresh = tmp_path / "grown", tmp_path / "fresh"
-    # grown: index A, append B, index again (only B's rows are computed)
+    d = tmp_path_factory.mktemp("built")
+    grown, fresh = d / "grown", d / "fresh"
+    out: dict[str, Any] = {"grown": grown, "fresh": fresh, "run_grown": d / "run_grown", "run_fresh": d / "run_fresh"}
     cli("ingest", str(a), "--format", "jsonl", "--out", str(grown))
     cli("index", str(grown), *_config(grown))
-    before = _edges(grown)
-    assert _segments(grown) == [("h0", 0, 9), ("h1", 0, 7)]
+    out["edges_before"], out["segments_before"] = _edges(grown), _segments(grown)
+    out["parts_before"] = {t: Bank(grown).parts(t) for t in Bank(grown).tables()}
     cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(grown))
     cli("index", str(grown), *_config(grown))
-    assert _segments(grown) == [("h0", 0, 9), ("h0", 9, 13), ("h1", 0, 7), ("h1", 7, 10), ("h2", 0, 8)]
-    after = _edges(grown)
-    assert set(before) <= set(after), "an append changed edges of old rows"
-    # fresh: A and B ingested, one index over everything
     cli("ingest", str(a), "--format", "jsonl", "--out", str(fresh))
     cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(fresh))
     cli("index", str(fresh), *_config(fresh))
+    cli("answer", str(grown), *_config(grown), "--out", str(out["run_grown"]))
+    cli("answer", str(fresh), *_config(fresh), "--out", str(out["run_fresh"]))
+    return out
+
+
+@pytest.mark.slow
+def test_index_after_append_equals_a_fresh_index_byte_for_byte(built: dict[str, Any]) -> None:
+    grown, fresh = built["grown"], built["fresh"]
+    # grown: index A, append B, index again (only B's rows are computed)
+    assert built["segments_before"] == [("h0", 0, 9), ("h1", 0, 7)]
+    assert _segments(grown) == [("h0", 0, 9), ("h0", 9, 13), ("h1", 0, 7), ("h1", 7, 10), ("h2", 0, 8)]
+    after = _edges(grown)
+    assert set(built["edges_before"]) <= set(after), "an append changed edges of old rows"
+    # fresh: A and B ingested, one index over everything
     assert _segments(fresh) == [("h0", 0, 13), ("h1", 0, 10), ("h2", 0, 8)]
     assert after == _edges(fresh)
     assert len({e[0] for e in after if e[2] >= 4 * 9}) >= 2, "the appended rows made no edges: nothing tested"
-    cli("answer", str(grown), *_config(grown), "--out", str(tmp_path / "run_grown"))
-    cli("answer", str(fresh), *_config(fresh), "--out", str(tmp_path / "run_fresh"))
-    assert _rankings(tmp_path / "run_grown") == _rankings(tmp_path / "run_fresh")
+    assert _rankings(built["run_grown"]) == _rankings(built["run_fresh"])
+
+
+def _part_bytes(bank: Path, table: str) -> list[bytes]:
+    """The table's Parquet files in part order (their names hold fingerprints, which differ by design)."""
+    return [(bank / table / f"{p}.parquet").read_bytes() for p in Bank(bank).parts(table)]
+
+
+@pytest.mark.slow
+def test_the_rankings_parquet_of_a_grown_bank_equals_a_fresh_index_byte_for_byte(
+        tmp_path: Path, built: dict[str, Any], files: tuple[Path, Path], cli: Callable) -> None:
+    """Issue 31: the README says byte for byte, but the rankings of the appended-then-indexed bank held the
+    same rows as a fresh index of the same data in one file, in another order (rows followed the order of
+    the questions in the files). Every results table is written in one canonical row order (its key)."""
+    a, b = files
+    records = {}
+    for f in (a, b):  # A + B as one file: histories and each history's questions in reverse order
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            have = records.setdefault(r["history_id"], {**r, "sessions": [], "questions": []})
+            have["sessions"] += r["sessions"]
+            have["questions"] = r["questions"][::-1] + have["questions"]
+    one = tmp_path / "one.jsonl"
+    one.write_text("".join(json.dumps(r) + "\n" for r in reversed(list(records.values()))))
+    bank = tmp_path / "one"
+    shutil.copytree(built["fresh"], bank)  # its caches: the index has nothing to compute again
+    cli("ingest", str(one), "--format", "jsonl", "--replace", "--out", str(bank))
+    cli("index", str(bank), *_config(bank))
+    cli("answer", str(bank), *_config(bank), "--out", str(tmp_path / "run"))
+    assert _rankings(tmp_path / "run") == _rankings(built["run_grown"])  # the same rows
+    for table in ("rankings", "card_picks"):
+        grown, fresh = _part_bytes(built["run_grown"] / "results", table), _part_bytes(tmp_path / "run" / "results", table)
+        assert grown and grown == fresh, table
+
+
+@pytest.mark.slow
+def test_a_grown_bank_names_its_whole_ingest_history_as_the_dataset(tmp_path: Path, built: dict[str, Any],
+                                                                    files: tuple[Path, Path], cli: Callable) -> None:
+    """Issue 31: after an append, metrics.json and report.md named the last appended file as the dataset
+    (its sha256 and counts) while the run evaluated the whole bank, so `memgas report A B` judged runs by
+    their last file. The dataset of a grown bank is its ingest history: two runs over the same history are
+    the same data, whatever order they indexed in; the counts are the bank's."""
+    a, b = files
+    m = {k: json.loads((built[k] / "metrics.json").read_text())["dataset"] for k in ("run_grown", "run_fresh")}
+    assert m["run_grown"] == m["run_fresh"]
+    ds = m["run_grown"]
+    bank = Bank(built["grown"])
+    assert ds["counts"] == {"histories": 3, "sessions": 13 + 10 + 8, "queries": 3 + 4}
+    assert ds["counts"] == {t: bank.read(t).num_rows for t in ("histories", "sessions", "queries")}
+    assert ds["path"] == str(a.resolve()) and [x["path"] for x in ds["appends"]] == [str(b.resolve())]
+    assert ds["sha256"] not in (bank.manifest["datasets"][0]["sha256"], bank.manifest["datasets"][1]["sha256"])
+    assert json.loads((built["run_grown"] / "manifest.json").read_text())["dataset"] == ds
+    report = (built["run_grown"] / "report.md").read_text()
+    assert f"- **dataset sha256**: {ds['sha256']}" in report and "- **appended**: b.jsonl" in report, report[:800]
+    same = cli("report", str(built["run_grown"]), str(built["run_fresh"]))
+    assert "different datasets" not in same.stdout + same.stderr
+    # another base file with the same append is other data, though its last file is the same
+    other, base = tmp_path / "other", tmp_path / "h1.jsonl"
+    base.write_text(a.read_text().splitlines(keepends=True)[1])  # A's second history alone
+    cli("ingest", str(base), "--format", "jsonl", "--out", str(other))
+    cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(other))
+    from memgas.pipeline.append import dataset_identity
+
+    assert dataset_identity(Bank(other))["sha256"] != ds["sha256"]
 
 
 @pytest.mark.slow
@@ -181,3 +259,102 @@ def test_one_history_cut_into_several_units_gives_the_same_edges(tmp_path: Path,
     h0 = [s for s in _segments(cut) if s[0] == "h0"]
     assert len(h0) == 3 and h0[0][1] == 0 and h0[-1][2] == 13, h0
     assert _edges(cut) == _edges(one)
+
+
+def _bank_files(bank: Path) -> dict[str, bytes]:
+    from memgas.pipeline.locks import LOCK
+
+    return {str(f.relative_to(bank)): f.read_bytes() for f in sorted(bank.rglob("*")) if f.is_file() and f.name != LOCK}
+
+
+def test_run_refuses_a_grown_bank_and_loses_nothing(tmp_path: Path, files: tuple[Path, Path], cli: Callable) -> None:
+    """Issue 31: `memgas run` with `data.path` naming the base file and `bank_dir` a bank grown by
+    `ingest --append` re-ingested the base file, exit 0: every appended session and question was gone. A
+    bank's data only grows through `memgas ingest`: `run` refuses a grown bank (whatever its data.path) with
+    one line naming the commands to use, exit 2, before any work, the bank and run directory untouched."""
+    a, b = files
+    bank, out = tmp_path / "bank", tmp_path / "run"
+    cli("ingest", str(a), "--format", "jsonl", "--out", str(bank))
+    cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(bank))
+    before = _bank_files(bank)
+    for data in (a, b):
+        p = cli("run", str(REPO / "configs" / "demo.yaml"), "--no-ray", *CONFIG, "--set", f"data.path={data}",
+                "--set", "data.format=jsonl", "--set", f"bank_dir={bank}", "--set", f"output_dir={out}", check=False)
+        assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+        assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+        assert "1 appended file (b.jsonl)" in p.stderr and f"memgas index {bank} --config" in p.stderr, p.stderr
+        assert f"memgas answer {bank} --config" in p.stderr and "new directory" in p.stderr, p.stderr
+        assert _bank_files(bank) == before
+        assert not out.exists()
+    # a plain ingest would replace the appends as well: refused unless --replace says so
+    p = cli("ingest", str(a), "--format", "jsonl", "--out", str(bank), check=False)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "grown by 1 append(s)" in p.stderr and "--append" in p.stderr and "--replace" in p.stderr, p.stderr
+    assert _bank_files(bank) == before
+    cli("ingest", str(a), "--format", "jsonl", "--out", str(bank), "--replace")
+    assert Bank(bank).count("sessions") == 9 + 7  # a's sessions only: the bank starts over from a
+    assert [d.get("kind") for d in Bank(bank).manifest["datasets"]].count("append") == 0
+
+
+def _rows(bank: Path, table: str) -> list[str]:
+    return sorted(json.dumps(r, sort_keys=True, default=str) for r in Bank(bank).read(table).to_pylist())
+
+
+def _follow(cli: Callable, cmd: list[str], bank: Path, run: Path) -> subprocess.CompletedProcess:
+    """``memgas answer`` until it succeeds, each time running the command its one-line error names (which
+    must succeed): `memgas index` with the same config, or the ingest (and appends) it spells out."""
+    for _ in range(3):
+        p = cli("answer", str(bank), *_config(bank), "--out", str(run), check=False)
+        if p.returncode == 0:
+            return p
+        line = p.stderr.strip().splitlines()[-1]
+        assert p.returncode == 2 and line.startswith("memgas answer: error:"), (cmd, p.returncode, p.stderr[-1500:])
+        ingests = re.findall(r"memgas ingest (\S+) (--format \S+.*?) --out ([^\s,]+)", line)
+        if "run `memgas index`" in line:
+            cli("index", str(bank), *_config(bank))
+        elif ingests:
+            for path, opts, out in ingests:
+                assert Path(out) == bank, line
+                cli("ingest", path, *opts.split(), "--out", out)
+        else:
+            raise AssertionError(f"{cmd}: the error names no command that rebuilds: {line}")
+    raise AssertionError(f"{cmd}: still refused after the commands it named: {p.stderr[-1500:]}")
+
+
+@pytest.mark.slow
+def test_every_damaged_part_is_rebuilt_by_the_command_the_error_names(tmp_path: Path, built: dict[str, Any],
+                                                                       cli: Callable) -> None:
+    """Issue 31: after an append, a damaged (unreadable) pre-append `edge_segments` part trapped the user:
+    `answer` said "run `memgas index`", which logged "altered; rebuilding it" and then stopped on the
+    unreadable part (exit 2, "delete it and re-run"). For one part of every table of the bank (the oldest:
+    written before the append) and of the run's results: the command the error names rebuilds it, and the
+    bank's rows and the rankings' bytes equal those before the damage."""
+    ref, ref_run = built["grown"], built["run_grown"]
+    ingest = {"histories", "sessions", "texts", "turns", "pairs", "queries"}
+    tables = [t for t in Bank(ref).tables() if t not in ingest or t in ("queries", "texts")]  # ingest tables are one unit
+    assert {"generations", "nodes", "embeddings", "edges", "edge_segments", "texts"} <= set(tables), tables
+    # the rows of every table; edge_segments only says which rows each edges part holds: a history whose
+    # first segment was rebuilt is associated again from session 0 as one segment, as a fresh index does
+    compared = [t for t in Bank(ref).tables() if t != "edge_segments"]
+    want = {t: _rows(ref, t) for t in compared}
+    want_rankings = _part_bytes(ref_run / "results", "rankings")
+    results = [("results", t) for t in Bank(ref_run / "results").tables()]
+    bank, run = tmp_path / "bank", tmp_path / "run"
+    for where, table in [("bank", t) for t in tables] + results:
+        if where == "bank" or not bank.exists():
+            shutil.rmtree(bank, ignore_errors=True)
+            shutil.rmtree(run, ignore_errors=True)
+            shutil.copytree(ref, bank)
+        store = bank if where == "bank" else run / "results"
+        if where == "results" and not run.exists():
+            cli("answer", str(bank), *_config(bank), "--out", str(run))
+        parts = Bank(store).parts(table)
+        if table == "texts":  # a part ingest did not write (derived texts): ingest's is the queries case
+            parts = [p for p in parts if not p.startswith("ingest-")]
+        old = [p for p in parts if p in built["parts_before"].get(table, ())] if where == "bank" else []
+        part = (old or parts)[0]
+        f = store / table / f"{part}.parquet"
+        f.write_bytes(b"\0not parquet" * (f.stat().st_size // 12 + 1))
+        _follow(cli, [where, table, part], bank, run)
+        assert {t: _rows(bank, t) for t in compared} == want, (where, table, part)
+        assert _part_bytes(run / "results", "rankings") == want_rankings, (where, table, part)

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pytest
 
 from memgas.jobs import keys, main_job, runner, tables
-from memgas.jobs.executor import forwarded_env, init_ray, run_task, stage_fn, task_options
+from memgas.jobs.executor import QUIET_WORKER_ENV, forwarded_env, init_ray, run_task, stage_fn, task_options, worker_env
 from memgas.jobs.placement import kernel_device, num_gpus, placement, resolve_stage_runtimes
 from memgas.jobs.stage import StageContext
 from memgas.jobs.stages.associate import AssociateStage, current_coverage, stored_segments
@@ -199,8 +199,9 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
 
 def test_gpu_request_the_cluster_cannot_meet_fails_fast_with_exit_3(tmp_path) -> None:
     """A local Ray with no GPU (CUDA_VISIBLE_DEVICES="" makes Ray detect none, on any machine) and a config that
-    gives model actors a GPU: the LLM-free generator needs none and completes, the encoder resolves to CUDA
-    and its GPU request ends the run with one line and exit 3, where Ray alone would wait forever."""
+    gives model actors a GPU: the encoder resolves to CUDA and its GPU request ends the run with one line and
+    exit 3, where Ray alone would wait forever, before the first stage (issue 31, item 2: not after ingest,
+    generate and cards)."""
     out = tmp_path / "run"
     exe = str(Path(sys.executable).with_name("memgas"))
     args = [exe, "run", "configs/demo.yaml", "--set", f"output_dir={out}", "--set", "ray.num_gpus_per_model_actor=1"]
@@ -216,8 +217,7 @@ def test_gpu_request_the_cluster_cannot_meet_fails_fast_with_exit_3(tmp_path) ->
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "stage encode" in errors[0] and "needs 1 GPU per worker" in errors[0] and "has 0 GPUs" in errors[0], errors
     assert took < 60, f"took {took:.0f} s"
-    done = {p.stem for p in (out / "bank" / "_stages").glob("*.json")}
-    assert {"generate", "nodes"} <= done and "encode" not in done, done
+    assert not (out / "bank").exists(), sorted(p.name for p in out.rglob("*"))  # no stage ran, not even ingest
 
 
 def test_runtime_env_forwards_vllm_settings_and_no_secrets(monkeypatch) -> None:
@@ -230,6 +230,8 @@ def test_runtime_env_forwards_vllm_settings_and_no_secrets(monkeypatch) -> None:
     for k, v in {**secrets, "VLLM_BATCH_INVARIANT": "1", "HF_HUB_OFFLINE": "1"}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    for quiet in QUIET_WORKER_ENV:  # so that only the runtime_env can give them to the worker
+        monkeypatch.delenv(quiet, raising=False)
     fwd = forwarded_env()
     assert fwd["VLLM_BATCH_INVARIANT"] == "1" and fwd["HF_HUB_OFFLINE"] == "1"
     assert not set(secrets) & set(fwd)
@@ -242,11 +244,25 @@ def test_runtime_env_forwards_vllm_settings_and_no_secrets(monkeypatch) -> None:
 
         @ray.remote(num_cpus=0)
         def worker_env() -> dict[str, str | None]:
-            return {k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT", *secrets)}
+            return {k: os.environ.get(k) for k in ("VLLM_BATCH_INVARIANT", *secrets, *QUIET_WORKER_ENV)}
 
-        assert ray.get(worker_env.remote()) == {"VLLM_BATCH_INVARIANT": "1", **secrets}
+        # the libraries' progress bars are off in the workers (the driver shows one bar per stage)
+        assert ray.get(worker_env.remote()) == {"VLLM_BATCH_INVARIANT": "1", **secrets, **QUIET_WORKER_ENV}
     finally:
         ray.shutdown()
+
+
+def test_workers_keep_their_progress_bars_under_verbose(monkeypatch) -> None:
+    """``-v`` (the root logger at DEBUG) shows everything: the workers' environment is not quietened."""
+    import logging
+
+    for quiet in QUIET_WORKER_ENV:
+        monkeypatch.delenv(quiet, raising=False)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "level", logging.INFO)
+    assert QUIET_WORKER_ENV.items() <= worker_env().items()
+    monkeypatch.setattr(root, "level", logging.DEBUG)
+    assert not set(QUIET_WORKER_ENV) & set(worker_env())
 
 
 def _free_port() -> int:

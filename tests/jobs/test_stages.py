@@ -91,6 +91,8 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("retrieval.damping", 0.2, ["rank", "read"]),
     ("retrieval.temp", 0.5, ["rank", "read"]),
     ("retrieval.router", "reference", ["rank", "read"]),
+    ("retrieval.ppr", "push", ["rank", "read"]),
+    ("retrieval.ppr_epsilon", 1e-6, []),  # the push threshold: inactive under the base config's exact PPR
     ("retrieval.store_top", 40, ["rank", "read"]),
     ("reading.enabled", False, ["read"]),
     ("reading.methods", ["session"], ["read"]),
@@ -610,7 +612,7 @@ def test_a_damaged_ingest_part_is_refused_by_index_and_reingested_by_run(tmp_pat
     part = next((work / "bank" / "texts").glob("ingest-*.parquet"))
     _flip_bits(part)
     with pytest.raises(BankError, match=rf"the ingested dataset is damaged \(texts/{part.stem} is missing or altered\); "
-                                        r"re-ingest it: memgas ingest .*\.json --format locomo --out "):
+                                        r"re-ingest it: memgas ingest .*\.json --format locomo --limit 1 --out "):
         main_job.index(_base(work), work / "bank", use_ray=False)
     _run(_base(work))  # `run` re-ingests the same file: identical parts, so nothing downstream re-runs
     rec = _record(work)

@@ -40,8 +40,8 @@ def test_router_topk_gpu() -> None:
     rng = np.random.default_rng(0)
     sims = [rng.normal(0.3, 0.1, (50, 40)) for _ in range(4)]
     for rule in ("paper", "reference"):
-        np.testing.assert_allclose(to_host(entropy_router(sims, rule=rule, device="cuda")[0]),
-                                   entropy_router(sims, rule=rule)[0], rtol=1e-10)
+        np.testing.assert_allclose(to_host(entropy_router(sims, temp=0.2, rule=rule, device="cuda")[0]),
+                                   entropy_router(sims, temp=0.2, rule=rule)[0], rtol=1e-10)
     v = rng.integers(0, 5, (20, 64)).astype(np.float32)  # many exact ties
     i_gpu, v_gpu = topk(cp.asarray(v), 7)
     i_cpu, v_cpu = topk(v, 7)

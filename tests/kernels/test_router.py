@@ -38,8 +38,8 @@ def test_matches_direct_formula(rule: str) -> None:
 def test_reference_rule_sign_inversion() -> None:
     rng = np.random.default_rng(1)
     sims = [rng.normal(0.3, 0.02, (3, 50)), rng.normal(0.3, 0.3, (3, 50))]  # flat vs peaked
-    w_ref, H = entropy_router(sims, rule="reference")
-    w_pap, _ = entropy_router(sims, rule="paper")
+    w_ref, H = entropy_router(sims, temp=0.2, rule="reference")
+    w_pap, _ = entropy_router(sims, temp=0.2, rule="paper")
     assert (H > 1).all() and (H[:, 0] > H[:, 1]).all()
     # paper: the peaked (low-entropy) granularity wins; reference: the flat (high-entropy) one does
     assert (w_pap[:, 1] > w_pap[:, 0]).all()
@@ -50,9 +50,9 @@ def test_reference_rule_sign_inversion() -> None:
 def test_zero_entropy_guard() -> None:
     one = [np.array([[0.5]]), np.array([[0.1]]), np.array([[0.9]]), np.array([[0.2]])]
     for rule in ("paper", "reference"):
-        w, H = entropy_router(one, rule=rule)
+        w, H = entropy_router(one, temp=0.2, rule=rule)
         assert (H == 0).all()
         np.testing.assert_allclose(w, 0.25)  # all H = 0: equal weights
-    w, _ = entropy_router([np.array([[0.5]]), np.array([[0.1, 0.3]])], rule="paper")
+    w, _ = entropy_router([np.array([[0.5]]), np.array([[0.1, 0.3]])], temp=0.2, rule="paper")
     assert w[0, 0] > 0.999  # a zero-entropy granularity takes (almost) all the weight
     assert np.isfinite(w).all()

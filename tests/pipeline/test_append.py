@@ -121,6 +121,38 @@ def test_out_of_order_session_is_refused_then_reordered(base: tuple[Path, Path],
     assert Bank(bank).manifest["datasets"][-1]["recompute_from"] == {"u1": 1}
 
 
+def test_an_undated_last_session_does_not_let_an_earlier_one_through(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """The order check compares with the history's last *dated* session: an undated one appended first used to
+    disable it, and a session dated a year before the history's dates went to the end without a word."""
+    _, bank = base
+    undated = {"session_id": "s3", "turns": [{"role": "user", "content": "No date here."}]}
+    append(_write(tmp_path / "undated.jsonl", [_record("u1", [undated])]), "jsonl", bank, progress=False)
+    files = _files(bank)
+    old = _write(tmp_path / "old.jsonl", [_record("u1", [_session("s0", "2023-01-01 10:00", "Long ago.")])])
+    with pytest.raises(DataError, match="'s0' \\(2023-01-01 10:00\\) is dated before the last session 's2' "
+                                        "\\(2024-02-01 10:00\\)"):
+        append(old, "jsonl", bank, progress=False)
+    assert _files(bank) == files
+    s = append(old, "jsonl", bank, allow_reorder=True, progress=False)
+    assert s["recompute_from"] == {"u1": 0}
+    ses = {r["session_id"]: r["position"] for r in Bank(bank).read("sessions").to_pylist() if r["history_id"] == "u1"}
+    assert ses == {"s0": 0, "s1": 1, "s2": 2, "s3": 3}
+
+
+def test_an_append_whose_sessions_were_all_skipped_does_not_say_they_are_there(base: tuple[Path, Path],
+                                                                               tmp_path: Path) -> None:
+    """A session with no turns is skipped with a warning; the closing line used to say every session of the file
+    was in the bank already, which is false (the session was never stored)."""
+    _, bank = base
+    f = _write(tmp_path / "no_turns.jsonl", [_record("u1", [{"session_id": "s6", "date": "2024-06-01 10:00",
+                                                             "turns": []}])])
+    p = subprocess.run([sys.executable, "-m", "memgas", "-q", "ingest", str(f), "--append", "--out", str(bank)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == (f"nothing to append to {bank}: {f} adds no new session or question "
+                        "(1 warnings (empty_session 1); see the log)\n")
+
+
 def test_bad_file_or_conflict_leaves_bank_as_it_was(base: tuple[Path, Path], tmp_path: Path) -> None:
     _, bank = base
     files = _files(bank)
@@ -166,3 +198,76 @@ def test_a_new_question_may_name_old_sessions_and_come_without_sessions(base: tu
     assert queries["u2:q0"]["evidence_session_ids"] == ["t1"]
     assert summary["counts"]["queries"] == 2 and summary["warning_count"] == 1
     assert "nowhere" in json.dumps(summary["warnings"])
+
+
+def _append_cli(f: Path, bank: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "memgas", "ingest", str(f), "--append", "--out", str(bank)],
+                          capture_output=True, text=True)
+
+
+def test_a_known_session_with_another_date_is_refused_like_changed_text(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """Issue 31: a session re-sent with another date was "nothing to append" (exit 0) and kept its old date
+    silently. A re-sent session must be the same in every field (position aside): else the one line that
+    changed text gets, exit 2, the bank unchanged."""
+    _, bank = base
+    files = _files(bank)
+    lines = []
+    for name, date, text in (("changed", "2024-02-01 10:00", "Other text."), ("redated", "2024-02-02 10:00", "My cat is Tom."),
+                             ("reformatted", "2024/02/01 10:00", "My cat is Tom.")):
+        f = _write(tmp_path / f"{name}.jsonl", [_record("u1", [_session("s2", date, text)])])
+        p = _append_cli(f, bank)
+        assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, (name, p.returncode, p.stderr)
+        lines.append(p.stderr.strip().replace(str(f), "FILE"))
+        assert _files(bank) == files
+    assert lines[0] == lines[1] == lines[2]
+    assert "'s2' is already in history 'u1' with other content" in lines[0]
+
+
+def test_a_question_only_record_for_an_unknown_history_is_refused(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """Issue 31: a record with questions and no sessions adds questions to a history the bank holds; for a
+    history it does not hold (a typo in the id, say) its questions were dropped with a warning and exit 0.
+    Refused: one line naming the record, exit 2, the bank unchanged."""
+    _, bank = base
+    files = _files(bank)
+    f = _write(tmp_path / "orphan.jsonl", [_record("u2", [], [_q("u2:q9", "u2", ["t1"])]),
+                                           _record("u9", [], [_q("u9:q0", "u9", [])])])
+    p = _append_cli(f, bank)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "record 1 (id=u9)" in p.stderr and "not in the bank" in p.stderr, p.stderr
+    assert _files(bank) == files
+
+
+def test_row_counts_of_a_grown_bank_count_each_row_once(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """An append rewrites the history rows it extends (and, reordering, the session rows it moves) in new
+    parts, which readers merge by key: Bank.count and the manifest's row_counts counted both copies."""
+    _, bank = base
+    append(_delta(tmp_path), "jsonl", bank, progress=False)
+    late = _write(tmp_path / "late.jsonl", [_record("u1", [_session("s0", "2024-01-15 10:00", "Between s1 and s2.")])])
+    append(late, "jsonl", bank, allow_reorder=True, progress=False)
+    b = Bank(bank)
+    want = {t: b.read(t).num_rows for t in INGEST_TABLES}
+    assert want["histories"] == 3 and want["sessions"] == 7
+    assert {t: b.count(t) for t in INGEST_TABLES} == want
+    assert {t: b.manifest["row_counts"][t] for t in INGEST_TABLES} == want
+
+
+def test_the_stale_bank_warning_does_not_send_a_grown_bank_to_memgas_run(base: tuple[Path, Path], tmp_path: Path,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """`index`/`answer` with a config naming another file: the warning said "memgas run re-ingests", which on a
+    grown bank is refused (it would drop the appends); it now says the results describe the bank and its appends."""
+    import logging
+
+    from memgas.jobs.main_job import warn_if_stale_bank
+    from memgas.pipeline.config import MemgasConfig
+
+    _, bank = base
+    other = _write(tmp_path / "other.jsonl", [_record("u9", [_session("z1", "2024-01-01 10:00", "Other data.")])])
+    cfg = MemgasConfig.load(None, [f"data.path={other}", "data.format=jsonl"])
+    with caplog.at_level(logging.WARNING):
+        warn_if_stale_bank(cfg, Bank(bank))
+    assert [r.getMessage().endswith("(memgas run re-ingests)") for r in caplog.records] == [True]
+    caplog.clear()
+    append(_delta(tmp_path), "jsonl", bank, progress=False)
+    with caplog.at_level(logging.WARNING):
+        warn_if_stale_bank(cfg, Bank(bank))
+    assert [r.getMessage().endswith("results describe the bank's dataset and its appends") for r in caplog.records] == [True]

@@ -66,8 +66,6 @@ def test_faiss_equals_dense(histories: list[np.ndarray]) -> None:
     np.testing.assert_array_equal(cand, c_dense.cand)
     np.testing.assert_array_equal(sc, c_dense.scores)
     assert as_set(associate(h, search="faiss")) == as_set(associate(h, search="dense"))
-    # 'auto' switches to faiss above the node threshold
-    assert as_set(associate(h, dense_max_nodes=100)) == as_set(associate(h))
 
 
 def test_topk_mode(histories: list[np.ndarray]) -> None:

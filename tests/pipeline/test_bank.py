@@ -7,6 +7,7 @@ Faults are injected into a real subprocess with MEMGAS_FAULT (see memgas.pipelin
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import stat
@@ -189,6 +190,87 @@ def test_unreadable_ingest_part_delete_and_reingest(tmp_path: Path, table: str) 
         bank.read("queries")
     ingest(SAMPLE3, "longmemeval", tmp_path / "b", progress=False, chunk_histories=1)
     assert _rows(Bank(tmp_path / "b"), table) == want and is_current(tmp_path / "b", SAMPLE3, "longmemeval")
+
+
+#: run in a child process: a regression reads /dev/zero for ever or blocks on the FIFO, and must fail the test
+#: (killed at the timeout), not hang the suite or leave a spinning thread in it
+_NOT_A_FILE_PROBE = textwrap.dedent("""
+    import json, os, sys
+    from memgas.pipeline.bank import Bank
+    bank, kind = Bank(sys.argv[1]), sys.argv[2]
+    path = bank.path / "texts" / "derived-1.parquet"
+    path.unlink()
+    os.symlink("/dev/zero", path) if kind == "symlink to /dev/zero" else os.mkfifo(path)
+    out = {"verify_part": bank.verify_part("texts", "derived-1"), "current_digest": bank.current_digest("texts", "derived-1")}
+    for call in ("count", "read"):
+        try:
+            getattr(bank, call)("texts")
+            out[call] = "no error"
+        except Exception as exc:
+            out[call] = f"{type(exc).__name__}: {exc}"
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.parametrize("kind", ["symlink to /dev/zero", "FIFO"])
+def test_a_part_that_is_not_a_regular_file_is_damaged_not_read_for_ever(tmp_path: Path, kind: str) -> None:
+    _bank_with_parts(tmp_path / "b")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _NOT_A_FILE_PROBE, str(tmp_path / "b"), kind],
+                              capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the bank read a part that is a {kind} for 60 s")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(proc.stdout)
+    path = tmp_path / "b" / "texts" / "derived-1.parquet"
+    why = "not a regular file: " + ("a device" if kind == "symlink to /dev/zero" else "a FIFO")
+    assert got == {
+        "verify_part": False, "current_digest": None,
+        **dict.fromkeys(("count", "read"), f"BankError: {path}: unreadable Parquet part ({why}); "
+                                          "delete it and re-run the stage that wrote it"),
+    }
+
+
+_FIFO_MARKER_PROBE = textwrap.dedent("""
+    import os, sys
+    from memgas.pipeline.bank import Bank
+    from memgas.pipeline.errors import BankError
+    bank = Bank(sys.argv[1])
+    marker = bank.path / "texts" / "_done" / "derived-1.json"
+    marker.unlink()
+    os.mkfifo(marker)
+    print(bank.verify_part("texts", "derived-1"), bank.part_digest("texts", "derived-1"))
+    (bank.path / "manifest.json").unlink()  # replaced while the bank is open
+    os.mkfifo(bank.path / "manifest.json")
+    try:
+        bank.manifest
+    except BankError as exc:
+        print(exc)
+""")
+
+
+def test_a_marker_or_manifest_that_is_a_fifo_is_never_waited_on(tmp_path: Path) -> None:
+    _bank_with_parts(tmp_path / "b")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _FIFO_MARKER_PROBE, str(tmp_path / "b")], capture_output=True,
+                              text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the bank waited on a FIFO for 60 s")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.splitlines() == [
+        "False None", f"{tmp_path / 'b' / 'manifest.json'}: corrupt manifest: not a regular file: a FIFO"]
+
+
+def test_a_part_marker_records_its_size(tmp_path: Path) -> None:
+    """Checked before any byte is hashed: a part of another size is damaged without reading it."""
+    bank = _bank_with_parts(tmp_path / "b")
+    for part in bank.parts("texts"):
+        marker = json.loads((tmp_path / "b" / "texts" / "_done" / f"{part}.json").read_text())
+        assert marker["bytes"] == (tmp_path / "b" / "texts" / f"{part}.parquet").stat().st_size
+    path = tmp_path / "b" / "texts" / "derived-1.parquet"
+    with path.open("ab") as f:  # same leading bytes, one more at the end
+        f.write(b"\0")
+    assert bank.verify_part("texts", "derived-1") is False and bank.verify_part("texts", "derived-2") is True
 
 
 # -- files ----------------------------------------------------------------------------------------------------

@@ -179,24 +179,3 @@ def test_check_paths(tmp_path: Path) -> None:
         ro.chmod(0o555)
         with pytest.raises(PermissionError):
             MemgasConfig(data={"path": str(data)}, output_dir=str(ro / "run")).check_paths()
-
-
-def test_gpu_work_without_gpus_under_ray_is_a_config_problem() -> None:
-    """Under Ray a worker that requests no GPU sees none: vLLM or a CUDA encoder with no GPUs per model actor,
-    CUDA kernels with no GPUs per task are refused (issue 20, item 2); the same with GPUs is fine."""
-    from memgas.pipeline.config import check_ray_gpus, ray_gpu_problems
-
-    def keys(*sets: str) -> list[tuple[str, ...]]:
-        return [k for k, _ in ray_gpu_problems(MemgasConfig.load(None, list(sets)))]
-
-    assert keys() == []
-    assert keys("llm.backend=vllm") == [("llm.backend", "ray.num_gpus_per_model_actor")]
-    assert keys("encoder.device=cuda") == [("encoder.device", "ray.num_gpus_per_model_actor")]
-    assert keys("retrieval.device=cuda", "ray.num_gpus_per_task=0") == [("retrieval.device", "ray.num_gpus_per_task")]
-    assert keys("llm.backend=vllm", "encoder.device=cuda", "retrieval.device=cuda", "ray.num_gpus_per_model_actor=1") == []
-    # vLLM that nothing uses (LLM-free generator, no reading) needs no GPU
-    assert keys("llm.backend=vllm", "generation.generator=llm-free", "reading.enabled=false") == []
-    # auto devices are never refused: they resolve to what can run
-    assert keys("encoder.device=auto", "retrieval.device=auto", "ray.num_gpus_per_task=0") == []
-    with pytest.raises(ConfigError, match="encoder.device=cuda"):
-        check_ray_gpus(MemgasConfig.load(None, ["encoder.device=cuda"]))

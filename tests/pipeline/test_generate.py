@@ -85,6 +85,32 @@ def test_parse_joint_is_robust() -> None:
         parse_joint("no json here")
 
 
+@pytest.mark.parametrize("reply", ['{"summary": ' * 100_000, '{"keywords": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                                   '{"summary": ' + "1" * 5000 + "}"])
+def test_parse_joint_fails_as_value_error_on_deep_nesting_and_huge_numbers(reply) -> None:
+    """The stage records a ValueError as an unusable output; RecursionError (or any other error) ended the run."""
+    with pytest.raises(ValueError):
+        parse_joint(reply)
+
+
+def test_generation_replies_with_runaway_whitespace_are_cleaned_in_linear_time() -> None:
+    """Trailing whitespace with no closing fence (the old fence regex backtracked: quadratic); in a subprocess
+    with a hang bound, not a timing assert (a linear pass takes well under a second)."""
+    import subprocess
+    import sys
+
+    code = ("from memgas.pipeline.generate import parse_joint, strip_echo\n"
+            "pad = ' \\n' * 400_000\n"
+            "print(repr(strip_echo('```\\nA cat named Miso.' + pad)))\n"
+            "print(parse_joint('```json\\n{\"summary\": \"A cat.\", \"keywords\": [\"cat\"]}' + pad))\n")
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("cleaning an 800 KB reply did not end within 20 s: not linear")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout == "'A cat named Miso.'\n('A cat.', 'cat')\n"
+
+
 # -- real models ------------------------------------------------------------------------------------------
 
 

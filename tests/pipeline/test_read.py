@@ -14,6 +14,39 @@ from memgas.pipeline.schema import ANSWERS
 def test_clean_answer() -> None:
     assert clean_answer("Answer: Miso\nQuestion: next?") == "Miso"
     assert clean_answer("  [bot]: Lisbon ") == "Lisbon"
+    assert clean_answer("Answer:  Assistant: Answer:Rome\nQ: x") == "Rome"
+
+
+def test_clean_answer_is_linear_on_repeated_prefixes() -> None:
+    """8 MB of "Answer: " (a looping model behind a backend that ignores max_tokens): the old loop copied the
+    rest of the answer once per prefix (quadratic, minutes). In a subprocess with a hang bound, not a timing
+    assert."""
+    import subprocess
+    import sys
+
+    code = "from memgas.pipeline.read import clean_answer\nprint(clean_answer('Answer: ' * 1_000_000 + 'Paris'))"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("clean_answer on 8 MB did not end within 20 s: not linear")
+    assert (r.returncode, r.stdout) == (0, "Paris\n"), r.stderr[-2000:]
+
+
+def test_an_answer_longer_than_max_tokens_allows_is_cut_before_it_is_stored() -> None:
+    """A backend that ignores max_tokens (a looping model behind a server that does not cap it) answered 3.6 MB;
+    it was stored whole and the QA metrics took ~35 s on it (ROUGE 25 s, BLEU 8 s): 200 s for 4 such answers in
+    ``memgas answer``. An answer is cut at ANSWER_CHARS_PER_TOKEN characters per token of max_new_tokens, noted."""
+    from memgas.pipeline.models.server import EchoLLM
+    from memgas.pipeline.read import ANSWER_CHARS_PER_TOKEN
+
+    flood = "word, more. " * 300_000
+    llm = Recorder(EchoLLM(), lambda content: GenerationResult(text=flood, completion_tokens=8))
+    t = read_and_answer([_q("a", "What did Melanie paint?")], llm, ReadingConfig(filter=False, max_new_tokens=8),
+                        "memgas")
+    row = t.to_pylist()[0]
+    limit = ANSWER_CHARS_PER_TOKEN * 8
+    assert row["hypothesis"] == flood[:limit].strip()
+    assert row["error"] == f"answer cut to {limit} characters (the backend returned {len(flood)} for max_new_tokens 8)"
 
 
 class Recorder:

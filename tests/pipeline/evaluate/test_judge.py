@@ -162,3 +162,31 @@ def test_run_judge_length_mismatch_raises() -> None:
 
     with pytest.raises(RuntimeError):
         run_judge(Broken({}), _judge_df().iloc[[0]])
+
+
+def test_a_judge_reply_that_is_not_valid_unicode_is_stored_readable() -> None:
+    """A lone surrogate in a reply (an HTTP backend's JSON can carry one) or its error: the judged rows still
+    go to Parquet (UTF-8 only), with U+FFFD in its place."""
+    import pyarrow as pa
+
+    llm = FakeLLM({"MARK-ERROR": GenerationResult(text="", error="HTTP 500: \udc80"), "Boston": "Yes \ud800"})
+    out = run_judge(llm, _judge_df())
+    by = out.set_index("query_id")
+    assert (by.loc["q3", "judge_output"], by.loc["q3", "label"]) == ("Yes \ufffd", True)
+    assert by.loc["q4", "error"] == "HTTP 500: \ufffd"
+    pa.Table.from_pandas(out)  # raised UnicodeEncodeError
+
+
+def test_parse_yes_no_is_linear_on_unclosed_think_tags() -> None:
+    """1 MB of ``<think>`` never closed (a backend that ignores max_tokens): the old ``<think>.*?</think>``
+    pass rescanned to the end from each tag (quadratic, ~20 min). In a subprocess with a hang bound, not a
+    timing assert."""
+    import subprocess
+    import sys
+
+    code = "from memgas.pipeline.evaluate.judge import parse_yes_no\nprint(parse_yes_no('<think>' * 150_000 + ' yes'))"
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=20)
+    except subprocess.TimeoutExpired:
+        pytest.fail("parse_yes_no on 1 MB did not end within 20 s: not linear")
+    assert (r.returncode, r.stdout) == (0, "True\n"), r.stderr[-2000:]

@@ -12,8 +12,13 @@ import pytest
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import JustMemConfig
 from memgas.pipeline.hashing import text_hash
+from memgas.pipeline.data.locomo import CAPTION_SEP
+from memgas.pipeline.justmem import structured
 from memgas.pipeline.justmem.extract import (
+    CARD_TEXT_LIMIT,
     LLM_FREE_EXTRACTOR,
+    MAX_CARDS_PER_SESSION,
+    MIN_GROUNDED_SHARE,
     Card,
     Turn,
     card_id,
@@ -21,6 +26,7 @@ from memgas.pipeline.justmem.extract import (
     extract_cards,
     extract_llm_free,
     extractor_key,
+    grounding,
     resolve_time,
     turns_by_session,
     validate_cards,
@@ -192,7 +198,7 @@ def test_llm_extractor_backend_error_falls_back_without_repair() -> None:
 ])
 def test_validate_cards_names_the_problem(obj, problem) -> None:
     with pytest.raises(InvalidOutput) as e:
-        validate_cards(obj, [0, 1])
+        validate_cards(obj, SHORT)
     assert str(e.value).startswith(problem)
 
 
@@ -200,3 +206,96 @@ def test_empty_table_and_keys_are_consistent() -> None:
     t = extract_cards([], JustMemConfig(), key=LLM_FREE_EXTRACTOR)
     assert t.num_rows == 0 and t.schema == CARDS
     assert isinstance(pa.Table.from_pylist([], schema=CARDS), pa.Table)
+
+
+# -- bounds and grounding (issue 31 items 3 and 7) ----------------------------------------------------------
+
+
+def _fallbacks(reply: str, turns=SHORT) -> tuple[list[dict], TokenLedger]:
+    """Rows of one session whose every reply is ``reply`` (the first call and the repair), and the ledger."""
+    llm = FakeLLM(lambda p, n: reply)
+    ledger = TokenLedger()
+    t = extract_cards([("h1", turns, "locomo")], _llm_cfg(), key="k", llm=llm, ledger=ledger)
+    assert len(llm.calls) == 2
+    return t.to_pylist(), ledger
+
+
+def test_a_deeply_nested_reply_is_recorded_invalid_not_a_crash() -> None:
+    rows, ledger = _fallbacks('{"cards": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    got = [Card(r["text"], r["type"], r["time"], r["turn_start"], r["turn_end"]) for r in rows]
+    assert got == extract_llm_free(SHORT)
+    assert rows[0]["fallback"] == (f"{LLM_FREE_EXTRACTOR} (invalid output after one repair: the reply nests deeper "
+                                   f"than {structured.MAX_JSON_DEPTH} levels (first: the reply nests deeper than "
+                                   f"{structured.MAX_JSON_DEPTH} levels))")
+    assert ledger.stages["justmem-cards"].counters["fallback"] == 1
+
+
+def test_cards_per_session_are_capped_in_the_schema_and_in_validation() -> None:
+    assert cards_json_schema()["properties"]["cards"]["maxItems"] == MAX_CARDS_PER_SESSION
+    many = {"cards": [GOOD["cards"][0]] * 10_000}
+    with pytest.raises(InvalidOutput) as e:
+        validate_cards(many, SHORT)
+    assert str(e.value) == f'"cards" holds 10000 cards; at most {MAX_CARDS_PER_SESSION} per dialogue'
+    assert len(validate_cards({"cards": [GOOD["cards"][0]] * MAX_CARDS_PER_SESSION}, SHORT)) == MAX_CARDS_PER_SESSION
+    # through the extractor (short valid cards: 10,000 of GOOD's would pass the reply size cap)
+    short = {"text": "Caroline adopted Max.", "type": "event", "time": "", "turn_start": 0, "turn_end": 0}
+    rows, ledger = _fallbacks(json.dumps({"cards": [short] * 10_000}))
+    assert "\"cards\" holds 10000 cards" in rows[0]["fallback"]
+    assert len(rows) == len(extract_llm_free(SHORT)) and ledger.stages["justmem-cards"].counters["fallback"] == 1
+
+
+def test_a_card_not_grounded_in_its_turns_is_invalid() -> None:
+    bad = {"cards": [*GOOD["cards"], {"text": "The user's bank password is hunter2", "type": "fact", "time": "",
+                                      "turn_start": 0, "turn_end": 0}]}
+    with pytest.raises(InvalidOutput) as e:
+        validate_cards(bad, SHORT)
+    # content words: user, bank, password, hunter2; none occurs in turn 0 ("Caroline: I adopted a dog ...")
+    assert str(e.value) == ("cards[2].text is not grounded in turns 0..0: 0 of its 4 content words occur there "
+                            f"(at least {MIN_GROUNDED_SHARE:.0%} must)")
+    rows, ledger = _fallbacks(json.dumps(bad))
+    assert "cards[2].text is not grounded in turns 0..0" in rows[0]["fallback"]
+    assert "hunter2" not in " ".join(r["text"] for r in rows)
+    # the good cards pass: "Melanie prefers cats." has 2 of 3 words in "Melanie: I prefer cats, honestly."
+    assert grounding("Melanie prefers cats.", SHORT[1:]) == (2, 3)
+    assert validate_cards(GOOD, SHORT) == GOOD_CARDS
+
+
+def test_every_llm_free_card_of_the_samples_is_grounded(locomo_bank) -> None:
+    """The threshold's check: the LLM-free cards (copies of their turns' words) all pass it."""
+    turns = turns_by_session(locomo_bank.read("turns"))
+    n = 0
+    for ts in turns.values():
+        for c in extract_llm_free(ts):
+            hit, total = grounding(c.text, [t for t in ts if c.turn_start <= t.turn_index <= c.turn_end])
+            assert hit == total, c
+            n += 1
+    assert n > 1000
+
+
+def test_a_long_unpunctuated_turn_makes_cards_within_the_limit_with_exact_spans() -> None:
+    words = [f"word{i % 97}x" for i in range(5000)]
+    turns = [Turn(0, "Caroline", "Short hello there friend."), Turn(1, "Melanie", " ".join(words)),
+             Turn(2, "user", "```\n" + "\n".join(words) + "\n```"),
+             Turn(3, "Melanie", "Nice." + CAPTION_SEP + " ".join(words[:900])),
+             Turn(4, "R" * 5000, "I adopted a dog named Max.")]  # a role is data too: the label is cut
+    cards = extract_llm_free(turns)
+    assert max(len(c.text) for c in cards) <= CARD_TEXT_LIMIT
+    said = [c for c in cards if c.turn_start == 1]
+    assert len(said) > 1 and all(c.turn_end == 1 and c.text.startswith("Melanie said: ") for c in said)
+    assert " ".join(c.text.removeprefix("Melanie said: ") for c in said) == " ".join(words)
+    code = [c for c in cards if c.turn_start == 2]
+    assert len(code) > 1 and all(c.turn_end == 2 and c.type == "interaction" for c in code)
+    assert "\n".join(c.text.removeprefix("The user wrote: ") for c in code) == turns[2].content
+    image = [c for c in cards if c.turn_start == 3]
+    assert all(c.turn_end == 3 for c in image) and len(image) > 1
+    assert [c.text for c in cards if c.turn_start == 4] == ["R" * 100 + " said: I adopted a dog named Max."]
+    # every card's words occur in its turn: the pieces are the turn's own text, cut on word boundaries
+    for c in cards:
+        hit, total = grounding(c.text, [t for t in turns if c.turn_start <= t.turn_index <= c.turn_end])
+        assert hit == total, c.text[:80]
+
+
+def test_a_backend_error_that_is_not_valid_unicode_is_recorded_readable() -> None:
+    llm = FakeLLM(lambda p, n: RuntimeError("HTTP 502: \udc80"))
+    t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm)  # raised UnicodeEncodeError
+    assert set(t.column("fallback").to_pylist()) == {f"{LLM_FREE_EXTRACTOR} (llm: HTTP 502: \ufffd)"}

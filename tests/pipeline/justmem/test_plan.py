@@ -12,6 +12,7 @@ from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import JustMemConfig
 from memgas.pipeline.justmem.plan import (
     LLM_FREE_PLANNER,
+    MAX_PLAN_ITEMS,
     Plan,
     plan_json_schema,
     plan_llm_free,
@@ -19,7 +20,9 @@ from memgas.pipeline.justmem.plan import (
     planner_key,
     plans_from_table,
     profile_for,
+    validate_plan,
 )
+from memgas.pipeline.justmem.structured import InvalidOutput
 from memgas.pipeline.schema import KEYS, PLANS, TABLES
 
 from .conftest import FakeLLM
@@ -118,3 +121,57 @@ def test_llm_planner_falls_back_to_the_rules_and_says_why(reply) -> None:
     rules = plan_llm_free(q, 2)
     assert (row["operation"], row["d"], row["f"], row["rewrites"]) == (rules.operation, rules.d, rules.f, rules.rewrites)
     assert row["fallback"].startswith(f"{LLM_FREE_PLANNER} (invalid output after one repair: ")
+
+
+def test_plan_lists_are_capped_in_the_schema_and_in_validation() -> None:
+    schema = plan_json_schema(2)["properties"]
+    assert schema["entities"]["maxItems"] == schema["time_constraints"]["maxItems"] == MAX_PLAN_ITEMS
+    assert schema["rewrites"]["maxItems"] == 2
+    many = {**GOOD, "entities": [f"e{i}" for i in range(10_000)]}
+    with pytest.raises(InvalidOutput) as e:
+        validate_plan(many, 2)
+    assert str(e.value) == f'"entities" holds 10000 items; at most {MAX_PLAN_ITEMS}'
+    with pytest.raises(InvalidOutput) as e:
+        validate_plan({**GOOD, "time_constraints": ["x"] * (MAX_PLAN_ITEMS + 1)}, 2)
+    assert str(e.value) == f'"time_constraints" holds {MAX_PLAN_ITEMS + 1} items; at most {MAX_PLAN_ITEMS}'
+    assert validate_plan({**GOOD, "entities": ["x"] * MAX_PLAN_ITEMS}, 2).entities == ["x"] * MAX_PLAN_ITEMS
+    # through the planner: recorded as invalid, the rules' plan used
+    llm = FakeLLM(lambda p, n: json.dumps(many))
+    ledger = TokenLedger()
+    row = plan_queries([("q1", "What books has Melanie read?", None)], _cfg(), key="k", llm=llm,
+                       ledger=ledger).to_pylist()[0]
+    assert row["fallback"].startswith(f'{LLM_FREE_PLANNER} (invalid output after one repair: "entities" holds 10000')
+    assert row["entities"] == plan_llm_free("What books has Melanie read?", 2).entities
+    assert ledger.stages["justmem-plan"].counters == {"repair": 1, "fallback": 1}
+
+
+def test_a_reply_that_is_not_valid_unicode_is_recorded_not_a_crash() -> None:
+    """A lone surrogate in the reply's text (an HTTP backend's JSON can carry one) or escaped in its JSON: the
+    plans table is written (Parquet needs UTF-8) with the rules' plan and the reply kept readable."""
+    lone = json.dumps({**GOOD, "entities": ["Mel\ud800"]})  # json.dumps escapes it: "Mel\\ud800"
+    for reply in ("bad \ud800 reply", lone):
+        t = plan_queries([("q1", "What books has Melanie read?", None)], _cfg(), key="k",
+                         llm=FakeLLM(lambda p, n, reply=reply: reply))
+        row = t.to_pylist()[0]
+        assert row["fallback"].startswith(f"{LLM_FREE_PLANNER} (invalid output after one repair: ")
+        assert row["entities"] == plan_llm_free("What books has Melanie read?", 2).entities
+    assert row["raw_output"] == lone
+    t = plan_queries([("q1", "Q?", None)], _cfg(), key="k", llm=FakeLLM(lambda p, n: "bad \ud800 reply"))
+    assert t.column("raw_output").to_pylist() == ["bad \ufffd reply"]
+
+
+def test_a_reply_over_the_size_cap_is_not_sent_back_nor_stored_whole() -> None:
+    """A runaway reply is not echoed into a repair prompt (60 MB would go back to the model) and the plans
+    table keeps its first MAX_REPLY_CHARS characters only."""
+    from memgas.pipeline.justmem.structured import MAX_REPLY_CHARS
+
+    reply = json.dumps(GOOD) + " " * 2 * MAX_REPLY_CHARS
+    llm = FakeLLM(lambda p, n: reply)
+    ledger = TokenLedger()
+    row = plan_queries([("q1", "What books has Melanie read?", None)], _cfg(), key="k", llm=llm,
+                       ledger=ledger).to_pylist()[0]
+    assert len(llm.calls) == 1
+    assert row["fallback"] == (f"{LLM_FREE_PLANNER} (invalid output, not repaired: the reply is {len(reply)} "
+                               f"characters; at most {MAX_REPLY_CHARS} are parsed)")
+    assert row["raw_output"] == reply[:MAX_REPLY_CHARS]
+    assert ledger.stages["justmem-plan"].counters == {"fallback": 1}

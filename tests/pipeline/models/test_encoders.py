@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -289,3 +291,34 @@ def test_an_onnx_export_is_verified_before_use(tmp_path, monkeypatch, caplog) ->
     assert get() == b"onnx-bytes" and len(exports) == 3
     assert get() == b"onnx-bytes" and len(exports) == 3
     assert sorted(p.name.endswith(".tmp") for p in (tmp_path / "onnx").iterdir()) == [False, False]
+
+
+def test_an_onnx_cache_file_that_is_a_fifo_is_not_waited_on(tmp_path, monkeypatch) -> None:
+    """The export's recorded digest (or the export) replaced by a FIFO: exported again at once, never read
+    (a read would wait for a writer for ever). Run in a thread; a regression is released and fails."""
+    import threading
+
+    from memgas.pipeline.models import onnx_export
+
+    monkeypatch.setenv("MEMGAS_CACHE_DIR", str(tmp_path))
+    exports: list[int] = []
+    monkeypatch.setattr(onnx_export, "_export_onnx", lambda model, names: exports.append(1) or "proto")
+    monkeypatch.setattr(onnx_export, "_optimize_and_quantize", lambda proto, config, int8, workdir: b"onnx-bytes")
+    model = torch.nn.Linear(3, 2)
+    model.config = None
+    get = lambda: onnx_export.onnx_model_bytes(lambda: model, ["input_ids"], int8=False)  # noqa: E731
+    assert get() == b"onnx-bytes" and len(exports) == 1
+    (cached,) = (tmp_path / "onnx").glob("*.onnx")
+    for target in (cached.with_name(cached.name + ".blake2b"), cached):
+        target.unlink()
+        os.mkfifo(target)
+        got: list[bytes] = []
+        t = threading.Thread(target=lambda: got.append(get()), daemon=True)
+        t.start()
+        t.join(30)
+        if t.is_alive():  # blocked in open(): give it a writer that closes at once, then fail
+            os.close(os.open(target, os.O_WRONLY | os.O_NONBLOCK))
+            t.join(30)
+            pytest.fail(f"waited on {target.name}, a FIFO")
+        assert got == [b"onnx-bytes"]
+    assert len(exports) == 3 and cached.read_bytes() == b"onnx-bytes"

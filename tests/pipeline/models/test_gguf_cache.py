@@ -6,9 +6,12 @@ its greedy output are compared, exactly, with the model loaded from the cache fo
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,6 +145,40 @@ def test_a_damaged_copy_is_set_aside_and_converted_again(gguf, from_gguf, cache_
     leftovers = [p.name for p in (cache_root / "gguf").iterdir() if p.name.startswith(".") and p.suffix != ".lock"]
     assert _folders(cache_root) == [folder] and leftovers == []  # nothing half-written or set aside remains
     assert same_model(from_gguf, _load(gguf, from_gguf, calls)) == [] and calls == [1]
+
+
+#: a process that loads the cached copy, and exits 7 where it would load the GGUF file instead: run apart so
+#: that a regression (hashing /dev/zero for ever, blocking on a FIFO) fails at the timeout, not hang the suite
+_LOAD_OR_EXIT_7 = """
+import logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from memgas.pipeline.models.gguf_cache import load_gguf_cached
+load_gguf_cached(sys.argv[1], sys.argv[2], "float32", "cpu", lambda: sys.exit(7))
+"""
+
+
+def test_a_copy_whose_weights_are_not_a_regular_file_is_set_aside_at_once(gguf, from_gguf, cache_root) -> None:
+    _load(gguf, from_gguf)
+    (folder,) = _folders(cache_root)
+    recorded = json.loads((folder / MANIFEST).read_text())
+    files = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)
+    assert recorded["sizes"] == {name: (folder / name).stat().st_size for name in files}  # checked before hashing
+    backup = cache_root.parent / "intact-copy"
+    shutil.copytree(folder, backup)
+    for kind in ("symlink to /dev/zero", "FIFO"):
+        weights = folder / "model.safetensors"
+        weights.unlink()
+        os.symlink("/dev/zero", weights) if kind == "symlink to /dev/zero" else os.mkfifo(weights)
+        try:
+            proc = subprocess.run([sys.executable, "-c", _LOAD_OR_EXIT_7, *gguf], capture_output=True, text=True,
+                                  timeout=60, env={**os.environ, "MEMGAS_CACHE_DIR": str(cache_root)})
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"loading a copy whose weights are a {kind} did not end in 60 s")
+        assert proc.returncode == 7, (kind, proc.stderr[-2000:])  # on to the GGUF file, as for any damage
+        assert "incomplete or altered" in proc.stderr
+        assert _folders(cache_root) == [] and Path("/dev/zero").is_char_device()
+        shutil.copytree(backup, folder)
+    assert _load(gguf, from_gguf, calls := []) is not None and calls == []  # the restored copy is intact
 
 
 def test_an_unwritable_cache_costs_time_only(gguf, from_gguf, tmp_path, monkeypatch, caplog) -> None:

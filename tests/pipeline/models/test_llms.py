@@ -69,6 +69,9 @@ def test_stop_strings_and_count_tokens(smol: TransformersLLM) -> None:
     stop = words[1]  # a word the model does write: stopping there must cut the text before it
     r = smol.generate([_q("What is the capital of France?")], SamplingParams(max_tokens=12, stop=(stop,)))[0]
     assert stop not in r.text and full.startswith(r.text.rstrip()) and len(r.text) < len(full)
+    # an empty stop string stops nothing (transformers' stop_strings matched it at once: one token, "length")
+    r = smol.generate([_q("What is the capital of France?")], SamplingParams(max_tokens=12, stop=("",)))[0]
+    assert r.text == full
     assert smol.count_tokens("hello world") == 2
     assert smol.count_tokens("") == 0
 

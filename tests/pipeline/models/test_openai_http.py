@@ -14,7 +14,7 @@ import pytest
 from memgas.pipeline.config import LLMConfig
 from memgas.pipeline.models.base import LLM, SamplingParams
 from memgas.pipeline.models.factory import make_llm
-from memgas.pipeline.models.openai_http import OpenAIHTTPLLM
+from memgas.pipeline.models.openai_http import MAX_RESPONSE_BYTES, OpenAIHTTPLLM
 from memgas.pipeline.models.server import ChatServer, EchoLLM, Faults, serve_in_thread
 
 P = SamplingParams(max_tokens=5)
@@ -139,3 +139,108 @@ def test_real_model_behind_server() -> None:
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+def _bounded_generate(llm: OpenAIHTTPLLM, prompts: list, bound_s: float) -> list:
+    """``llm.generate`` in a daemon thread, failing the test (instead of hanging it) past ``bound_s``."""
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(llm.generate(prompts, P)), daemon=True)
+    t.start()
+    t.join(bound_s)
+    if t.is_alive():
+        pytest.fail(f"generate did not return within {bound_s} s")
+    return box[0]
+
+
+def test_huge_response_body_is_capped_and_retried(echo_server: ChatServer) -> None:
+    """A 50 MB body (a valid completion) is read only up to MAX_RESPONSE_BYTES, then counted and retried like a
+    transport failure; the next answer is used. A server that keeps sending it fails the item, not the run."""
+    echo_server.faults.huge_body = 1
+    r = _bounded_generate(_client(echo_server, timeout_s=20), [_q("after the flood")], 60)[0]
+    assert (r.ok, r.text, r.retries) == (True, "after the flood", 1)
+    echo_server.faults.huge_body = 3
+    r = _bounded_generate(_client(echo_server, timeout_s=20, max_retries=2), [_q("x")], 60)[0]
+    assert (r.ok, r.text, r.retries) == (False, "", 2)
+    assert r.error == (f"ResponseTooLarge: the response body is larger than the limit of {MAX_RESPONSE_BYTES} "
+                       f"bytes (after 2 retries)")
+
+
+def test_endless_response_body_gives_up_within_the_timeout(echo_server: ChatServer) -> None:
+    """A body that never ends (a byte every 50 ms, so no single read ever times out) is given up after
+    ``timeout_s`` per attempt, counted and retried; two items in one batch both fail, within the bound."""
+    echo_server.faults.endless_body = 4
+    res = _bounded_generate(_client(echo_server, timeout_s=1.0, max_retries=1), [_q("a"), _q("b")], 30)
+    assert [(r.ok, r.text, r.retries) for r in res] == [(False, "", 1), (False, "", 1)]
+    assert [r.error for r in res] == ["TimeoutError: no complete response within 1 s (after 1 retries)"] * 2
+    assert echo_server.faults.endless_body == 0
+
+
+@pytest.fixture()
+def canned_server() -> Iterator[tuple[list[bytes], str]]:
+    """A real HTTP server answering every POST with 200 and the next body of its list (the last one repeats):
+    a backend that speaks HTTP but sends what no OpenAI-compatible server should."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    bodies: list[bytes] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            raw = bodies.pop(0) if len(bodies) > 1 else bodies[0]
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    yield bodies, f"http://127.0.0.1:{srv.server_address[1]}/v1"
+    srv.shutdown()
+    srv.server_close()
+
+
+def _completion(content: object = "Paris", usage: object = None) -> bytes:
+    import json
+
+    body = {"choices": [{"message": {"role": "assistant", "content": content}, "finish_reason": "stop"}]}
+    if usage is not None:
+        body["usage"] = usage
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize("usage, why", [
+    ({"prompt_tokens": 10**30, "completion_tokens": 3}, "usage.prompt_tokens 1000000000000000000000000000000 is not a "
+                                                          "token count"),
+    ({"prompt_tokens": 5, "completion_tokens": -9}, "usage.completion_tokens -9 is not a token count"),
+    ({"prompt_tokens": 1e30, "completion_tokens": 3}, "usage.prompt_tokens 1e+30 is not a token count"),
+    ({"prompt_tokens": "12", "completion_tokens": "x"}, "usage.prompt_tokens '12' is not a token count"),
+    ({"prompt_tokens": True, "completion_tokens": 3}, "usage.prompt_tokens True is not a token count"),
+])
+def test_usage_that_is_not_a_token_count_is_a_malformed_response(canned_server, usage: dict, why: str) -> None:
+    """A backend's usage of 10^30 tokens passed the client and ended `memgas answer` with exit 1 (OverflowError at
+    the Parquet write); "x" raised inside the error path (AttributeError). Each is the item's malformed response."""
+    bodies, url = canned_server
+    bodies.append(_completion(usage=usage))
+    r = OpenAIHTTPLLM(url, "m", max_retries=0).generate([_q("a")], P)[0]
+    assert (r.ok, r.text, r.prompt_tokens, r.completion_tokens) == (False, "", 0, 0)
+    assert r.error == f"malformed response (ValueError: {why}): {bodies[0][:200].decode()!r}"
+
+
+def test_content_that_is_not_text_is_a_malformed_response(canned_server) -> None:
+    """A number for the message's content was taken as an empty answer; null (no text: a refusal, a tool call)
+    stays an empty answer, and whole-number floats and missing usage stay accepted."""
+    bodies, url = canned_server
+    bodies.extend([_completion(content=12345), _completion(content=None), _completion(usage={"prompt_tokens": 7.0})])
+    llm = OpenAIHTTPLLM(url, "m", max_retries=0, concurrency=1)
+    bad, null, floats = llm.generate([_q("a"), _q("b"), _q("c")], P)
+    assert bad.error == ("malformed response (ValueError: choices[0].message.content is a int, not text or null): "
+                         f"{_completion(content=12345).decode()!r}")
+    assert (null.ok, null.text) == (True, "")
+    assert (floats.ok, floats.text, floats.prompt_tokens, floats.completion_tokens) == (True, "Paris", 7, 0)

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from memgas.pipeline.config import LLMConfig
+from memgas.pipeline.models.llms import SMOLLM2_NAME
 from memgas.pipeline.models.server import EchoLLM, serve_forever_from_config
 
 REPO = Path(__file__).resolve().parents[3]
@@ -94,7 +95,23 @@ def test_memgas_serve_with_the_cpu_model() -> None:
         assert isinstance(text, str) and text.strip()
         assert 0 < body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 5
         models = httpx.get(f"{base}/models", timeout=30).json()["data"]
-        assert "SmolLM2" in models[0]["id"] or "smollm" in models[0]["id"].lower()
+        assert [m["id"] for m in models] == [SMOLLM2_NAME] == [body["model"]]  # exactly the model served
+        context = models[0]["context_length"]
+        # issue 31: the real tokenizer's failures are the client's 400s, never 500s
+        refused = {
+            "max_tokens over the context": ({"max_tokens": 1048576}, "max_tokens", "integer_above_max_value"),
+            "a prompt that cannot fit": ({"max_tokens": context - 1}, "messages", "context_length_exceeded"),
+            "a lone surrogate": ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content",
+                                 None),
+            "another model": ({"model": "gpt-4o"}, "model", "model_not_found"),
+        }
+        for what, (fields, param, code) in refused.items():
+            body = json.dumps({"model": SMOLLM2_NAME, "messages": [{"role": "user", "content": "Hello"}], **fields})
+            r = httpx.post(f"{base}/chat/completions", timeout=300, content=body,  # ASCII: \ud800 escaped
+                           headers={"Content-Type": "application/json"})
+            err = r.json()["error"]
+            assert (r.status_code, err["type"], err["param"], err["code"]) == (
+                404 if code == "model_not_found" else 400, "invalid_request_error", param, code), what
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -137,38 +154,66 @@ def _post(srv, body: bytes | str, headers: dict[str, str] | None = None) -> tupl
 
 _MSG = [{"role": "user", "content": "one two three"}]
 
-#: (id, request body, HTTP status, the error's param)
+#: (id, request body, HTTP status, the error's param, the error's code)
 BAD_REQUESTS = [
-    ("not-json", "{oops", 400, None),
-    ("not-an-object", "[1, 2]", 400, None),
-    ("no-messages", {"model": "echo"}, 400, "messages"),
-    ("empty-messages", {"messages": []}, 400, "messages"),
-    ("messages-not-a-list", {"messages": "hi"}, 400, "messages"),
-    ("content-not-a-string", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0]"),
-    ("message-not-an-object", {"messages": ["hi"]}, 400, "messages[0]"),
-    ("nan-temperature", '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "temperature"),
-    ("temperature-a-string", {"messages": _MSG, "temperature": "hot"}, 400, "temperature"),
-    ("top-p-above-1", {"messages": _MSG, "top_p": 1.5}, 400, "top_p"),
-    ("huge-max-tokens", {"messages": _MSG, "max_tokens": 10**30}, 400, "max_tokens"),
-    ("max-tokens-zero", {"messages": _MSG, "max_tokens": 0}, 400, "max_tokens"),
-    ("max-tokens-negative", {"messages": _MSG, "max_tokens": -5}, 400, "max_tokens"),
-    ("max-tokens-a-float", {"messages": _MSG, "max_tokens": 2.5}, 400, "max_tokens"),
-    ("max-completion-tokens-zero", {"messages": _MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
-    ("stop-a-number", {"messages": _MSG, "stop": 3}, 400, "stop"),
-    ("seed-a-string", {"messages": _MSG, "seed": "x"}, 400, "seed"),
-    ("stream-true", {"messages": _MSG, "stream": True}, 400, "stream"),
-    ("response-format-a-string", {"messages": _MSG, "response_format": "json"}, 400, "response_format"),
+    ("not-json", "{oops", 400, None, None),
+    ("not-an-object", "[1, 2]", 400, None, None),
+    ("no-messages", {"model": "echo"}, 400, "messages", None),
+    ("empty-messages", {"messages": []}, 400, "messages", None),
+    ("messages-not-a-list", {"messages": "hi"}, 400, "messages", None),
+    ("content-not-a-string", {"messages": [{"role": "user", "content": 5}]}, 400, "messages[0]", None),
+    ("message-not-an-object", {"messages": ["hi"]}, 400, "messages[0]", None),
+    ("nan-temperature", '{"messages": [{"role": "user", "content": "x"}], "temperature": NaN}', 400, "temperature",
+     None),
+    ("temperature-a-string", {"messages": _MSG, "temperature": "hot"}, 400, "temperature", None),
+    ("top-p-above-1", {"messages": _MSG, "top_p": 1.5}, 400, "top_p", None),
+    ("huge-max-tokens", {"messages": _MSG, "max_tokens": 10**30}, 400, "max_tokens", "integer_above_max_value"),
+    ("max-tokens-zero", {"messages": _MSG, "max_tokens": 0}, 400, "max_tokens", "integer_below_min_value"),
+    ("max-tokens-negative", {"messages": _MSG, "max_tokens": -5}, 400, "max_tokens", "integer_below_min_value"),
+    ("max-tokens-a-float", {"messages": _MSG, "max_tokens": 2.5}, 400, "max_tokens", None),
+    ("max-completion-tokens-zero", {"messages": _MSG, "max_completion_tokens": 0}, 400, "max_completion_tokens",
+     "integer_below_min_value"),
+    ("stop-a-number", {"messages": _MSG, "stop": 3}, 400, "stop", None),
+    ("seed-a-string", {"messages": _MSG, "seed": "x"}, 400, "seed", None),
+    ("stream-true", {"messages": _MSG, "stream": True}, 400, "stream", None),
+    ("response-format-a-string", {"messages": _MSG, "response_format": "json"}, 400, "response_format", None),
+    # issue 31: what the client got wrong is a 400 naming it, never a 200 that ignores it or a 500
+    ("max-tokens-over-the-context", {"messages": _MSG, "max_tokens": 1048576}, 400, "max_tokens",
+     "integer_above_max_value"),
+    ("max-tokens-the-whole-context", {"messages": _MSG, "max_tokens": 4096}, 400, "max_tokens",
+     "integer_above_max_value"),
+    ("prompt-beyond-the-context", {"messages": [{"role": "user", "content": "w " * 4000}], "max_tokens": 100},
+     400, "messages", "context_length_exceeded"),
+    ("n-2", {"messages": _MSG, "n": 2}, 400, "n", None),
+    ("n-true", {"messages": _MSG, "n": True}, 400, "n", None),
+    ("logprobs-true", {"messages": _MSG, "logprobs": True}, 400, "logprobs", None),
+    ("top-logprobs", {"messages": _MSG, "top_logprobs": 3}, 400, "top_logprobs", None),
+    ("tools", {"messages": _MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ("unknown-field", {"messages": _MSG, "frobnicate": 1}, 400, "frobnicate", None),
+    ("role-wizard", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role", None),
+    ("lone-surrogate", '{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', 400, "messages[0].content",
+     None),
+    ("10000-messages", {"messages": [{"role": "user", "content": "hi"}] * 10_000}, 400, "messages",
+     "array_above_max_length"),
+    ("model-not-a-string", {"model": 5, "messages": _MSG}, 400, "model", None),
+    ("5-stop-sequences", {"messages": _MSG, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "array_above_max_length"),
+    # hostile pass: an empty stop string matches before the first token (transformers stopped after one token
+    # and called it "length"); it can mean nothing else
+    ("stop-empty-string", {"messages": _MSG, "stop": ""}, 400, "stop", None),
+    ("stop-list-with-an-empty-string", {"messages": _MSG, "stop": ["x", ""]}, 400, "stop", None),
+    ("response-format-unknown-type", {"messages": _MSG, "response_format": {"type": "yaml"}}, 400,
+     "response_format", None),
 ]
 
 
-@pytest.mark.parametrize("body, status, param", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
-def test_an_invalid_request_gets_a_400_with_an_openai_error_body(echo_server, body, status, param) -> None:
+@pytest.mark.parametrize("body, status, param, code", [c[1:] for c in BAD_REQUESTS], ids=[c[0] for c in BAD_REQUESTS])
+def test_an_invalid_request_gets_a_400_with_an_openai_error_body(echo_server, body, status, param, code) -> None:
     raw = body if isinstance(body, str) else json.dumps(body)
-    code, payload = _post(echo_server, raw)
-    assert code == status, payload
+    status_got, payload = _post(echo_server, raw)
+    assert status_got == status, payload
     err = payload["error"]
     assert set(err) == {"message", "type", "param", "code"}
-    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == status
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", param, code)
     assert isinstance(err["message"], str) and err["message"]
     # the server is still there and answers the next request
     assert _post(echo_server, json.dumps({"messages": _MSG, "max_tokens": 2}))[1]["choices"][0]["message"]["content"] == "one two"
@@ -244,3 +289,155 @@ def test_a_client_that_closes_inside_the_body_does_not_hurt_the_server(echo_serv
     status, err = _status_and_error(answer)
     assert status == 400 and "after 1 of the 500 bytes" in err["message"]
     assert _post(echo_server, json.dumps({"messages": _MSG}))[0] == 200
+
+
+# -- issue 31: the rest of the OpenAI error contract --------------------------------------------------------------
+def _request(srv, method: str, path: str, body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+    host, port = srv.server_address[:2]
+    conn = http.client.HTTPConnection(host, port, timeout=30)
+    try:
+        conn.request(method, path, body=body, headers={"Content-Type": "application/json"} if body else {})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("method, path, allow", [
+    ("PUT", "/v1/chat/completions", "POST"), ("DELETE", "/v1/chat/completions", "POST"),
+    ("PATCH", "/v1/chat/completions", "POST"), ("OPTIONS", "/v1/chat/completions", "POST"),
+    ("GET", "/v1/chat/completions", "POST"), ("POST", "/v1/models", "GET"), ("DELETE", "/v1/models", "GET"),
+    ("PUT", "/health", "GET"),
+])
+def test_a_method_the_route_does_not_take_gets_405_with_the_json_error(echo_server, method, path, allow) -> None:
+    status, headers, body = _request(echo_server, method, path, json.dumps({"messages": _MSG}).encode())
+    assert (status, headers["allow"], headers["content-type"]) == (405, allow, "application/json")
+    assert json.loads(body) == {"error": {"message": f"Invalid method for URL ({method} {path})",
+                                          "type": "invalid_request_error", "param": None, "code": None}}
+
+
+def test_head_gets_405_and_no_body(echo_server) -> None:
+    status, headers, body = _request(echo_server, "HEAD", "/v1/chat/completions")
+    assert (status, headers["allow"], body) == (405, "POST", b"")
+
+
+def test_an_unknown_route_gets_404_with_the_json_error(echo_server) -> None:
+    status, _, body = _request(echo_server, "POST", "/v1/completions", json.dumps({"prompt": "x"}).encode())
+    assert status == 404 and json.loads(body) == {"error": {
+        "message": "Invalid URL (POST /v1/completions)", "type": "invalid_request_error", "param": None, "code": None}}
+
+
+def test_an_unknown_model_gets_404_model_not_found(echo_server) -> None:
+    status, payload = _post(echo_server, json.dumps({"model": "gpt-4o", "messages": _MSG}))
+    assert status == 404 and payload == {"error": {
+        "message": "The model `gpt-4o` does not exist or you do not have access to it.",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+
+
+def test_models_lists_exactly_the_model_served_and_that_name_is_answered(echo_server) -> None:
+    status, _, body = _request(echo_server, "GET", "/v1/models")
+    models = json.loads(body)
+    assert status == 200 and models == {"object": "list", "data": [{
+        "id": "echo", "object": "model", "created": models["data"][0]["created"], "owned_by": "memgas",
+        "context_length": 4096}]}
+    assert isinstance(models["data"][0]["created"], int)
+    status, _, body = _request(echo_server, "GET", "/v1/models/echo")
+    assert status == 200 and json.loads(body) == models["data"][0]
+    status, _, body = _request(echo_server, "GET", "/v1/models/gpt-4o")
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+    status, payload = _post(echo_server, json.dumps({"model": "echo", "messages": _MSG}))
+    assert status == 200 and payload["model"] == "echo"
+
+
+def test_the_query_string_is_ignored(echo_server) -> None:
+    status, _, body = _request(echo_server, "POST", "/v1/chat/completions?x=1",
+                               json.dumps({"messages": _MSG, "max_tokens": 1}).encode())
+    assert status == 200 and json.loads(body)["choices"][0]["message"]["content"] == "one"
+    assert _request(echo_server, "GET", "/v1/models?limit=5")[0] == 200
+    assert _request(echo_server, "GET", "/health?probe=1")[0] == 200
+
+
+@pytest.mark.parametrize("second", ["5", "same"])
+def test_two_content_length_headers_are_refused(echo_server, second) -> None:
+    """Two framings of one body (request smuggling: a proxy may use the other one): refused, connection closed."""
+    body = json.dumps({"messages": _MSG}).encode()
+    lengths = (len(body), len(body) if second == "same" else int(second))
+    head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + "".join(f"Content-Length: {n}\r\n" for n in lengths) + "\r\n").encode()
+    status, err = _status_and_error(_raw_exchange(echo_server, head, body))
+    assert (status, err["param"], err["type"]) == (400, "Content-Length", "invalid_request_error")
+
+
+def test_a_body_the_server_does_not_read_is_never_taken_for_the_next_request(echo_server) -> None:
+    """A 404 or 405 answered without reading the body closes the connection: the body's bytes (here a whole
+    request of their own) are never parsed as the next request on the connection."""
+    inner = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    for method, path in (("POST", "/v1/nowhere"), ("PUT", "/v1/chat/completions"), ("GET", "/health")):
+        head = f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(inner)}\r\n\r\n".encode()
+        answer = _raw_exchange(echo_server, head, inner)
+        assert answer.count(b"HTTP/1.1 ") == 1, (method, path, answer)
+
+
+@pytest.mark.parametrize("head, status", [(b"FROB /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n", 501),
+                                          (b"POST /v1/chat/completions HTTP/1.1 extra\r\nHost: x\r\n\r\n", 400)])
+def test_http_servers_own_errors_are_json_too(echo_server, head, status) -> None:
+    """An unknown method, a malformed request line: http.server's errors, answered with the JSON error object."""
+    got, err = _status_and_error(_raw_exchange(echo_server, head))
+    assert got == status and set(err) == {"message", "type", "param", "code"} and err["code"] is None
+
+
+def _trickle(srv, at_once: bytes, data: bytes, gap_s: float, bound_s: float) -> tuple[float, bytes]:
+    """Send ``at_once``, then ``data`` one byte every ``gap_s`` (a slowloris client: each byte well within the
+    per-read timeout) until the server answers or hangs up: the seconds the trickle took and the answer.
+    ``bound_s`` bounds the test."""
+    with socket.create_connection(srv.server_address[:2], timeout=bound_s) as s:
+        s.sendall(at_once)
+        s.setblocking(False)
+        t0 = time.monotonic()
+        answer = b""
+        for byte in data:
+            if time.monotonic() - t0 > bound_s:
+                break
+            try:
+                s.send(bytes([byte]))
+            except OSError:  # the server hung up
+                break
+            time.sleep(gap_s)
+            try:
+                answer = s.recv(65536)
+            except BlockingIOError:
+                continue
+            break
+        seconds = time.monotonic() - t0
+        s.setblocking(True)
+        answer += b"".join(iter(lambda: s.recv(65536), b""))
+        return seconds, answer
+
+
+@pytest.mark.parametrize("what", ["headers", "body"])
+def test_a_slow_client_is_answered_once_its_request_takes_longer_than_the_deadline(echo_server, monkeypatch,
+                                                                                 what) -> None:
+    """Slowloris: a byte every 0.2 s never trips the per-read timeout, so the old server held the connection (and
+    its thread) for as long as the client liked. Now the whole request (line, headers, body) must arrive within the
+    handler's timeout (BODY_TIMEOUT_S; 1 s here) from its first byte: 408 for headers, the short body's 400 for a
+    body; other clients are served meanwhile."""
+    monkeypatch.setattr(server_mod._Handler, "timeout", 1.0)
+    body = json.dumps({"messages": _MSG}).encode()
+    head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    at_once, trickled = (b"", head + body) if what == "headers" else (head, body)
+    box: list = []
+    slow = threading.Thread(target=lambda: box.append(_trickle(echo_server, at_once, trickled, 0.2, 8)))
+    slow.start()
+    time.sleep(0.3)
+    assert _post(echo_server, body)[0] == 200  # not blocked by the slow one
+    slow.join(15)
+    assert not slow.is_alive()
+    seconds, answer = box[0]
+    assert 0.9 < seconds < 3, (seconds, answer)
+    status, err = _status_and_error(answer)
+    if what == "headers":
+        assert (status, err["type"], err["param"]) == (408, "invalid_request_error", None)
+        assert err["message"] == "the request did not arrive within 1 s (request line, headers and body)"
+    else:  # the contract of a body shorter than its Content-Length
+        assert (status, err["type"], err["param"]) == (400, "invalid_request_error", "Content-Length")
+        assert err["message"] == f"the body did not reach the {len(body)} bytes that Content-Length announced within 1 s"
