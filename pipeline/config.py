@@ -185,9 +185,10 @@ class RetrievalConfig(_Strict):
     #: PPR kernel: "exact" (power iteration over the whole graph, all queries at once, CPU or GPU:
     #: kernels/ppr.py) or "push" (local forward push from the seeds, CPU only: kernels/ppr_push.py)
     ppr: Literal["exact", "push"] = "exact"
-    #: push's residual threshold per unit of degree (error < ppr_epsilon * degree / (1 - damping) per node);
-    #: the default keeps the top-10 of the exact PPR on >= 99.9% of questions (benchmarks/bench_ppr_push.py)
-    ppr_epsilon: float = Field(1e-7, gt=0, lt=1)
+    #: push's residual threshold per unit of degree (error < ppr_epsilon * degree / (1 - damping) per node).
+    #: 1e-8: the top-10 equals the exact PPR's on every LoCoMo question from 1e-7 on (96% at 1e-6), one decade
+    #: of margin; docs/benchmarks.md, "Push PPR" (benchmarks/bench_ppr_push.py)
+    ppr_epsilon: float = Field(1e-8, gt=0, lt=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: how many ranked sessions to store per query (at least the largest evaluation.ks)
     store_top: int = Field(50, ge=1, le=MAX_RANKED)

@@ -143,6 +143,8 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "stream_options": (None,), "modalities": (None, ["text"]), "audio": (None,), "prediction": (None,),
     "reasoning_effort": (None,), "web_search_options": (None,), "service_tier": (None, "auto", "default"),
 }
+#: Most characters of a client's value quoted back in an error message (a 500 KB model name was echoed whole).
+MAX_QUOTED_CHARS = 200
 #: Routes and the methods they take (405 for any other method).
 ROUTES: dict[str, tuple[str, ...]] = {"/health": ("GET",), "/v1/models": ("GET",),
                                       "/v1/chat/completions": ("POST",)}
@@ -469,7 +471,8 @@ for _method in OTHER_METHODS:
 
 
 def _not_found(model: str) -> str:
-    return f"The model `{model}` does not exist or you do not have access to it."
+    shown = model if len(model) <= MAX_QUOTED_CHARS else model[:MAX_QUOTED_CHARS] + "..."
+    return f"The model `{shown}` does not exist or you do not have access to it."
 
 
 def _number(req: dict[str, Any], key: str, default: float, low: float, high: float) -> float:

@@ -332,6 +332,10 @@ def test_an_unknown_model_gets_404_model_not_found(echo_server) -> None:
     assert status == 404 and payload == {"error": {
         "message": "The model `gpt-4o` does not exist or you do not have access to it.",
         "type": "invalid_request_error", "param": "model", "code": "model_not_found"}}
+    # a 500 KB name is not echoed back whole (the error quoted all of it)
+    status, payload = _post(echo_server, json.dumps({"model": "m" * 500_000, "messages": _MSG}))
+    assert status == 404 and payload["error"]["message"] == (
+        f"The model `{'m' * server_mod.MAX_QUOTED_CHARS}...` does not exist or you do not have access to it.")
 
 
 def test_models_lists_exactly_the_model_served_and_that_name_is_answered(echo_server) -> None:
