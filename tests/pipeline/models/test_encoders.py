@@ -265,12 +265,9 @@ def test_bf16_body_pools_and_normalises_in_float32() -> None:
     assert not np.array_equal(as_bf16, v)  # values carry more than bf16's precision
 
 
-def test_an_onnx_export_is_verified_before_use(tmp_path, monkeypatch, caplog) -> None:
-    """The cached export's digest is checked before every use: a file altered on disk (or one without its
-    digest, as a killed copy or an older memgas leaves) is exported again, never used. The export itself
-    (torch.onnx, ONNX Runtime) is test_onnx_runtimes'; here a stand-in counts the exports."""
-    import logging
-
+def _stand_in_export(tmp_path, monkeypatch):
+    """``(get, exports)``: ``get()`` returns the ONNX bytes of a tiny model through the real cache in
+    ``tmp_path``, with a stand-in export and optimiser (``exports`` counts the exports)."""
     from memgas.pipeline.models import onnx_export
 
     monkeypatch.setenv("MEMGAS_CACHE_DIR", str(tmp_path))
@@ -279,7 +276,16 @@ def test_an_onnx_export_is_verified_before_use(tmp_path, monkeypatch, caplog) ->
     monkeypatch.setattr(onnx_export, "_optimize_and_quantize", lambda proto, config, int8, workdir: b"onnx-bytes")
     model = torch.nn.Linear(3, 2)
     model.config = None
-    get = lambda: onnx_export.onnx_model_bytes(lambda: model, ["input_ids"], int8=False)  # noqa: E731
+    return (lambda: onnx_export.onnx_model_bytes(lambda: model, ["input_ids"], int8=False)), exports
+
+
+def test_an_onnx_export_is_verified_before_use(tmp_path, monkeypatch, caplog) -> None:
+    """The cached export's digest is checked before every use: a file altered on disk (or one without its
+    digest, as a killed copy or an older memgas leaves) is exported again, never used. The export itself
+    (torch.onnx, ONNX Runtime) is test_onnx_runtimes'; here a stand-in counts the exports."""
+    import logging
+
+    get, exports = _stand_in_export(tmp_path, monkeypatch)
     assert get() == b"onnx-bytes" and len(exports) == 1
     assert get() == b"onnx-bytes" and len(exports) == 1  # from the cache
     (cached,) = (tmp_path / "onnx").glob("*.onnx")
@@ -298,15 +304,7 @@ def test_an_onnx_cache_file_that_is_a_fifo_is_not_waited_on(tmp_path, monkeypatc
     (a read would wait for a writer for ever). Run in a thread; a regression is released and fails."""
     import threading
 
-    from memgas.pipeline.models import onnx_export
-
-    monkeypatch.setenv("MEMGAS_CACHE_DIR", str(tmp_path))
-    exports: list[int] = []
-    monkeypatch.setattr(onnx_export, "_export_onnx", lambda model, names: exports.append(1) or "proto")
-    monkeypatch.setattr(onnx_export, "_optimize_and_quantize", lambda proto, config, int8, workdir: b"onnx-bytes")
-    model = torch.nn.Linear(3, 2)
-    model.config = None
-    get = lambda: onnx_export.onnx_model_bytes(lambda: model, ["input_ids"], int8=False)  # noqa: E731
+    get, exports = _stand_in_export(tmp_path, monkeypatch)
     assert get() == b"onnx-bytes" and len(exports) == 1
     (cached,) = (tmp_path / "onnx").glob("*.onnx")
     for target in (cached.with_name(cached.name + ".blake2b"), cached):
