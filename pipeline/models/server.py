@@ -274,9 +274,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(body)))
         for k, v in (headers or {}).items():
             self.send_header(k, v)
-        self.end_headers()
-        if self.command != "HEAD":  # a HEAD answer has headers only
-            self.wfile.write(body)
+        try:
+            self.end_headers()
+            if self.command != "HEAD":  # a HEAD answer has headers only
+                self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):  # the client hung up (e.g. its timeout) before the answer
+            self.close_connection = True
+            logger.debug("client %s hung up before the %d answer", self.client_address, code)
 
     def _content_length(self) -> int | None:
         """The one Content-Length (None when absent), or BadRequest: repeated, not a whole number, or beside a

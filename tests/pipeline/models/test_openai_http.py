@@ -6,6 +6,7 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -73,10 +74,14 @@ def test_malformed_json_is_a_per_item_error(echo_server: ChatServer) -> None:
     assert res[1].ok and res[1].text == "b"
 
 
-def test_timeout_is_retried_then_reported(echo_server: ChatServer) -> None:
+def test_timeout_is_retried_then_reported(echo_server: ChatServer, capsys: pytest.CaptureFixture) -> None:
     echo_server.faults.delay_s = 0.6
     r = _client(echo_server, timeout_s=0.2, max_retries=1).generate([_q("slow")], P)[0]
     assert not r.ok and "Timeout" in (r.error or "") and r.retries == 1
+    # the server answers after the client hung up: a quiet close, not a BrokenPipeError traceback on stderr
+    time.sleep(1.2)
+    echo_server.faults.delay_s = 0.0
+    assert "Traceback" not in capsys.readouterr().err
 
 
 def test_connection_refused() -> None:
