@@ -103,10 +103,8 @@ def resolve_stage_runtimes(ctx: StageContext) -> None:
     the cluster has one is checked before the first stage, memgas.jobs.preflight); in-process where torch
     sees one."""
     e = ctx.cfg.encoder
-    device = e.device
     local_cuda = _torch_cuda()
-    if device == "auto":
-        device = "cuda" if (ctx.cfg.ray.num_gpus_per_model_actor > 0 if ctx.use_ray else local_cuda) else "cpu"
+    device = encoder_device(ctx.cfg, ctx.use_ray, local_cuda)
     dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     ctx.resolved["encoder"] = {"device": device, "dtype": dtype}
     if hasattr(e, "runtime"):  # "auto" is torch on CUDA, the measured CPU default on CPU: key the cache by it
@@ -141,13 +139,26 @@ def model_file_digests(cfg: MemgasConfig) -> dict[str, str | None]:
             "llm": model_files_digest(llm) if llm is not None and cfg.llm.backend != "openai" else None}
 
 
-def _torch_cuda() -> bool:
+def encoder_device(cfg: MemgasConfig, use_ray: bool, local_cuda: bool) -> str:
+    """The encoder's device: "auto" is CUDA where its actor gets a GPU under Ray
+    (``ray.num_gpus_per_model_actor`` > 0), in-process where torch sees one; the one home of this rule
+    (pre-flight checks the same device the run will use)."""
+    if cfg.encoder.device != "auto":
+        return cfg.encoder.device
+    return "cuda" if (cfg.ray.num_gpus_per_model_actor > 0 if use_ray else local_cuda) else "cpu"
+
+
+def local_cuda_devices() -> int:
+    """CUDA devices torch sees in this process (0 without torch, a CUDA build or a GPU)."""
     try:
         import torch
-
-        return bool(torch.cuda.is_available())
     except ImportError:
-        return False
+        return 0
+    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def _torch_cuda() -> bool:
+    return local_cuda_devices() > 0
 
 
 

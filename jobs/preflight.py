@@ -21,7 +21,7 @@ from typing import Literal
 
 from memgas.jobs import stages as S
 from memgas.jobs.executor import ACTOR_GPU_HINT, TASK_GPU_HINT, EnvironmentFailure, require_gpus
-from memgas.jobs.placement import num_gpus, resolve_stage_runtimes
+from memgas.jobs.placement import encoder_device, local_cuda_devices, num_gpus, resolve_stage_runtimes
 from memgas.jobs.stage import Stage, StageContext
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import ConfigError
@@ -76,25 +76,14 @@ def _stages(names: tuple[str, ...]) -> str:
     return f"(stages {', '.join(names)})"
 
 
-def _local_cuda_devices() -> int:
-    """CUDA devices torch sees in this process (0 without a CUDA build or a GPU)."""
-    try:
-        import torch
-    except ImportError:
-        return 0
-    return int(torch.cuda.device_count()) if torch.cuda.is_available() else 0
-
-
 def _installed(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
 def _encoder_device(cfg: MemgasConfig, use_ray: bool) -> str:
-    """The encoder's device as ``placement.resolve_stage_runtimes`` resolves it (torch imported only for auto)."""
-    if cfg.encoder.device != "auto":
-        return cfg.encoder.device
-    on_gpu = cfg.ray.num_gpus_per_model_actor > 0 if use_ray else _local_cuda_devices() > 0
-    return "cuda" if on_gpu else "cpu"
+    """The encoder's device as the run resolves it (torch imported only for "auto" without Ray)."""
+    local = cfg.encoder.device == "auto" and not use_ray and local_cuda_devices() > 0
+    return encoder_device(cfg, use_ray, local)
 
 
 def config_problems(cfg: MemgasConfig, command: Command, use_ray: bool) -> list[str]:
@@ -136,7 +125,7 @@ def environment_problems(cfg: MemgasConfig, command: Command, use_ray: bool) -> 
     devices are this process's; under Ray only the packages are checked here (the GPUs: :func:`check_cluster`)."""
     out: list[str] = []
     n = needs(cfg, command, use_ray)
-    if "encoder" in n and not use_ray and cfg.encoder.device == "cuda" and _local_cuda_devices() == 0:
+    if "encoder" in n and not use_ray and cfg.encoder.device == "cuda" and local_cuda_devices() == 0:
         out.append(f"encoder.device=cuda but torch sees no CUDA device {_stages(n['encoder'])}; set encoder.device=auto "
                    "(or cpu), or run where torch has a CUDA build and a GPU")
     if "llm" in n:
@@ -145,7 +134,7 @@ def environment_problems(cfg: MemgasConfig, command: Command, use_ray: bool) -> 
             if not _installed("vllm"):
                 out.append(f"llm.backend=vllm needs the package 'vllm', which is not installed {where}; make setup-gpu "
                            "installs it (the gpu extra), or choose another llm.backend")
-            elif not use_ray and (seen := _local_cuda_devices()) < llm.tensor_parallel_size:
+            elif not use_ray and (seen := local_cuda_devices()) < llm.tensor_parallel_size:
                 out.append(f"llm.backend=vllm with llm.tensor_parallel_size={llm.tensor_parallel_size} needs as many "
                            f"CUDA devices but torch sees {seen} {where}; run where there are, or choose a CPU "
                            "llm.backend (transformers-gguf)")
