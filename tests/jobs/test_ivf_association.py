@@ -26,12 +26,12 @@ from .test_append_index import _file
 
 REPO = Path(__file__).resolve().parents[2]
 
-# h0: 36 sessions (144 nodes), h1: 30; the first 80 nodes (20 sessions) exact, 2 lists (80 // 39), 1 probed
+# h0: 30 sessions (120 nodes), h1: 26; the first 80 nodes (20 sessions) exact, 2 lists (80 // 39), 1 probed
 IVF = ["--set", "association.search=ivf", "--set", "association.ivf_exact_nodes=80", "--set",
        "association.ivf_nlist=2", "--set", "association.ivf_nprobe=1"]
 CONFIG = ["--config", str(REPO / "configs" / "demo.yaml"), "--no-ray", "--set", "retrieval.methods=[session,memgas]",
           "--set", "reading.enabled=false", "--set", "evaluation.ks=[1,3,5]", "--set", "ray.shard_size=1", *IVF]
-#: sessions per block of the IVF grid in the append tests: A ends inside a block (26 = 3 x 8 + 2), so the
+#: sessions per block of the IVF grid in the append tests: A ends inside a block (22 = 2 x 8 + 6), so the
 #: append's first rows share a block with A's last sessions, which the saved index does not hold
 GRID = 8
 
@@ -39,8 +39,8 @@ GRID = 8
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("ivf_data")
-    a = _file(d / "a.jsonl", {0: range(0, 26), 1: range(0, 30)}, {0: [3, 22], 1: [25]})
-    b = _file(d / "b.jsonl", {0: range(26, 36)}, {0: [30]})
+    a = _file(d / "a.jsonl", {0: range(0, 22), 1: range(0, 26)}, {0: [3, 21], 1: [25]})
+    b = _file(d / "b.jsonl", {0: range(22, 30)}, {0: [27]})
     return a, b
 
 
@@ -61,7 +61,9 @@ def _associate_stats(bank: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory, files: tuple[Path, Path], cli: Callable) -> dict[str, Any]:
     """``grown``: A indexed, B appended, indexed again (over the saved index); ``fresh``: A + B indexed once;
-    ``appended``: a copy of ``grown`` after the append, before its second index (for the damage test)."""
+    ``appended``: a copy of ``grown`` after the append, before its second index (for the damage test).
+    ``fresh`` starts with ``grown``'s embeddings (content-addressed: the encoder does not run again; its
+    association starts from nothing)."""
     from memgas.pipeline.association import ivf_search
 
     a, b = files
@@ -79,6 +81,7 @@ def built(tmp_path_factory: pytest.TempPathFactory, files: tuple[Path, Path], cl
         out["stats_grown"] = _associate_stats(out["grown"])
         cli("ingest", str(a), "--format", "jsonl", "--out", str(out["fresh"]))
         cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(out["fresh"]))
+        shutil.copytree(out["grown"] / "embeddings", out["fresh"] / "embeddings")
         cli("index", str(out["fresh"]), *CONFIG)
         cli("answer", str(out["fresh"]), *CONFIG, "--out", str(out["run"]))
     finally:
@@ -89,22 +92,22 @@ def built(tmp_path_factory: pytest.TempPathFactory, files: tuple[Path, Path], cl
 @pytest.mark.slow
 def test_ivf_index_after_append_equals_a_fresh_build_byte_for_byte(built: dict[str, Any]) -> None:
     grown, fresh = built["grown"], built["fresh"]
-    # after A: each history's index holds its complete grid blocks (h0: 24 of 26 sessions, h1: 24 of 30)
-    assert [(h, end, s) for h, end, s, *_ in built["index_before"]] == [("h0", 26, 24), ("h1", 30, 24)]
+    # after A: each history's index holds its complete grid blocks (h0: 16 of 22 sessions, h1: 24 of 26)
+    assert [(h, end, s) for h, end, s, *_ in built["index_before"]] == [("h0", 22, 16), ("h1", 26, 24)]
     assert built["stats_grown"]["ivf_index_reused"] == 1 and built["stats_grown"]["ivf_index_rebuilt"] == 0
     assert _edges(grown) == _edges(fresh)
-    assert len([e for e in _edges(grown) if e[0] == "h0" and e[2] >= 4 * 26]) > 0, "the append made no edges"
+    assert len([e for e in _edges(grown) if e[0] == "h0" and e[2] >= 4 * 22]) > 0, "the append made no edges"
     # the saved index (its bytes too) and the recall rows: those of one build over A + B
     idx = _rows(grown, "ivf_index")
-    assert [(h, end, s) for h, end, s, *_ in idx] == [("h0", 36, 32), ("h1", 30, 24)]
+    assert [(h, end, s) for h, end, s, *_ in idx] == [("h0", 30, 24), ("h1", 26, 24)]
     assert idx == _rows(fresh, "ivf_index")
     assert len(Bank(grown).parts("ivf_index")) == 2, "the superseded index of h0 was kept"
     recall = {(h, a, b): (n, x, t) for h, a, b, n, x, t in _rows(grown, "ivf_recall")}
-    assert set(recall) == {("h0", 0, 26), ("h0", 26, 36), ("h1", 0, 30)}
+    assert set(recall) == {("h0", 0, 22), ("h0", 22, 30), ("h1", 0, 26)}
     # fresh: one segment of h0, whose rows (past the 80 exact nodes) are all sampled
     fresh_recall = {(h, a, b): (n, x, t) for h, a, b, n, x, t in _rows(fresh, "ivf_recall")}
-    assert fresh_recall[("h0", 0, 36)][0] == 4 * 36 - 80
-    assert recall[("h0", 0, 26)][0] + recall[("h0", 26, 36)][0] == 4 * 36 - 80
+    assert fresh_recall[("h0", 0, 30)][0] == 4 * 30 - 80
+    assert recall[("h0", 0, 22)][0] + recall[("h0", 22, 30)][0] == 4 * 30 - 80
     hits = sum(x for _, x, _ in recall.values())
     assert hits < sum(t for *_, t in recall.values()), "1 of 2 lists probed but every exact candidate found"
 
@@ -117,9 +120,9 @@ def test_the_recall_is_in_metrics_and_report(built: dict[str, Any]) -> None:
     hits, total = sum(r[4] for r in rows), sum(r[5] for r in rows)
     assert a["search"] == "ivf" and a["ivf_nlist"] == 2 and a["ivf_nprobe"] == 1 and a["ivf_exact_nodes"] == 80
     assert a["ivf_recall"] == hits / total and a["ivf_recall_k"] == 30
-    assert a["ivf_recall_rows"] == (4 * 36 - 80) + (4 * 30 - 80) and a["ivf_recall_histories"] == 2
+    assert a["ivf_recall_rows"] == (4 * 30 - 80) + (4 * 26 - 80) and a["ivf_recall_histories"] == 2
     report = (built["run"] / "report.md").read_text()
-    assert f"candidate recall@30 against the exact search {hits / total:.4f} on 104 sampled rows of 2 histories" \
+    assert f"candidate recall@30 against the exact search {hits / total:.4f} on 64 sampled rows of 2 histories" \
         in report, report[:1500]
 
 
