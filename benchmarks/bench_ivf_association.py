@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
 
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import ivf_search as I
@@ -109,6 +108,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bank", type=Path)
     ap.add_argument("--synthetic", type=int, help="sessions of a synthetic history")
+    ap.add_argument("--npz", type=Path, help="real node vectors [S, 4, d] under key 'nodes' (tests/fixtures/"
+                    "locomo_minilm_nodes.npz: LoCoMo's 272 sessions, MiniLM)")
+    ap.add_argument("--bank-vectors", type=Path, help="every vector of a bank's embeddings (a partial encode too), "
+                    "in text-hash order, 4 to a pseudo-session: real vectors without the node structure")
     ap.add_argument("--timing", help="prefix sizes in nodes (comma-separated): per-row cost, exact vs IVF")
     ap.add_argument("--rows", type=int, default=2048)
     ap.add_argument("--exact-nodes", type=int, default=1024)
@@ -123,7 +126,15 @@ def main() -> None:
             for npr in probes:
                 print(json.dumps(timing_run(n0, args.rows, args.nlist, npr, args.dim)), flush=True)
         return
-    if args.bank:
+    if args.npz:
+        E = np.load(args.npz)["nodes"].reshape(-1, args.dim).astype(np.float32)
+        print(json.dumps({"source": str(args.npz), "sessions": E.shape[0] // 4}))
+    elif args.bank_vectors:
+        emb = Bank(args.bank_vectors).read("embeddings", ["text_hash", "encoder", "vector"])
+        emb = emb.sort_by([("encoder", "ascending"), ("text_hash", "ascending")])
+        E = _vectors(emb)[: emb.num_rows // 4 * 4].astype(np.float32)
+        print(json.dumps({"source": f"{args.bank_vectors} (every vector)", "sessions": E.shape[0] // 4}))
+    elif args.bank:
         E, dropped = bank_nodes(args.bank)
         print(json.dumps({"source": str(args.bank), "sessions": E.shape[0] // 4, "sessions_not_encoded": dropped}))
     else:
