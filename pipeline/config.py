@@ -172,13 +172,14 @@ class AssociationConfig(_Strict):
     search: Literal["exact", "ivf"] = "exact"
     #: inverted lists (k-means centroids trained once per history on its first ivf_exact_nodes nodes; capped
     #: at a 39th of those, faiss's minimum of training points per centroid). 2048 and 6 probes: recall@30
-    #: 0.97 on 10^6 synthetic sessions (docs/benchmarks.md, "Huge histories"), >= 0.95 on real MiniLM
-    #: vectors (issue 29's section)
+    #: 0.9999 on 10^6 synthetic sessions (docs/benchmarks.md, "Huge histories"); real MiniLM vectors kept 2-3x
+    #: more candidates than those synthetic ones at equal lists probed (issue 29's section)
     ivf_nlist: int = Field(2048, ge=1, le=1 << 20)
     #: lists searched per row
     ivf_nprobe: int = Field(6, ge=1, le=1 << 20)
     #: rows among a history's first this many nodes are searched exactly (the centroids are trained on them):
-    #: 65,536 nodes = 16,384 sessions, where one exact row costs about what IVF's does (issue 29's section)
+    #: 65,536 nodes = 16,384 sessions, past the speed break-even (~7k nodes) for recall's sake: training
+    #: points for the lists, early rows' few similar predecessors (docs/benchmarks.md, issue 29's section)
     ivf_exact_nodes: int = Field(65536, ge=1, le=MAX_COUNT)
 
     @model_validator(mode="after")
