@@ -211,7 +211,9 @@ class AssociateStage(HistoryShardStage):
         count it); None when there is none to use."""
         if start == 0:
             return None
-        saved = current_indexes(ctx, tables.prefix(AssociateStage, ctx)).get(history)
+        if "ivf_saved" not in ctx.scratch:  # the indexes saved before this run: listed once per run
+            ctx.scratch["ivf_saved"] = current_indexes(ctx, tables.prefix(AssociateStage, ctx))
+        saved = ctx.scratch["ivf_saved"].get(history)
         if saved is None:
             return None
         part, sessions, digest = saved

@@ -325,7 +325,7 @@ def index_from_bytes(data: Any, params: IVFParams, *, d: int, ntotal: int) -> Ca
     nodes): bytes that deserialise to another index raise instead of being searched."""
     import faiss
 
-    owner = faiss.deserialize_index(np.ascontiguousarray(np.frombuffer(data, np.uint8)))
+    owner = faiss.deserialize_index(np.frombuffer(data, np.uint8).copy())  # writeable (Ray's are read-only)
     raw = faiss.downcast_index(owner)
     owner.this.disown()  # the downcast wrapper owns the C++ index from here on (else it is freed with ``owner``)
     raw.this.acquire()
