@@ -162,8 +162,10 @@ class AssociateStage(HistoryShardStage):
     def active(self, ctx: StageContext) -> Active:
         active = super().active(ctx)
         active.params["association"] = ctx.cfg.association.model_dump()
-        if ctx.cfg.association.search != "ivf":  # the IVF's parameters change nothing under the exact search
-            active.fields = tuple(f for f in self.fields if f not in IVF_FIELDS)
+        if ctx.cfg.association.search != "ivf":
+            # the IVF's parameters change nothing under the exact search; nor does the mode itself enter the
+            # key there, so banks associated before the option existed keep their edges (the same key)
+            active.fields = tuple(f for f in self.fields if f not in ("association.search", *IVF_FIELDS))
         return active
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:

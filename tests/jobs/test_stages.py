@@ -705,3 +705,19 @@ def test_rank_sessions_equals_the_rank_stage_for_every_method(reference_run) -> 
                 got = job[(job["method"] == method) & (job["query_id"] == qid)].sort_values("rank")
                 assert got["session_id"].tolist() == sids[order[qi, :top]].tolist(), (method, qid)
                 assert got["score"].tolist() == scores[qi, order[qi, :top]].astype(float).tolist(), (method, qid)
+
+
+def test_the_exact_search_keeps_the_associate_key_of_before_the_ivf_option(tmp_path, fake_bank) -> None:
+    """Issue 29: under association.search=exact the stage's key hashes the fields it hashed before the option
+    existed (8cad66c), so a bank indexed then keeps its edges; the IVF's fields and the mode enter only
+    under ivf."""
+    from memgas.jobs.stage import short_hash
+
+    ctx = StageContext(_base(tmp_path), fake_bank, None, use_ray=False)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
+    stage = next(s for s in S.PIPELINE if s.name == "associate")
+    a = ctx.cfg.association
+    before = {"association.mem_threshold": a.mem_threshold, "association.min_prior_nodes": a.min_prior_nodes,
+              "association.topk_edges": a.topk_edges, "retrieval.device": ctx.cfg.retrieval.device}
+    assert ctx.keys["associate"] == short_hash(["associate", stage.version, before, stage.active(ctx).resolved])
