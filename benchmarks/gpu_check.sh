@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_check.sh --allow-skip     # no CUDA device -> one loud SKIPPED line, exit 0
 #   bash benchmarks/gpu_check.sh --parts env,ppr --table-out /tmp/gpu.md
 # Without a CUDA device (and without --allow-skip) it prints one line and exits 2. See gpu_check.py --help.
+# association.search=ivf has no GPU path (faiss-cpu only, issue 29): nothing of it is checked here.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"

@@ -298,6 +298,7 @@ def _git_commit() -> str:
 def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profiler, latency: dict, started: float,
                    record: list[dict], failures: dict[str, int]) -> Path:
     from memgas.jobs.report import write_report
+    from memgas.jobs.stages.associate import association_info
 
     cfg, bank = ctx.cfg, ctx.bank
     ended = time.time()
@@ -308,7 +309,7 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
         "encoder_runtime": ctx.resolved.get("encoder"),
         "generator": f"{cfg.generation.generator} ({model}, {version}; summary_source={cfg.generation.summary_source})",
         "llm": f"{cfg.llm.backend}:{cfg.llm.model}", "router": cfg.retrieval.router,
-        "topk_edges": cfg.association.topk_edges, "wall_s": ended - started,
+        "topk_edges": cfg.association.topk_edges, "association": association_info(ctx), "wall_s": ended - started,
         # answers written by this run's readers
         "answered": sum(int(ctx.stats.get(s.name, {}).get("answers", 0)) for s, _ in tables.writers(ctx, "answers")),
         "failures": failures,

@@ -224,6 +224,21 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
     return written
 
 
+def _association(a: dict[str, Any]) -> str | None:
+    """The candidate search, and under IVF what it costs: recall@k against the exact search (issue 29)."""
+    if not a.get("search"):
+        return None
+    if a["search"] != "ivf":
+        return str(a["search"])
+    text = (f"ivf (nlist {a.get('ivf_nlist')}, nprobe {a.get('ivf_nprobe')}; the first {a.get('ivf_exact_nodes')} "
+            "nodes of a history searched exactly)")
+    if a.get("ivf_recall") is None:
+        return text + "; no history past the exact prefix, so every row was searched exactly"
+    return (text + f"; candidate recall@{a.get('ivf_recall_k')} against the exact search "
+            f"{_f(a.get('ivf_recall'), '.4f')} on {a.get('ivf_recall_rows')} sampled rows of "
+            f"{a.get('ivf_recall_histories')} histories (lowest history {_f(a.get('ivf_recall_min_history'), '.4f')})")
+
+
 def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) -> str:
     run = _d(metrics.get("run"))
     dataset = _d(metrics.get("dataset"))
@@ -241,6 +256,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
         ("code", f"memgas {run.get('version', '?')} ({run.get('git_commit', '?')})"),
         ("wall time", f"{_f(run.get('wall_s'), '.1f')} s"),
         ("no-GMM ablation", f"top-{run['topk_edges']} edges per node" if run.get("topk_edges") is not None else None),
+        ("association search", _association(_d(run.get("association")))),
     ]
     parts += [f"- **{k}**: {md_escape(v)}" for k, v in info if v is not None]
     for level_name, level in _d(metrics.get("retrieval")).items():

@@ -163,6 +163,31 @@ class AssociationConfig(_Strict):
     min_prior_nodes: int = Field(20, ge=0, le=MAX_COUNT)
     #: edges kept per node by the "no GMM" ablation
     topk_edges: int = Field(5, ge=1, le=MAX_COUNT)
+    #: candidate search: "exact" (the blocked causal search of every row) or "ivf" (faiss IVF on the CPU,
+    #: SQ8 store, candidates rescored exactly; the rows among a history's first ivf_exact_nodes nodes are
+    #: still searched exactly, so below that length "ivf" gives the exact edges byte for byte). "ivf" is
+    #: the switch an "auto" would make (exact up to ivf_exact_nodes, approximate after), so there is no
+    #: "auto"; "exact" stays the default: docs/benchmarks.md, "IVF association through the job (issue 29)".
+    #: The ivf_* fields below count (are fingerprinted) only under "ivf".
+    search: Literal["exact", "ivf"] = "exact"
+    #: inverted lists (k-means centroids trained once per history on its first ivf_exact_nodes nodes; capped
+    #: at a 39th of those, faiss's minimum of training points per centroid). 2048 and 6 probes: recall@30
+    #: 0.9999 on 10^6 synthetic sessions (docs/benchmarks.md, "Huge histories"); real MiniLM vectors kept 2-3x
+    #: more candidates than those synthetic ones at equal lists probed (issue 29's section)
+    ivf_nlist: int = Field(2048, ge=1, le=1 << 20)
+    #: lists searched per row
+    ivf_nprobe: int = Field(6, ge=1, le=1 << 20)
+    #: rows among a history's first this many nodes are searched exactly (the centroids are trained on them):
+    #: 65,536 nodes = 16,384 sessions, past the speed break-even (~7k nodes) for recall's sake: training
+    #: points for the lists, early rows' few similar predecessors (docs/benchmarks.md, issue 29's section)
+    ivf_exact_nodes: int = Field(65536, ge=1, le=MAX_COUNT)
+
+    @model_validator(mode="after")
+    def _probes_within_lists(self) -> "AssociationConfig":
+        if self.ivf_nprobe > self.ivf_nlist:
+            raise ValueError(f"association.ivf_nprobe ({self.ivf_nprobe}) must be at most association.ivf_nlist "
+                             f"({self.ivf_nlist}): it counts lists searched per row")
+        return self
 
     @model_validator(mode="before")
     @classmethod

@@ -179,6 +179,34 @@ EDGE_SEGMENTS = pa.schema(
     ]
 )
 
+#: association.search=ivf: a history's saved faiss IVF index (centroids, quantiser, lists; faiss's own
+#: serialisation, no pickle), written by the unit whose segment ends at ``end_session``. It holds the nodes
+#: of sessions ``[0, sessions)`` (whole blocks of the IVF's session grid), ``prefix_digest`` their identity
+#: (segments.prefix_digests); an append searches it instead of rebuilding it
+IVF_INDEX = pa.schema(
+    [
+        pa.field("history_id", pa.string(), nullable=False),
+        pa.field("end_session", pa.int32(), nullable=False),
+        pa.field("sessions", pa.int32(), nullable=False),
+        pa.field("prefix_digest", pa.string(), nullable=False),
+        pa.field("dim", pa.int32(), nullable=False),
+        pa.field("index", pa.large_binary(), nullable=False),
+    ]
+)
+
+#: association.search=ivf: per segment, the candidate recall of its IVF rows against the exact search on a
+#: seeded sample of them (``hits`` of the exact candidates ``total``; recall@mem_threshold = hits / total)
+IVF_RECALL = pa.schema(
+    [
+        pa.field("history_id", pa.string(), nullable=False),
+        pa.field("first_session", pa.int32(), nullable=False),
+        pa.field("end_session", pa.int32(), nullable=False),
+        pa.field("rows", pa.int32(), nullable=False),
+        pa.field("hits", pa.int64(), nullable=False),
+        pa.field("total", pa.int64(), nullable=False),
+    ]
+)
+
 RANKINGS = pa.schema(
     [
         pa.field("method", pa.string(), nullable=False),
@@ -289,6 +317,8 @@ TABLES: dict[str, pa.Schema] = {
     "nodes": NODES,
     "edges": EDGES,
     "edge_segments": EDGE_SEGMENTS,
+    "ivf_index": IVF_INDEX,
+    "ivf_recall": IVF_RECALL,
     "rankings": RANKINGS,
     "answers": ANSWERS,
     "judgments": JUDGMENTS,

@@ -8,10 +8,20 @@ changed an old session's nodes (another encoder, a reordered history) makes its 
 are recomputed and dropped. The search is always the exact causal one, whose result for a row does not
 depend on which other rows one call computes (canonical shapes), so the edges of ``A`` then an append of
 ``B`` equal those of one build over ``A + B`` byte for byte.
+
+``association.search: ivf`` (faiss IVF on the CPU, :func:`memgas.pipeline.association.ivf_search.ivf_rows`):
+rows past a history's first ``ivf_exact_nodes`` nodes search an IVF index trained on those nodes. The index
+is saved per history (table ``ivf_index``, one part per unit, only the newest on a history's chain of
+current segments kept), verified before use (a damaged one is rebuilt, never searched), and walked on a
+fixed grid of session blocks, so an append over the saved index equals a fresh build byte for byte. Such a
+history is one unit (the index is filled in node order; it is not cut into row blocks). Each unit measures
+its IVF rows' candidate recall against the exact search on a seeded sample (table ``ivf_recall``), which
+``finish`` and the run's metrics.json / report.md report.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -25,7 +35,9 @@ from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import segments
 from memgas.pipeline.association.segments import Coverage, Segment, coverage, prefix_digests, split_segment
-from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, N_GRAN
+from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, IVF_INDEX, IVF_RECALL, N_GRAN
+
+log = logging.getLogger(__name__)
 
 MODES = ("gmm", "topk")  # the method's edges and those of the "no GMM" ablation
 
@@ -62,9 +74,78 @@ def _current(ctx: StageContext, prefix: str) -> list[str]:
     return list(current_coverage(ctx, prefix).parts)
 
 
+def _current_recall(ctx: StageContext, prefix: str) -> list[str]:
+    """The recall rows of the current segments (a part of the same name as their edges)."""
+    return [p for p in _current(ctx, prefix) if ctx.bank.has_part("ivf_recall", p)]
+
+
+def _index_rows(ctx: StageContext, part: str) -> list[tuple[str, int, int, str]]:
+    """(history, end_session, sessions, prefix digest) of an ``ivf_index`` part, without its index bytes."""
+    t = ctx.bank.read("ivf_index", ["history_id", "end_session", "sessions", "prefix_digest"], parts=[part])
+    return list(zip(*(t[c].to_pylist() for c in ("history_id", "end_session", "sessions", "prefix_digest"))))
+
+
+def current_indexes(ctx: StageContext, prefix: str) -> dict[str, tuple[str, int, str]]:
+    """Per history, its newest saved IVF index: ``(part, sessions, prefix digest)``, from the part of the
+    segment that ends where the history's current segments end (an older one is superseded)."""
+    cov, chain, out = current_coverage(ctx, prefix), chains(ctx), {}
+    for part in cov.parts:
+        if not ctx.bank.has_part("ivf_index", part):
+            continue
+        for h, end, sessions, digest in _index_rows(ctx, part):
+            c = chain.get(h)
+            if end == cov.covered.get(h) and c is not None and sessions < len(c) and c[sessions] == digest:
+                out[h] = (part, sessions, digest)
+    return out
+
+
+def _current_index(ctx: StageContext, prefix: str) -> list[str]:
+    return sorted({part for part, _, _ in current_indexes(ctx, prefix).values()})
+
+
 #: which rows' edges a part holds (written after the part's edges: a unit is done when it is there)
 EDGE_SEGMENTS_TABLE = tables.Table("edge_segments", "segmented", current=_current)
 EDGES_TABLE = tables.Table("edges", "segmented", current=_current)
+#: association.search=ivf: each history's saved index (the newest only) and each segment's recall sample
+IVF_INDEX_TABLE = tables.Table("ivf_index", "segmented", current=_current_index)
+IVF_RECALL_TABLE = tables.Table("ivf_recall", "segmented", current=_current_recall)
+IVF_FIELDS = ("association.ivf_nlist", "association.ivf_nprobe", "association.ivf_exact_nodes")
+
+
+def uses_ivf(cfg: Any, end_session: int) -> bool:
+    """Whether a segment ending at ``end_session`` has rows past the exact prefix under ``cfg``."""
+    a = cfg.association
+    return a.search == "ivf" and N_GRAN * end_session > a.ivf_exact_nodes
+
+
+def ivf_recall(ctx: StageContext) -> dict[str, Any]:
+    """The candidate recall of the current IVF segments (empty under the exact search or when no history
+    reached the exact prefix's end): what metrics.json and report.md say the approximation costs."""
+    if ctx.cfg.association.search != "ivf" or ctx.fingerprints.get("associate") in (None, "disabled"):
+        return {}
+    parts = tables.current_parts(ctx, "ivf_recall")
+    if not parts:
+        return {}
+    t = ctx.bank.read("ivf_recall", parts=parts)
+    hits, total = int(pc.sum(t["hits"]).as_py() or 0), int(pc.sum(t["total"]).as_py() or 0)
+    per = {}
+    for h, x, n in zip(t["history_id"].to_pylist(), t["hits"].to_pylist(), t["total"].to_pylist()):
+        a, b = per.get(h, (0, 0))
+        per[h] = (a + x, b + n)
+    worst = min((x / n for x, n in per.values() if n), default=None)
+    return {"ivf_recall_k": ctx.cfg.association.mem_threshold, "ivf_recall": hits / total if total else None,
+            "ivf_recall_min_history": worst, "ivf_recall_rows": int(pc.sum(t["rows"]).as_py() or 0),
+            "ivf_recall_histories": len(per)}
+
+
+def association_info(ctx: StageContext) -> dict[str, Any]:
+    """The candidate search of this config and, under IVF, its parameters and measured recall
+    (metrics.json ``run.association``, one line of report.md)."""
+    a = ctx.cfg.association
+    if a.search != "ivf":
+        return {"search": a.search}
+    return {"search": a.search, "ivf_nlist": a.ivf_nlist, "ivf_nprobe": a.ivf_nprobe,
+            "ivf_exact_nodes": a.ivf_exact_nodes, **ivf_recall(ctx)}
 
 
 class AssociateStage(HistoryShardStage):
@@ -74,13 +155,17 @@ class AssociateStage(HistoryShardStage):
     name = "associate"
     version = "2"  # parts per segment, named by config (version 1: one set of parts per upstream state)
     reads = ("nodes", "node_vectors")  # node matrices: which texts (nodes) and their vectors
-    writes = (EDGE_SEGMENTS_TABLE, EDGES_TABLE)
+    writes = (EDGE_SEGMENTS_TABLE, EDGES_TABLE, IVF_INDEX_TABLE, IVF_RECALL_TABLE)
     fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
-              "retrieval.device")
+              "association.search", *IVF_FIELDS, "retrieval.device")
 
     def active(self, ctx: StageContext) -> Active:
         active = super().active(ctx)
         active.params["association"] = ctx.cfg.association.model_dump()
+        if ctx.cfg.association.search != "ivf":
+            # the IVF's parameters change nothing under the exact search; nor does the mode itself enter the
+            # key there, so banks associated before the option existed keep their edges (the same key)
+            active.fields = tuple(f for f in self.fields if f not in ("association.search", *IVF_FIELDS))
         return active
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
@@ -94,6 +179,9 @@ class AssociateStage(HistoryShardStage):
         for h in sorted(chain):
             c = chain[h]
             a, s = cov.covered.get(h, 0), len(c) - 1
+            if a < s and uses_ivf(ctx.cfg, s):  # the index is filled in node order: one unit
+                large.append([[h, a, s, c[s]]])
+                continue
             pieces = split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS) if a < s else []
             segs = [[h, x, y, c[y]] for x, y in pieces]
             if len(segs) == 1:
@@ -107,7 +195,41 @@ class AssociateStage(HistoryShardStage):
         segs = unit["segments"]
         loader = matrix_loader(ctx, sorted({s[0] for s in segs}))
         # each segment's rows see the nodes of its sessions [0, end): only that prefix is shipped
-        return {"segments": segs, "matrices": [node_matrix(loader.get(h))[: N_GRAN * b] for h, _, b, _ in segs]}
+        out = {"segments": segs, "matrices": [node_matrix(loader.get(h))[: N_GRAN * b] for h, _, b, _ in segs]}
+        if ctx.cfg.association.search == "ivf":
+            from memgas.pipeline.association.ivf_search import index_sessions
+
+            chain = chains(ctx)
+            # the saved index to search (or None), and the identity of the nodes the new one will hold
+            out["indexes"] = [{"saved": self._saved_index(ctx, h, a),
+                               "digest": chain[h][index_sessions(b)]} if uses_ivf(ctx.cfg, b) else None
+                              for h, a, b, _ in segs]
+        return out
+
+    @staticmethod
+    def _saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] | None:
+        """The history's saved IVF index for rows from session ``start`` on, its part verified first (a part
+        whose bytes are not those written is never searched: the task rebuilds the index, and the stats
+        count it); None when there is none to use."""
+        if start == 0:
+            return None
+        if "ivf_saved" not in ctx.scratch:  # the indexes saved before this run: listed once per run
+            ctx.scratch["ivf_saved"] = current_indexes(ctx, tables.prefix(AssociateStage, ctx))
+        saved = ctx.scratch["ivf_saved"].get(history)
+        if saved is None:
+            return None
+        part, sessions, digest = saved
+        if not ctx.bank.verify_part("ivf_index", part):
+            log.warning("associate: the saved IVF index of history %s (ivf_index/%s) is damaged; rebuilding it",
+                        history, part)
+            ctx.scratch["ivf_rebuilt"] = ctx.scratch.get("ivf_rebuilt", 0) + 1
+            return None
+        t = ctx.bank.read("ivf_index", parts=[part]).filter(pc.equal(pc.field("history_id"), history))
+        row = t.slice(t.num_rows - 1).to_pylist()[0]
+        if row["sessions"] != sessions or row["prefix_digest"] != digest:
+            return None
+        ctx.scratch["ivf_reused"] = ctx.scratch.get("ivf_reused", 0) + 1
+        return {"sessions": sessions, "dim": row["dim"], "bytes": np.frombuffer(row["index"], np.uint8)}
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
@@ -115,10 +237,16 @@ class AssociateStage(HistoryShardStage):
         from memgas.pipeline.association.edges import edges_from
 
         a, device, segs = params["association"], params["device"], payload["segments"]
+        ivf: dict[str, list] = {"index": [], "recall": []}
         with one_blas_thread():
-            cands = [causal_rows(owned(m, np.float32), N_GRAN * s0, N_GRAN * s1, mem_threshold=a["mem_threshold"],
-                                 min_prior_nodes=a["min_prior_nodes"], device=device)
-                     for m, (_, s0, s1, _) in zip(payload["matrices"], segs)]
+            cands = []
+            for i, (m, seg) in enumerate(zip(payload["matrices"], segs)):
+                E, (_, s0, s1, _) = owned(m, np.float32), seg
+                if a["search"] == "ivf" and N_GRAN * s1 > a["ivf_exact_nodes"]:
+                    cands.append(AssociateStage._ivf_segment(E, seg, payload["indexes"][i], a, ivf))
+                else:
+                    cands.append(causal_rows(E, N_GRAN * s0, N_GRAN * s1, mem_threshold=a["mem_threshold"],
+                                             min_prior_nodes=a["min_prior_nodes"], device=device))
             per_mode = {mode: edges_from(cands, mode, a["topk_edges"], device) for mode in MODES}
         cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
         for mode, edges in per_mode.items():
@@ -131,11 +259,49 @@ class AssociateStage(HistoryShardStage):
                 cols["mode"] += [mode] * n
         segs_table = pa.table([list(c) for c in zip(*segs)] if segs else [[] for _ in EDGE_SEGMENTS.names],
                             schema=EDGE_SEGMENTS)
-        return {"edges": pa.table(cols, schema=EDGES), "edge_segments": segs_table}
+        out = {"edges": pa.table(cols, schema=EDGES), "edge_segments": segs_table}
+        if ivf["recall"]:
+            out["ivf_recall"] = pa.Table.from_pylist(ivf["recall"], schema=IVF_RECALL)
+        if ivf["index"]:
+            out["ivf_index"] = pa.Table.from_pylist(ivf["index"], schema=IVF_INDEX)
+        return out
+
+    @staticmethod
+    def _ivf_segment(E: np.ndarray, seg: list[Any], meta: dict[str, Any], a: dict[str, Any],
+                     out: dict[str, list]) -> Any:
+        """One segment under the IVF search: its candidates; its index (to save) and recall rows go to ``out``."""
+        from memgas.pipeline.association import ivf_search as I
+        h, s0, s1, _ = seg
+        saved = meta["saved"]
+        params = I.stage_params(a["ivf_nlist"], a["ivf_nprobe"], a["ivf_exact_nodes"])
+        index = None
+        if saved is not None:
+            index = I.index_from_bytes(saved["bytes"], params, d=E.shape[1], ntotal=N_GRAN * saved["sessions"])
+        c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
+                              min_prior_nodes=a["min_prior_nodes"], params=params)
+        approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
+        sample = I.recall_sample(h, s0, s1, approx)
+        hits, total = I.candidate_recall(E, c, sample, a["mem_threshold"])
+        out["recall"].append({"history_id": h, "first_session": s0, "end_session": s1, "rows": int(sample.size),
+                              "hits": hits, "total": total})
+        if index is not None and index.index is not None:
+            sessions = index.ntotal // N_GRAN
+            if sessions != I.index_sessions(s1):
+                raise RuntimeError(f"associate: the IVF index of history {h} holds {sessions} sessions, "
+                                   f"expected {I.index_sessions(s1)}")
+            out["index"].append({"history_id": h, "end_session": s1, "sessions": sessions,
+                                 "prefix_digest": meta["digest"], "dim": E.shape[1],
+                                 "index": I.index_bytes(index).tobytes()})
+        return c
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         """Count the current edges (the segmented table's kind dropped every part that is not current)."""
         current = sorted(tables.current_parts(ctx, "edges"))
         edges = ctx.bank.read("edges", ["mode"], parts=current) if current else None
         count = {m: int(pc.sum(pc.equal(edges["mode"], m)).as_py() or 0) if edges is not None else 0 for m in MODES}
-        return {"edges_gmm": count["gmm"], "edges_topk": count["topk"], "topk_edges": ctx.cfg.association.topk_edges}
+        out = {"edges_gmm": count["gmm"], "edges_topk": count["topk"], "topk_edges": ctx.cfg.association.topk_edges,
+               "search": ctx.cfg.association.search}
+        if ctx.cfg.association.search == "ivf":
+            out.update(ivf_recall(ctx), ivf_index_reused=ctx.scratch.get("ivf_reused", 0),
+                       ivf_index_rebuilt=ctx.scratch.get("ivf_rebuilt", 0))
+        return out

@@ -288,3 +288,146 @@ def associate_ivf(
     rows = _new_rows(E.shape[0], index.ntotal, n_sessions_done, min_prior_nodes)
     out = [_edges(c, _accept([c], "gmm", None, "cpu")[0]) for _, c in index.blocks(E, rows, k)]
     return concat_edges(out), index
+
+
+# -- the associate stage's IVF rows: a saved index on a fixed grid of session blocks ----------------------
+#: rows sampled per history and unit for the candidate recall against the exact search (all when fewer)
+RECALL_ROWS = 256
+#: seed of that sample (with the history and its rows: the same rows on every run)
+RECALL_SEED = 29
+#: sessions per block of the stage's IVF grid (IVFParams' default; the tests make it small)
+STAGE_BLOCK_SESSIONS = IVFParams.block_sessions
+
+
+def index_sessions(end_session: int) -> int:
+    """Sessions the stage's saved index holds once the rows of sessions before ``end_session`` are done:
+    the complete grid blocks (:func:`ivf_rows`)."""
+    return end_session // STAGE_BLOCK_SESSIONS * STAGE_BLOCK_SESSIONS
+
+
+def stage_params(nlist: int, nprobe: int, exact_nodes: int) -> IVFParams:
+    """The associate stage's IVF: centroids trained on the exact prefix (so a history is trained once, on
+    nodes that never change while it grows), one faiss thread (the job runs one task per core, and k-means
+    and the searches then give the same bits on any machine's thread count)."""
+    return IVFParams(nlist=nlist, nprobe=nprobe, train_nodes=exact_nodes, exact_nodes=exact_nodes, threads=1,
+                     block_sessions=STAGE_BLOCK_SESSIONS)
+
+
+def index_bytes(index: CausalIVF) -> np.ndarray:
+    """The faiss index (centroids, quantiser, lists) as uint8 bytes (``faiss.serialize_index``; no pickle)."""
+    import faiss
+
+    return faiss.serialize_index(index.index)
+
+
+def index_from_bytes(data: Any, params: IVFParams, *, d: int, ntotal: int) -> CausalIVF:
+    """An index stored by :func:`index_bytes`, checked against what its row says it holds (dimension,
+    nodes): bytes that deserialise to another index raise instead of being searched."""
+    import faiss
+
+    owner = faiss.deserialize_index(np.frombuffer(data, np.uint8).copy())  # writeable (Ray's are read-only)
+    raw = faiss.downcast_index(owner)
+    owner.this.disown()  # the downcast wrapper owns the C++ index from here on (else it is freed with ``owner``)
+    raw.this.acquire()
+    if not isinstance(raw, faiss.IndexIVF) or raw.d != d or raw.ntotal != ntotal:
+        raise ValueError(f"stored index is a {type(raw).__name__} of {raw.ntotal} nodes of dimension {raw.d}, "
+                         f"expected an IVF index of {ntotal} of {d}")
+    return CausalIVF(d, params, index=raw)
+
+
+def ivf_rows(emb_nodes: Any, a: int, b: int, index: CausalIVF | None, *, mem_threshold: int = MEM_THRESHOLD,
+             min_prior_nodes: int = MIN_PRIOR_NODES, params: IVFParams) -> tuple[Candidates, CausalIVF | None]:
+    """Candidates of the rows (node ids) ``[a, b)`` of one history under the stage's IVF search.
+
+    Rows below ``params.exact_nodes`` are the exact search's (:func:`causal_rows`, byte for byte). Above,
+    the index (``index``: the history's saved index, or None to train one on the exact prefix) is walked
+    over a fixed grid of ``params.block_sessions`` session blocks from session 0: a row searches the index
+    of the blocks before its own plus its own block's earlier sessions (exact product, same lists), and only
+    *complete* grid blocks are added. So the index that comes back (to be saved) holds the sessions before
+    the last complete block, and the rows of appended sessions see the same index and the same in-block
+    nodes as a fresh build over the longer history: the same candidates, byte for byte, quantised store or
+    not. ``emb_nodes`` holds the nodes ``[0, b)`` (whole sessions). Returns the candidates and the index
+    (None when no row needed one)."""
+    from memgas.pipeline.association.exact_search import causal_rows
+
+    E = _as_nodes(emb_nodes)
+    if b != E.shape[0]:
+        raise ValueError(f"ivf_rows needs exactly the nodes [0, {b}), got {E.shape[0]}")
+    p, k = params, int(mem_threshold)
+    cut = max(a, min(b, p.exact_nodes))
+    parts = [causal_rows(E, a, cut, mem_threshold=k, min_prior_nodes=min_prior_nodes)]
+    first = max(cut, N_GRAN * _first_session(min_prior_nodes))
+    rows = np.arange(first, b, dtype=np.int64)
+    if rows.size:
+        index = index if index is not None else CausalIVF(E.shape[1], p)
+        parts.append(_grid_rows(index, E, rows, k))
+    return _concat(parts, k), index
+
+
+def _first_session(min_prior_nodes: int) -> int:
+    from memgas.pipeline.association.nodes import _first_row_session
+
+    return _first_row_session(0, min_prior_nodes)
+
+
+def _grid_rows(ivf: CausalIVF, E: Any, rows: np.ndarray, k: int) -> Candidates:
+    """IVF candidates of ``rows`` (all past the exact prefix), adding complete grid blocks to ``ivf``."""
+    p, n_sess = ivf.params, E.shape[0] // N_GRAN
+    bs = p.block_sessions
+    if ivf.ntotal % (N_GRAN * bs) or int(rows[0]) // N_GRAN < ivf.ntotal // N_GRAN:
+        raise ValueError(f"the saved IVF index holds {ivf.ntotal} nodes: not a whole number of "
+                         f"{bs}-session blocks before row {int(rows[0])}")
+    fetch = p.fetch or k + k // 2
+    row_sess = rows // N_GRAN
+    out = []
+    with ivf._threads():
+        if ivf.index is None:
+            ivf.train(E)
+        ivf.index.nprobe = min(p.nprobe, ivf.nlist)
+        for s0 in range(ivf.ntotal // N_GRAN, n_sess, bs):
+            s1 = min(n_sess, s0 + bs)
+            lo, hi = np.searchsorted(row_sess, [s0, s1])
+            blk = _read_cols(E, s0 * N_GRAN, s1 * N_GRAN)
+            lists, dis = ivf.coarse(E, s0 * N_GRAN, s1 * N_GRAN, blk)
+            if hi > lo:
+                out.append(ivf._block_candidates(E, rows[lo:hi], s0, blk, lists, dis, k, fetch))
+            if s1 - s0 == bs:  # a partial block stays out: the next append sees it as a fresh build does
+                ivf._add(blk, lists[:, 0])
+    return _concat(out, k)
+
+
+def _concat(parts: list[Candidates], k: int) -> Candidates:
+    parts = [c for c in parts if c.rows.size]
+    if not parts:
+        return Candidates(np.zeros(0, np.int64), np.full((0, k), -1, np.int64), np.zeros((0, k), bool),
+                          np.zeros((0, k)))
+    return Candidates(*(np.concatenate([getattr(c, f) for c in parts]) for f in ("rows", "cand", "valid", "scores")))
+
+
+def recall_sample(history_id: str, a: int, b: int, rows: np.ndarray) -> np.ndarray:
+    """The rows (sorted) whose candidates are compared with the exact search's: all of ``rows`` when
+    there are at most :data:`RECALL_ROWS`, else that many drawn without replacement, seeded by the
+    history and the unit's rows (the same sample on every run and machine)."""
+    if rows.size <= RECALL_ROWS:
+        return rows
+    import hashlib
+
+    h = int.from_bytes(hashlib.blake2b(f"{history_id}|{a}|{b}".encode(), digest_size=8).digest(), "little")
+    rng = np.random.default_rng([RECALL_SEED, h])
+    return np.sort(rng.choice(rows, RECALL_ROWS, replace=False))
+
+
+def candidate_recall(E: Any, got: Candidates, sample: np.ndarray, k: int) -> tuple[int, int]:
+    """(hits, total): of the exact search's valid candidates of the ``sample`` rows (node ids among
+    ``got.rows``), how many ``got`` holds too. Recall@k = hits / total."""
+    if not sample.size:
+        return 0, 0
+    exact, valid = _causal_candidates(E, sample, k, "cpu")
+    pos = np.searchsorted(got.rows, sample)
+    hits = total = 0
+    for i, j in enumerate(pos):
+        want = set(exact[i][valid[i]].tolist())
+        have = set(got.cand[j][got.valid[j]].tolist())
+        hits += len(want & have)
+        total += len(want)
+    return hits, total

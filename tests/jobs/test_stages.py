@@ -85,6 +85,10 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("association.mem_threshold", 20, INDEX_DOWN),
     ("association.min_prior_nodes", 10, INDEX_DOWN),
     ("association.topk_edges", 3, INDEX_DOWN),
+    ("association.search", "ivf", INDEX_DOWN),
+    ("association.ivf_nlist", 64, []),  # the IVF's parameters: inactive under the base config's exact search
+    ("association.ivf_nprobe", 2, []),
+    ("association.ivf_exact_nodes", 1024, []),
     ("retrieval.device", "cuda", INDEX_DOWN),
     ("retrieval.methods", ["memgas", "session"], ["rank", "read"]),
     ("retrieval.num_seeds", 10, ["rank", "read"]),
@@ -173,6 +177,20 @@ def test_changing_a_field_changes_exactly_its_stage_and_downstream(tmp_path, fak
     changed = _fingerprints(changed_cfg, fake_bank)
     got = sorted(s for s in base if base[s] != changed[s])
     assert got == sorted(expected), f"{field}: stages re-run {got}, expected {sorted(expected)}"
+
+
+IVF_CASES = [("association.ivf_nlist", 64), ("association.ivf_nprobe", 2), ("association.ivf_exact_nodes", 1024),
+             ("association.mem_threshold", 20)]
+
+
+@pytest.mark.parametrize("field,value", IVF_CASES, ids=[c[0] for c in IVF_CASES])
+def test_under_ivf_search_each_ivf_field_re_runs_the_index_downstream(tmp_path, fake_bank, field, value) -> None:
+    """Issue 29: under association.search=ivf the IVF's parameters are fingerprinted (associate and what
+    reads its edges); under the exact search they change nothing (CASES above)."""
+    ivf = {"association.search": "ivf"}
+    base = _fingerprints(_base(tmp_path, **ivf), fake_bank)
+    changed = _fingerprints(_base(tmp_path, **ivf, **{field: value}), fake_bank)
+    assert sorted(s for s in base if base[s] != changed[s]) == sorted({*INDEX_DOWN, "evaluate"})
 
 
 #: the two branches (DESIGN.md section 6): with JustMem methods selected beside MemGAS's, a justmem.* field
@@ -687,3 +705,19 @@ def test_rank_sessions_equals_the_rank_stage_for_every_method(reference_run) -> 
                 got = job[(job["method"] == method) & (job["query_id"] == qid)].sort_values("rank")
                 assert got["session_id"].tolist() == sids[order[qi, :top]].tolist(), (method, qid)
                 assert got["score"].tolist() == scores[qi, order[qi, :top]].astype(float).tolist(), (method, qid)
+
+
+def test_the_exact_search_keeps_the_associate_key_of_before_the_ivf_option(tmp_path, fake_bank) -> None:
+    """Issue 29: under association.search=exact the stage's key hashes the fields it hashed before the option
+    existed (8cad66c), so a bank indexed then keeps its edges; the IVF's fields and the mode enter only
+    under ivf."""
+    from memgas.jobs.stage import short_hash
+
+    ctx = StageContext(_base(tmp_path), fake_bank, None, use_ray=False)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
+    stage = next(s for s in S.PIPELINE if s.name == "associate")
+    a = ctx.cfg.association
+    before = {"association.mem_threshold": a.mem_threshold, "association.min_prior_nodes": a.min_prior_nodes,
+              "association.topk_edges": a.topk_edges, "retrieval.device": ctx.cfg.retrieval.device}
+    assert ctx.keys["associate"] == short_hash(["associate", stage.version, before, stage.active(ctx).resolved])
