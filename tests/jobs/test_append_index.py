@@ -398,7 +398,8 @@ def test_answer_after_an_append_ranks_only_the_changed_histories(tmp_path: Path,
     cli("answer", str(bank), *config, "--out", str(run))
     after = _parts_state(run / "results", "rankings")
     assert {p: after.get(p) for p in kept} == kept, "a ranking of an unchanged history was written again"
-    rankers = [e for e in json.loads((run / "run_record.json").read_text()) if e["stage"] in ("rank", "card-rank")]
+    rankers = [e for e in json.loads((run / "run_record.json").read_text())
+               if e["stage"] in ("rank", "card-rank") and e["status"] != "disabled"]
     assert len(rankers) == (2 if "justmem" in methods else 1), rankers
     for e in rankers:  # h0: 3 questions, h1: 2; h2: 2 + 1, h3: 1
         assert (e["status"], e["histories_ranked"], e["questions_ranked"], e["histories_kept"],
