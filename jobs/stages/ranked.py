@@ -132,7 +132,7 @@ class RankedShardStage(HistoryShardStage):
         """A part kept from an earlier run is used only if its bytes are those written: an altered one goes,
         with the parts of the same name in the stage's other tables (its histories are ranked again)."""
         store = ctx.results
-        for t in self.writes:
+        for t in self.writes if store is not None else ():
             if not store.exists(t.physical):
                 continue
             for part in store.parts(t.physical):
