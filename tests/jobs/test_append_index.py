@@ -376,12 +376,13 @@ def _histories_of(results: Path, part: str) -> set[str]:
 @pytest.mark.parametrize("methods", ["[session,memgas,memgas-no-gmm]", "[memgas,cards,justmem]"])
 def test_answer_after_an_append_ranks_only_the_changed_histories(tmp_path: Path, built: dict[str, Any],
                                                                 files: tuple[Path, Path], cli: Callable,
-                                                                methods: str) -> None:
+                                                                cli_process: Callable, methods: str) -> None:
     """Issue 29: after `ingest --append` + `index`, `memgas answer` into the same run directory ranks only the
     questions of the histories whose sessions or questions changed (and new ones); the rankings parts of
     the others stay as they were (same files: mtimes and bytes). What it keeps and ranks equals a fresh
     answer of a fresh ingest of the whole, byte for byte (rows, part files, retrieval metrics), for the
-    MemGAS ranker and the JustMem card ranker; run_record.json and report.md say what was ranked and kept."""
+    MemGAS ranker and the JustMem card ranker; run_record.json and report.md say what was ranked and kept.
+    The MemGAS case is killed (SIGKILL) after its first unit and resumed: the plan it made is finished."""
     a, b = files
     config = [*_config(tmp_path), "--set", f"retrieval.methods={methods}"]
     bank, run = tmp_path / "bank", tmp_path / "run"
@@ -395,6 +396,10 @@ def test_answer_after_an_append_ranks_only_the_changed_histories(tmp_path: Path,
     c = _file(tmp_path / "c.jsonl", {2: range(8, 11), 3: range(0, 7)}, {2: [10], 3: [2]})
     cli("ingest", str(c), "--format", "jsonl", "--append", "--out", str(bank))
     cli("index", str(bank), *config)
+    if "justmem" not in methods:  # killed after its first unit, then resumed: the plan it made is kept
+        p = cli_process("answer", str(bank), *config, "--out", str(run), check=False,
+                        env={"MEMGAS_FAULT": "kill@rank:unit-done#1"})
+        assert p.returncode == -9, (p.returncode, p.stderr[-1500:])
     cli("answer", str(bank), *config, "--out", str(run))
     after = _parts_state(run / "results", "rankings")
     assert {p: after.get(p) for p in kept} == kept, "a ranking of an unchanged history was written again"
@@ -404,6 +409,8 @@ def test_answer_after_an_append_ranks_only_the_changed_histories(tmp_path: Path,
     for e in rankers:  # h0: 3 questions, h1: 2; h2: 2 + 1, h3: 1
         assert (e["status"], e["histories_ranked"], e["questions_ranked"], e["histories_kept"],
                 e["questions_kept"]) == ("executed", 2, 4, 2, 5), e
+        resumed = e["stage"] == "rank" and "justmem" not in methods
+        assert (e["units_total"], e["units_done"], e["units_resumed"]) == ((2, 1, 1) if resumed else (2, 2, 0)), e
     report = (run / "report.md").read_text()
     for e in rankers:
         assert f"{e['stage']}: ranked 4 questions of 2 histories; kept 5 questions of 2 unchanged histories" in report
