@@ -130,6 +130,19 @@ def tokens_table(tokens: dict[str, Any]) -> str:
     return _md_table(["method", "construction (prompt + completion)", "planner", "answer"], rows)
 
 
+def _count(n: Any, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word.replace('history', 'historie')}s"
+
+
+def ranked_lines(record: list[dict[str, Any]]) -> list[str]:
+    """What each ranker ranked and kept (issue 29: after an append only the changed histories are ranked)."""
+    lines = [f"- {r['stage']}: ranked {_count(r['questions_ranked'], 'question')} of "
+             f"{_count(r['histories_ranked'], 'history')}; kept {_count(r['questions_kept'], 'question')} of "
+             f"{_count(r['histories_kept'], 'unchanged history')} ranked by an earlier answer"
+             for r in record if isinstance(r.get("histories_ranked"), int)]
+    return ["", *lines] if lines else []
+
+
 def stage_table(stages: dict[str, Any]) -> str:
     rows = []
     for name, s in stages.items():
@@ -308,6 +321,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
         parts += ["", "## What ran", "", "A stage is skipped when its outputs were computed under the same "
                   "fingerprint (same declared config fields and the same rows of the tables it reads).", "",
                   _md_table(["stage", "status", "units run", "units resumed", "fingerprint"], rows)]
+        parts += ranked_lines(record)
     if _d(metrics.get("stages")):
         parts += ["", "## Stages", "", stage_table(metrics["stages"])]
     if _d(metrics.get("encoding")):

@@ -156,9 +156,12 @@ def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: 
     with prof.stage(stage.name) as st:
         plan_name = f"{stage.name}-{fp}"
         units = load_or_make_plan(store, plan_name, lambda: T.name_units(stage, ctx, stage.plan(ctx)))
+        ctx.planned = units
         counts = execute_units(stage, ctx, active, units, store, pools=pools)
         dropped = T.finish_tables(stage, ctx)
         stats = stage.finish(ctx)
+        entry.update(stats.pop("record", None) or {})
+        ctx.planned = []
         if any(t.kind != "content" for t in stage.writes):
             stats.setdefault("stale_parts_dropped", dropped)
         finish_plan(store, plan_name)

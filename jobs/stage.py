@@ -18,9 +18,10 @@ A stage declares (the whole contract, twelve members):
 * ``plan(ctx) -> units`` (JSON-able dicts, persisted so a resumed run does exactly the same units; the runner
   names their parts), ``inputs(ctx, unit) -> payload`` (read on the driver: tasks and actors never open the
   bank), ``run(model, payload, params) -> {table: Arrow table}`` (in the worker) and ``finish(ctx) -> stats``
-  (after every unit: the run record's counts). Two stats keys are the runner's: ``unfinished`` (rows whose
-  work failed after retries and that a re-run retries: the stage is then incomplete, no completion marker)
-  and ``stop`` (a message: with rows unfinished the job must stop, downstream stages would read them).
+  (after every unit: the run record's counts). Three stats keys are the runner's: ``unfinished`` (rows whose
+  work failed after retries and that a re-run retries: the stage is then incomplete, no completion marker),
+  ``stop`` (a message: with rows unfinished the job must stop, downstream stages would read them) and
+  ``record`` (counts that go into the stage's run_record.json entry: what a ranker ranked and kept).
 
 Its **fingerprint** = hash(its key, the digests of the tables it reads), its **key** = hash(name, version,
 the values of its active fields, its resolved facts): no upstream, no dataset. Plans, parts and the
@@ -111,6 +112,8 @@ class StageContext:
     #: the units the running stage is about to dispatch (in order) and its scratch space, reset per stage
     units: list[dict[str, Any]] = field(default_factory=list)
     scratch: dict[str, Any] = field(default_factory=dict)
+    #: every unit of the running stage's plan, done before (a resumed run) or not, with its part name
+    planned: list[dict[str, Any]] = field(default_factory=list)
     #: per stage: (items, seconds) of each unit this run dispatched, in completion order
     unit_seconds: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 

@@ -15,8 +15,9 @@ encoders both write ``embeddings``, the MemGAS and JustMem rankers both write ``
   ``<stage>-<fingerprint>-...``; after the stage the writer's parts of other fingerprints are dropped;
   what it committed is the digest of its parts' bytes, recorded in its marker and verified before use;
 * ``segmented``: rows valid while a prefix of their history is unchanged (association edges, see
-  :mod:`memgas.pipeline.association.segments`): parts named by the writer's key (not its fingerprint: an
-  append keeps the old segments), current parts chosen by ``current``, every other part dropped.
+  :mod:`memgas.pipeline.association.segments`), or while the inputs of their histories are (the rankers'
+  tables, :mod:`memgas.jobs.stages.ranked`): parts named by the writer's key (not its fingerprint: an
+  append keeps the old segments and rankings), current parts chosen by ``current``, every other part dropped.
 """
 
 from __future__ import annotations

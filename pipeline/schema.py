@@ -207,6 +207,16 @@ IVF_RECALL = pa.schema(
     ]
 )
 
+#: What each part of a ranker's tables holds (issue 29): per history, the digest of the inputs its rankings
+#: were computed from and its number of questions. Written with the rankings, in a part of the same name.
+RANKED_HISTORIES = pa.schema(
+    [
+        pa.field("history_id", pa.string(), nullable=False),
+        pa.field("inputs", pa.string(), nullable=False),
+        pa.field("questions", pa.int32(), nullable=False),
+    ]
+)
+
 RANKINGS = pa.schema(
     [
         pa.field("method", pa.string(), nullable=False),
@@ -320,6 +330,7 @@ TABLES: dict[str, pa.Schema] = {
     "ivf_index": IVF_INDEX,
     "ivf_recall": IVF_RECALL,
     "rankings": RANKINGS,
+    "ranked_histories": RANKED_HISTORIES,
     "answers": ANSWERS,
     "judgments": JUDGMENTS,
     "cards": CARDS,
@@ -341,6 +352,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "edges": ("history_id", "src", "dst", "mode"),
     "edge_segments": ("history_id", "first_session", "end_session"),
     "rankings": ("method", "query_id", "rank"),
+    "ranked_histories": ("history_id",),
     "answers": ("method", "query_id"),
     "judgments": ("method", "query_id"),
     "cards": ("card_id",),

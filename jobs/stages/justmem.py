@@ -18,8 +18,9 @@ from memgas.jobs import keys, tables
 from memgas.jobs.stage import Active, StageContext
 from memgas.jobs.stages.encode import EncodeStage, vector_rows
 from memgas.jobs.stages.rank import family_methods, query_vectors, ranking_rows
+from memgas.jobs.stages.ranked import RankedShardStage, kept_parts, ranked_table, with_history
 from memgas.jobs.stages.read import READ_FIELDS, ReadStage
-from memgas.jobs.stages.shards import HistoryShardStage, owned
+from memgas.jobs.stages.shards import owned
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError
@@ -107,19 +108,26 @@ class CardEncodeStage(EncodeStage):
 
 
 # -- ranking the cards ------------------------------------------------------------------------------------
-#: JustMem's rankings (rows of ``rankings``) and each card reader's chosen cards
-CARD_RANKINGS = tables.Table("card_rankings", "fingerprint", "results", stored_in="rankings")
-CARD_PICKS = tables.Table("card_picks", "fingerprint", "results")
+#: JustMem's rankings (rows of ``rankings``) and each card reader's chosen cards, kept per history across
+#: appends as MemGAS's are (:mod:`memgas.jobs.stages.ranked`), with what each part's histories were ranked from
+_KEPT = kept_parts("card_ranked_histories")
+CARD_RANKED = tables.Table("card_ranked_histories", "segmented", "results", stored_in="ranked_histories",
+                           current=_KEPT)
+CARD_RANKINGS = tables.Table("card_rankings", "segmented", "results", stored_in="rankings", current=_KEPT)
+CARD_PICKS = tables.Table("card_picks", "segmented", "results", current=_KEPT)
 
 
-class CardRankStage(HistoryShardStage):
+class CardRankStage(RankedShardStage):
     """Per shard of histories: every query ranked by every JustMem method from the history's cards (session
     rankings from the card order keep its metrics comparable with MemGAS's), and the cards each card reader
-    reads (``card_picks``)."""
+    reads (``card_picks``). Only the histories whose questions, sessions, cards or plans changed since the
+    run directory's last answer are ranked."""
 
     name = "card-rank"
+    version = "2"  # parts per shard of changed histories, named by config (version 1: by fingerprint)
     reads = ("queries", "sessions", "cards", "plans", "card_vectors")
-    writes = (CARD_RANKINGS, CARD_PICKS)
+    writes = (CARD_RANKED, CARD_RANKINGS, CARD_PICKS)
+    sidecar = "card_ranked_histories"
     fields = ("retrieval.methods", "retrieval.store_top", "retrieval.device", *JUSTMEM_RANK_FIELDS)
 
     def active(self, ctx: StageContext) -> Active | None:
@@ -133,7 +141,15 @@ class CardRankStage(HistoryShardStage):
                              justmem=ctx.cfg.justmem.model_dump())
         return active
 
-    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+    def history_tables(self, ctx: StageContext, queries: pa.Table) -> dict[str, pa.Table]:
+        """A history's questions, sessions, their cards and the questions' plans (the card and question
+        vectors follow from those texts and the encoder's key)."""
+        sessions = ctx.bank.read("sessions")
+        return {"queries": queries, "sessions": sessions,
+                "cards": with_history(current_cards(ctx), "session_hash", sessions, "text_hash"),
+                "plans": with_history(current_plans(ctx), "query_id", queries, "query_id")}
+
+    def shard_inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         from memgas.pipeline.hashing import text_hash
 
         bank, ids, key = ctx.bank, unit["histories"], keys.encoder_key(ctx)
@@ -196,7 +212,8 @@ class CardRankStage(HistoryShardStage):
                     picks["rank"] += list(range(1, len(ids) + 1))
                     picks["card_id"] += ids
                     picks["profile"] += [sel.profiles[qi]] * len(ids)
-        return {"card_picks": pa.table(picks, schema=PICKS), "rankings": pa.table(cols, schema=RANKINGS)}
+        return {"card_picks": pa.table(picks, schema=PICKS), "rankings": pa.table(cols, schema=RANKINGS),
+                "ranked_histories": ranked_table(payload)}
 
     @staticmethod
     def rank_cards(h: dict[str, Any], methods: list[str], justmem: dict[str, Any]) -> tuple[list[str], dict]:
@@ -212,9 +229,6 @@ class CardRankStage(HistoryShardStage):
         queries = owned(h["queries"], np.float32)
         return hc.card_ids, {m: rank_cards(hc, h["questions"], queries, m, cfg, plans=plans,
                                            rewrite_vecs=h["rewrite_vectors"]) for m in methods}
-
-    def finish(self, ctx: StageContext) -> dict[str, Any]:
-        return {"queries": ctx.bank.count("queries")}
 
 
 # -- reading the cards -----------------------------------------------------------------------------------

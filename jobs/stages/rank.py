@@ -10,17 +10,16 @@ import pyarrow.compute as pc
 from memgas.jobs import tables
 from memgas.jobs.keys import encoder_key
 from memgas.jobs.stage import Active, StageContext
-from memgas.jobs.stages.shards import (
-    HistoryShardStage,
-    matrix_loader,
-    node_matrix,
-    owned,
-)
+from memgas.jobs.stages.ranked import RankedShardStage, kept_parts, ranked_table
+from memgas.jobs.stages.shards import matrix_loader, node_matrix, owned
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import BankError
 
-RANKINGS = tables.Table("rankings", "fingerprint", "results")
+#: kept per history across appends (:mod:`memgas.jobs.stages.ranked`): what each part's histories were ranked
+#: from, and their rankings
+RANKED = tables.Table("ranked_histories", "segmented", "results", current=kept_parts("ranked_histories"))
+RANKINGS = tables.Table("rankings", "segmented", "results", current=kept_parts("ranked_histories"))
 
 
 def family_methods(methods: list[str], family: str) -> list[str]:
@@ -58,14 +57,16 @@ def edges_of(bank: Bank, history_ids: list[str], parts: list[str]) -> dict[tuple
     return out
 
 
-class RankStage(HistoryShardStage):
+class RankStage(RankedShardStage):
     """Per shard of histories: every query ranked by every MemGAS method (router + seeds + batched PPR).
     The JustMem methods are the card ranker's (:class:`memgas.jobs.stages.justmem.CardRankStage`): which of
-    them are selected, and their settings, change nothing here."""
+    them are selected, and their settings, change nothing here. Only the histories whose questions or nodes
+    changed since the run directory's last answer are ranked (:mod:`memgas.jobs.stages.ranked`)."""
 
     name = "rank"
+    version = "2"  # parts per shard of changed histories, named by config (version 1: by fingerprint)
     reads = ("queries", "nodes", "node_vectors", "edges")
-    writes = (RANKINGS,)
+    writes = (RANKED, RANKINGS)
     fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp", "retrieval.router",
               "retrieval.ppr", "retrieval.ppr_epsilon", "retrieval.store_top", "retrieval.device")
 
@@ -82,7 +83,12 @@ class RankStage(HistoryShardStage):
         active.params["retrieval"] = {**ctx.cfg.retrieval.model_dump(), "methods": methods}
         return active
 
-    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+    def history_tables(self, ctx: StageContext, queries: pa.Table) -> dict[str, pa.Table]:
+        """A history's questions and its nodes (the vectors and edges of a history follow from its nodes and
+        the keys of the encoder and the associate stage)."""
+        return {"queries": queries, "nodes": tables.read_current(ctx, "nodes")}
+
+    def shard_inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         bank, ids = ctx.bank, unit["histories"]
         queries = bank.read("queries", ["query_id", "history_id", "question"], filter=pc.field("history_id").isin(ids))
         # in id order, not the files' order: a history's questions are ranked as one batch, whose float
@@ -114,7 +120,7 @@ class RankStage(HistoryShardStage):
             ranked_all = [RankStage.rank_one(h, r, params["device"]) for h in payload["histories"]]
         for h, (m, ranked) in zip(payload["histories"], ranked_all):
             ranking_rows(cols, m["session_ids"], h["query_ids"], ranked, r["store_top"])
-        return {"rankings": pa.table(cols, schema=SCHEMA)}
+        return {"rankings": pa.table(cols, schema=SCHEMA), "ranked_histories": ranked_table(payload)}
 
     @staticmethod
     def rank_one(h: dict[str, Any], r: dict[str, Any], device: str) -> tuple[dict, dict]:
@@ -127,9 +133,6 @@ class RankStage(HistoryShardStage):
                               hybrid=m.get("hybrid"), num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
                               router=r["router"], device=device, ppr=r["ppr"], ppr_epsilon=r["ppr_epsilon"])
         return m, {x: ranked[x] for x in r["methods"]}
-
-    def finish(self, ctx: StageContext) -> dict[str, Any]:
-        return {"queries": ctx.bank.count("queries")}
 
 
 def ranking_rows(cols: dict[str, list], session_ids: list[str], query_ids: list[str], ranked: dict[str, tuple],

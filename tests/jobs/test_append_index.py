@@ -359,3 +359,82 @@ def test_every_damaged_part_is_rebuilt_by_the_command_the_error_names(tmp_path: 
         _follow(cli, [where, table, part], bank, run)
         assert {t: _rows(bank, t) for t in compared} == want, (where, table, part)
         assert _part_bytes(run / "results", "rankings") == want_rankings, (where, table, part)
+
+
+def _parts_state(results: Path, table: str) -> dict[str, tuple[int, bytes]]:
+    """{part: (mtime_ns, bytes)} of a results table's Parquet files."""
+    return {p: ((results / table / f"{p}.parquet").stat().st_mtime_ns, (results / table / f"{p}.parquet").read_bytes())
+            for p in Bank(results).parts(table)}
+
+
+def _histories_of(results: Path, part: str) -> set[str]:
+    t = Bank(results).read("rankings", ["query_id"], parts=[part])
+    return {q.split(":")[0] for q in t["query_id"].to_pylist()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("methods", ["[session,memgas,memgas-no-gmm]", "[memgas,cards,justmem]"])
+def test_answer_after_an_append_ranks_only_the_changed_histories(tmp_path: Path, built: dict[str, Any],
+                                                                files: tuple[Path, Path], cli: Callable,
+                                                                cli_process: Callable, methods: str) -> None:
+    """Issue 29: after `ingest --append` + `index`, `memgas answer` into the same run directory ranks only the
+    questions of the histories whose sessions or questions changed (and new ones); the rankings parts of
+    the others stay as they were (same files: mtimes and bytes). What it keeps and ranks equals a fresh
+    answer of a fresh ingest of the whole, byte for byte (rows, part files, retrieval metrics), for the
+    MemGAS ranker and the JustMem card ranker; run_record.json and report.md say what was ranked and kept.
+    The MemGAS case is killed (SIGKILL) after its first unit and resumed: the plan it made is finished."""
+    a, b = files
+    config = [*_config(tmp_path), "--set", f"retrieval.methods={methods}"]
+    bank, run = tmp_path / "bank", tmp_path / "run"
+    shutil.copytree(built["grown"], bank)
+    cli("index", str(bank), *config)
+    cli("answer", str(bank), *config, "--out", str(run))
+    before = _parts_state(run / "results", "rankings")
+    kept = {p: s for p, s in before.items() if _histories_of(run / "results", p) <= {"h0", "h1"}}
+    assert kept and len(kept) < len(before), sorted(before)
+    # C: more sessions and a question for h2, a new history h3; h0 and h1 are untouched
+    c = _file(tmp_path / "c.jsonl", {2: range(8, 11), 3: range(0, 7)}, {2: [10], 3: [2]})
+    cli("ingest", str(c), "--format", "jsonl", "--append", "--out", str(bank))
+    cli("index", str(bank), *config)
+    if "justmem" not in methods:  # killed after its first unit, then resumed: the plan it made is kept
+        p = cli_process("answer", str(bank), *config, "--out", str(run), check=False,
+                        env={"MEMGAS_FAULT": "kill@rank:unit-done#1"})
+        assert p.returncode == -9, (p.returncode, p.stderr[-1500:])
+    cli("answer", str(bank), *config, "--out", str(run))
+    after = _parts_state(run / "results", "rankings")
+    assert {p: after.get(p) for p in kept} == kept, "a ranking of an unchanged history was written again"
+    rankers = [e for e in json.loads((run / "run_record.json").read_text())
+               if e["stage"] in ("rank", "card-rank") and e["status"] != "disabled"]
+    assert len(rankers) == (2 if "justmem" in methods else 1), rankers
+    for e in rankers:  # h0: 3 questions, h1: 2; h2: 2 + 1, h3: 1
+        assert (e["status"], e["histories_ranked"], e["questions_ranked"], e["histories_kept"],
+                e["questions_kept"]) == ("executed", 2, 4, 2, 5), e
+        resumed = e["stage"] == "rank" and "justmem" not in methods
+        assert (e["units_total"], e["units_done"], e["units_resumed"]) == ((2, 1, 1) if resumed else (2, 2, 0)), e
+    report = (run / "report.md").read_text()
+    for e in rankers:
+        assert f"{e['stage']}: ranked 4 questions of 2 histories; kept 5 questions of 2 unchanged histories" in report
+    # the same data as one file, ingested fresh (the copied caches spare the encoder), indexed, answered
+    records: dict[str, dict] = {}
+    for f in (a, b, c):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            have = records.setdefault(r["history_id"], {**r, "sessions": [], "questions": []})
+            have["sessions"] += r["sessions"]
+            have["questions"] += r["questions"]
+    one = tmp_path / "one.jsonl"
+    one.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+    fresh, fresh_run = tmp_path / "fresh", tmp_path / "fresh_run"
+    shutil.copytree(bank, fresh)
+    cli("ingest", str(one), "--format", "jsonl", "--replace", "--out", str(fresh))
+    cli("index", str(fresh), *config)
+    cli("answer", str(fresh), *config, "--out", str(fresh_run))
+    assert _rankings(run) == _rankings(fresh_run)
+    for table in ("rankings", "card_picks"):
+        got = sorted(s[1] for s in _parts_state(run / "results", table).values()) if (run / "results" / table).exists() else []
+        want = sorted(s[1] for s in _parts_state(fresh_run / "results", table).values()) \
+            if (fresh_run / "results" / table).exists() else []
+        assert got == want and (bool(got) == (table == "rankings" or "justmem" in methods)), table
+    m = [json.loads((r / "metrics.json").read_text()) for r in (run, fresh_run)]
+    assert m[0]["n_queries"] == m[1]["n_queries"] == 9
+    assert json.dumps(m[0]["retrieval"]).encode() == json.dumps(m[1]["retrieval"]).encode()

@@ -254,7 +254,9 @@ def _outputs(run_dir: Path) -> dict[str, object]:
     out: dict[str, object] = {"retrieval": metrics["retrieval"], "qa": metrics.get("qa")}
     for table, stages in (("rankings", ("rank", "card-rank")), ("card_picks", ("card-rank",)),
                           ("answers", ("read", "card-read"))):
-        prefixes = tuple(f"{stage}-{fps.get(stage)}-" for stage in stages)
+        # the rankers' parts are named by their config and hold only current histories (issue 29): all of
+        # theirs are this run's; the readers' are named by their fingerprints
+        prefixes = tuple(f"{stage}-" if table != "answers" else f"{stage}-{fps.get(stage)}-" for stage in stages)
         parts = [p for p in results.parts(table) if p.startswith(prefixes)]
         t = results.read(table, parts=parts) if parts else None
         rows = None if t is None else t.to_pylist()
@@ -685,7 +687,7 @@ def test_rank_sessions_equals_the_rank_stage_for_every_method(reference_run) -> 
     methods = sorted(METHOD_NAMES)  # the MemGAS methods: JustMem ones rank cards (test_justmem_stages.py)
     cfg = _base(reference_run, **{"retrieval.methods": methods})
     bank = Bank(reference_run / "bank")
-    ctx = StageContext(cfg, bank, Bank(reference_run / "results"), use_ray=False)
+    ctx = StageContext(cfg, bank, None, use_ray=False)  # no results yet: the plan ranks every history
     resolve_stage_runtimes(ctx)
     runner.compute_fingerprints(ctx)
     # the rank stage's own code path: its inputs from the bank, its run on them (the edges' parts are named
