@@ -124,3 +124,13 @@ def test_a_run_ranks_memgas_cards_and_equals_the_library(mc_run) -> None:
             mine = got[got["query_id"] == qid].sort_values("rank")
             assert mine["session_id"].tolist() == [sids[i] for i in order[qi, :top]], qid
             assert mine["score"].tolist() == scores[qi, order[qi, :top]].tolist(), qid
+
+
+def test_reading_memgas_cards_is_refused_in_one_line(tmp_path) -> None:
+    """memgas-cards is ranked only: a reader of its rankings does not exist yet, so reading.methods naming it is
+    a config error (exit 2 from the CLI), not a run that silently answers nothing for it."""
+    from memgas.pipeline.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"reading.methods names \['memgas-cards'\], which is ranked only"):
+        _mc(tmp_path, **{"reading.methods": ["memgas", "memgas-cards"]})
+    _mc(tmp_path, **{"reading.methods": ["memgas", "memgas-cards"], "reading.enabled": False})  # not read: fine
