@@ -175,17 +175,18 @@ def method_tokens(ctx: StageContext) -> dict[str, dict[str, Any]]:
     ``answer`` = the readers' answers of that method (prompt includes the filter step). LLM-free
     construction and planning count 0 tokens. Over the whole bank's sessions and questions (the same for every
     method of the run), answers over the questions read."""
-    from memgas.pipeline.methods import get_method
+    from memgas.pipeline.methods import get_method, uses_card_graph
 
     bank, cfg = ctx.bank, ctx.cfg
     zero = {"prompt": 0, "completion": 0}
     gen = zero
-    if any(m in GENERATED_METHODS for m in cfg.retrieval.methods) and bank.exists("generations"):
+    both = uses_card_graph(cfg.retrieval.methods)  # memgas-cards reads the generations and the cards
+    if (both or any(m in GENERATED_METHODS for m in cfg.retrieval.methods)) and bank.exists("generations"):
         model, version = generation_key(ctx)
         gen = _token_sums(bank.read("generations", ["prompt_tokens", "completion_tokens"],
                                     filter=(pc.field("model") == model) & (pc.field("prompt_version") == version)))
     cards = plans = zero
-    if justmem_enabled(cfg):
+    if justmem_enabled(cfg) or both:
         cards = _token_sums(current_cards(ctx)) if bank.exists("cards") else zero
         plans = _token_sums(current_plans(ctx))
     answers: dict[str, dict[str, int]] = {}
@@ -197,6 +198,8 @@ def method_tokens(ctx: StageContext) -> dict[str, dict[str, Any]]:
     for m in cfg.retrieval.methods:
         jm = get_method(m).family == "justmem"
         construction = cards if jm else (gen if m in GENERATED_METHODS else zero)
+        if get_method(m).family == "memgas-cards":
+            construction = {k: gen[k] + cards[k] for k in gen}
         planner = plans if m in PLANNED_METHODS else zero
         out[m] = {"construction": construction, "planner": planner, "answer": answers.get(m, zero)}
     return out

@@ -52,7 +52,7 @@ def set_fingerprint(step: Any, ctx: StageContext) -> tuple[str, Active | None]:
     if isinstance(step, Source):
         fp = ctx.fingerprints[step.name] = step.fingerprint(ctx)
         return fp, None
-    active = step.active(ctx) if isinstance(step, Stage) else Active()
+    active = step.active(ctx) if isinstance(step, (Stage, Report)) else Active()
     if active is None:
         ctx.fingerprints[step.name] = "disabled"
         return "disabled", None

@@ -176,5 +176,9 @@ class Report:
     reads: ClassVar[tuple[str, ...]] = ()
     fields: ClassVar[tuple[str, ...]] = ()
 
+    def active(self, ctx: StageContext) -> Active:
+        """What this config makes of it (a report always runs: never None)."""
+        return Active()
+
     def report(self, ctx: StageContext) -> dict[str, Any]:
         raise NotImplementedError

@@ -11,8 +11,10 @@ Guards (documented behaviour):
 - H_g = 0 (a granularity with one node, or a one-hot softmax): the paper rule uses max(H, 1e-12), so a
   zero-entropy granularity takes (almost) all the weight, and if every H is 0 the weights are equal.
 - reference rule: if |sum (1 - H)| < 1e-12 the weights are equal (1/G).
-- masked / empty granularities (mask all False for a row): H = 0 treatment does not apply; they get
-  weight 0 and the remaining weights are renormalised over the granularities that have nodes.
+- masked / empty granularities (mask all False for a row, or a list entry with no column): H = 0
+  treatment does not apply; they get weight 0 (H reported 0) and the remaining weights are renormalised
+  over the granularities that have nodes. memgas-cards' fifth granularity, the cards, is empty in a
+  history whose sessions gave no card.
 """
 from __future__ import annotations
 
@@ -54,6 +56,10 @@ def entropy_router(
         ents, has = [], []
         for s in sims:
             a = to_device(s, xp).astype(xp.float64)
+            if a.shape[1] == 0:  # no node of this granularity (a history without cards): weight 0, below
+                ents.append(xp.zeros(a.shape[0]))
+                has.append(xp.zeros(a.shape[0], dtype=bool))
+                continue
             m = xp.ones(a.shape, dtype=bool)
             ents.append(_entropy(xp, a, m, temp))
             has.append(xp.full(a.shape[0], a.shape[1] > 0))

@@ -24,7 +24,8 @@ class Method:
     description: str = ""
     #: "memgas": scored by :func:`memgas.pipeline.retrieve.rank_history` from the node matrices; "justmem":
     #: scored by :func:`memgas.pipeline.justmem.retrieve.rank_history_cards` from the cards (the rank stage
-    #: dispatches on it)
+    #: dispatches on it); "memgas-cards": by :func:`memgas.pipeline.card_graph.rank_card_graph` over five
+    #: granularities, MemGAS's four and JustMem's cards (issue 28 item 6)
     family: str = "memgas"
     #: JustMem methods that read their chosen cards (``card_picks``) rather than the top-K sessions
     reads_cards: bool = False
@@ -63,13 +64,22 @@ _JUSTMEM = (
     Method("cards", family="justmem", description="a session scores its best card"),
 )
 
-METHODS: dict[str, Method] = {m.name: m for m in (*_ALL, *_JUSTMEM)}
+#: Both systems in one graph (issue 28 item 6): JustMem's cards as a fifth MemGAS granularity (router over five
+#: granularities, cards associated by the GMM like any node, PPR over them). Its own stages
+#: (jobs/stages/card_graph.py): selecting it adds them and leaves every other stage as it was.
+_CARD_GRAPH = (
+    Method("memgas-cards", edges="gmm", family="memgas-cards",
+           description="router + seeds + PPR over five granularities: MemGAS's four and JustMem's cards"),
+)
+
+METHODS: dict[str, Method] = {m.name: m for m in (*_ALL, *_JUSTMEM, *_CARD_GRAPH)}
 #: MemGAS names in the paper's table order: the default of ``retrieval.methods`` (JustMem methods are opt-in:
 #: they add two stages, and a default that changed would re-run every existing config's rank stage).
 METHOD_NAMES: tuple[str, ...] = tuple(m.name for m in _ALL)
 JUSTMEM_METHOD_NAMES: tuple[str, ...] = tuple(m.name for m in _JUSTMEM)
+CARD_GRAPH_METHOD_NAMES: tuple[str, ...] = tuple(m.name for m in _CARD_GRAPH)
 #: Every name ``retrieval.methods`` and ``reading.methods`` accept.
-KNOWN_METHOD_NAMES: tuple[str, ...] = (*METHOD_NAMES, *JUSTMEM_METHOD_NAMES)
+KNOWN_METHOD_NAMES: tuple[str, ...] = (*METHOD_NAMES, *JUSTMEM_METHOD_NAMES, *CARD_GRAPH_METHOD_NAMES)
 
 
 def get_method(name: str) -> Method:
@@ -87,3 +97,8 @@ def reads_cards(name: str) -> bool:
 def uses_justmem(methods: list[str] | tuple[str, ...]) -> bool:
     """Whether any of ``methods`` is a JustMem method (then JustMem's branch of stages runs)."""
     return any(m in JUSTMEM_METHOD_NAMES for m in methods)
+
+
+def uses_card_graph(methods: list[str] | tuple[str, ...]) -> bool:
+    """Whether any of ``methods`` ranks over the five-granularity graph (then its stages and the cards run)."""
+    return any(m in CARD_GRAPH_METHOD_NAMES for m in methods)

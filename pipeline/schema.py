@@ -44,6 +44,9 @@ SCHEMA_VERSION = 2
 GRANULARITIES: tuple[str, ...] = ("session", "turn", "summary", "keyword")
 #: Nodes per session.
 N_GRAN: int = len(GRANULARITIES)
+#: memgas-cards' granularities (issue 28 item 6): the four above, then JustMem's cards (any number per session),
+#: their index in this tuple the node's granularity in ``card_graph_edges`` and the router.
+CARD_GRAPH_GRANULARITIES: tuple[str, ...] = (*GRANULARITIES, "card")
 
 #: Generation kinds stored in ``generations``.
 GENERATION_KINDS: tuple[str, ...] = ("summary", "keywords")
@@ -336,6 +339,8 @@ TABLES: dict[str, pa.Schema] = {
     "cards": CARDS,
     "plans": PLANS,
     "card_picks": CARD_PICKS,
+    # memgas-cards' association edges: node ids of the five-granularity graph (pipeline/card_graph.py)
+    "card_graph_edges": EDGES,
 }
 
 #: Key columns per table: rows sharing a key are one row (the last written wins on merge).
@@ -358,6 +363,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "cards": ("card_id",),
     "plans": ("query_id", "planner"),
     "card_picks": ("method", "query_id", "rank"),
+    "card_graph_edges": ("history_id", "src", "dst", "mode"),
 }
 
 

@@ -6,6 +6,7 @@ and one entry below. ``memgas index`` runs the steps ``INDEX``, ``memgas answer`
 from __future__ import annotations
 
 from memgas.jobs.stages.associate import AssociateStage
+from memgas.jobs.stages.card_graph import CardGraphAssociateStage, CardGraphEncodeStage, CardGraphRankStage
 from memgas.jobs.stages.cards import CardsStage
 from memgas.jobs.stages.encode import EncodeStage
 from memgas.jobs.stages.evaluate import EvaluateReport
@@ -20,9 +21,11 @@ from memgas.jobs.stages.read import ReadStage
 
 __all__ = ["ANSWER", "INDEX", "PIPELINE"]
 
-# encode and card-encode are adjacent: the JustMem encoder reuses MemGAS's encoder actors
+# encode, card-encode and card-graph-encode are adjacent: the JustMem and card-graph encoders reuse MemGAS's
+# encoder actors. The card-graph stages (memgas-cards) exist only when it is selected.
 PIPELINE = (IngestSource(), GenerateStage(), CardsStage(), PlanStage(), NodesStage(), EncodeStage(),
-            CardEncodeStage(), AssociateStage(), RankStage(), CardRankStage(), ReadStage(), CardReadStage(),
-            JudgeStage(), EvaluateReport())
-INDEX: tuple[str, ...] = ("generate", "cards", "plan", "nodes", "encode", "card-encode", "associate")
-ANSWER: tuple[str, ...] = ("rank", "card-rank", "read", "card-read", "judge", "evaluate")
+            CardEncodeStage(), CardGraphEncodeStage(), AssociateStage(), CardGraphAssociateStage(), RankStage(),
+            CardRankStage(), CardGraphRankStage(), ReadStage(), CardReadStage(), JudgeStage(), EvaluateReport())
+INDEX: tuple[str, ...] = ("generate", "cards", "plan", "nodes", "encode", "card-encode", "card-graph-encode",
+                          "associate", "card-graph-associate")
+ANSWER: tuple[str, ...] = ("rank", "card-rank", "card-graph-rank", "read", "card-read", "judge", "evaluate")

@@ -40,7 +40,10 @@ class CardsStage(Stage):
     model = "justmem"
 
     def active(self, ctx: StageContext) -> Active | None:
-        if not justmem_enabled(ctx.cfg):
+        from memgas.pipeline.methods import uses_card_graph
+
+        # JustMem's methods read the cards, and so does memgas-cards (jobs/stages/card_graph.py)
+        if not (justmem_enabled(ctx.cfg) or uses_card_graph(ctx.cfg.retrieval.methods)):
             return None
         fields, resolved = keys.extractor_identity(ctx)
         cfg = ctx.cfg

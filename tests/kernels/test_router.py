@@ -56,3 +56,21 @@ def test_zero_entropy_guard() -> None:
     w, _ = entropy_router([np.array([[0.5]]), np.array([[0.1, 0.3]])], temp=0.2, rule="paper")
     assert w[0, 0] > 0.999  # a zero-entropy granularity takes (almost) all the weight
     assert np.isfinite(w).all()
+
+
+@pytest.mark.parametrize("rule", ["paper", "reference"])
+def test_five_granularities_one_empty_is_the_four_weights(rule: str) -> None:
+    """memgas-cards routes over five granularities whose node counts differ (a history's cards are not one per
+    session); a history whose sessions gave no card has an empty fifth granularity: it gets weight 0 and the
+    other four get exactly their four-granularity weights (before issue 28 the empty one raised ValueError)."""
+    rng = np.random.default_rng(2)
+    four = [rng.normal(0.3, 0.15, (5, 6)) for _ in range(4)]
+    cards = rng.normal(0.3, 0.15, (5, 23))
+    w5, H5 = entropy_router([*four, cards], temp=0.2, rule=rule)
+    w, H = direct([*four, cards], 0.2, rule)
+    np.testing.assert_allclose(H5, H, rtol=1e-10)
+    np.testing.assert_allclose(w5, w, rtol=1e-9)
+    w4, H4 = entropy_router(four, temp=0.2, rule=rule)
+    w0, H0 = entropy_router([*four, np.zeros((5, 0))], temp=0.2, rule=rule)
+    assert w0.shape == (5, 5) and (w0[:, 4] == 0).all() and (H0[:, 4] == 0).all()
+    assert np.array_equal(w0[:, :4], w4) and np.array_equal(H0[:, :4], H4)

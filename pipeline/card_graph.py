@@ -1,0 +1,158 @@
+"""memgas-cards (issue 28 item 6): JustMem's cards as a fifth MemGAS granularity.
+
+One history's graph holds, per session in position order, its four MemGAS nodes (session, turn, summary,
+keyword: ``GRANULARITIES``) and then its cards (``CARD_GRAPH_GRANULARITIES[4]``), so a session's nodes are
+contiguous and node ids grow with the session. A session has any number of cards (none too), so node ids are
+not ``4*s + g``: :class:`CardGraph` carries each node's granularity and session, and each session's first node.
+
+- Association (:func:`card_graph_candidates`): MemGAS's rule over all nodes, cards included. A node whose
+  session has at least ``min_prior_nodes`` nodes before it takes as candidates its ``mem_threshold`` most
+  similar nodes of strictly earlier sessions (float32 search, float64 rescoring, ties by lower node id, as
+  :mod:`memgas.pipeline.association`); the batched GMM (``edges_from``) keeps the higher-mean component.
+- Ranking (:func:`rank_card_graph`): the entropy router over the five granularities (the cards' softmax runs
+  over the history's cards), node score = w_g * sim, the ``num_seeds`` best as PPR's reset, PPR over the
+  edges, session score = the sum of its nodes' PPR values (its four nodes and its cards), ties by lower
+  session index.
+
+Every product is over one whole history, its shape a function of that history alone, so a ranking does not
+depend on which histories share a Ray task, nor on the number of workers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from memgas.kernels.backend import get_xp, to_device, to_host
+from memgas.kernels.ppr import build_csr, personalized_pagerank
+from memgas.kernels.ppr_push import personalized_pagerank_push
+from memgas.kernels.router import entropy_router
+from memgas.kernels.topk import stable_argsort_desc, topk
+from memgas.pipeline.association.nodes import Candidates, _rescore
+from memgas.pipeline.schema import CARD_GRAPH_GRANULARITIES, N_GRAN
+
+#: index of the cards in CARD_GRAPH_GRANULARITIES
+CARD = CARD_GRAPH_GRANULARITIES.index("card")
+#: rows per similarity block of the candidate search (a block grid fixed by node ids)
+ROW_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class CardGraph:
+    """The five-granularity nodes of one history."""
+
+    nodes: np.ndarray  # float32 [N, d]
+    gran: np.ndarray  # int64 [N]: index in CARD_GRAPH_GRANULARITIES
+    session: np.ndarray  # int64 [N]: position of the node's session
+    starts: np.ndarray  # int64 [S]: first node of each session
+
+    @property
+    def n_sessions(self) -> int:
+        return len(self.starts)
+
+    @property
+    def n_cards(self) -> int:
+        return int((self.gran == CARD).sum())
+
+    def to_arrays(self) -> dict[str, np.ndarray]:
+        return {"nodes": self.nodes, "gran": self.gran, "session": self.session, "starts": self.starts}
+
+    @classmethod
+    def from_arrays(cls, a: dict[str, Any]) -> CardGraph:
+        """From :meth:`to_arrays` (possibly read-only views out of Ray's object store: copied, aligned)."""
+        def own(x: Any, dt: Any) -> np.ndarray:
+            return np.require(x, dtype=dt, requirements=["C", "A", "W", "O"])
+        return cls(own(a["nodes"], np.float32), own(a["gran"], np.int64), own(a["session"], np.int64),
+                   own(a["starts"], np.int64))
+
+
+def build_card_graph(four: np.ndarray, card_pos: np.ndarray, card_vectors: np.ndarray) -> CardGraph:
+    """``four``: MemGAS's node matrix [4*S, d] (node = 4*s + g); ``card_pos`` [C] the session position of each
+    card, non-decreasing (cards in session then card order); ``card_vectors`` [C, d]."""
+    four = np.asarray(four, np.float32)
+    card_pos = np.asarray(card_pos, np.int64)
+    S, d = four.shape[0] // N_GRAN, four.shape[1]
+    if four.shape[0] != N_GRAN * S or len(card_pos) != len(card_vectors):
+        raise ValueError(f"{four.shape[0]} MemGAS nodes (not 4 per session) or {len(card_pos)} card positions "
+                         f"for {len(card_vectors)} card vectors")
+    if len(card_pos) and (np.any(np.diff(card_pos) < 0) or card_pos[0] < 0 or card_pos[-1] >= S):
+        raise ValueError(f"card positions must be non-decreasing within 0..{S - 1}")
+    counts = np.bincount(card_pos, minlength=S) if S else np.zeros(0, np.int64)
+    sizes = N_GRAN + counts
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if S else np.zeros(0, np.int64)
+    n = int(sizes.sum())
+    nodes = np.empty((n, d), np.float32)
+    gran = np.empty(n, np.int64)
+    four_at = (starts[:, None] + np.arange(N_GRAN)[None, :]).reshape(-1)
+    nodes[four_at] = four
+    gran[four_at] = np.tile(np.arange(N_GRAN), S)
+    first_card = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if S else np.zeros(0, np.int64)
+    card_at = starts[card_pos] + N_GRAN + (np.arange(len(card_pos)) - first_card[card_pos])
+    nodes[card_at] = np.asarray(card_vectors, np.float32).reshape(-1, d)
+    gran[card_at] = CARD
+    return CardGraph(nodes, gran, np.repeat(np.arange(S, dtype=np.int64), sizes), starts)
+
+
+def card_graph_candidates(g: CardGraph, *, mem_threshold: int, min_prior_nodes: int,
+                          device: str = "cpu") -> Candidates:
+    """Each eligible node's ``mem_threshold`` most similar nodes of earlier sessions (module docstring)."""
+    xp, _ = get_xp(device)
+    before = g.starts[g.session] if g.n_sessions else np.zeros(0, np.int64)  # nodes before each node's session
+    rows = np.flatnonzero((before >= min_prior_nodes) & (before > 0)).astype(np.int64)
+    k = int(mem_threshold)
+    cand = np.full((rows.size, k), -1, np.int64)
+    valid = np.zeros((rows.size, k), bool)
+    n = g.nodes.shape[0]
+    if rows.size:
+        E = xp.asarray(g.nodes)
+        block = rows // ROW_BLOCK  # the grid is fixed by node ids: a block's product has one shape per history
+        for b in np.unique(block):
+            sel = np.flatnonzero(block == b)
+            r = rows[sel]
+            sims = E[xp.asarray(r)] @ E.T  # float32 [rows, N]
+            sims = xp.where(xp.arange(n)[None, :] < xp.asarray(before[r])[:, None], sims, -xp.inf)
+            kk = min(k, n)
+            idx, val = topk(sims, kk)
+            idx, val = to_host(idx), to_host(val)
+            ok = np.isfinite(val)
+            cand[sel, :kk] = np.where(ok, idx, -1)
+            valid[sel, :kk] = ok
+    cand, valid, sc = _rescore(g.nodes, rows, cand, valid)
+    return Candidates(rows, cand, valid, sc)
+
+
+def card_graph_edges(g: CardGraph, *, mem_threshold: int, min_prior_nodes: int,
+                     device: str = "cpu") -> tuple[np.ndarray, np.ndarray]:
+    """(src, dst) of one history's GMM edges (src the later node): the array-level API of the stage."""
+    from memgas.pipeline.association.edges import edges_from
+
+    c = card_graph_candidates(g, mem_threshold=mem_threshold, min_prior_nodes=min_prior_nodes, device=device)
+    e = edges_from([c], "gmm", None, device)[0]
+    return e.src, e.dst
+
+
+def rank_card_graph(g: CardGraph, queries: np.ndarray, src: np.ndarray, dst: np.ndarray, *, num_seeds: int,
+                    damping: float, temp: float, router: str, device: str = "cpu", ppr: str = "exact",
+                    ppr_epsilon: float = 1e-8) -> tuple[np.ndarray, np.ndarray]:
+    """(order int64 [Q, S], session scores float64 [Q, S]) of one history's queries (module docstring)."""
+    from memgas.pipeline.retrieve import seed_reset
+
+    xp, _ = get_xp(device)
+    Q, S, n = len(queries), g.n_sessions, g.nodes.shape[0]
+    if S == 0:
+        return np.zeros((Q, 0), np.int64), np.zeros((Q, 0), np.float64)
+    E = to_device(g.nodes, xp)
+    q = to_device(np.asarray(queries, np.float32), xp)
+    sims = q.astype(xp.float64) @ E.astype(xp.float64).T  # [Q, N], float64 as MemGAS's
+    by_gran = [xp.asarray(np.flatnonzero(g.gran == i)) for i in range(len(CARD_GRAPH_GRANULARITIES))]
+    w, _ = entropy_router([sims[:, ix] for ix in by_gran], temp=temp, rule=router, device=device)
+    reset = seed_reset(sims * w[:, xp.asarray(g.gran)], num_seeds)
+    adj = build_csr(to_host(src), to_host(dst), n)
+    if ppr == "push":  # CPU only (kernels/ppr_push.py)
+        pr = personalized_pagerank_push(adj, to_host(reset), damping, epsilon=ppr_epsilon)
+    else:
+        pr = personalized_pagerank(adj, reset, damping, device=device)
+    scores = np.add.reduceat(np.asarray(to_host(pr), np.float64), g.starts, axis=1)  # a session's nodes are contiguous
+    return stable_argsort_desc(scores).astype(np.int64), scores
