@@ -353,24 +353,22 @@ _CONTINUES = frozenset("it its it's this that these those they them their there 
                        "which then and but plus".split())
 
 
-def _continues(prev: str, sentence: str, prev_words: set[str]) -> bool:
-    """Whether ``sentence`` is about the subject of ``prev`` (the card being built): it opens with an anaphor
-    or a connective, or shares a content word with it."""
+def continues(sentence: str) -> bool:
+    """Whether ``sentence`` continues the previous sentence's subject: it opens with an anaphor or a
+    connective ("They meet every Tuesday.", "And it was fun."), so alone it would not say what it is about."""
     first = sentence.split(None, 1)[0].strip(",.;:!?\"'()").lower().replace("’", "'") if sentence.strip() else ""
-    return first in _CONTINUES or bool(prev_words & set(content_words(sentence)))
+    return first in _CONTINUES
 
 
 def _merge(sentences: list[str], max_chars: int) -> list[str]:
-    """Consecutive sentences about one subject (:func:`_continues`) joined, up to ``max_chars`` a card."""
+    """Consecutive kept sentences of a turn joined while each continues the previous one's subject
+    (:func:`continues`), up to ``max_chars`` a card."""
     out: list[str] = []
-    words: set[str] = set()
     for s in sentences:
-        if out and len(out[-1]) + 1 + len(s) <= max_chars and _continues(out[-1], s, words):
+        if out and len(out[-1]) + 1 + len(s) <= max_chars and continues(s):
             out[-1] = f"{out[-1]} {s}"
-            words |= set(content_words(s))
         else:
             out.append(s)
-            words = set(content_words(s))
     return out
 
 
