@@ -125,3 +125,13 @@ def test_compact_cards_keep_exact_provenance_on_the_bundled_samples(sample, loco
             assert total > 0 and hit == total, c
             n += 1
     assert n > 100
+
+
+def test_an_assistant_card_starts_with_the_replys_first_statement_even_in_a_list_intro() -> None:
+    # the intro line belongs to the list block (no blank line between them), the closing advice is prose
+    reply = ("Here are some kid-friendly hiking trails in the Rocky Mountains:\n1. Bear Lake Trail - Rocky "
+             "Mountain National Park\n2. Emerald Lake Trail - Rocky Mountain National Park\n\nRemember to give "
+             "wildlife plenty of space and never approach them.")
+    assert extract_llm_free([Turn(0, "assistant", reply)]) == [Card(
+        "The assistant said: Here are some kid-friendly hiking trails in the Rocky Mountains: Bear Lake Trail; "
+        "Emerald Lake Trail", "interaction", None, 0, 0)]
