@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the numbers here")
     ap.add_argument("--set", action="append", default=[], help="justmem.* overrides, e.g. justmem.top_k=5")
     ap.add_argument("--format", default="locomo", choices=("locomo", "longmemeval"))
+    ap.add_argument("--no-session", action="store_true",
+                    help="skip the session row (LongMemEval sessions are long: encoding them costs time)")
     ap.add_argument("--merge-chars", type=int, default=None, help="extract_llm_free(merge_chars=...)")
     ap.add_argument("--assistant-chars", type=int, default=None, help="extract_llm_free(assistant_chars=...)")
     args = ap.parse_args()
@@ -83,7 +85,7 @@ def main() -> int:
     enc = make_encoder(EncoderConfig(device="cpu", runtime="torch"))
     card_texts = sorted(set(cards.column("text").to_pylist()))
     rewrites = sorted({r for p in plans.values() for r in p.rewrites})
-    sess_texts = sorted({texts[h] for h in sessions.text_hash})
+    sess_texts = [] if args.no_session else sorted({texts[h] for h in sessions.text_hash})
     t2 = time.perf_counter()
     allv = enc.encode(card_texts + sess_texts + list(queries.question) + rewrites)
     encode_s = time.perf_counter() - t2
@@ -105,8 +107,10 @@ def main() -> int:
         Q = np.stack([qvec[i] for i in q.query_id])
         pl = [plans[i] for i in q.query_id]
         rv = [np.stack([rvec[r] for r in p.rewrites]) if p.rewrites else None for p in pl]
-        S = np.stack([svec[texts[h]] for h in hashes])
-        ranked = {"session": np.argsort(-(Q.astype(np.float64) @ S.astype(np.float64).T), axis=1, kind="stable")}
+        ranked = {}
+        if not args.no_session:
+            S = np.stack([svec[texts[h]] for h in hashes])
+            ranked["session"] = np.argsort(-(Q.astype(np.float64) @ S.astype(np.float64).T), axis=1, kind="stable")
         for m in METHODS:
             sel = rank_cards(hc, list(q.question), Q, m, cfg, plans=pl, rewrite_vecs=rv)
             ranked[m] = sel.order
@@ -136,7 +140,7 @@ def main() -> int:
     out["cards"] = {"n": n_cards, "per_session": n_cards / len(unique), "chars_mean": float(chars.mean()),
                     "chars_median": float(np.median(chars)), "types": dict(types), "extract_s": extract_s}
     print("\n| method | R_all@3 | R_all@5 | R_all@10 | NDCG@10 | questions |\n|---|---|---|---|---|---|")
-    for m in ("session", *METHODS):
+    for m in ("session", *METHODS) if not args.no_session else METHODS:
         df, _skipped = score_retrieval(records[m], ks=(3, 5, 10))
         row = {k: float(df[k].mean()) for k in ("recall_all@3", "recall_all@5", "recall_all@10", "ndcg@10")}
         out["methods"][m] = {**row, "n": len(df)}

@@ -46,8 +46,8 @@ themselves and the world, once, in few words; per turn:
 The card budget of a session thus follows its content: one card per subject a speaker states (restatements
 dropped), one short card per assistant reply, one per code/list block. Every card's words are words of the
 turns its span names (:func:`grounding` is 100% on both bundled samples): cards are cut and joined from the
-turns' own text, never rewritten. On the LongMemEval-S sample: 14.9 cards per session instead of 56 (v2), a
-quarter of v2's encoder input tokens.
+turns' own text, never rewritten. On the LongMemEval-S sample: 16.9 cards per session instead of 56 (v2), a
+quarter of v2's encoder input tokens (611,394 against 2,450,385).
 
 Types (first rule that matches): ``interaction`` for code/list cards and assistant turns; ``preference`` for
 likes/loves/enjoys/prefers/favourite/hates; ``event`` when the card holds a time expression or an event verb
