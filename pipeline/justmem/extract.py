@@ -382,15 +382,18 @@ def continues(sentence: str) -> bool:
     return first in _CONTINUES
 
 
-def _merge(sentences: list[str], max_chars: int) -> list[str]:
-    """Consecutive kept sentences of a turn joined while each continues the previous one's subject
-    (:func:`continues`), up to ``max_chars`` a card."""
+def _merge(sentences: list[tuple[tuple[int, int], str]], max_chars: int) -> list[str]:
+    """Kept sentences of a turn, ``((paragraph, position in it), sentence)``, joined while each directly
+    follows the previous one in its paragraph and continues its subject (:func:`continues`), up to
+    ``max_chars`` a card: a merged card is still a contiguous passage of its turn."""
     out: list[str] = []
-    for s in sentences:
-        if out and len(out[-1]) + 1 + len(s) <= max_chars and continues(s):
+    last = (-1, -2)
+    for k, s in sentences:
+        if out and k == (last[0], last[1] + 1) and len(out[-1]) + 1 + len(s) <= max_chars and continues(s):
             out[-1] = f"{out[-1]} {s}"
         else:
             out.append(s)
+        last = k
     return out
 
 
@@ -448,7 +451,8 @@ def extract_llm_free(turns: Sequence[Turn], *, merge_chars: int = MERGE_CARD_CHA
         text, _, caption = t.content.partition(CAPTION_SEP)
         speaker, assistant = _speaker(t.role), _is_assistant(t.role)
         prose, blocks = split_blocks(text)
-        sentences = [s for p in prose for s in split_sentences(p)]
+        by_para = [split_sentences(p) for p in prose]
+        sentences = [s for ss in by_para for s in ss]
         if assistant:
             body = _assistant_body(text, prose, blocks, assistant_chars)
             own = _make(speaker, body, i0=t.turn_index, i1=t.turn_index, block=False, assistant=True) if body else []
@@ -458,7 +462,8 @@ def extract_llm_free(turns: Sequence[Turn], *, merge_chars: int = MERGE_CARD_CHA
         else:
             # a "user" talks to an assistant: their questions are requests that say what they need
             keep_q = t.role.strip().lower() in ("user", "human")
-            kept = [s for s in sentences if (keep_q or not _is_question(s))
+            numbered = [((i, j), s) for i, ss in enumerate(by_para) for j, s in enumerate(ss)]
+            kept = [(k, s) for k, s in numbered if (keep_q or not _is_question(s))
                     and len(content_words(s)) >= MIN_CONTENT_WORDS and not _said_before(seen, speaker, s)]
             own = [c for body in _merge(kept, merge_chars)
                    for c in _make(speaker, body, i0=t.turn_index, i1=t.turn_index, block=False, assistant=False)]

@@ -135,3 +135,12 @@ def test_an_assistant_card_starts_with_the_replys_first_statement_even_in_a_list
     assert extract_llm_free([Turn(0, "assistant", reply)]) == [Card(
         "The assistant said: Here are some kid-friendly hiking trails in the Rocky Mountains: Bear Lake Trail; "
         "Emerald Lake Trail", "interaction", None, 0, 0)]
+
+
+def test_only_directly_following_sentences_are_merged() -> None:
+    # "Wow!" is dropped between the two: joining them would make a card that is no passage of the turn
+    turns = [Turn(0, "Melanie", "I went hiking at Mount Rainier. Wow! It was a long climb to the top.")]
+    assert extract_llm_free(turns) == [
+        Card("Melanie said: I went hiking at Mount Rainier.", "event", None, 0, 0),
+        Card("Melanie said: It was a long climb to the top.", "fact", None, 0, 0),
+    ]
