@@ -295,7 +295,7 @@ def split_blocks(content: str) -> tuple[list[str], list[str]]:
             i = j
             continue
         placeholder = _PLACEHOLDER_RE.fullmatch(lines[i])
-        if placeholder:
+        if placeholder and int(placeholder.group(1)) < len(fences):  # (a NUL in the text itself is text)
             blocks.append(fences[int(placeholder.group(1))])
         elif lines[i].strip():
             para.append(lines[i].strip())
@@ -446,7 +446,7 @@ def extract_llm_free(turns: Sequence[Turn], *, merge_chars: int = MERGE_CARD_CHA
     (benchmarks/justmem_quality.py); the extractor key names the defaults only."""
     cards: list[Card] = []
     prev_question: tuple[Turn, str] | None = None  # the previous turn's last question, for short replies
-    seen: dict[str, list[set[str]]] = {}  # speaker -> content words of each statement kept so far
+    seen: dict[str, dict[str, list[frozenset[str]]]] = {}  # statements kept so far (:func:`_said_before`)
     for t in turns:
         text, _, caption = t.content.partition(CAPTION_SEP)
         speaker, assistant = _speaker(t.role), _is_assistant(t.role)
@@ -493,14 +493,19 @@ def extract_llm_free(turns: Sequence[Turn], *, merge_chars: int = MERGE_CARD_CHA
     return cards
 
 
-def _said_before(seen: dict[str, list[set[str]]], speaker: str, sentence: str) -> bool:
+def _said_before(seen: dict[str, dict[str, list[frozenset[str]]]], speaker: str, sentence: str) -> bool:
     """Whether ``speaker`` already made a statement holding every content word of ``sentence`` in this
-    session (then it adds nothing: dropped, and the statement keeps its first provenance); records it if not."""
-    words = set(content_words(sentence))
-    earlier = seen.setdefault(speaker, [])
-    if any(words <= e for e in earlier):
-        return True
-    earlier.append(words)
+    session (then it adds nothing: dropped, and the statement keeps its first provenance); records it if not.
+    ``seen``: speaker -> {word: content-word sets of the statements holding it}, so that a long session is
+    compared only against the statements sharing a word with the sentence, not all of them."""
+    words = frozenset(content_words(sentence))
+    by_word = seen.setdefault(speaker, {})
+    if words:
+        rarest = min(words, key=lambda w: len(by_word.get(w, ())))
+        if any(words <= e for e in by_word.get(rarest, ())):
+            return True
+    for w in words:
+        by_word.setdefault(w, []).append(words)
     return False
 
 

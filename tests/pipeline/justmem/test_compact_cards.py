@@ -144,3 +144,10 @@ def test_only_directly_following_sentences_are_merged() -> None:
         Card("Melanie said: I went hiking at Mount Rainier.", "event", None, 0, 0),
         Card("Melanie said: It was a long climb to the top.", "fact", None, 0, 0),
     ]
+
+
+def test_a_nul_placeholder_lookalike_in_the_text_is_text() -> None:
+    # code blocks hold their place with a NUL-delimited number; the same characters in a turn are not a block
+    turns = [Turn(0, "user", "My locker code is \x007\x00 at the gym downtown.\n\x003\x00\n```\nx = 1\n```")]
+    assert [c.text for c in extract_llm_free(turns)] == [
+        "The user said: My locker code is \x007\x00 at the gym downtown.", "The user wrote: ```\nx = 1\n```"]
