@@ -1,6 +1,8 @@
-"""JustMem retrieval quality on LoCoMo (LLM-free cards and planner, MiniLM on CPU) vs the ``session`` method.
+"""JustMem retrieval quality on LoCoMo or LongMemEval (LLM-free cards and planner, MiniLM on CPU) vs the
+``session`` method.
 
     .venv/bin/python benchmarks/justmem_quality.py [--data data/sample/locomo_sample.json] [--json out.json]
+    .venv/bin/python benchmarks/justmem_quality.py --format longmemeval --data ../shared/data/longmemeval/longmemeval_s_sample.json
 
 Ingests the file into a temporary bank with the real loader, extracts cards with the LLM-free extractor,
 plans every question with the LLM-free planner, encodes session texts, card texts, questions and rewrites
@@ -8,7 +10,9 @@ with MiniLM (sentence-transformers, torch runtime, CPU: the same vectors as test
 sessions of each history by ``session`` (question . session text vector, what the pipeline's ``session``
 method does) and by the JustMem methods, and prints session-level R_all@3/5/10 and NDCG@10 (LongMemEval's
 definitions, pipeline/evaluate/retrieval.py; abstention and no-evidence questions skipped), the cards'
-statistics, and how the profiles fall over LoCoMo's question categories.
+statistics (with the encoder input tokens of the unique card texts and plan rewrites, counted as the
+encode stage counts them), and how the profiles fall over the question categories. ``--merge-chars`` /
+``--assistant-chars``: the LLM-free extractor's alternatives (``extract_llm_free``) against its defaults.
 """
 
 from __future__ import annotations
@@ -37,13 +41,21 @@ def main() -> int:
     ap.add_argument("--data", default=str(REPO / "data" / "sample" / "locomo_sample.json"))
     ap.add_argument("--json", default=None, help="also write the numbers here")
     ap.add_argument("--set", action="append", default=[], help="justmem.* overrides, e.g. justmem.top_k=5")
+    ap.add_argument("--format", default="locomo", choices=("locomo", "longmemeval"))
+    ap.add_argument("--no-session", action="store_true",
+                    help="skip the session row (LongMemEval sessions are long: encoding them costs time)")
+    ap.add_argument("--merge-chars", type=int, default=None, help="extract_llm_free(merge_chars=...)")
+    ap.add_argument("--assistant-chars", type=int, default=None, help="extract_llm_free(assistant_chars=...)")
     args = ap.parse_args()
 
     from memgas.pipeline.bank import Bank
     from memgas.pipeline.config import EncoderConfig, MemgasConfig
     from memgas.pipeline.evaluate.retrieval import score_retrieval
     from memgas.pipeline.ingest import ingest
-    from memgas.pipeline.justmem.extract import LLM_FREE_EXTRACTOR, extract_cards, turns_by_session
+    import pyarrow as pa
+
+    from memgas.pipeline.justmem.extract import LLM_FREE_EXTRACTOR, card_rows, extract_llm_free, turns_by_session
+    from memgas.pipeline.schema import CARDS
     from memgas.pipeline.justmem.plan import planner_key, plan_queries, plans_from_table
     from memgas.pipeline.justmem.retrieve import HistoryCards, rank_cards
     from memgas.pipeline.models.factory import make_encoder
@@ -51,7 +63,7 @@ def main() -> int:
     cfg = MemgasConfig.load(None, [s if s.startswith("justmem.") else f"justmem.{s}" for s in args.set]).justmem
     t0 = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="justmem-bench-")
-    ingest(args.data, "locomo", Path(tmp) / "bank", progress=False)
+    ingest(args.data, args.format, Path(tmp) / "bank", progress=False)
     bank = Bank(Path(tmp) / "bank")
     sessions = bank.read("sessions").to_pandas().sort_values(["history_id", "position"])
     texts = dict(zip(*[bank.read("texts").column(c).to_pylist() for c in ("text_hash", "text")]))
@@ -60,7 +72,11 @@ def main() -> int:
 
     t1 = time.perf_counter()
     unique = sorted(turns)
-    cards = extract_cards([(h, turns[h], "locomo") for h in unique], cfg, key=LLM_FREE_EXTRACTOR)
+    alt = {k: v for k, v in (("merge_chars", args.merge_chars), ("assistant_chars", args.assistant_chars))
+           if v is not None}
+    cards = pa.Table.from_pylist([r for h in unique for r in card_rows(h, LLM_FREE_EXTRACTOR,
+                                                                        extract_llm_free(turns[h], **alt))],
+                                 schema=CARDS)
     extract_s = time.perf_counter() - t1
     plans_t = plan_queries(list(zip(queries.query_id, queries.question, queries.question_date_raw)), cfg,
                            key=planner_key(cfg))
@@ -69,7 +85,7 @@ def main() -> int:
     enc = make_encoder(EncoderConfig(device="cpu", runtime="torch"))
     card_texts = sorted(set(cards.column("text").to_pylist()))
     rewrites = sorted({r for p in plans.values() for r in p.rewrites})
-    sess_texts = sorted({texts[h] for h in sessions.text_hash})
+    sess_texts = [] if args.no_session else sorted({texts[h] for h in sessions.text_hash})
     t2 = time.perf_counter()
     allv = enc.encode(card_texts + sess_texts + list(queries.question) + rewrites)
     encode_s = time.perf_counter() - t2
@@ -91,8 +107,10 @@ def main() -> int:
         Q = np.stack([qvec[i] for i in q.query_id])
         pl = [plans[i] for i in q.query_id]
         rv = [np.stack([rvec[r] for r in p.rewrites]) if p.rewrites else None for p in pl]
-        S = np.stack([svec[texts[h]] for h in hashes])
-        ranked = {"session": np.argsort(-(Q.astype(np.float64) @ S.astype(np.float64).T), axis=1, kind="stable")}
+        ranked = {}
+        if not args.no_session:
+            S = np.stack([svec[texts[h]] for h in hashes])
+            ranked["session"] = np.argsort(-(Q.astype(np.float64) @ S.astype(np.float64).T), axis=1, kind="stable")
         for m in METHODS:
             sel = rank_cards(hc, list(q.question), Q, m, cfg, plans=pl, rewrite_vecs=rv)
             ranked[m] = sel.order
@@ -115,10 +133,14 @@ def main() -> int:
           f"{chars.mean():.0f} chars per card (median {int(np.median(chars))}), types {dict(sorted(types.items()))}; "
           f"extraction {extract_s:.2f}s = {1000 * extract_s / len(unique):.1f}s per 1,000 sessions")
     print(f"encode: {len(allv)} texts in {encode_s:.1f}s")
+    tok = {"card": _input_tokens(enc, card_texts), "plan rewrite": _input_tokens(enc, rewrites)}
+    print(f"encoder input tokens: cards {tok['card']:,} ({len(card_texts):,} unique texts), "
+          f"plan rewrites {tok['plan rewrite']:,}")
+    out["tokens"] = tok
     out["cards"] = {"n": n_cards, "per_session": n_cards / len(unique), "chars_mean": float(chars.mean()),
                     "chars_median": float(np.median(chars)), "types": dict(types), "extract_s": extract_s}
     print("\n| method | R_all@3 | R_all@5 | R_all@10 | NDCG@10 | questions |\n|---|---|---|---|---|---|")
-    for m in ("session", *METHODS):
+    for m in ("session", *METHODS) if not args.no_session else METHODS:
         df, _skipped = score_retrieval(records[m], ks=(3, 5, 10))
         row = {k: float(df[k].mean()) for k in ("recall_all@3", "recall_all@5", "recall_all@10", "ndcg@10")}
         out["methods"][m] = {**row, "n": len(df)}
@@ -132,6 +154,18 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, sort_keys=True))
     return 0
+
+
+def _input_tokens(enc, texts: list[str]) -> int:  # noqa: ANN001 - a memgas encoder
+    """Tokens of the encoder's model inputs for ``texts`` (special tokens included, every window counted), as
+    the ``embeddings`` table's ``tokens`` column counts them."""
+    prefix, suffix = enc._special_wrap()
+    window = enc.max_tokens - len(prefix) - len(suffix)
+    total = 0
+    for n in (int(x) for x in enc.count_tokens(texts)) if texts else ():
+        pieces = 1 if n <= window or enc.long_text == "truncate" else -(-n // window)
+        total += min(n, window) + len(prefix) + len(suffix) if pieces == 1 else n + pieces * (len(prefix) + len(suffix))
+    return total
 
 
 def _isin(table, col, values):  # noqa: ANN001, ANN202 - a pyarrow mask

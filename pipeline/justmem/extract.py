@@ -5,27 +5,49 @@ inclusive span of ``turn_index`` values it comes from (its provenance, what Repl
 by content: :func:`card_id` hashes (session_hash, extractor key, card_index), so a session shared by many
 histories is extracted once, and a changed extractor (method version, model, prompt) writes new keys.
 
-LLM-free method (``LLM_FREE_EXTRACTOR``; measured on LoCoMo in docs/benchmarks.md and
-``benchmarks/justmem_quality.py``), per turn:
+LLM-free method (``LLM_FREE_EXTRACTOR``, v3 "compact cards", issue 28; measured on LoCoMo and LongMemEval-S in
+docs/benchmarks.md and ``benchmarks/justmem_quality.py``). A card should hold what a speaker states about
+themselves and the world, once, in few words; per turn:
 
 1. Code blocks (```` ``` ```` fences) and lists (two or more consecutive lines starting with ``-``, ``*``,
-   ``•`` or ``1.``/``1)``, with the line introducing them when it ends in ``:``) are cut out whole and each
-   becomes one ``interaction`` card: a compact card would lose exactly the details Replay exists for.
-2. The rest is split into sentences. A sentence is dropped when it has fewer than two content words (words
-   of three letters or more that are neither stop words nor interjections: "Wow!", "Hey Mel! Good to see
-   you!") or when it is a question: questions ask for memory rather than state it, and in LoCoMo they mostly
-   repeat the words of the answer that follows, which then competes with the answer for the same query.
-3. Each kept sentence is one card (``MAX_CARD_CHARS`` = 0; a positive value packs consecutive sentences of a
-   turn up to that many characters), prefixed with the speaker: "Caroline said: ...", "The user said: ...".
-   A card that would pass ``CARD_TEXT_LIMIT`` (the limit LLM cards are held to; an unpunctuated turn is one
-   "sentence") is cut on word boundaries into several cards of the same turn, each with the prefix; so is a
-   code/list card, and an image note that does not fit on the turn's last card gets its own.
-4. A turn whose every sentence was dropped but which answers the previous turn's question ("Yes, I did!")
-   becomes one card holding the question and the answer, spanning both turns.
-5. A shared image (LoCoMo's BLIP caption) is appended to the turn's last card: "[Melanie shared an image:
+   ``•`` or ``1.``/``1)``, with the line introducing them when it ends in ``:``) are cut out whole, in the
+   order they appear; each of a speaker's blocks becomes one ``interaction`` card: a compact card would lose
+   exactly the details Replay exists for.
+2. An **assistant** turn (role assistant/ai/bot) becomes at most one card of at most ``ASSISTANT_CARD_CHARS``
+   characters: its first statement (the first sentence that is not a question and has two content words)
+   and the heads of its list items ("1. **Kimchi**: spicy ..." -> "Kimchi"; else the words before the
+   item's first ":" or " - ", else its first six words), joined by "; " and cut on a word boundary; its code
+   blocks are kept whole (rule 1). A reply is the assistant's answer, not the user's memory: on
+   LongMemEval-S it is 87% of the text and its lists are generic advice, while what the session is about is
+   the user's request (kept, rule 3) and the names the reply gives (the heads).
+3. Any other turn is split into sentences. A sentence is dropped when it has fewer than two content words
+   (words of three letters or more that are neither stop words nor interjections: "Wow!", "Hey Mel! Good to
+   see you!", "Thanks so much!"), or when it is a question between people (LoCoMo): questions ask for memory
+   rather than state it, and mostly repeat the words of the answer that follows, which then competes with
+   the answer for the same query. A **user**'s questions (role user/human: someone talking to an assistant)
+   are kept: they are requests that say what the user needs ("Can you suggest trails near Denver?").
+4. A sentence is dropped when its speaker already stated, in this session, a sentence holding all of its
+   content words (a restatement adds nothing; the statement keeps the provenance of its first occurrence).
+5. Consecutive kept sentences of a turn are merged into one card while each continues the previous one's
+   subject: it opens with an anaphor or a connective ("I started pottery in May. They meet on Tuesdays.":
+   alone, the second would not say what it is about), up to ``MERGE_CARD_CHARS``; other sentences are one
+   card each. Merging sentences that merely share a word, or packing a turn, lowered NDCG@10 on LoCoMo.
+   Each card is prefixed with the speaker: "Caroline said: ...", "The user said: ...". A card that would
+   pass ``CARD_TEXT_LIMIT`` (the limit LLM cards are held to; an unpunctuated turn is one "sentence") is cut
+   on word boundaries into several cards of the same turn, each with the prefix; so is a code/list card,
+   and an image note that does not fit on the turn's last card gets its own.
+6. A non-assistant turn whose every sentence was dropped but which answers the previous turn's question
+   ("Yes, I did!") becomes one card holding the question and the answer, spanning both turns.
+7. A shared image (LoCoMo's BLIP caption) is appended to the turn's last card: "[Melanie shared an image:
    a photo of ...]", or is the turn's only card.
-6. A session whose every turn was dropped keeps its longest turn as one card, so that every non-empty session
+8. A session whose every turn was dropped keeps its longest turn as one card, so that every non-empty session
    has at least one card (which also marks it as extracted).
+
+The card budget of a session thus follows its content: one card per subject a speaker states (restatements
+dropped), one short card per assistant reply, one per code/list block. Every card's words are words of the
+turns its span names (:func:`grounding` is 100% on both bundled samples): cards are cut and joined from the
+turns' own text, never rewritten. On the LongMemEval-S sample: 16.9 cards per session instead of 56 (v2), a
+quarter of v2's encoder input tokens (611,394 against 2,450,385).
 
 Types (first rule that matches): ``interaction`` for code/list cards and assistant turns; ``preference`` for
 likes/loves/enjoys/prefers/favourite/hates; ``event`` when the card holds a time expression or an event verb
@@ -66,11 +88,14 @@ log = logging.getLogger(__name__)
 
 #: Key of the LLM-free extractor; bump the version whenever its output can change.
 #: v2: cards cut at ``CARD_TEXT_LIMIT`` (identical to v1's on both bundled samples, which have no card that long).
-LLM_FREE_EXTRACTOR = "llm-free/justmem-cards-v2"
-#: Longest card the LLM-free extractor packs consecutive sentences of a turn into; 0 = one sentence per card.
-#: Measured on the LoCoMo sample (benchmarks/justmem_quality.py, MiniLM): one sentence per card beat packing
-#: to 240 or 600 chars on R_all@3/@10 and NDCG@10 of every card method, and tied on R_all@5.
-MAX_CARD_CHARS = 0
+#: v3: compact cards (issue 28): same-subject sentences merged, near-duplicates dropped, a user's requests to
+#: an assistant kept, an assistant's reply cut to one short card.
+LLM_FREE_EXTRACTOR = "llm-free/justmem-cards-v3"
+#: Longest card the LLM-free extractor merges same-subject sentences of a turn into (a sentence longer than
+#: this is still one card, cut at ``CARD_TEXT_LIMIT``).
+MERGE_CARD_CHARS = 300
+#: Longest card of an assistant's reply (its first statement and the heads of its list items), in characters.
+ASSISTANT_CARD_CHARS = 240
 #: Content words a sentence needs to be kept.
 MIN_CONTENT_WORDS = 2
 #: Longest card text, in characters, on both paths: an LLM card longer than this is invalid (a "card" that long
@@ -247,14 +272,15 @@ def split_sentences(text: str) -> list[str]:
 
 
 def split_blocks(content: str) -> tuple[list[str], list[str]]:
-    """(prose paragraphs, code/list blocks kept whole) of one turn's text."""
+    """(prose paragraphs, code/list blocks kept whole, in the order they appear) of one turn's text."""
+    fences: list[str] = []
+
+    def hold(m: re.Match[str]) -> str:
+        fences.append(m.group(0).strip())
+        return f"\n\n\0{len(fences) - 1}\0\n\n"  # a placeholder line: the block keeps its place
+
+    rest = _FENCE_BLOCK_RE.sub(hold, content)
     blocks: list[str] = []
-
-    def keep(m: re.Match[str]) -> str:
-        blocks.append(m.group(0).strip())
-        return "\n\n"
-
-    rest = _FENCE_BLOCK_RE.sub(keep, content)
     prose: list[str] = []
     lines = rest.split("\n")
     i = 0
@@ -268,7 +294,10 @@ def split_blocks(content: str) -> tuple[list[str], list[str]]:
             blocks.append("\n".join(head + lines[i:j]).strip())
             i = j
             continue
-        if lines[i].strip():
+        placeholder = _PLACEHOLDER_RE.fullmatch(lines[i])
+        if placeholder and int(placeholder.group(1)) < len(fences):  # (a NUL in the text itself is text)
+            blocks.append(fences[int(placeholder.group(1))])
+        elif lines[i].strip():
             para.append(lines[i].strip())
         elif para:
             prose.append(" ".join(para))
@@ -277,6 +306,9 @@ def split_blocks(content: str) -> tuple[list[str], list[str]]:
     if para:
         prose.append(" ".join(para))
     return [p for p in prose if p.strip()], blocks
+
+
+_PLACEHOLDER_RE = re.compile(r"\0(\d+)\0")
 
 
 def find_time(text: str) -> str | None:
@@ -296,20 +328,6 @@ def card_type(text: str, *, block: bool = False, assistant: bool = False) -> str
     if _STATE_RE.search(text):
         return "state"
     return "fact"
-
-
-def _pack(sentences: list[str], max_chars: int) -> list[str]:
-    out: list[str] = []
-    cur = ""
-    for s in sentences:
-        if cur and len(cur) + 1 + len(s) > max_chars:
-            out.append(cur)
-            cur = s
-        else:
-            cur = f"{cur} {s}" if cur else s
-    if cur:
-        out.append(cur)
-    return out
 
 
 _SPACE_RUN_RE = re.compile(r"\s+")
@@ -348,28 +366,113 @@ def _make(speaker: str, body: str, *, i0: int, i1: int, block: bool, assistant: 
     return _cards_of(f"{speaker} {verb}: ", body, i0=i0, i1=i1, block=block, assistant=assistant)
 
 
-def extract_llm_free(turns: Sequence[Turn], *, max_chars: int = MAX_CARD_CHARS,
-                     keep_questions: bool = False) -> list[Card]:
+def _is_question(sentence: str) -> bool:
+    return sentence.rstrip("\"')] ").endswith("?")
+
+
+#: words that open a sentence continuing the previous one's subject ("I started pottery. *They* meet ...")
+_CONTINUES = frozenset("it its it's this that these those they them their there he she his her him also so "
+                       "which then and but plus".split())
+
+
+def continues(sentence: str) -> bool:
+    """Whether ``sentence`` continues the previous sentence's subject: it opens with an anaphor or a
+    connective ("They meet every Tuesday.", "And it was fun."), so alone it would not say what it is about."""
+    first = sentence.split(None, 1)[0].strip(",.;:!?\"'()").lower().replace("’", "'") if sentence.strip() else ""
+    return first in _CONTINUES
+
+
+def _merge(sentences: list[tuple[tuple[int, int], str]], max_chars: int) -> list[str]:
+    """Kept sentences of a turn, ``((paragraph, position in it), sentence)``, joined while each directly
+    follows the previous one in its paragraph and continues its subject (:func:`continues`), up to
+    ``max_chars`` a card: a merged card is still a contiguous passage of its turn."""
+    out: list[str] = []
+    last = (-1, -2)
+    for k, s in sentences:
+        if out and k == (last[0], last[1] + 1) and len(out[-1]) + 1 + len(s) <= max_chars and continues(s):
+            out[-1] = f"{out[-1]} {s}"
+        else:
+            out.append(s)
+        last = k
+    return out
+
+
+_BOLD_HEAD_RE = re.compile(r"^\*\*(.+?)\*\*")
+_HEAD_SEP_RE = re.compile(r":|\s[-–—]\s")
+#: Words of a list item kept as its head when the item has no "Head:" / "Head - " / "**Head**" of its own.
+_HEAD_WORDS = 6
+
+
+def item_head(line: str) -> str:
+    """The head of one list item: its bold lead ("1. **Kimchi**: spicy ..." -> "Kimchi"), else the words
+    before its first ":" or " - ", else its first ``_HEAD_WORDS`` words; markdown emphasis removed."""
+    item = _LIST_LINE_MARK_RE.sub("", line.strip(), count=1).strip()
+    m = _BOLD_HEAD_RE.match(item)
+    if m:
+        head = m.group(1)
+    else:
+        sep = _HEAD_SEP_RE.search(item)
+        head = item[:sep.start()] if sep and len(item[:sep.start()].split()) <= _HEAD_WORDS else \
+            " ".join(item.split()[:_HEAD_WORDS])
+    return " ".join(head.replace("**", "").replace("__", "").split()).strip(" :;,.-–—*")
+
+
+_LIST_LINE_MARK_RE = re.compile(r"^(?:[-*•·]|\d{1,3}[.)])\s+")
+
+
+def _assistant_body(text: str, prose: list[str], blocks: list[str], max_chars: int) -> str:
+    """An assistant's reply ``text`` as one short text: its first statement and the heads of its list items,
+    cut to ``max_chars`` on a word boundary. A reply holds answers to the user, not the user's memory; what
+    it is about is the user's request (kept) and the names it gives (the heads)."""
+    lines = [ln for b in blocks if not b.startswith("```") for ln in b.split("\n")]
+    statements = [s for p in [*prose, *(ln for ln in lines if not _LIST_LINE_RE.match(ln))]
+                  for s in split_sentences(p)
+                  if not _is_question(s) and len(content_words(s)) >= MIN_CONTENT_WORDS]
+
+    def where(sentence: str) -> int:  # a paragraph's lines were joined: find the sentence by its first words
+        at = text.find(sentence[:40])
+        return at if at >= 0 else len(text)
+
+    first = min(statements, key=where, default="")  # min keeps the earlier of equal positions
+    heads = [h for h in (item_head(ln) for ln in lines if _LIST_LINE_RE.match(ln)) if content_words(h)]
+    body = " ".join(p for p in (first, "; ".join(heads)) if p)
+    return cut_words(body, max_chars)[0] if body else ""
+
+
+def extract_llm_free(turns: Sequence[Turn], *, merge_chars: int = MERGE_CARD_CHARS,
+                     assistant_chars: int = ASSISTANT_CARD_CHARS) -> list[Card]:
     """Cards of one session by the documented rules (module docstring). Deterministic; at least one card when
-    any turn has text. ``max_chars``/``keep_questions``: the alternatives measured against the default
+    any turn has text. ``merge_chars``/``assistant_chars``: the alternatives measured against the defaults
     (benchmarks/justmem_quality.py); the extractor key names the defaults only."""
     cards: list[Card] = []
     prev_question: tuple[Turn, str] | None = None  # the previous turn's last question, for short replies
+    seen: dict[str, dict[str, list[frozenset[str]]]] = {}  # statements kept so far (:func:`_said_before`)
     for t in turns:
         text, _, caption = t.content.partition(CAPTION_SEP)
         speaker, assistant = _speaker(t.role), _is_assistant(t.role)
         prose, blocks = split_blocks(text)
-        sentences = [s for p in prose for s in split_sentences(p)]
-        kept = [s for s in sentences if (keep_questions or not s.rstrip("\"')] ").endswith("?"))
-                and len(content_words(s)) >= MIN_CONTENT_WORDS]
-        own = [c for body in _pack(kept, max_chars)
-               for c in _make(speaker, body, i0=t.turn_index, i1=t.turn_index, block=False, assistant=assistant)]
-        own += [c for b in blocks for c in _make(speaker, b, i0=t.turn_index, i1=t.turn_index, block=True,
-                                                 assistant=assistant, verb="wrote")]
-        if not own and prev_question is not None and sentences and not caption:
-            q_turn, q = prev_question
-            body = f"{_speaker(q_turn.role)} asked: {q} {speaker} answered: {' '.join(sentences)}"
-            own = _cards_of("", body, i0=q_turn.turn_index, i1=t.turn_index, block=False, assistant=assistant)
+        by_para = [split_sentences(p) for p in prose]
+        sentences = [s for ss in by_para for s in ss]
+        if assistant:
+            body = _assistant_body(text, prose, blocks, assistant_chars)
+            own = _make(speaker, body, i0=t.turn_index, i1=t.turn_index, block=False, assistant=True) if body else []
+            own += [c for b in blocks if b.startswith("```")
+                    for c in _make(speaker, b, i0=t.turn_index, i1=t.turn_index, block=True, assistant=True,
+                                   verb="wrote")]
+        else:
+            # a "user" talks to an assistant: their questions are requests that say what they need
+            keep_q = t.role.strip().lower() in ("user", "human")
+            numbered = [((i, j), s) for i, ss in enumerate(by_para) for j, s in enumerate(ss)]
+            kept = [(k, s) for k, s in numbered if (keep_q or not _is_question(s))
+                    and len(content_words(s)) >= MIN_CONTENT_WORDS and not _said_before(seen, speaker, s)]
+            own = [c for body in _merge(kept, merge_chars)
+                   for c in _make(speaker, body, i0=t.turn_index, i1=t.turn_index, block=False, assistant=False)]
+            own += [c for b in blocks for c in _make(speaker, b, i0=t.turn_index, i1=t.turn_index, block=True,
+                                                     assistant=False, verb="wrote")]
+            if not own and prev_question is not None and sentences and not caption:
+                q_turn, q = prev_question
+                body = f"{_speaker(q_turn.role)} asked: {q} {speaker} answered: {' '.join(sentences)}"
+                own = _cards_of("", body, i0=q_turn.turn_index, i1=t.turn_index, block=False, assistant=False)
         if caption.strip():
             note = f"[{speaker} shared an image: {caption.strip()}]"
             if own and len(own[-1].text) + 1 + len(note) <= CARD_TEXT_LIMIT:
@@ -379,7 +482,7 @@ def extract_llm_free(turns: Sequence[Turn], *, max_chars: int = MAX_CARD_CHARS,
                 own += [Card(piece, "event", find_time(text), t.turn_index, t.turn_index)
                         for piece in cut_words(note, CARD_TEXT_LIMIT)]
         cards += own
-        questions = [s for s in sentences if s.rstrip("\"')] ").endswith("?")]
+        questions = [s for s in sentences if _is_question(s)]
         prev_question = (t, questions[-1]) if questions else None
     if not cards:
         longest = max(turns, key=lambda u: (len(u.content.strip()), -u.turn_index), default=None)
@@ -388,6 +491,22 @@ def extract_llm_free(turns: Sequence[Turn], *, max_chars: int = MAX_CARD_CHARS,
             cards = _make(_speaker(longest.role), body, i0=longest.turn_index, i1=longest.turn_index,
                           block=False, assistant=_is_assistant(longest.role))
     return cards
+
+
+def _said_before(seen: dict[str, dict[str, list[frozenset[str]]]], speaker: str, sentence: str) -> bool:
+    """Whether ``speaker`` already made a statement holding every content word of ``sentence`` in this
+    session (then it adds nothing: dropped, and the statement keeps its first provenance); records it if not.
+    ``seen``: speaker -> {word: content-word sets of the statements holding it}, so that a long session is
+    compared only against the statements sharing a word with the sentence, not all of them."""
+    words = frozenset(content_words(sentence))
+    by_word = seen.setdefault(speaker, {})
+    if words:
+        rarest = min(words, key=lambda w: len(by_word.get(w, ())))
+        if any(words <= e for e in by_word.get(rarest, ())):
+            return True
+    for w in words:
+        by_word.setdefault(w, []).append(words)
+    return False
 
 
 # --------------------------------------------------------------------------------------------------
