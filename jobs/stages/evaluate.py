@@ -16,9 +16,10 @@ class EvaluateReport(Report):
     # and what the readers read, to rebuild their contexts (evidence recall of the reader's context, issue 28)
     reads = ("queries", "rankings", "card_rankings", "answers", "card_answers", "judgments", "sessions", "texts",
              "turns", "generations", "card_picks", "cards", "plans")
-    # the reading budgets shape the readers' contexts it rebuilds
+    # the reading budgets shape the readers' contexts it rebuilds (justmem.replay_tokens too, declared by
+    # card-read only: a report has no active fields, and without JustMem that field changes nothing)
     fields = ("evaluation.ks", "evaluation.bertscore", "reading.top_k", "reading.filter", "reading.context_tokens",
-              "reading.max_new_tokens", "llm.context_tokens", "justmem.replay_tokens")
+              "reading.max_new_tokens", "llm.context_tokens")
 
     def report(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.jobs.evaluate_run import evaluate_run
