@@ -360,7 +360,8 @@ def test_the_planners_tokens_are_charged_to_every_method_that_uses_the_plan() ->
     only the two whose retrieval reads the plan; ``cards`` and MemGAS's methods do not."""
     from memgas.jobs.evaluate_run import charge_tokens
 
-    plans, cards, gen = {"prompt": 70, "completion": 9}, {"prompt": 500, "completion": 40}, {"prompt": 3, "completion": 1}
+    plans, cards = {"prompt": 70, "completion": 9}, {"prompt": 500, "completion": 40}
+    gen = {"prompt": 3, "completion": 1}
     zero = {"prompt": 0, "completion": 0}
     bill = charge_tokens(["memgas", "session", *JUSTMEM_METHOD_NAMES], generations=gen, cards=cards, plans=plans,
                          answers={"justmem-replay": {"prompt": 11, "completion": 2}})
