@@ -286,8 +286,12 @@ def reader_evidence(ctx: StageContext, rankings: pa.Table, picks: pa.Table) -> d
     for s in sessions:
         sids_of.setdefault((s["history_id"], s["text_hash"]), []).append(s["session_id"])
     hash_of = {(s["history_id"], s["session_id"]): s["text_hash"] for s in sessions}
-    turn_lengths = _turn_lengths(bank)
     top = rankings.filter(pc.field("rank") <= cfg.reading.top_k)
+    # the turns of the sessions a session reader may be given (not the whole bank's: LongMemEval-M)
+    hist = {q["query_id"]: q["history_id"] for q in queries}
+    read = [(q, s) for m, q, s in zip(*top.select(["method", "query_id", "session_id"]).to_pydict().values())
+            if not reads_cards(m)]
+    turn_lengths = _turn_lengths(bank, sorted({hash_of[(hist[q], s)] for q, s in read if q in hist}))
     out: dict[str, dict[str, Any]] = {}
     for method in cfg.retrieval.methods:
         ranked = top.filter(pc.field("method") == method)
@@ -304,12 +308,16 @@ def reader_evidence(ctx: StageContext, rankings: pa.Table, picks: pa.Table) -> d
     return out
 
 
-def _turn_lengths(bank: Bank) -> dict[str, list[int]]:
-    """{session_hash: characters of each rendered utterance, in turn order} (a session text is those lines)."""
+def _turn_lengths(bank: Bank, hashes: list[str]) -> dict[str, list[int]]:
+    """{session_hash: characters of each rendered utterance, in turn order} of the sessions ``hashes`` (a
+    session text is those lines joined by newlines)."""
     from memgas.pipeline.data.common import render_utterance
 
     out: dict[str, list[int]] = {}
-    turns = bank.read("turns", ["session_hash", "turn_index", "role", "content"]).sort_by(
+    if not hashes:
+        return out
+    turns = bank.read("turns", ["session_hash", "turn_index", "role", "content"],
+                      filter=pc.field("session_hash").isin(hashes)).sort_by(
         [("session_hash", "ascending"), ("turn_index", "ascending")])
     for h, role, content in zip(turns["session_hash"].to_pylist(), turns["role"].to_pylist(),
                                 turns["content"].to_pylist()):
