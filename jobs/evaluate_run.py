@@ -154,8 +154,10 @@ def _turn_level(qinfo: pd.DataFrame, ranked_sessions: dict[str, list[str]], bank
 
 
 # -- the run's accounting beside the metrics: LLM tokens per method, the planner's profiles, encoded texts --
-#: JustMem methods whose retrieval reads the plans (the profile, or the rewrites): they pay the planner
-PLANNED_METHODS: tuple[str, ...] = ("justmem", "justmem-compose")
+#: JustMem methods that use the plans: ``justmem`` and ``justmem-compose`` retrieve with them (the profile, the
+#: rewrites), and every card reader's answer prompt names the planner's operation (pipeline/justmem/read.py), so
+#: they all pay the planner (issue 28; before, the fixed-profile readers did not). ``cards`` reads sessions.
+PLANNED_METHODS: tuple[str, ...] = ("justmem", "justmem-lookup", "justmem-compose", "justmem-replay")
 
 
 #: MemGAS methods that read generated texts (summaries, keywords): they pay the generate stage
@@ -175,7 +177,7 @@ def method_tokens(ctx: StageContext) -> dict[str, dict[str, Any]]:
     ``answer`` = the readers' answers of that method (prompt includes the filter step). LLM-free
     construction and planning count 0 tokens. Over the whole bank's sessions and questions (the same for every
     method of the run), answers over the questions read."""
-    from memgas.pipeline.methods import get_method, uses_card_graph
+    from memgas.pipeline.methods import uses_card_graph
 
     bank, cfg = ctx.bank, ctx.cfg
     zero = {"prompt": 0, "completion": 0}
@@ -194,12 +196,23 @@ def method_tokens(ctx: StageContext) -> dict[str, dict[str, Any]]:
         ans = current_answers(ctx)
         for m in set(ans["method"].to_pylist()):
             answers[m] = _token_sums(ans.filter(pc.field("method") == m))
+    return charge_tokens(cfg.retrieval.methods, generations=gen, cards=cards, plans=plans, answers=answers)
+
+
+def charge_tokens(methods: list[str], *, generations: dict[str, int], cards: dict[str, int], plans: dict[str, int],
+                  answers: dict[str, dict[str, int]]) -> dict[str, dict[str, Any]]:
+    """Each method's bill (``{prompt, completion}`` per step): the memory it reads (MemGAS's generations for
+    :data:`GENERATED_METHODS`, the cards for JustMem's), the planner for :data:`PLANNED_METHODS`, and its own
+    answers. Shared steps are charged in full to every method that uses them."""
+    from memgas.pipeline.methods import get_method
+
+    zero = {"prompt": 0, "completion": 0}
     out = {}
-    for m in cfg.retrieval.methods:
+    for m in methods:
         jm = get_method(m).family == "justmem"
-        construction = cards if jm else (gen if m in GENERATED_METHODS else zero)
+        construction = cards if jm else (generations if m in GENERATED_METHODS else zero)
         if get_method(m).family == "memgas-cards":
-            construction = {k: gen[k] + cards[k] for k in gen}
+            construction = {k: generations[k] + cards[k] for k in generations}
         planner = plans if m in PLANNED_METHODS else zero
         out[m] = {"construction": construction, "planner": planner, "answer": answers.get(m, zero)}
     return out
@@ -229,3 +242,130 @@ def justmem_text_groups(ctx: StageContext) -> dict[str, set[str]]:
         return {}
     rewrites = {text_hash(r) for rs in current_plans(ctx)["rewrites"].to_pylist() for r in rs or []}
     return {"card": set(current_cards(ctx)["text_hash"].to_pylist()), "plan rewrite": rewrites}
+
+
+# -- evidence recall of what the reader receives (issue 28) --
+#: How the reader's context is measured (metrics.json ``notes.reader_evidence``; said in the report).
+READER_NOTE = ("reader's context: the utterances the answer model is given, per question, for every ranking method, "
+               "rebuilt from the rankings and card picks by the reader's own functions (whether or not the LLM read "
+               "it): session readers, the turns of the top reading.top_k sessions that fit the first step's window "
+               "(the filter's when reading.filter; the filter's output is not measured); card readers, the "
+               "provenance spans of the cards that fit the answer prompt, and Replay's recovered turns. Tokens are "
+               "counted by {counter} (the reader's own tokenizer may cut a context elsewhere); evidence = "
+               "queries.evidence_utterance_ids (LoCoMo evidence dia_ids, LongMemEval has_answer turns); verbatim = "
+               "evidence utterances whose own text is in the context (sessions, Replay's turns), not restated by a card")
+
+
+class ApproxCounter:
+    """A reader's token counter without its model: :func:`memgas.pipeline.models.openai_http.approx_tokens`
+    (what the openai backend counts with when it has no tokenizer) over ``context_tokens``."""
+
+    def __init__(self, context_tokens: int) -> None:
+        self.context_tokens = context_tokens
+
+    def count_tokens(self, text: str) -> int:
+        from memgas.pipeline.models.openai_http import approx_tokens
+
+        return approx_tokens(text)
+
+
+def reader_evidence(ctx: StageContext, rankings: pa.Table, picks: pa.Table) -> dict[str, dict[str, Any]]:
+    """Per retrieval method, the evidence recall of the reader's context and its tokens
+    (:mod:`memgas.pipeline.evaluate.evidence`; :data:`READER_NOTE` says what is measured): ``{method:
+    {overall, by_type, n_evaluated, skipped, cut}}``, over every question of the bank. ``rankings``: the
+    current rows of every method (MemGAS's and JustMem's); ``picks``: the current ``card_picks``. Empty when
+    the bank's queries were ingested before ``evidence_utterance_ids`` existed (re-ingest to measure)."""
+    from memgas.pipeline.evaluate.evidence import aggregate_evidence, score_evidence
+    from memgas.pipeline.methods import reads_cards
+
+    bank, cfg = ctx.bank, ctx.cfg
+    queries = bank.read("queries").to_pylist()
+    if not queries or "evidence_utterance_ids" not in queries[0]:
+        log.warning("evaluate: %s: the queries have no evidence_utterance_ids (ingested before issue 28); "
+                    "re-ingest to measure the evidence recall of the reader's context", bank.path)
+        return {}
+    qids = [q["query_id"] for q in queries]
+    counter = ApproxCounter(cfg.llm.context_tokens)
+    sessions = bank.read("sessions", ["history_id", "session_id", "text_hash"]).to_pylist()
+    sids_of: dict[tuple[str, str], list[str]] = {}
+    for s in sessions:
+        sids_of.setdefault((s["history_id"], s["text_hash"]), []).append(s["session_id"])
+    hash_of = {(s["history_id"], s["session_id"]): s["text_hash"] for s in sessions}
+    top = rankings.filter(pc.field("rank") <= cfg.reading.top_k)
+    # the turns of the sessions a session reader may be given (not the whole bank's: LongMemEval-M)
+    hist = {q["query_id"]: q["history_id"] for q in queries}
+    read = [(q, s) for m, q, s in zip(*top.select(["method", "query_id", "session_id"]).to_pydict().values())
+            if not reads_cards(m)]
+    turn_lengths = _turn_lengths(bank, sorted({hash_of[(hist[q], s)] for q, s in read if q in hist}))
+    out: dict[str, dict[str, Any]] = {}
+    for method in cfg.retrieval.methods:
+        ranked = top.filter(pc.field("method") == method)
+        if reads_cards(method):
+            contexts = _card_contexts(ctx, ranked, picks, qids, method, counter, sids_of)
+        else:
+            contexts = _session_contexts(ctx, ranked, qids, counter, hash_of, turn_lengths)
+        records = [{"query_id": q["query_id"], "question_type": q["question_type"],
+                    "is_abstention": q["is_abstention"], "evidence_ids": q["evidence_utterance_ids"] or [],
+                    **contexts[q["query_id"]]} for q in queries]
+        per_q, skipped = score_evidence(records)
+        out[method] = {**_agg_to_dict(aggregate_evidence(per_q)), "n_evaluated": int(len(per_q)), "skipped": skipped,
+                       "cut": sum(int(c["cut"]) for c in contexts.values())}
+    return out
+
+
+def _turn_lengths(bank: Bank, hashes: list[str]) -> dict[str, list[int]]:
+    """{session_hash: characters of each rendered utterance, in turn order} of the sessions ``hashes`` (a
+    session text is those lines joined by newlines)."""
+    from memgas.pipeline.data.common import render_utterance
+
+    out: dict[str, list[int]] = {}
+    if not hashes:
+        return out
+    turns = bank.read("turns", ["session_hash", "turn_index", "role", "content"],
+                      filter=pc.field("session_hash").isin(hashes)).sort_by(
+        [("session_hash", "ascending"), ("turn_index", "ascending")])
+    for h, role, content in zip(turns["session_hash"].to_pylist(), turns["role"].to_pylist(),
+                                turns["content"].to_pylist()):
+        out.setdefault(h, []).append(len(render_utterance(role, content)))
+    return out
+
+
+def _session_contexts(ctx: StageContext, ranked: pa.Table, qids: list[str], counter: ApproxCounter,
+                      hash_of: dict[tuple[str, str], str], turn_lengths: dict[str, list[int]]) -> dict[str, dict]:
+    """Per query, the session reader's first-step context (pipeline/read.py: ``reading_context``)."""
+    from memgas.pipeline.read import context_turn_keys, reading_context, reading_payloads
+
+    hist = {r["query_id"]: r["history_id"] for r in ctx.bank.read("queries", ["query_id", "history_id"]).to_pylist()}
+    out = {}
+    for q in reading_payloads(ctx.bank, ranked, qids, generation_key=generation_key(ctx)):
+        text, kept, cut = reading_context(counter, q, ctx.cfg.reading)
+        lengths = [turn_lengths.get(hash_of[(hist[q["query_id"]], s["session_id"])], []) for s in q["sessions"]]
+        keys = [f"{sid}:{t}" for sid, t in context_turn_keys(q["sessions"], text, kept, lengths)]
+        out[q["query_id"]] = {"context_ids": keys, "verbatim_ids": keys, "context_tokens": counter.count_tokens(text),
+                              "cut": cut}
+    return out
+
+
+def _card_contexts(ctx: StageContext, ranked: pa.Table, picks: pa.Table, qids: list[str], method: str,
+                   counter: ApproxCounter, sids_of: dict[tuple[str, str], list[str]]) -> dict[str, dict]:
+    """Per query, the card reader's answer prompt (pipeline/justmem/read.py: ``fit_cards``). A card's
+    session text may stand at several positions of a history: its turns count for each of them."""
+    from memgas.jobs import keys
+    from memgas.pipeline.justmem.read import card_reading_payloads, fit_cards
+    from memgas.pipeline.read import MARGIN
+
+    cfg = ctx.cfg
+    hist = {r["query_id"]: r["history_id"] for r in ctx.bank.read("queries", ["query_id", "history_id"]).to_pylist()}
+    window = min(cfg.reading.context_tokens, counter.context_tokens) - cfg.reading.max_new_tokens - MARGIN
+    payload = card_reading_payloads(ctx.bank, ranked, picks, qids, method=method, planner=keys.plan_key(ctx))
+    out = {}
+    for q in payload:
+        fit = fit_cards(q, counter.count_tokens, window, cfg.justmem.replay_tokens)
+        h = hist[q["query_id"]]
+
+        def ids(pairs: list[tuple[str, int]]) -> list[str]:
+            return [f"{sid}:{t}" for sh, t in pairs for sid in sids_of.get((h, sh), [])]
+
+        out[q["query_id"]] = {"context_ids": ids(fit.turn_keys()), "verbatim_ids": ids(fit.verbatim_keys()),
+                              "context_tokens": fit.context_tokens(counter.count_tokens), "cut": fit.cut}
+    return out

@@ -73,16 +73,28 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+#: The reader's-context columns (``retrieval.session[method].reader``, jobs/evaluate_run.py: reader_evidence):
+#: (header, key, scale of the number shown)
+READER_COLUMNS: tuple[tuple[str, str, float], ...] = (
+    ("evidence in context", "evidence_recall", 100.0), ("all evidence in context", "evidence_all", 100.0),
+    ("verbatim evidence", "evidence_verbatim", 100.0), ("context tokens", "context_tokens", 1.0))
+
+
 def retrieval_table(level: dict[str, Any], ks: tuple[int, ...] = HEADLINE_KS) -> str:
     header = ["method"] + [f"R_all@{k}" for k in ks] + [f"R_any@{k}" for k in ks] + [f"NDCG@{k}" for k in ks]
+    reader = any(_d(_d(m).get("reader")) for m in level.values())
+    if reader:
+        header += [h for h, _, _ in READER_COLUMNS]
     rows = []
     for method, m in level.items():
         o = _d(_d(m).get("overall"))
+        r = _d(_d(_d(m).get("reader")).get("overall"))
         rows.append(
             [method]
             + [_fmt(o.get(f"recall_all@{k}")) for k in ks]
             + [_fmt(o.get(f"recall_any@{k}")) for k in ks]
             + [_fmt(o.get(f"ndcg_any@{k}")) for k in ks]
+            + ([_fmt(r.get(key), scale) for _, key, scale in READER_COLUMNS] if reader else [])
         )
     return _md_table(header, rows)
 
@@ -285,7 +297,11 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
             f"{md_escape(any_m.get('skipped', {}))}. "
             "R_all = all evidence sessions in the top K (the paper's Recall@K); NDCG = LongMemEval's ndcg_any."
             + (f" Note: {md_escape(_d(metrics.get('notes')).get('turn_level'))}." if level_name == "turn"
-               and _d(metrics.get("notes")).get("turn_level") else ""),
+               and _d(metrics.get("notes")).get("turn_level") else "")
+            + (" Evidence in context = the share of evidence utterances in the reader's context (all: every one "
+               "of them; verbatim: in their own words), context tokens = its mean tokens per question; "
+               f"{md_escape(_d(metrics.get('notes')).get('reader_evidence'))}."
+               if level_name == "session" and _d(metrics.get("notes")).get("reader_evidence") else ""),
             "",
             retrieval_table(level),
             "",

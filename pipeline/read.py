@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 
@@ -111,6 +111,56 @@ def build_context(
             return _cut_head(llm, text, budget), 1, True
         blocks.pop()  # lowest-ranked first
     return "", 0, cut
+
+
+class TokenCounter(Protocol):
+    """What fitting a context needs of the reader: its window and its token count (an :class:`LLM` is one;
+    the evaluation passes a counter without a model, jobs/evaluate_run.py: ``reader_evidence``)."""
+
+    context_tokens: int
+
+    def count_tokens(self, text: str) -> int: ...
+
+
+def reading_context(llm: TokenCounter, q: dict[str, Any], cfg: ReadingConfig, *,
+                    filter_max_tokens: int = DEFAULT_FILTER_MAX_TOKENS) -> tuple[str, int, bool]:
+    """The context of the reader's first step for query ``q`` (the filter's when ``cfg.filter``, else the
+    answer's): its top-K sessions within the window left by that step's template and output budget, as
+    :func:`build_context` returns it ``(text, sessions kept, cut?)``."""
+    window = min(cfg.context_tokens, llm.context_tokens)
+    tmpl = (filter_prompt if cfg.filter else answer_prompt)("", q["question"], q.get("question_date"))
+    max_new = filter_max_tokens if cfg.filter else cfg.max_new_tokens
+    budget = window - max_new - MARGIN - llm.count_tokens(tmpl[0]["content"])
+    return build_context(llm, q.get("sessions") or [], top_k=cfg.top_k, budget=budget, multigran=cfg.filter)
+
+
+#: What precedes a session's text in its block (:func:`memgas.pipeline.prompts.session_block`).
+_CONTENT_HEAD = "Session Content:\n"
+
+
+def context_turn_keys(sessions: Sequence[dict[str, Any]], text: str, kept: int,
+                      turn_lengths: Sequence[Sequence[int]]) -> list[tuple[str, int]]:
+    """The utterances ``(session_id, turn_index)`` in a context :func:`build_context` returned (``text``,
+    ``kept``): every turn of the first ``kept`` sessions, except when the top session alone was cut at its
+    head, then the turns whose whole line is in the kept text. ``turn_lengths[i]``: the characters of each
+    rendered utterance of ``sessions[i]`` (``[role]: content``; a session text is those lines joined by
+    newlines, pipeline/data/common.py)."""
+    keys: list[tuple[str, int]] = []
+    for i, s in enumerate(sessions[:kept]):
+        lengths, body = list(turn_lengths[i]), s.get("text") or ""
+        if sum(lengths) + max(len(lengths) - 1, 0) != len(body):
+            raise ValueError(f"session {s.get('session_id')!r}: its turns do not render to its text "
+                             f"({sum(lengths) + max(len(lengths) - 1, 0)} characters, the text has {len(body)})")
+        head = text.find(_CONTENT_HEAD) if kept == 1 else 0
+        if head < 0:  # cut inside the session's header: none of its turns is there
+            break
+        end = head + len(_CONTENT_HEAD) if kept == 1 else 0
+        for t, n in enumerate(lengths):
+            end += n + (1 if t else 0)
+            if kept == 1 and end > len(text):
+                break  # a head cut: the rest of the session is not in the context
+            keys.append((str(s.get("session_id")), t))
+    return keys
 
 
 #: Prefix of ``answers.error`` when the answer LLM call failed in the backend (retryable, not scored).
@@ -214,12 +264,9 @@ class _Reader:
 
     def contexts(self, queries: Sequence[dict[str, Any]], errors: list[list[str]]) -> list[str]:
         """Per query, its sessions fitted to the window (with summaries/keywords for the filter step)."""
-        cfg, out = self.cfg, []
+        out = []
         for i, q in enumerate(queries):
-            tmpl = (filter_prompt if cfg.filter else answer_prompt)("", q["question"], q.get("question_date"))
-            max_new = self.filter_max_tokens if cfg.filter else cfg.max_new_tokens
-            text, kept, cut = build_context(self.llm, q.get("sessions") or [], top_k=cfg.top_k,
-                                            budget=self._budget(tmpl, max_new), multigran=cfg.filter)
+            text, kept, cut = reading_context(self.llm, q, self.cfg, filter_max_tokens=self.filter_max_tokens)
             if cut:
                 self.n_cut += 1
                 log.info("reading: query %s context cut to %d sessions to fit %d tokens", q["query_id"], kept,

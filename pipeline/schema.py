@@ -113,6 +113,11 @@ QUERIES = pa.schema(
         pa.field("category", pa.int32()),  # LoCoMo category number, null elsewhere
         pa.field("evidence_session_ids", pa.list_(pa.string())),
         pa.field("evidence_turn_ids", pa.list_(pa.string())),  # "session_id:pair_index"
+        # "session_id:turn_index" (``turns.turn_index``): the evidence utterances (LoCoMo ``evidence`` dia_ids,
+        # LongMemEval ``has_answer`` turns), for the evidence recall of the reader's context (issue 28). Added
+        # after schema version 2 without a bump: banks ingested before lack it and are read as they are
+        # (pipeline/evaluate/evidence.py then reports no evidence recall and says to re-ingest)
+        pa.field("evidence_utterance_ids", pa.list_(pa.string())),
         pa.field("is_abstention", pa.bool_(), nullable=False),
     ]
 )

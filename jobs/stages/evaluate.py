@@ -13,8 +13,13 @@ class EvaluateReport(Report):
     the current rows of every ranking, answer and judgment table."""
 
     name = "evaluate"
-    reads = ("queries", "rankings", "card_rankings", "card_graph_rankings", "answers", "card_answers", "judgments")
-    fields = ("evaluation.ks", "evaluation.bertscore")
+    # and what the readers read, to rebuild their contexts (evidence recall of the reader's context, issue 28)
+    reads = ("queries", "rankings", "card_rankings", "card_graph_rankings", "answers", "card_answers", "judgments",
+             "sessions", "texts", "turns", "generations", "card_picks", "cards", "plans")
+    # the reading budgets shape the readers' contexts it rebuilds (justmem.replay_tokens too, declared by
+    # card-read only: without JustMem that field changes nothing)
+    fields = ("evaluation.ks", "evaluation.bertscore", "reading.top_k", "reading.filter", "reading.context_tokens",
+              "reading.max_new_tokens", "llm.context_tokens")
 
     def active(self, ctx: StageContext) -> Active:
         from memgas.pipeline.methods import uses_card_graph
@@ -32,4 +37,27 @@ class EvaluateReport(Report):
                  "answers": [*tables.current_parts(ctx, "answers"), *tables.current_parts(ctx, "card_answers")],
                  "judgments": tables.current_parts(ctx, "judgments")}
         metrics = evaluate_run(ctx.cfg, ctx.bank, ctx.results, parts={k: sorted(v) for k, v in parts.items()})
+        add_reader_evidence(ctx, metrics, sorted(parts["rankings"]))
         return {"items": metrics.get("n_queries", 0), "metrics": metrics}
+
+
+def add_reader_evidence(ctx: StageContext, metrics: dict[str, Any], ranking_parts: list[str]) -> None:
+    """``retrieval.session[method].reader``: the evidence recall of the reader's context and its tokens,
+    beside the method's R_all and NDCG (:func:`memgas.jobs.evaluate_run.reader_evidence`)."""
+    from memgas.jobs.evaluate_run import READER_NOTE, reader_evidence
+    from memgas.jobs.stages.justmem import justmem_enabled
+    from memgas.pipeline.schema import CARD_PICKS, RANKINGS
+
+    if ctx.results is None:
+        return
+    rankings = ctx.results.read("rankings", parts=ranking_parts) if ranking_parts else RANKINGS.empty_table()
+    picks = tables.read_current(ctx, "card_picks") if justmem_enabled(ctx.cfg) else CARD_PICKS.empty_table()
+    evidence = reader_evidence(ctx, rankings, picks)
+    session = metrics.get("retrieval", {}).get("session", {})
+    for method, entry in evidence.items():
+        if method in session:
+            session[method]["reader"] = entry
+    if evidence:
+        metrics.setdefault("notes", {})["reader_evidence"] = READER_NOTE.format(counter="approx_tokens (4 characters "
+                                                                                 "a token) within min(reading."
+                                                                                 "context_tokens, llm.context_tokens)")

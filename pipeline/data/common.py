@@ -146,6 +146,7 @@ def query_row(
     evidence_session_ids: list[str] | None = None,
     evidence_turn_ids: list[str] | None = None,
     is_abstention: bool = False,
+    evidence_utterance_ids: list[str] | None = None,
 ) -> dict[str, Any]:
     return {
         "query_id": query_id,
@@ -159,6 +160,7 @@ def query_row(
         "category": category,
         "evidence_session_ids": list(evidence_session_ids or []),
         "evidence_turn_ids": list(evidence_turn_ids or []),
+        "evidence_utterance_ids": list(evidence_utterance_ids or []),
         "is_abstention": is_abstention,
     }
 

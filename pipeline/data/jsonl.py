@@ -53,6 +53,7 @@ def parse_history(index: int, item: Any, file: str, warnings: Warnings) -> Histo
     rec = HistoryRecord(history_id=hid, dataset=DATASET, index=index)
     seen: dict[str, tuple[str, list[Utterance]]] = {}
     evidence_turns: list[str] = []
+    evidence_utts: list[str] = []
     for k, s in enumerate(sessions):
         w = f"sessions[{k}]"
         s = expect_dict(ctx, s, w)
@@ -61,7 +62,7 @@ def parse_history(index: int, item: Any, file: str, warnings: Warnings) -> Histo
         sid = id_str(ctx, s["session_id"], f"{w}.session_id")
         date_raw = ctx.get(s, "date", str, where=f"{w}.", required=False)
         utts = parse_turns(ctx, ctx.get(s, "turns", list, where=f"{w}."), f"{w}.turns")
-        add_chat_session(rec, ctx, warnings, sid, utts, date_raw, w, seen, evidence_turns)
+        add_chat_session(rec, ctx, warnings, sid, utts, date_raw, w, seen, evidence_turns, evidence_utts)
     report_repeats(rec, warnings)
     note_date_order(rec, warnings)
     if not rec.sessions and hid not in warnings.known_sessions:  # an append may bring only new questions
@@ -96,6 +97,7 @@ def parse_history(index: int, item: Any, file: str, warnings: Warnings) -> Histo
         ev = check_evidence(rec, ev, warnings, field=f"{w}.evidence_session_ids", query_id=qid)
         # turn-level evidence: has_answer marks inside this question's evidence sessions
         ev_turns = [t for t in evidence_turns if t.rsplit(":", 1)[0] in ev] if ev else []
+        ev_utts = [t for t in evidence_utts if t.rsplit(":", 1)[0] in ev] if ev else []
         rec.queries.append(
             query_row(
                 query_id=qid,
@@ -107,6 +109,7 @@ def parse_history(index: int, item: Any, file: str, warnings: Warnings) -> Histo
                 question_date=qdate,
                 evidence_session_ids=ev,
                 evidence_turn_ids=ev_turns,
+                evidence_utterance_ids=ev_utts,
                 is_abstention=bool(q.get("is_abstention", False)) or qid.endswith("_abs"),
             )
         )

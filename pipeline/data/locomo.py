@@ -63,8 +63,9 @@ def parse_conversation(index: int, item: Any, file: str, warnings: Warnings) -> 
 
     numbers = sorted(int(m.group(1)) for k in conv if (m := _SESSION_RE.fullmatch(k)))
     rec = HistoryRecord(history_id=sample_id, dataset=DATASET, index=index, speakers=speakers)
-    # (session number, dialog id) -> (session_id, pair index), for evidence
+    # (session number, dialog id) -> (session_id, pair index), for evidence; and -> turn_index (utterance)
     where_is: dict[str, tuple[str, int]] = {}
+    utt_of: dict[str, int] = {}
     for n in numbers:
         sid = f"session_{n}"
         raw = conv[sid]
@@ -98,6 +99,7 @@ def parse_conversation(index: int, item: Any, file: str, warnings: Warnings) -> 
         for j, u in enumerate(utts):
             if u.dia_id is not None:
                 where_is[u.dia_id] = (sid, pair_of[j])
+                utt_of[u.dia_id] = j
     if not rec.sessions:
         warnings.warn("empty_history", "conversation has no non-empty session (skipped)", index=index, record_id=sample_id, field="conversation")
         return None
@@ -117,6 +119,7 @@ def parse_conversation(index: int, item: Any, file: str, warnings: Warnings) -> 
         evidence_raw = ctx.get(q, "evidence", list, where=qctx_field, required=False) or []
         ev_sessions: list[str] = []
         ev_turns: list[str] = []
+        ev_utts: list[str] = []
         for ei, e in enumerate(evidence_raw):
             field = f"{qctx_field}evidence[{ei}]"
             if not isinstance(e, str):
@@ -132,6 +135,8 @@ def parse_conversation(index: int, item: Any, file: str, warnings: Warnings) -> 
                     ref = f"{sid}:{pair}"
                     if ref not in ev_turns:
                         ev_turns.append(ref)
+                    if (utt := f"{sid}:{utt_of[dia]}") not in ev_utts:
+                        ev_utts.append(utt)
                     if sid not in ev_sessions:
                         ev_sessions.append(sid)
                 elif sid in present:
@@ -156,6 +161,7 @@ def parse_conversation(index: int, item: Any, file: str, warnings: Warnings) -> 
                 category=category,
                 evidence_session_ids=ev_sessions,
                 evidence_turn_ids=ev_turns,
+                evidence_utterance_ids=ev_utts,
                 is_abstention=False,
             )
         )

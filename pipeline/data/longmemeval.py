@@ -57,8 +57,10 @@ def add_chat_session(
     where: str,
     seen: dict[str, tuple[str, list[Utterance]]],
     evidence_turns: list[str],
+    evidence_utterances: list[str] | None = None,
 ) -> None:
-    """Add one session (skipping empty ones with a warning) and collect its has_answer pairs.
+    """Add one session (skipping empty ones with a warning) and collect its has_answer pairs (and, into
+    ``evidence_utterances`` when given, its has_answer utterances as ``session_id:turn_index``).
 
     ``seen`` maps the session ids of this history to (where, turns) of their first occurrence. The same
     id again with the same turns is a *repeat* (LongMemEval-S as published lists 13 haystack sessions
@@ -86,6 +88,8 @@ def add_chat_session(
         ref = f"{session_id}:{pair_of[i]}"
         if u.has_answer and ref not in evidence_turns:
             evidence_turns.append(ref)
+        if u.has_answer and evidence_utterances is not None:
+            evidence_utterances.append(f"{session_id}:{i}")
 
 
 def report_repeats(rec: HistoryRecord, warnings: Warnings) -> None:
@@ -141,12 +145,14 @@ def parse_question(index: int, item: Any, file: str, warnings: Warnings) -> Hist
     rec = HistoryRecord(history_id=qid, dataset=DATASET, index=index, speakers=["user", "assistant"])
     seen: dict[str, tuple[str, list[Utterance]]] = {}
     evidence_turns: list[str] = []
+    evidence_utts: list[str] = []
     for k, (sid, draw, sess) in enumerate(zip(sids, dates, sessions)):
         sid = id_str(ctx, sid, f"haystack_session_ids[{k}]")
         if draw is not None and not isinstance(draw, str):
             raise ctx.error(f"expected a date string, got {type(draw).__name__}", f"haystack_dates[{k}]")
         utts = parse_turns(ctx, sess, f"haystack_sessions[{k}]")
-        add_chat_session(rec, ctx, warnings, sid, utts, draw, f"haystack_sessions[{k}]", seen, evidence_turns)
+        add_chat_session(rec, ctx, warnings, sid, utts, draw, f"haystack_sessions[{k}]", seen, evidence_turns,
+                         evidence_utts)
     report_repeats(rec, warnings)
     if not rec.sessions:
         warnings.warn("empty_history", "history has no non-empty session (question skipped)", index=index, record_id=qid, field="haystack_sessions")
@@ -168,6 +174,7 @@ def parse_question(index: int, item: Any, file: str, warnings: Warnings) -> Hist
             question_date=qdate,
             evidence_session_ids=evidence,
             evidence_turn_ids=evidence_turns,
+            evidence_utterance_ids=evidence_utts,
             is_abstention=qid.endswith("_abs"),
         )
     )

@@ -118,15 +118,61 @@ def reading_prompt(
     """The JustMem answer prompt for one question: (prompt, its tokens by ``count_tokens``, the Replay
     recovery or None). ``cards`` in final order; ``replay`` needs ``turns`` ({session_hash: turns}) and
     ``replay_tokens`` (``justmem.replay_tokens``)."""
-    lines = [justmem_card_line(k + 1, _date_str(c), resolve_time(c.time, c.session_date), c.text)
-             for k, c in enumerate(cards)]
     rec = None
     if replay:
         if turns is None:
             raise ValueError("Replay needs the sessions' turns")
         rec = recover_turns(cards, turns, replay_tokens, count_tokens)
-    prompt = justmem_answer_prompt("\n".join(lines), rec.text if rec else "", question, question_date, operation)
+    prompt = justmem_answer_prompt(card_block(cards), rec.text if rec else "", question, question_date, operation)
     return prompt, count_tokens(prompt[0]["content"]), rec
+
+
+def card_block(cards: Sequence[ReadCard]) -> str:
+    """The cards as the answer prompt lists them, one numbered line each, in final order."""
+    return "\n".join(justmem_card_line(k + 1, _date_str(c), resolve_time(c.time, c.session_date), c.text)
+                     for k, c in enumerate(cards))
+
+
+@dataclass
+class CardContext:
+    """What the answer model is given for one question: the prompt, its tokens, the cards that fit (in final
+    order), Replay's recovery (or None), and whether cards were dropped to fit the window."""
+
+    prompt: ChatPrompt
+    tokens: int
+    cards: list[ReadCard]
+    replay: Replay | None
+    cut: bool
+
+    def turn_keys(self) -> list[tuple[str, int]]:
+        """``(session_hash, turn_index)`` of the cards' provenance spans (each once, in card order); Replay's
+        recovered turns are among them."""
+        keys = [(c.session_hash, i) for c in self.cards for i in range(c.turn_start, c.turn_end + 1)]
+        return list(dict.fromkeys(keys))
+
+    def verbatim_keys(self) -> list[tuple[str, int]]:
+        """``(session_hash, turn_index)`` of the turns whose own text is in the prompt (Replay's recovery)."""
+        return list(self.replay.turns) if self.replay is not None else []
+
+    def context_tokens(self, count_tokens: Callable[[str], int]) -> int:
+        """Tokens of the memory in the prompt: the card lines, plus Replay's recovered turns."""
+        return count_tokens(card_block(self.cards)) + (self.replay.tokens if self.replay is not None else 0)
+
+
+def fit_cards(q: Mapping[str, Any], count_tokens: Callable[[str], int], window: int,
+              replay_tokens: int) -> CardContext:
+    """The answer prompt of query ``q`` (a :func:`card_reading_payloads` entry) within ``window`` tokens
+    (what is left of the reader's context after the output budget and the margin): the lowest-ranked cards
+    are dropped first until it fits."""
+    cards = list(q["cards"])
+    while True:
+        prompt, n, rec = reading_prompt(q["question"], q.get("question_date"), q["operation"], cards, count_tokens,
+                                        replay=q["profile"] == "replay", turns=q.get("turns"),
+                                        replay_tokens=replay_tokens)
+        if n <= window or not cards:
+            break
+        cards.pop()  # lowest-ranked first
+    return CardContext(prompt, n, cards, rec, len(cards) < len(q["cards"]))
 
 
 def card_reading_payloads(bank: Any, rankings: pa.Table, picks: pa.Table, query_ids: Sequence[str], *,
@@ -217,16 +263,10 @@ def read_and_answer_cards(
     window = min(reading.context_tokens, llm.context_tokens) - reading.max_new_tokens - MARGIN
     rows, prompts, errors, n_cut = [], [], [], 0
     for q in queries:
-        cards, errs = list(q["cards"]), []
-        replay = q["profile"] == "replay"
-        while True:
-            prompt, n, rec = reading_prompt(q["question"], q.get("question_date"), q["operation"], cards,
-                                            llm.count_tokens, replay=replay, turns=q.get("turns"),
-                                            replay_tokens=replay_tokens)
-            if n <= window or not cards:
-                break
-            cards.pop()  # lowest-ranked first
-        if len(cards) < len(q["cards"]):
+        errs: list[str] = []
+        fit = fit_cards(q, llm.count_tokens, window, replay_tokens)
+        prompt, cards, rec = fit.prompt, fit.cards, fit.replay
+        if fit.cut:
             n_cut += 1
             errs.append(f"context cut to {len(cards)} card(s)")  # noted, not a failure
         if rec is not None and rec.cut:

@@ -325,3 +325,49 @@ def test_a_failure_inside_cards_or_plan_resumes_its_finished_units(tmp_path_fact
     assert rec["status"] == "executed" and rec["units_resumed"] == 2 and rec["units_done"] == rec["units_total"] - 2
     assert rec["units_total"] > 2
     assert _outputs(work) == _outputs(jm_run)
+
+
+def test_metrics_and_report_carry_the_evidence_recall_of_the_readers_context(jm_run) -> None:
+    """Issue 28: beside R_all and NDCG, every method's reader context (evidence in it, its tokens), computed from
+    the rankings and picks for every question, not only the ones the LLM read."""
+    from memgas.jobs.report import READER_COLUMNS
+    from memgas.pipeline.methods import reads_cards
+
+    metrics = json.loads((jm_run / "metrics.json").read_text())
+    session = metrics["retrieval"]["session"]
+    n_queries = Bank(jm_run / "bank").read("queries", ["query_id"]).num_rows
+    for m in METHODS:
+        reader = session[m]["reader"]
+        o = reader["overall"]
+        assert reader["n_evaluated"] + sum(reader["skipped"].values()) == n_queries, m
+        assert reader["n_evaluated"] > 0 and 0 < o["context_tokens"], m
+        assert 0 <= o["evidence_all"] <= o["evidence_recall"] <= 1, m
+        if not reads_cards(m):  # a session's turns are there in their own words
+            assert o["evidence_verbatim"] == o["evidence_recall"], m
+    # a card restates its turns; only Replay adds their own words
+    assert session["justmem-lookup"]["reader"]["overall"]["evidence_verbatim"] == 0
+    assert session["justmem-replay"]["reader"]["overall"]["evidence_verbatim"] > 0
+    assert "approx_tokens" in metrics["notes"]["reader_evidence"]
+    report = (jm_run / "report.md").read_text()
+    header = next(line for line in report.splitlines() if line.startswith("| method | R_all@"))
+    assert all(f" {h} |" in header for h, _, _ in READER_COLUMNS)
+    row = next(line for line in report.splitlines() if line.startswith("| justmem-replay |"))
+    assert row.endswith(f"| {session['justmem-replay']['reader']['overall']['context_tokens']:.1f} |")
+
+
+def test_the_planners_tokens_are_charged_to_every_method_that_uses_the_plan() -> None:
+    """Every card reader names the planner's operation in its answer prompt: all of them pay the planner, not
+    only the two whose retrieval reads the plan; ``cards`` and MemGAS's methods do not."""
+    from memgas.jobs.evaluate_run import charge_tokens
+
+    plans, cards = {"prompt": 70, "completion": 9}, {"prompt": 500, "completion": 40}
+    gen = {"prompt": 3, "completion": 1}
+    zero = {"prompt": 0, "completion": 0}
+    bill = charge_tokens(["memgas", "session", *JUSTMEM_METHOD_NAMES], generations=gen, cards=cards, plans=plans,
+                         answers={"justmem-replay": {"prompt": 11, "completion": 2}})
+    for m in ("justmem", "justmem-lookup", "justmem-compose", "justmem-replay"):
+        assert bill[m]["planner"] == plans and bill[m]["construction"] == cards, m
+    assert bill["cards"] == {"construction": cards, "planner": zero, "answer": zero}
+    assert bill["memgas"] == {"construction": gen, "planner": zero, "answer": zero}
+    assert bill["session"] == {"construction": zero, "planner": zero, "answer": zero}
+    assert bill["justmem-replay"]["answer"] == {"prompt": 11, "completion": 2}

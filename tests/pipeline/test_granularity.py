@@ -22,7 +22,8 @@ def _queries(bank) -> None:
     bank.write("queries", pa.Table.from_pylist([
         {"query_id": "q1", "history_id": "h1", "question": "What is my cat's name? 🐱", "question_date_raw": None,
          "question_date": None, "answer": "Miso", "question_type": "single", "category": None,
-         "evidence_session_ids": ["h1-a"], "evidence_turn_ids": None, "is_abstention": False}]))
+         "evidence_session_ids": ["h1-a"], "evidence_turn_ids": None, "evidence_utterance_ids": None,
+         "is_abstention": False}]))
 
 
 @pytest.mark.slow
