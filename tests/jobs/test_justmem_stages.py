@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow.compute as pc
 import pytest
 
-from memgas.jobs import keys, tables
+from memgas.jobs import keys, runner, tables
 from memgas.jobs import stages as S
 from memgas.jobs.placement import resolve_stage_runtimes
 from memgas.jobs.stage import StageContext
@@ -45,6 +45,7 @@ def _ctx(cfg: MemgasConfig, run_dir: Path) -> StageContext:
     would hash upstream fingerprints instead of the committed outputs the runner hashed)."""
     ctx = StageContext(cfg, Bank(run_dir / "bank"), Bank(run_dir / "results"), use_ray=False, pipeline=S.PIPELINE)
     resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)  # the stages' keys: they name the rankers' parts (issue 29)
     ctx.fingerprints.update(json.loads((run_dir / "metrics.json").read_text())["run"]["fingerprints"])
     return ctx
 

@@ -256,7 +256,8 @@ def _outputs(run_dir: Path) -> dict[str, object]:
                           ("answers", ("read", "card-read"))):
         # the rankers' parts are named by their config and hold only current histories (issue 29): all of
         # theirs are this run's; the readers' are named by their fingerprints
-        prefixes = tuple(f"{stage}-" if table != "answers" else f"{stage}-{fps.get(stage)}-" for stage in stages)
+        prefixes = tuple(f"{stage}-" if table != "answers" else f"{stage}-{fps.get(stage)}-" for stage in stages
+                         if fps.get(stage) not in (None, "disabled"))
         parts = [p for p in results.parts(table) if p.startswith(prefixes)]
         t = results.read(table, parts=parts) if parts else None
         rows = None if t is None else t.to_pylist()
