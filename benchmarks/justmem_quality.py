@@ -37,6 +37,9 @@ def main() -> int:
     ap.add_argument("--data", default=str(REPO / "data" / "sample" / "locomo_sample.json"))
     ap.add_argument("--json", default=None, help="also write the numbers here")
     ap.add_argument("--set", action="append", default=[], help="justmem.* overrides, e.g. justmem.top_k=5")
+    ap.add_argument("--format", default="locomo", choices=("locomo", "longmemeval"))
+    ap.add_argument("--cache", default=None, help="directory keeping the vectors between runs (texts.json + "
+                    "vectors.npy): only texts not in it are encoded")
     args = ap.parse_args()
 
     from memgas.pipeline.bank import Bank
@@ -51,7 +54,7 @@ def main() -> int:
     cfg = MemgasConfig.load(None, [s if s.startswith("justmem.") else f"justmem.{s}" for s in args.set]).justmem
     t0 = time.perf_counter()
     tmp = tempfile.mkdtemp(prefix="justmem-bench-")
-    ingest(args.data, "locomo", Path(tmp) / "bank", progress=False)
+    ingest(args.data, args.format, Path(tmp) / "bank", progress=False)
     bank = Bank(Path(tmp) / "bank")
     sessions = bank.read("sessions").to_pandas().sort_values(["history_id", "position"])
     texts = dict(zip(*[bank.read("texts").column(c).to_pylist() for c in ("text_hash", "text")]))
@@ -60,7 +63,7 @@ def main() -> int:
 
     t1 = time.perf_counter()
     unique = sorted(turns)
-    cards = extract_cards([(h, turns[h], "locomo") for h in unique], cfg, key=LLM_FREE_EXTRACTOR)
+    cards = extract_cards([(h, turns[h], args.format) for h in unique], cfg, key=LLM_FREE_EXTRACTOR)
     extract_s = time.perf_counter() - t1
     plans_t = plan_queries(list(zip(queries.query_id, queries.question, queries.question_date_raw)), cfg,
                            key=planner_key(cfg))
@@ -71,7 +74,7 @@ def main() -> int:
     rewrites = sorted({r for p in plans.values() for r in p.rewrites})
     sess_texts = sorted({texts[h] for h in sessions.text_hash})
     t2 = time.perf_counter()
-    allv = enc.encode(card_texts + sess_texts + list(queries.question) + rewrites)
+    allv = _encode(enc, card_texts + sess_texts + list(queries.question) + rewrites, args.cache)
     encode_s = time.perf_counter() - t2
     a, b, c = len(card_texts), len(card_texts) + len(sess_texts), len(card_texts) + len(sess_texts) + len(queries)
     vec = dict(zip(card_texts, allv[:a]))
@@ -86,7 +89,8 @@ def main() -> int:
     for hid, sess in sessions.groupby("history_id", sort=True):
         sids = list(sess.session_id)
         hashes = list(sess.text_hash)
-        hc = HistoryCards.from_table(hashes, cards.filter(_isin(cards, "session_hash", hashes)), by_hash)
+        hc = HistoryCards.from_table(hashes, cards.filter(_isin(cards, "session_hash", hashes)), by_hash,
+                                     list(sess.date))
         q = queries[queries.history_id == hid]
         Q = np.stack([qvec[i] for i in q.query_id])
         pl = [plans[i] for i in q.query_id]
@@ -94,7 +98,8 @@ def main() -> int:
         S = np.stack([svec[texts[h]] for h in hashes])
         ranked = {"session": np.argsort(-(Q.astype(np.float64) @ S.astype(np.float64).T), axis=1, kind="stable")}
         for m in METHODS:
-            sel = rank_cards(hc, list(q.question), Q, m, cfg, plans=pl, rewrite_vecs=rv)
+            sel = rank_cards(hc, list(q.question), Q, m, cfg, plans=pl, rewrite_vecs=rv,
+                             question_dates=list(q.question_date))
             ranked[m] = sel.order
             if m == "justmem":
                 for cat, prof in zip(q.question_type, sel.profiles):
@@ -132,6 +137,24 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1, sort_keys=True))
     return 0
+
+
+def _encode(enc, texts: list[str], cache: str | None) -> np.ndarray:  # noqa: ANN001 - an encoder
+    """Vectors of ``texts``; with ``cache``, those of texts encoded by an earlier run are read back."""
+    if cache is None:
+        return enc.encode(texts)
+    d = Path(cache)
+    known: dict[str, np.ndarray] = {}
+    if (d / "texts.json").exists():
+        known = dict(zip(json.loads((d / "texts.json").read_text()), np.load(d / "vectors.npy")))
+    todo = sorted({t for t in texts if t not in known})
+    if todo:
+        known.update(zip(todo, enc.encode(todo)))
+        d.mkdir(parents=True, exist_ok=True)
+        names = sorted(known)
+        np.save(d / "vectors.npy", np.stack([known[t] for t in names]))
+        (d / "texts.json").write_text(json.dumps(names))
+    return np.stack([known[t] for t in texts])
 
 
 def _isin(table, col, values):  # noqa: ANN001, ANN202 - a pyarrow mask
