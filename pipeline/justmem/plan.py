@@ -27,10 +27,13 @@ suggested/recommended/mentioned/provided/gave/listed").
 Entities: capitalised words and runs of them that are not the question's wh-word or a sentence-initial
 function word, quoted phrases, and numbers. Time constraints: the time expressions of the question (the
 card extractor's patterns) and "before/after/since/during <...>" phrases. Rewrites (answer-free: built only
-from the question's own words): (1) the entities, content words and constraints as a keyword query; (2) a
-declarative statement in the card style ("<Entity> said: <content words>"), which matches how cards read.
-They are built for every question, so the fixed Compose profile has them; the adaptive profile uses them
-only when d = 1.
+from the question's own words; v2, issue 28): (1) the entity view, a statement in the card style
+("<Entity> said: <content words>", "The user said: ..." for a question in the first person), which matches
+how cards read; (2) the time view ("<constraints>: <subject> <content words>") when the question has a time
+constraint, else the keyword view (entities and content words). They are built for every question, so the
+fixed Compose profile has them; the adaptive profile uses them only when d = 1. Retrieval
+(:mod:`.retrieve`) reads the entities, the time constraints (:func:`time_interval`) and the operation too;
+terms fed back from the top cards (RM3) are found there, as they need the cards.
 """
 
 from __future__ import annotations

@@ -10,8 +10,21 @@ All cards of all sessions of a history compete (several cards of one session may
   the better rank; then fused score descending, ties by dense score, then lower card index. ``dense``: the
   dense score alone.
 * **Lookup**: top K (``justmem.top_k``) of rerank(q, C(q)).
-* **Compose**: top K of rerank(q, C(q) ∪ C(r1) ∪ C(r2)) (deduplicated; the same K: wider discovery, same
-  reading budget).
+* **Compose**: top K of rerank(q, C(q) ∪ C(r1) ∪ C(r2) ∪ C_prf) (deduplicated; the same K: wider discovery,
+  same reading budget).
+* **The plan's fields** (issue 28; every profile, when the caller gives the plans):
+  - *entities*: the lexical score is BM25(question) + ``justmem.entity_weight`` x BM25(the entities);
+  - *time constraints*: resolved to days (:func:`~memgas.pipeline.justmem.plan.time_interval`) against the
+    question's date, else the history's latest session date; a card is about its own time (resolved against
+    its session's date) or else its session's date; the cards whose days meet a constraint's are a
+    candidate view of their own (top N by dense similarity), and in the fusion they gain
+    ``justmem.time_weight / (RRF_K + 1)`` (a third list whose matches share rank 1);
+  - *operation*: aggregation, comparison and sorting (``WIDE_OPERATIONS``) take N = ``justmem.wide_candidates``
+    per view instead of ``justmem.candidates``;
+  - Compose only, *pseudo-relevance feedback* in the manner of RM3: the first fused order's top
+    ``justmem.prf_cards`` cards give ``justmem.prf_terms`` terms (:func:`feedback_terms`); the lexical score
+    becomes BM25(question) (+ entities) + ``justmem.prf_weight`` x BM25(terms), and its top N join the
+    candidates (C_prf).
 * **Replay**: Lookup's cards; the reader then recovers their source turns (:mod:`.read`).
 * **justmem**: the plan's profile per query (``profile_for(d, f)``); ``justmem-lookup/-compose/-replay``:
   that profile for every query.

@@ -85,6 +85,13 @@ JM_CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.candidates", 20, ["card-rank", "card-read"]),
     ("justmem.top_k", 5, ["card-rank", "card-read"]),
     ("justmem.reranker", "dense", ["card-rank", "card-read"]),
+    # the plan's fields in retrieval (issue 28): read by the card ranker only
+    ("justmem.wide_candidates", 80, ["card-rank", "card-read"]),
+    ("justmem.entity_weight", 0.5, ["card-rank", "card-read"]),
+    ("justmem.time_weight", 0.0, ["card-rank", "card-read"]),
+    ("justmem.prf_cards", 0, ["card-rank", "card-read"]),
+    ("justmem.prf_terms", 5, ["card-rank", "card-read"]),
+    ("justmem.prf_weight", 1.0, ["card-rank", "card-read"]),
     ("justmem.replay_tokens", 256, ["card-read"]),
     # inactive under the LLM-free extractor and planner
     ("justmem.extract_max_tokens", 64, []),
