@@ -326,7 +326,22 @@ def select_cards(hc: HistoryCards, question: str, qvec: np.ndarray, profile: str
             lexical = lexical + cfg.prf_weight * hc.bm25_words(terms)
             pool.append(_desc_order(lexical)[:n])
     cand = np.unique(np.concatenate(pool))
-    return _fuse(cand, dense_q, lexical, when, cfg.reranker, cfg.time_weight)[: cfg.top_k]
+    order = _fuse(cand, dense_q, lexical, when, cfg.reranker, cfg.time_weight)
+    if profile == "compose" and cfg.session_cap > 0:
+        order = spread_sessions(hc, order, cfg.session_cap)
+    return order[: cfg.top_k]
+
+
+def spread_sessions(hc: HistoryCards, order: np.ndarray, cap: int) -> np.ndarray:
+    """``order`` with each session's cards beyond its first ``cap`` moved after all the others (stable):
+    distributed evidence lies in several sessions, so Compose's K cards cover more of them."""
+    seen: dict[int, int] = {}
+    head, tail = [], []
+    for c in order.tolist():
+        p = int(hc.session_pos[c])
+        seen[p] = seen.get(p, 0) + 1
+        (head if seen[p] <= cap else tail).append(c)
+    return np.array(head + tail, np.int64)
 
 
 def session_order(hc: HistoryCards, dense_q: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
