@@ -27,7 +27,8 @@ from memgas.pipeline.errors import BankError
 #: JustMem retrieval settings the card ranker reads
 JUSTMEM_RANK_FIELDS: tuple[str, ...] = ("justmem.candidates", "justmem.top_k", "justmem.rewrites", "justmem.reranker",
                                          "justmem.wide_candidates", "justmem.entity_weight", "justmem.time_weight",
-                                         "justmem.prf_cards", "justmem.prf_terms", "justmem.prf_weight")
+                                         "justmem.prf_cards", "justmem.prf_terms", "justmem.prf_weight",
+                                         "justmem.session_cap")
 
 
 def justmem_enabled(cfg: MemgasConfig) -> bool:

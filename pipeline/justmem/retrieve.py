@@ -306,10 +306,11 @@ def select_cards(hc: HistoryCards, question: str, qvec: np.ndarray, profile: str
     dense_q = hc.vectors.astype(np.float64) @ np.asarray(qvec, np.float64)
     n = cfg.wide_candidates if plan is not None and plan.operation in WIDE_OPERATIONS else cfg.candidates
     pool = [_desc_order(dense_q)[:n]]
-    lexical = hc.bm25_scores(question)
+    lexical_on = cfg.reranker == "bm25-dense"  # the dense reranker reads no lexical score
+    lexical = hc.bm25_scores(question) if lexical_on else np.zeros(len(hc.texts))
     when = None
     if plan is not None:
-        if plan.entities and cfg.entity_weight > 0:
+        if plan.entities and cfg.entity_weight > 0 and lexical_on:
             lexical = lexical + cfg.entity_weight * hc.bm25_scores(" ".join(plan.entities))
         when = time_mask(hc, plan.time_constraints, now) if cfg.time_weight > 0 else None
         if when is not None:  # the time view: the cards of those days, by dense similarity
@@ -318,7 +319,7 @@ def select_cards(hc: HistoryCards, question: str, qvec: np.ndarray, profile: str
     if profile == "compose" and rewrite_vecs is not None:
         for r in np.asarray(rewrite_vecs, np.float32)[: cfg.rewrites]:
             pool.append(candidates(hc, r, n))
-    if profile == "compose" and plan is not None and cfg.prf_cards > 0 and cfg.reranker == "bm25-dense":
+    if profile == "compose" and plan is not None and cfg.prf_cards > 0 and lexical_on:
         first = _fuse(np.unique(np.concatenate(pool)), dense_q, lexical, when, cfg.reranker, cfg.time_weight)
         own = set(query_words(question)) | set(query_words(" ".join(plan.entities)))
         terms = feedback_terms(hc, first[: cfg.prf_cards], own, cfg.prf_terms)

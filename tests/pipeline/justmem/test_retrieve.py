@@ -262,3 +262,18 @@ def test_rm3_feedback_adds_terms_from_the_top_cards() -> None:
     off = rank_cards(hc, [q], Q1, "justmem-compose", cfg.model_copy(update={"prf_cards": 0}), plans=[plan],
                      rewrite_vecs=[None])
     assert off.cards[0].tolist() == [0, 1, 3]
+
+
+def test_compose_session_cap_spreads_the_cards_over_sessions() -> None:
+    # sessions 0, 0, 0, 1, 2 by falling dense similarity; with a cap of 2, session 0's third card goes last
+    v = np.array([[1.0, 0.0], [0.95, 0.05], [0.9, 0.1], [0.8, 0.2], [0.7, 0.3]], np.float32)
+    hc = HistoryCards(session_pos=np.array([0, 0, 0, 1, 2]), texts=["a b"] * 5, vectors=v, n_sessions=3)
+    cfg = JustMemConfig(candidates=5, top_k=4, reranker="dense", session_cap=2)
+    plan = Plan(operation="aggregation", d=True)
+    comp = rank_cards(hc, ["q"], Q1, "justmem-compose", cfg, plans=[plan], rewrite_vecs=[None])
+    assert comp.cards[0].tolist() == [0, 1, 3, 4]
+    look = rank_cards(hc, ["q"], Q1, "justmem-lookup", cfg, plans=[plan])  # Lookup keeps the plain order
+    assert look.cards[0].tolist() == [0, 1, 2, 3]
+    off = rank_cards(hc, ["q"], Q1, "justmem-compose", cfg.model_copy(update={"session_cap": 0}), plans=[plan],
+                     rewrite_vecs=[None])
+    assert off.cards[0].tolist() == [0, 1, 2, 3]
