@@ -197,10 +197,12 @@ def test_a_time_constraint_boosts_the_card_of_that_date() -> None:
     plan = Plan(entities=["Melanie"], time_constraints=["june"], operation="temporal_selection")
     # without the plan, all tie: lower index first; with it, the June session's card leads
     assert rank_cards(hc, [q], Q1, "justmem-lookup", cfg).cards[0].tolist() == [0, 1, 2]
-    sel = rank_cards(hc, [q], Q1, "justmem-lookup", cfg, plans=[plan])
+    # a month without a year is read against the question's date; without one it selects nothing
+    assert rank_cards(hc, [q], Q1, "justmem-lookup", cfg, plans=[plan]).cards[0].tolist() == [0, 1, 2]
+    sel = rank_cards(hc, [q], Q1, "justmem-lookup", cfg, plans=[plan], question_dates=[datetime(2023, 8, 1)])
     assert sel.cards[0].tolist() == [1, 0, 2] and sel.order[0].tolist() == [1, 0, 2]
     assert rank_cards(hc, [q], Q1, "justmem-lookup", cfg.model_copy(update={"time_weight": 0.0}),
-                      plans=[plan]).cards[0].tolist() == [0, 1, 2]
+                      plans=[plan], question_dates=[datetime(2023, 8, 1)]).cards[0].tolist() == [0, 1, 2]
     # a card's own time counts against its session's date: "yesterday" said on 11 June is 10 June
     hc2 = _tied(["Melanie said: we went camping"] * 3, [datetime(2023, 6, 11)] * 3, [None, None, "yesterday"])
     plan2 = Plan(time_constraints=["june 10, 2023"])
