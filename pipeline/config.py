@@ -252,8 +252,9 @@ class JustMemConfig(_Strict):
     prf_terms: int = Field(10, ge=0, le=MAX_RANKED)
     prf_weight: float = Field(0.5, ge=0)
     #: Compose: at most this many of a session's cards before every other candidate session's (distributed
-    #: evidence lies in several sessions; 0 = no cap)
-    session_cap: int = Field(0, ge=0, le=MAX_RANKED)
+    #: evidence lies in several sessions; 0 = no cap). 2: +0.2 NDCG@10 for Compose on LoCoMo (R_all@5 equal),
+    #: +0.3 NDCG@10 and +0.7 R_all@5 on the bundled sample
+    session_cap: int = Field(2, ge=0, le=MAX_RANKED)
     #: output budgets of the LLM extractor (per session) and planner (per question)
     extract_max_tokens: int = Field(1024, ge=1, le=MAX_TOKENS)
     plan_max_tokens: int = Field(256, ge=1, le=MAX_TOKENS)

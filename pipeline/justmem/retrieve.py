@@ -27,6 +27,8 @@ All cards of all sessions of a history compete (several cards of one session may
     ``justmem.prf_cards`` cards give ``justmem.prf_terms`` terms (:func:`feedback_terms`); the lexical score
     becomes BM25(question) (+ entities) + ``justmem.prf_weight`` x BM25(terms), and its top N join the
     candidates (C_prf).
+  - Compose only, *spread*: at most ``justmem.session_cap`` cards of a session before every other
+    session's (:func:`spread_sessions`).
 * **Replay**: Lookup's cards; the reader then recovers their source turns (:mod:`.read`).
 * **justmem**: the plan's profile per query (``profile_for(d, f)``); ``justmem-lookup/-compose/-replay``:
   that profile for every query.

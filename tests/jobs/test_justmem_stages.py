@@ -92,7 +92,7 @@ JM_CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.prf_cards", 0, ["card-rank", "card-read"]),
     ("justmem.prf_terms", 5, ["card-rank", "card-read"]),
     ("justmem.prf_weight", 1.0, ["card-rank", "card-read"]),
-    ("justmem.session_cap", 3, ["card-rank", "card-read"]),
+    ("justmem.session_cap", 0, ["card-rank", "card-read"]),
     ("justmem.replay_tokens", 256, ["card-read"]),
     # inactive under the LLM-free extractor and planner
     ("justmem.extract_max_tokens", 64, []),

@@ -130,7 +130,7 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.prf_cards", 0, []),
     ("justmem.prf_terms", 5, []),
     ("justmem.prf_weight", 1.0, []),
-    ("justmem.session_cap", 3, []),
+    ("justmem.session_cap", 0, []),
 ]
 
 
@@ -198,7 +198,7 @@ BRANCH_CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.prf_cards", 0, ["card-rank", "card-read"]),
     ("justmem.prf_terms", 5, ["card-rank", "card-read"]),
     ("justmem.prf_weight", 1.0, ["card-rank", "card-read"]),
-    ("justmem.session_cap", 3, ["card-rank", "card-read"]),
+    ("justmem.session_cap", 0, ["card-rank", "card-read"]),
     ("generation.summary_source", "dataset", GEN_DOWN),
     ("association.mem_threshold", 20, INDEX_DOWN),
     ("retrieval.num_seeds", 10, ["rank", "read"]),

@@ -19,6 +19,7 @@ from memgas.pipeline.justmem.retrieve import (
     rank_history_cards,
     rerank,
     select_cards,
+    spread_sessions,
 )
 from memgas.pipeline.methods import JUSTMEM_METHOD_NAMES
 
@@ -60,7 +61,8 @@ def test_compose_is_the_union_of_candidates_reranked_to_the_same_k(history) -> N
         assert len(look) == len(comp) == cfg.top_k
         assert set(look.tolist()) <= set(cq.tolist()) and set(comp.tolist()) <= union
         dq = _dense(hc, qv)
-        assert np.array_equal(comp, rerank(hc, question, dq, np.array(sorted(union)), cfg.reranker)[: cfg.top_k])
+        fused = rerank(hc, question, dq, np.array(sorted(union)), cfg.reranker)
+        assert np.array_equal(comp, spread_sessions(hc, fused, cfg.session_cap)[: cfg.top_k])
         assert np.array_equal(look, rerank(hc, question, dq, cq, cfg.reranker)[: cfg.top_k])
         # without rewrites Compose is Lookup
         assert np.array_equal(select_cards(hc, question, qv, "compose", cfg, None), look)
