@@ -64,8 +64,11 @@ def test_compose_is_the_union_of_candidates_reranked_to_the_same_k(history) -> N
         fused = rerank(hc, question, dq, np.array(sorted(union)), cfg.reranker)
         assert np.array_equal(comp, spread_sessions(hc, fused, cfg.session_cap)[: cfg.top_k])
         assert np.array_equal(look, rerank(hc, question, dq, cq, cfg.reranker)[: cfg.top_k])
-        # without rewrites Compose is Lookup
-        assert np.array_equal(select_cards(hc, question, qv, "compose", cfg, None), look)
+        # without rewrites (and without a plan: no feedback) Compose is Lookup's order spread over sessions
+        spread = spread_sessions(hc, rerank(hc, question, dq, cq, cfg.reranker), cfg.session_cap)[: cfg.top_k]
+        assert np.array_equal(select_cards(hc, question, qv, "compose", cfg, None), spread)
+        assert np.array_equal(select_cards(hc, question, qv, "compose", cfg.model_copy(update={"session_cap": 0}),
+                                           None), look)
         differs += not np.array_equal(look, comp)
         wider += len(union) > len(cq)
     assert differs and wider, "the rewrites never widened discovery: the union test checked nothing"
