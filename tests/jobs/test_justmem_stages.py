@@ -221,7 +221,7 @@ def test_rank_stage_equals_the_library_for_every_justmem_method(jm_run) -> None:
     sess = bank.read("sessions", ["history_id", "session_id", "text_hash", "date"]).to_pylist()
     sess_of = {(r["history_id"], r["session_id"]): r for r in sess}
     q = bank.read("queries", ["query_id", "history_id", "question", "question_date"]).to_pandas()
-    loader = matrix_loader(ctx, sorted(sess["history_id"].unique()))
+    loader = matrix_loader(ctx, sorted({r["history_id"] for r in sess}))
     for h, g in q.groupby("history_id"):
         sids = loader.get(h)["session_ids"]
         hashes = [sess_of[(h, s)]["text_hash"] for s in sids]
