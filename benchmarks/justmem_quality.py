@@ -46,6 +46,8 @@ def main() -> int:
                     help="skip the session row (LongMemEval sessions are long: encoding them costs time)")
     ap.add_argument("--merge-chars", type=int, default=None, help="extract_llm_free(merge_chars=...)")
     ap.add_argument("--assistant-chars", type=int, default=None, help="extract_llm_free(assistant_chars=...)")
+    ap.add_argument("--cache", default=None, help="directory keeping the vectors between runs (texts.json + "
+                    "vectors.npy): only texts not in it are encoded")
     args = ap.parse_args()
 
     from memgas.pipeline.bank import Bank
@@ -87,7 +89,7 @@ def main() -> int:
     rewrites = sorted({r for p in plans.values() for r in p.rewrites})
     sess_texts = [] if args.no_session else sorted({texts[h] for h in sessions.text_hash})
     t2 = time.perf_counter()
-    allv = enc.encode(card_texts + sess_texts + list(queries.question) + rewrites)
+    allv = _encode(enc, card_texts + sess_texts + list(queries.question) + rewrites, args.cache)
     encode_s = time.perf_counter() - t2
     a, b, c = len(card_texts), len(card_texts) + len(sess_texts), len(card_texts) + len(sess_texts) + len(queries)
     vec = dict(zip(card_texts, allv[:a]))
@@ -102,7 +104,8 @@ def main() -> int:
     for hid, sess in sessions.groupby("history_id", sort=True):
         sids = list(sess.session_id)
         hashes = list(sess.text_hash)
-        hc = HistoryCards.from_table(hashes, cards.filter(_isin(cards, "session_hash", hashes)), by_hash)
+        hc = HistoryCards.from_table(hashes, cards.filter(_isin(cards, "session_hash", hashes)), by_hash,
+                                     list(sess.date))
         q = queries[queries.history_id == hid]
         Q = np.stack([qvec[i] for i in q.query_id])
         pl = [plans[i] for i in q.query_id]
@@ -112,7 +115,8 @@ def main() -> int:
             S = np.stack([svec[texts[h]] for h in hashes])
             ranked["session"] = np.argsort(-(Q.astype(np.float64) @ S.astype(np.float64).T), axis=1, kind="stable")
         for m in METHODS:
-            sel = rank_cards(hc, list(q.question), Q, m, cfg, plans=pl, rewrite_vecs=rv)
+            sel = rank_cards(hc, list(q.question), Q, m, cfg, plans=pl, rewrite_vecs=rv,
+                             question_dates=list(q.question_date))
             ranked[m] = sel.order
             if m == "justmem":
                 for cat, prof in zip(q.question_type, sel.profiles):
@@ -166,6 +170,24 @@ def _input_tokens(enc, texts: list[str]) -> int:  # noqa: ANN001 - a memgas enco
         pieces = 1 if n <= window or enc.long_text == "truncate" else -(-n // window)
         total += min(n, window) + len(prefix) + len(suffix) if pieces == 1 else n + pieces * (len(prefix) + len(suffix))
     return total
+
+
+def _encode(enc, texts: list[str], cache: str | None) -> np.ndarray:  # noqa: ANN001 - an encoder
+    """Vectors of ``texts``; with ``cache``, those of texts encoded by an earlier run are read back."""
+    if cache is None:
+        return enc.encode(texts)
+    d = Path(cache)
+    known: dict[str, np.ndarray] = {}
+    if (d / "texts.json").exists():
+        known = dict(zip(json.loads((d / "texts.json").read_text()), np.load(d / "vectors.npy")))
+    todo = sorted({t for t in texts if t not in known})
+    if todo:
+        known.update(zip(todo, enc.encode(todo)))
+        d.mkdir(parents=True, exist_ok=True)
+        names = sorted(known)
+        np.save(d / "vectors.npy", np.stack([known[t] for t in names]))
+        (d / "texts.json").write_text(json.dumps(names))
+    return np.stack([known[t] for t in texts])
 
 
 def _isin(table, col, values):  # noqa: ANN001, ANN202 - a pyarrow mask

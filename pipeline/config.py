@@ -262,6 +262,24 @@ class JustMemConfig(_Strict):
     replay_tokens: int = Field(1024, ge=1, le=MAX_TOKENS)
     #: "bm25-dense": reciprocal-rank fusion of BM25 (bm25s) and the dense score; "dense": dense score only
     reranker: Literal["bm25-dense", "dense"] = "bm25-dense"
+    #: The plan's fields in retrieval (issue 28; justmem/retrieve.py, measured in docs/benchmarks.md, "Planner
+    #: fields in retrieval"). N for an aggregation, comparison or sorting question (evidence spread over many
+    #: cards): candidates per view
+    wide_candidates: int = Field(100, ge=1, le=MAX_RANKED)
+    #: weight of the BM25 score of the plan's entities, added to the question's BM25 (0 = entities unused)
+    entity_weight: float = Field(1.0, ge=0)
+    #: weight of the time list in the fusion: a card whose days meet the plan's time constraints gains
+    #: time_weight / (RRF_K + 1), and those cards join the candidates (0 = time constraints unused)
+    time_weight: float = Field(1.0, ge=0)
+    #: Compose's pseudo-relevance feedback (RM3): the top cards that feed back terms (0 = off), how many
+    #: terms, and their weight beside the question's own BM25
+    prf_cards: int = Field(5, ge=0, le=MAX_RANKED)
+    prf_terms: int = Field(10, ge=0, le=MAX_RANKED)
+    prf_weight: float = Field(0.5, ge=0)
+    #: Compose: at most this many of a session's cards before every other candidate session's (distributed
+    #: evidence lies in several sessions; 0 = no cap). 2: +0.2 NDCG@10 for Compose on LoCoMo (R_all@5 equal),
+    #: +0.3 NDCG@10 and +0.7 R_all@5 on the bundled sample
+    session_cap: int = Field(2, ge=0, le=MAX_RANKED)
     #: output budgets of the LLM extractor (per session) and planner (per question)
     extract_max_tokens: int = Field(1024, ge=1, le=MAX_TOKENS)
     plan_max_tokens: int = Field(256, ge=1, le=MAX_TOKENS)

@@ -26,7 +26,10 @@ from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError
 
 #: JustMem retrieval settings the card ranker reads
-JUSTMEM_RANK_FIELDS: tuple[str, ...] = ("justmem.candidates", "justmem.top_k", "justmem.rewrites", "justmem.reranker")
+JUSTMEM_RANK_FIELDS: tuple[str, ...] = ("justmem.candidates", "justmem.top_k", "justmem.rewrites", "justmem.reranker",
+                                         "justmem.wide_candidates", "justmem.entity_weight", "justmem.time_weight",
+                                         "justmem.prf_cards", "justmem.prf_terms", "justmem.prf_weight",
+                                         "justmem.session_cap")
 
 
 def justmem_enabled(cfg: MemgasConfig) -> bool:
@@ -124,7 +127,10 @@ class CardRankStage(RankedShardStage):
     run directory's last answer are ranked."""
 
     name = "card-rank"
-    version = "2"  # parts per shard of changed histories, named by config (version 1: by fingerprint)
+    #: 2: parts per shard of changed histories, named by config (1: by fingerprint); 3: the plan's entities,
+    #: time constraints (against the session and question dates) and operation shape retrieval, and Compose
+    #: feeds back terms from its top cards (issue 28)
+    version = "3"
     reads = ("queries", "sessions", "cards", "plans", "card_vectors")
     writes = (CARD_RANKED, CARD_RANKINGS, CARD_PICKS)
     sidecar = "card_ranked_histories"
@@ -153,17 +159,20 @@ class CardRankStage(RankedShardStage):
         from memgas.pipeline.hashing import text_hash
 
         bank, ids, key = ctx.bank, unit["histories"], keys.encoder_key(ctx)
-        queries = bank.read("queries", ["query_id", "history_id", "question"], filter=pc.field("history_id").isin(ids))
+        queries = bank.read("queries", ["query_id", "history_id", "question", "question_date"],
+                            filter=pc.field("history_id").isin(ids))
         if queries.num_rows == 0:
             return {"histories": []}
         qdf = queries.to_pandas()
         qv = query_vectors(bank, qdf["question"].tolist(), key)
-        sess = bank.read("sessions", ["history_id", "session_id", "position", "text_hash"],
+        sess = bank.read("sessions", ["history_id", "session_id", "position", "text_hash", "date"],
                          filter=pc.field("history_id").isin(ids)).sort_by([("history_id", "ascending"),
                                                                            ("position", "ascending")])
         order: dict[str, list[tuple[str, str]]] = {}
-        for h, s, t in zip(*(sess[c].to_pylist() for c in ("history_id", "session_id", "text_hash"))):
+        dates: dict[str, list[Any]] = {}
+        for h, s, t, d in zip(*(sess[c].to_pylist() for c in ("history_id", "session_id", "text_hash", "date"))):
             order.setdefault(h, []).append((s, t))
+            dates.setdefault(h, []).append(d)
         cards = current_cards(ctx, sorted({t for pairs in order.values() for _, t in pairs}))
         plans = {r["query_id"]: r for r in current_plans(ctx, qdf["query_id"].tolist()).to_pylist()}
         rewrites = sorted({r for p in plans.values() for r in (p["rewrites"] or [])})
@@ -183,7 +192,8 @@ class CardRankStage(RankedShardStage):
             out.append({"history_id": h, "session_ids": [s for s, _ in order[h]], "query_ids": g["query_id"].tolist(),
                         "queries": qv[g.index.to_numpy()], "session_hashes": hashes, "cards": mine,
                         "card_vectors": {t: vectors[t] for t in mine["text_hash"].to_pylist()},
-                        "questions": g["question"].tolist(), "plans": qplans,
+                        "questions": g["question"].tolist(), "plans": qplans, "session_dates": dates[h],
+                        "question_dates": [None if d != d else d.to_pydatetime() for d in g["question_date"]],
                         "rewrite_vectors": [np.stack([vectors[text_hash(r)] for r in p["rewrites"]])
                                             if p["rewrites"] else None for p in qplans]})
         return {"histories": out}
@@ -222,13 +232,14 @@ class CardRankStage(RankedShardStage):
         from memgas.pipeline.justmem.plan import Plan
         from memgas.pipeline.justmem.retrieve import HistoryCards, rank_cards
 
-        hc = HistoryCards.from_table(h["session_hashes"], h["cards"], h["card_vectors"])
+        hc = HistoryCards.from_table(h["session_hashes"], h["cards"], h["card_vectors"], h["session_dates"])
         plans = [Plan(list(p["entities"] or []), list(p["time_constraints"] or []), p["operation"], bool(p["d"]),
                       bool(p["f"]), list(p["rewrites"] or [])) for p in h["plans"]]
         cfg = JustMemConfig(**justmem)
         queries = owned(h["queries"], np.float32)
         return hc.card_ids, {m: rank_cards(hc, h["questions"], queries, m, cfg, plans=plans,
-                                           rewrite_vecs=h["rewrite_vectors"]) for m in methods}
+                                           rewrite_vecs=h["rewrite_vectors"], question_dates=h["question_dates"])
+                             for m in methods}
 
 
 # -- reading the cards -----------------------------------------------------------------------------------

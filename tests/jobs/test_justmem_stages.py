@@ -86,6 +86,14 @@ JM_CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.candidates", 20, ["card-rank", "card-read"]),
     ("justmem.top_k", 5, ["card-rank", "card-read"]),
     ("justmem.reranker", "dense", ["card-rank", "card-read"]),
+    # the plan's fields in retrieval (issue 28): read by the card ranker only
+    ("justmem.wide_candidates", 80, ["card-rank", "card-read"]),
+    ("justmem.entity_weight", 0.5, ["card-rank", "card-read"]),
+    ("justmem.time_weight", 0.0, ["card-rank", "card-read"]),
+    ("justmem.prf_cards", 0, ["card-rank", "card-read"]),
+    ("justmem.prf_terms", 5, ["card-rank", "card-read"]),
+    ("justmem.prf_weight", 1.0, ["card-rank", "card-read"]),
+    ("justmem.session_cap", 0, ["card-rank", "card-read"]),
     ("justmem.replay_tokens", 256, ["card-read"]),
     # inactive under the LLM-free extractor and planner
     ("justmem.extract_max_tokens", 64, []),
@@ -211,20 +219,22 @@ def test_rank_stage_equals_the_library_for_every_justmem_method(jm_run) -> None:
     key = keys.encoder_key(ctx)
     rk = _rankings(ctx)
     plans = plans_from_table(current_plans(ctx))
-    sess = bank.read("sessions", ["history_id", "session_id", "text_hash"]).to_pandas()
-    q = bank.read("queries", ["query_id", "history_id", "question"]).to_pandas()
-    loader = matrix_loader(ctx, sorted(sess["history_id"].unique()))
+    sess = bank.read("sessions", ["history_id", "session_id", "text_hash", "date"]).to_pylist()
+    sess_of = {(r["history_id"], r["session_id"]): r for r in sess}
+    q = bank.read("queries", ["query_id", "history_id", "question", "question_date"]).to_pandas()
+    loader = matrix_loader(ctx, sorted({r["history_id"] for r in sess}))
     for h, g in q.groupby("history_id"):
         sids = loader.get(h)["session_ids"]
-        hashes = [sess[(sess["history_id"] == h) & (sess["session_id"] == s)]["text_hash"].iloc[0] for s in sids]
+        hashes = [sess_of[(h, s)]["text_hash"] for s in sids]
         cards = current_cards(ctx, sorted(set(hashes)))
         vec = query_vectors(bank, cards["text"].to_pylist(), key)
-        hc = HistoryCards.from_table(hashes, cards, vec)
+        # the session dates date the cards, the question dates anchor relative time constraints (issue 28)
+        hc = HistoryCards.from_table(hashes, cards, vec, [sess_of[(h, s)]["date"] for s in sids])
         qv = query_vectors(bank, g["question"].tolist(), key)
         pl = [plans[x] for x in g["query_id"]]
         rv = [query_vectors(bank, p.rewrites, key) if p.rewrites else None for p in pl]
         want = rank_history_cards(hc, g["question"].tolist(), qv, list(JUSTMEM_METHOD_NAMES), cfg.justmem, plans=pl,
-                                  rewrite_vecs=rv)
+                                  rewrite_vecs=rv, question_dates=list(g["question_date"]))
         top = min(cfg.retrieval.store_top, len(sids))
         for m, (order, scores) in want.items():
             for qi, qid in enumerate(g["query_id"]):

@@ -128,6 +128,13 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.extract_max_tokens", 64, []),
     ("justmem.plan_max_tokens", 64, []),
     ("justmem.extract_max_input_tokens", 64, []),
+    ("justmem.wide_candidates", 80, []),
+    ("justmem.entity_weight", 0.5, []),
+    ("justmem.time_weight", 0.0, []),
+    ("justmem.prf_cards", 0, []),
+    ("justmem.prf_terms", 5, []),
+    ("justmem.prf_weight", 1.0, []),
+    ("justmem.session_cap", 0, []),
 ]
 
 
@@ -203,6 +210,13 @@ BRANCH_CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.rewrites", 1, ["plan", "card-encode", "card-rank", "card-read"]),
     ("justmem.top_k", 5, ["card-rank", "card-read"]),
     ("justmem.replay_tokens", 256, ["card-read"]),
+    ("justmem.wide_candidates", 80, ["card-rank", "card-read"]),
+    ("justmem.entity_weight", 0.5, ["card-rank", "card-read"]),
+    ("justmem.time_weight", 0.0, ["card-rank", "card-read"]),
+    ("justmem.prf_cards", 0, ["card-rank", "card-read"]),
+    ("justmem.prf_terms", 5, ["card-rank", "card-read"]),
+    ("justmem.prf_weight", 1.0, ["card-rank", "card-read"]),
+    ("justmem.session_cap", 0, ["card-rank", "card-read"]),
     ("generation.summary_source", "dataset", GEN_DOWN),
     ("association.mem_threshold", 20, INDEX_DOWN),
     ("retrieval.num_seeds", 10, ["rank", "read"]),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from datetime import date, datetime
 
 import pytest
 
@@ -18,6 +19,7 @@ from memgas.pipeline.justmem.plan import (
     plan_llm_free,
     plan_queries,
     planner_key,
+    time_interval,
     plans_from_table,
     profile_for,
     validate_plan,
@@ -58,10 +60,11 @@ def test_llm_free_entities_constraints_and_answer_free_rewrites() -> None:
     q = "How many times did Melanie go to the beach in 2023?"
     p = plan_llm_free(q, 2)
     assert p.entities == ["Melanie", "2023"] and p.time_constraints == ["in 2023"]
-    assert p.rewrites == ["Melanie 2023 times beach in 2023", "Melanie said: times beach"]
+    assert p.rewrites == ["Melanie said: times beach", "in 2023: Melanie times beach"]
     assert plan_llm_free(q, 1).rewrites == p.rewrites[:1] and plan_llm_free(q, 0).rewrites == []
     # answer-free: every rewrite word is a word of the question (or the card-style "said")
     words = set(re.findall(r"\w+", q.lower())) | {"said"}
+    # the rewrites differ from the question and from each other: an entity view and a time view
     assert all(set(re.findall(r"\w+", r.lower())) <= words for r in p.rewrites)
 
 
@@ -175,3 +178,61 @@ def test_a_reply_over_the_size_cap_is_not_sent_back_nor_stored_whole() -> None:
                                f"characters; at most {MAX_REPLY_CHARS} are parsed)")
     assert row["raw_output"] == reply[:MAX_REPLY_CHARS]
     assert ledger.stages["justmem-plan"].counters == {"fallback": 1}
+
+
+# -- rewrites and time constraints (issue 28) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("question, rewrites", [
+    # entity view ("<subject> said: ...", as cards read), then the time view, or the keyword view
+    ("When did Melanie go camping in June?", ["Melanie said: June camping", "june: Melanie camping"]),
+    ("What books has Melanie read?", ["Melanie said: books read", "Melanie books read"]),
+    # a first-person question is about the user (LongMemEval's cards say "The user said: ...")
+    ("Where did I attend the Imagine Dragons concert?",
+     ["The user said: Imagine Dragons attend concert", "Imagine Dragons attend concert"]),
+    ("How many graduation ceremonies have I attended in the past three months?",
+     ["The user said: graduation ceremonies attended past months",
+      "past three months: The user graduation ceremonies attended"]),
+])
+def test_rewrites_differ_from_the_question(question, rewrites) -> None:
+    p = plan_llm_free(question, 2)
+    assert p.rewrites == rewrites
+    assert all(r.lower() != question.lower() for r in p.rewrites) and len(set(p.rewrites)) == 2
+
+
+def _days(a: date, b: date) -> tuple[int, int]:
+    return a.toordinal(), b.toordinal()
+
+
+NOW = datetime(2023, 3, 9, 15, 47)  # a Thursday
+
+
+@pytest.mark.parametrize("text, days", [
+    ("october 13, 2023", _days(date(2023, 10, 13), date(2023, 10, 13))),
+    ("on 13 October 2023", _days(date(2023, 10, 13), date(2023, 10, 13))),
+    ("july 2023", _days(date(2023, 7, 1), date(2023, 7, 31))),
+    ("february, 2023", _days(date(2023, 2, 1), date(2023, 2, 28))),
+    ("in 2022", _days(date(2022, 1, 1), date(2022, 12, 31))),
+    ("june", _days(date(2022, 6, 1), date(2022, 6, 30))),  # its latest June up to now
+    ("yesterday", _days(date(2023, 3, 8), date(2023, 3, 8))),
+    ("last saturday", _days(date(2023, 3, 4), date(2023, 3, 4))),
+    ("last thursday", _days(date(2023, 3, 2), date(2023, 3, 2))),  # strictly before today
+    ("two weeks ago", _days(date(2023, 2, 20), date(2023, 2, 26))),
+    ("4 years ago", _days(date(2019, 1, 1), date(2019, 12, 31))),
+    ("last month", _days(date(2023, 2, 1), date(2023, 2, 28))),
+    ("past three months", _days(date(2022, 12, 9), date(2023, 3, 9))),
+    ("recently", _days(date(2023, 2, 6), date(2023, 3, 9))),
+    ("before today", (1, date(2023, 3, 8).toordinal())),
+    ("after july 2023", (date(2023, 8, 1).toordinal(), date.max.toordinal())),
+    ("after the roadtrip", None),
+    ("during the summer", None),
+    ("may", None),  # mostly the verb
+])
+def test_time_interval(text, days) -> None:
+    assert time_interval(text, NOW) == days
+
+
+def test_relative_times_need_a_date() -> None:
+    assert time_interval("yesterday", None) is None and time_interval("june", None) is None
+    assert time_interval("july 2023", None) == _days(date(2023, 7, 1), date(2023, 7, 31))
+    assert plan_llm_free("How many graduation ceremonies have I attended in the past three months?",
+                         2).time_constraints == ["past three months"]
