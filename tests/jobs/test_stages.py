@@ -316,6 +316,7 @@ def test_first_run_executes_every_stage_and_reads_in_the_job(reference_run) -> N
         "ingest": "executed", "generate": "executed", "cards": "disabled", "plan": "disabled", "nodes": "executed",
         "encode": "executed", "card-encode": "disabled", "associate": "executed", "rank": "executed",
         "card-rank": "disabled", "read": "executed", "card-read": "disabled", "judge": "disabled",
+        "card-graph-encode": "disabled", "card-graph-associate": "disabled", "card-graph-rank": "disabled",
         "evaluate": "executed"}
     assert list(rec) == [s.name for s in S.PIPELINE]
     # ingest's entry has what every stage's has: its fingerprint, where it ran, and its verified output
