@@ -25,6 +25,7 @@ from memgas.jobs.stage import StageContext
 from memgas.jobs.stages.associate import AssociateStage, current_coverage, stored_segments
 from memgas.jobs.stages.encode import EncodeStage
 from memgas.jobs.stages.generate import GenerateStage
+from memgas.jobs.stages.nodes import NodesStage
 from memgas.jobs.stages.rank import RankStage
 from memgas.pipeline.bank import Bank, key_order
 from memgas.pipeline.config import MemgasConfig
@@ -112,7 +113,8 @@ def test_tasks_never_open_the_bank(tmp_path, indexed) -> None:
     ctx = StageContext(cfg, bank, results, use_ray=False)
     resolve_stage_runtimes(ctx)
     runner.compute_fingerprints(ctx)
-    for stage in (AssociateStage(), RankStage()):  # the fingerprints the run committed its parts under
+    # the fingerprints the run committed its parts under (nodes: the rank plan digests each history's nodes)
+    for stage in (NodesStage(), AssociateStage(), RankStage()):
         ctx.fingerprints[stage.name] = json.loads((tables.store_of(ctx, stage).path / "_stages" / f"{stage.name}.json")
                                                   .read_text())["fingerprint"]
     assoc, rank = AssociateStage(), RankStage()
