@@ -35,7 +35,7 @@ def test_llm_cards_and_plans_run_on_cpu_with_smollm2(tmp_path: Path, cli) -> Non
     cli("run", str(REPO / "configs" / "demo.yaml"), "--no-ray", "-q", "--set", f"output_dir={out}",
         "--set", f"data.path={data}", "--set", "data.limit=1", "--set", "reading.enabled=false",
         "--set", "retrieval.methods=[justmem]", "--set", "justmem.extractor=llm", "--set", "justmem.planner=llm",
-        "--set", "justmem.extract_max_tokens=512", "--set", "justmem.plan_max_tokens=160",
+        "--set", "justmem.extract_max_tokens=512",
         "--set", "encoder.max_tokens=64", timeout=1200)
     bank = Bank(out / "bank")
     cards = [r for r in bank.read("cards").to_pylist() if r["extractor"].startswith(f"{SMOLLM2_NAME}|")]
