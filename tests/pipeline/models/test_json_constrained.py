@@ -57,7 +57,8 @@ def test_smollm2_cards_are_schema_valid_by_construction(smollm) -> None:
 def test_constrained_batch_matches_one_by_one(smollm) -> None:
     """A row's allowed tokens depend only on that row: a batch of two gives what each gives alone."""
     schema = plan_json_schema(2)
-    params = SamplingParams(max_tokens=256, json_schema=schema)
+    # 48 tokens: the rows' masks part ways within the first tokens if at all (passed at 256 too, 2026-12-02)
+    params = SamplingParams(max_tokens=48, json_schema=schema)
     batch = smollm.generate(_plan_prompts(), params)
     alone = [smollm.generate([p], params)[0] for p in _plan_prompts()]
     assert [r.text for r in batch] == [r.text for r in alone]
