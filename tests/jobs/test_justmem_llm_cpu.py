@@ -28,6 +28,9 @@ def _short_sessions() -> list[dict]:
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(reason="issue 28 item 3, open: SmolLM2 keeps adding cards until justmem.extract_max_tokens cuts "
+                   "the reply, which no schema can make valid (seen 2026-12-02: '\"cards\" must be a list'); the "
+                   "plan part passed", strict=False)
 def test_llm_cards_and_plans_run_on_cpu_with_smollm2(tmp_path: Path, cli) -> None:
     data = tmp_path / "short.json"
     data.write_text(json.dumps(_short_sessions()))
