@@ -174,6 +174,21 @@ def stage_table(stages: dict[str, Any]) -> str:
     return _md_table(["stage", "wall s", "cpu s", "peak RSS MB", "items", "items/s", "tokens/s", "cached/skipped"], rows)
 
 
+def justmem_llm_table(stages: dict[str, Any]) -> str | None:
+    """Per JustMem stage that called an LLM: items stored, LLM-free fallbacks (outputs still invalid after the
+    repair) and backend failures (nothing stored, retried by the next run). None when neither called one."""
+    rows = []
+    for name, what in (("cards", "sessions"), ("plan", "rows")):
+        x = _d(_d(stages.get(name)).get("extra"))
+        s = _d(stages.get(name))
+        if not (_num(s.get("prompt_tokens")) or _num(x.get("fallbacks")) or _num(x.get("llm_failures"))):
+            continue
+        rows.append([name, _n(x.get(what)), _n(x.get("fallbacks", 0)), _n(x.get("llm_failures", 0))])
+    if not rows:
+        return None
+    return _md_table(["stage", "items stored", "LLM-free fallbacks", "failed (retried next run)"], rows)
+
+
 def _pct_or_nan(v: Any) -> float:
     x = _num(v)
     return float("nan") if x is None else 100 * x
@@ -352,6 +367,12 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
                   "construction: the memory the method reads (MemGAS summaries/keywords, JustMem cards) over the "
                   "bank's sessions; planner: JustMem plans over the bank's questions (methods that read them); "
                   "answer: the reader's prompts and answers of the method. LLM-free steps count 0."]
+    jm = justmem_llm_table(_d(metrics.get("stages")))
+    if jm:
+        parts += ["", "## JustMem LLM outputs", "", jm, "",
+                  "items stored: sessions with cards, questions with a plan. A fallback is an output still invalid "
+                  "after one repair call, replaced by the LLM-free cards or plan and recorded in the row's "
+                  "`fallback`; a call that failed in the backend stores nothing and is retried by the next run."]
     profiles = _d(metrics.get("profiles"))
     if profiles:
         names = sorted({p for v in profiles.values() if isinstance(v, dict) for p in v})

@@ -184,8 +184,8 @@ def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: 
             st.tokens = int(stats["tokens"])
         st.extra.update({k: v for k, v in stats.items() if k not in ("metrics", "summary")})
     ctx.stats[stage.name] = {**stats, "unfinished": unfinished}
-    if unfinished and stop:
-        raise MemgasError(stop)
+    if unfinished and stop:  # a message (exit 2), or the stage's own MemgasError and exit code
+        raise stop if isinstance(stop, MemgasError) else MemgasError(stop)
     entry["status"] = "incomplete" if unfinished else "executed"
     parts = committed_parts(stage, ctx, store)
     ctx.outputs[stage.name] = T.output_digest(stage, ctx, parts)

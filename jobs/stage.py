@@ -20,8 +20,9 @@ A stage declares (the whole contract, twelve members):
   bank), ``run(model, payload, params) -> {table: Arrow table}`` (in the worker) and ``finish(ctx) -> stats``
   (after every unit: the run record's counts). Three stats keys are the runner's: ``unfinished`` (rows whose
   work failed after retries and that a re-run retries: the stage is then incomplete, no completion marker),
-  ``stop`` (a message: with rows unfinished the job must stop, downstream stages would read them) and
-  ``record`` (counts that go into the stage's run_record.json entry: what a ranker ranked and kept).
+  ``stop`` (a message, exit 2, or a MemgasError raised as it is: with rows unfinished the job must stop,
+  downstream stages would read them) and ``record`` (counts that go into the stage's run_record.json entry:
+  what a ranker ranked and kept).
 
 Its **fingerprint** = hash(its key, the digests of the tables it reads), its **key** = hash(name, version,
 the values of its active fields, its resolved facts): no upstream, no dataset. Plans, parts and the

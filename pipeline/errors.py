@@ -36,3 +36,11 @@ class BankError(MemgasError):
 
 class ConfigError(MemgasError):
     """A configuration value is missing or invalid."""
+
+
+class LLMCallsFailed(MemgasError):
+    """LLM calls failed in the backend after the client's own retries (connection refused, 5xx, 429, timeout)
+    and the stages after this one would read what they did not produce: the run stops with exit 4 ("run
+    incomplete, failures counted"); finished work is kept and the next run retries the rest."""
+
+    exit_code = 4

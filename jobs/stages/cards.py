@@ -11,6 +11,7 @@ from memgas.jobs.models import JustMemModel
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.justmem import current_cards, justmem_enabled, justmem_model
 from memgas.jobs.units import even_chunks
+from memgas.pipeline.errors import LLMCallsFailed
 
 
 def _this_config(ctx: StageContext) -> pa.Table:
@@ -80,10 +81,29 @@ class CardsStage(Stage):
                                        temperature=params["temperature"], seed=params["seed"])}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
+        failed = _failed_sessions(ctx)
+        # the card stages after this one would rank and read without these sessions: stop; the next run retries
+        stop = LLMCallsFailed(f"cards: {failed} sessions failed in the LLM backend (no cards stored for them); "
+                              "check llm.backend/llm.base_url and re-run (finished sessions are kept)")
         mine = current_cards(ctx) if ctx.bank.exists("cards") else None
         if mine is None:
-            return {"rows": 0, "sessions": 0}
+            return {"rows": 0, "sessions": 0, "llm_failures": failed, "unfinished": failed, "stop": stop}
         return {"rows": mine.num_rows, "sessions": len(set(mine["session_hash"].to_pylist())),
                 "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
                 "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
-                "fallbacks": int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0)}
+                "fallbacks": len(set(mine.filter(pc.is_valid(mine["fallback"]))["session_hash"].to_pylist())),
+                "llm_failures": failed, "unfinished": failed, "stop": stop}
+
+
+def _failed_sessions(ctx: StageContext) -> int:
+    """Sessions with text but no cards under this config's key: their LLM call failed in the backend (a session
+    with text always gets at least one card otherwise, its LLM-free fallback if need be)."""
+    bank = ctx.bank
+    sessions = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
+    if bank.exists("cards"):
+        sessions -= set(bank.read("cards", ["session_hash"], filter=pc.field("extractor") == keys.cards_key(ctx))
+                        ["session_hash"].to_pylist())
+    if not sessions:
+        return 0
+    turns = bank.read("turns", ["session_hash", "content"], filter=pc.field("session_hash").isin(sorted(sessions)))
+    return len({h for h, c in zip(turns["session_hash"].to_pylist(), turns["content"].to_pylist()) if c.strip()})

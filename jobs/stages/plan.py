@@ -11,6 +11,7 @@ from memgas.jobs.models import JustMemModel
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.justmem import current_plans, justmem_enabled, justmem_model
 from memgas.jobs.units import chunk
+from memgas.pipeline.errors import LLMCallsFailed
 
 PLANS = tables.Table("plans", "fingerprint")
 
@@ -40,11 +41,16 @@ class PlanStage(Stage):
                       model=justmem_model(ctx, keys.planner_uses_llm(cfg)))
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        ids = sorted(ctx.bank.read("queries", ["query_id"])["query_id"].to_pylist())
+        # questions planned by an earlier run of this fingerprint are kept: only those whose LLM call failed
+        # are planned again, in units named apart from the earlier ones (whose parts exist)
+        done = set(current_plans(ctx)["query_id"].to_pylist())
+        ids = sorted(q for q in ctx.bank.read("queries", ["query_id"])["query_id"].to_pylist() if q not in done)
+        earlier = len(tables.current_parts(ctx, "plans"))
+        tag = {"tag": f"retry{earlier}"} if earlier else {}
         # an LLM's padded batch can change its outputs (llm.batch_size is declared); the LLM-free planner plans
         # each question alone, so its units follow the runtime-only ray.generate_unit
         size = ctx.cfg.llm.batch_size if keys.planner_uses_llm(ctx.cfg) else ctx.cfg.ray.generate_unit
-        return [{"size": len(b), "queries": b} for b in chunk(ids, size)]
+        return [{"size": len(b), "queries": b, **tag} for b in chunk(ids, size)]
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         q = ctx.bank.read("queries", ["query_id", "question", "question_date_raw"],
@@ -62,7 +68,12 @@ class PlanStage(Stage):
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         mine = current_plans(ctx)
         profiles = mine["profile"].to_pylist()
+        # a question without a plan row: its LLM call failed in the backend (every other outcome is a row)
+        failed = ctx.bank.read("queries", ["query_id"]).num_rows - len(set(mine["query_id"].to_pylist()))
+        stop = LLMCallsFailed(f"plan: {failed} questions failed in the LLM backend (no plan stored for them); "
+                              "check llm.backend/llm.base_url and re-run (finished questions are kept)")
         return {"rows": mine.num_rows, "profiles": {p: profiles.count(p) for p in sorted(set(profiles))},
                 "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
                 "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
-                "fallbacks": int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0)}
+                "fallbacks": int(pc.sum(pc.is_valid(mine["fallback"])).as_py() or 0),
+                "llm_failures": failed, "unfinished": failed, "stop": stop}

@@ -624,7 +624,9 @@ def validate_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> list[Card]:
         if span[0] > span[1]:
             raise InvalidOutput(f"{where}: turn_start={span[0]} is after turn_end={span[1]}")
         hit, total = grounding(text, [t for t in turns if span[0] <= t.turn_index <= span[1]])
-        if total and hit < MIN_GROUNDED_SHARE * total:
+        if not total:  # "...", "N/A": nothing to retrieve by (and an index of such cards has no vocabulary)
+            raise InvalidOutput(f"{where}.text holds no content words; a card states something from the dialogue")
+        if hit < MIN_GROUNDED_SHARE * total:
             raise InvalidOutput(f"{where}.text is not grounded in turns {span[0]}..{span[1]}: {hit} of its {total} "
                                 f"content words occur there (at least {MIN_GROUNDED_SHARE:.0%} must)")
         t = " ".join(time.split()).lower() if time else ""
@@ -675,8 +677,10 @@ def extract_cards(
 ) -> pa.Table:
     """``CARDS`` rows for ``sessions`` = ``(session_hash, turns, dataset or dialogue kind)``, under extractor
     ``key`` (:func:`extractor_key`), in session order then card order. Never raises for a bad session:
-    with ``cfg.extractor == "llm"`` an output still invalid after one repair (or a failed call) is replaced by
-    the LLM-free cards of that session, with ``fallback`` naming why; the ledger counts them."""
+    with ``cfg.extractor == "llm"`` an output still invalid after one repair is replaced by the LLM-free cards
+    of that session, with ``fallback`` naming why; the ledger counts them. A session whose call failed in the
+    backend (:attr:`StructuredResult.failed`) gets no row: nothing under the LLM key, so the next run extracts
+    it again (the cards stage counts it as a failure)."""
     rows: list[dict[str, Any]] = []
     if cfg.extractor == "llm-free":
         for h, turns, _ in sessions:
@@ -695,11 +699,14 @@ def extract_cards(
     results = call_structured(llm, prompts, lambda obj, i: validate_cards(obj, fitted[i][0]),
                               params, ledger=ledger, stage="justmem-cards")
     by_hash: dict[str, list[dict[str, Any]]] = {}
-    n_fallback = 0
+    n_fallback = n_failed = 0
     for (h, turns, _), (_, truncated), res in zip(todo, fitted, results):
         tokens = dict(prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
                       input_truncated=truncated)
-        if res.value is not None:
+        if res.failed:
+            n_failed += 1
+            log.warning("justmem cards: session %s: %s; nothing stored, the next run retries it", h[:12], res.error)
+        elif res.value is not None:
             by_hash[h] = card_rows(h, key, res.value, **tokens)
         else:
             n_fallback += 1
@@ -710,6 +717,8 @@ def extract_cards(
         rows += by_hash.get(h, [])
     if ledger is not None:
         ledger.count("justmem-cards", "fallback", n_fallback)
+        if n_failed:
+            ledger.count("justmem-cards", "failed", n_failed)
         ledger.count("justmem-cards", "sessions", len(todo))
     return pa.Table.from_pylist(rows, schema=CARDS)
 

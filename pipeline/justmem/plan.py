@@ -422,7 +422,9 @@ def plan_queries(
 ) -> pa.Table:
     """``PLANS`` rows for ``queries`` = ``(query_id, question, question_date)`` under planner ``key``
     (:func:`planner_key`), in input order. With ``cfg.planner == "llm"`` an output still invalid after one
-    repair (or a failed call) gets the LLM-free plan, with ``fallback`` naming why (never silent)."""
+    repair gets the LLM-free plan, with ``fallback`` naming why (never silent); a question whose call failed
+    in the backend (:attr:`StructuredResult.failed`) gets no row, so the next run plans it again (the plan
+    stage counts it as a failure)."""
     if cfg.planner == "llm-free":
         rows = [_row(qid, key, plan_llm_free(q, cfg.rewrites)) for qid, q, _ in queries]
         return pa.Table.from_pylist(rows, schema=PLANS)
@@ -434,10 +436,13 @@ def plan_queries(
     results = call_structured(llm, prompts, lambda obj, i: validate_plan(obj, cfg.rewrites), params,
                               ledger=ledger, stage="justmem-plan")
     rows = []
-    n_fallback = 0
+    n_fallback = n_failed = 0
     for (qid, q, _), res in zip(queries, results):
         tokens = dict(raw=res.raw, prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens)
-        if res.value is not None:
+        if res.failed:
+            n_failed += 1
+            log.warning("justmem plan: query %s: %s; nothing stored, the next run retries it", qid, res.error)
+        elif res.value is not None:
             rows.append(_row(qid, key, res.value, **tokens))
         else:
             n_fallback += 1
@@ -446,6 +451,8 @@ def plan_queries(
                              **tokens))
     if ledger is not None:
         ledger.count("justmem-plan", "fallback", n_fallback)
+        if n_failed:
+            ledger.count("justmem-plan", "failed", n_failed)
     return pa.Table.from_pylist(rows, schema=PLANS)
 
 

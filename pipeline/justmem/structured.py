@@ -6,7 +6,10 @@ OpenAI-compatible HTTP, llama.cpp's schema grammar; the transformers backend ign
 the output is validated here either way, since not every backend enforces it and a truncated output is
 invalid whatever the backend. An invalid output gets exactly one repair call (the prompt, the bad reply and
 the problem); an output still invalid after it comes back with ``error`` set and ``value`` None, and the
-caller applies its LLM-free fallback and records it (never silently).
+caller applies its LLM-free fallback and records it (never silently). A call that failed in the backend
+(connection refused, 5xx, 429 or a timeout after the client's own retries), in the first call or in the
+repair, is no answer at all: it comes back with ``failed`` set, and the caller stores nothing for it, so that
+the next run calls the LLM again.
 
 Parsing is bounded, because a reply is untrusted input of any size and shape (runaway whitespace is a known
 failure of JSON-guided decoding, and ``llm.timeout_s`` does not cover parsing): a reply longer than
@@ -26,7 +29,8 @@ from typing import Any
 
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.llm_calls import SURROGATE_RE, generate_batch
-from memgas.pipeline.models.base import LLM, ChatPrompt, SamplingParams
+from memgas.pipeline.models.base import LLM, ChatPrompt, GenerationResult, SamplingParams
+from memgas.pipeline.models.llms import PROMPT_TOO_LONG
 from memgas.pipeline.prompts import justmem_repair_prompt
 
 #: Prompts per ``llm.generate`` call (as generation's CHUNK: backend batching and progress).
@@ -133,6 +137,14 @@ class StructuredResult:
     repaired: bool = False
     #: the first call's problem, kept when the repair fixed it (for the record)
     first_problem: str | None = None
+    #: the backend failed (transport, server side, timeout): no output to judge; store nothing, retry next run
+    failed: bool = False
+
+
+def backend_failed(r: GenerationResult) -> bool:
+    """A call that failed in the backend and may succeed when repeated: every error but a prompt that does not
+    fit the model's context (it would fail the same way every run; the caller records its fallback)."""
+    return r.error is not None and not r.extra.get(PROMPT_TOO_LONG)
 
 
 def _check(raw: str, validate: Callable[[dict[str, Any], int], Any], i: int) -> tuple[Any, str | None]:
@@ -163,6 +175,7 @@ def call_structured(
         res.prompt_tokens, res.completion_tokens = r.prompt_tokens, r.completion_tokens
         if r.error is not None:
             res.error = f"llm: {r.error}"
+            res.failed = backend_failed(r)
             continue
         res.value, problem = _check(r.text, validate, i)
         if problem is not None and len(r.text) > MAX_REPLY_CHARS:
@@ -181,6 +194,7 @@ def call_structured(
         res.completion_tokens += r.completion_tokens
         if r.error is not None:
             res.error = f"invalid output ({res.first_problem}); repair call failed: {r.error}"
+            res.failed = backend_failed(r)
             continue
         res.raw = r.text
         res.value, problem = _check(r.text, validate, i)

@@ -208,8 +208,9 @@ class TransformersLLM:
 
     ``dtype="auto"`` (default): float32 on CPU, bfloat16 on CUDA (float16 without bf16 support); see
     :func:`resolve_llm_dtype`. Left-padded batches of ``batch_size`` prompts sorted by length, greedy at
-    temperature 0. JSON schemas are not enforced by this backend (``extra["json_schema"] = "unsupported"``);
-    callers validate.
+    temperature 0. ``SamplingParams.json_schema`` is enforced token by token (lm-format-enforcer,
+    :mod:`~memgas.pipeline.models.json_constrained`; ``extra["json_schema"] = "enforced"``): an output that
+    ends with EOS is valid under the schema; one cut at ``max_tokens`` is not, and callers still validate.
     """
 
     def __init__(
@@ -302,7 +303,7 @@ class TransformersLLM:
                 logger.warning("%s: prompt %d truncated by %d tokens to fit %d", self.name, i, dropped,
                                self.context_tokens)
             if params.json_schema is not None:
-                results[i].extra["json_schema"] = "unsupported"
+                results[i].extra["json_schema"] = "enforced"
             prepared.append((i, ids))
         # Length-sorted batches waste less on padding; the sort is stable so outputs are reproducible.
         prepared.sort(key=lambda t: len(t[1]))
@@ -345,6 +346,10 @@ class TransformersLLM:
         stops = [x for x in params.stop if x]  # transformers matches an empty one before the first token
         if stops:
             kw.update(stop_strings=stops, tokenizer=self._tok)
+        if params.json_schema is not None:  # a fresh enforcer per batch: it keys its states by each whole row
+            from memgas.pipeline.models.json_constrained import prefix_allowed_tokens_fn
+
+            kw["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn(self._tok, params.json_schema)
         with torch.inference_mode():
             out = self._model.generate(
                 input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device), **kw

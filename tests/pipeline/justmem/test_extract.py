@@ -32,6 +32,7 @@ from memgas.pipeline.justmem.extract import (
     validate_cards,
 )
 from memgas.pipeline.justmem.structured import InvalidOutput
+from memgas.pipeline.models.base import GenerationResult
 from memgas.pipeline.schema import CARD_TYPES, CARDS, KEYS, TABLES
 
 from .conftest import FakeLLM
@@ -181,11 +182,40 @@ def test_llm_extractor_falls_back_to_llm_free_and_says_why(first, second, proble
     assert ledger.stages["justmem-cards"].counters["fallback"] == 2
 
 
-def test_llm_extractor_backend_error_falls_back_without_repair() -> None:
-    llm = FakeLLM(lambda p, n: RuntimeError("connection refused"))
+def test_llm_extractor_backend_error_stores_nothing_and_is_not_repaired() -> None:
+    """A failed call is no answer (issue 28 item 4): no row under the key, so the next run calls it again; the
+    other session's cards are kept."""
+    llm = FakeLLM(lambda p, n: RuntimeError("connection refused") if n == 0 else json.dumps(GOOD))
+    ledger = TokenLedger()
+    t = extract_cards([("h1", SHORT, "locomo"), ("h2", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm,
+                      ledger=ledger)
+    assert len(llm.calls) == 2
+    assert set(t.column("session_hash").to_pylist()) == {"h2"}
+    assert ledger.stages["justmem-cards"].counters == {"fallback": 0, "failed": 1, "sessions": 2}
+
+
+def test_llm_extractor_repair_call_failing_in_the_backend_stores_nothing() -> None:
+    llm = FakeLLM(lambda p, n: "not json" if n == 0 else RuntimeError("HTTP 503: overloaded"))
     t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm)
-    assert len(llm.calls) == 1
-    assert set(t.column("fallback").to_pylist()) == {f"{LLM_FREE_EXTRACTOR} (llm: connection refused)"}
+    assert len(llm.calls) == 2 and t.num_rows == 0
+
+
+def test_a_prompt_too_long_for_the_model_is_a_recorded_fallback_not_a_retry() -> None:
+    """It would fail the same way every run: the LLM-free cards, and why."""
+    from memgas.pipeline.models.llms import PROMPT_TOO_LONG
+
+    class TooLong(FakeLLM):
+        def generate(self, prompts, params):
+            self.calls += [(p, params) for p in prompts]
+            return [GenerationResult(error="prompt does not fit", extra={PROMPT_TOO_LONG: True}) for _ in prompts]
+
+    t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=TooLong(lambda p, n: ""))
+    assert set(t.column("fallback").to_pylist()) == {f"{LLM_FREE_EXTRACTOR} (llm: prompt does not fit)"}
+
+
+def test_a_card_without_content_words_is_invalid() -> None:
+    with pytest.raises(InvalidOutput, match=r"cards\[0\]\.text holds no content words"):
+        validate_cards({"cards": [{**GOOD["cards"][0], "text": "..."}]}, SHORT)
 
 
 @pytest.mark.parametrize("obj, problem", [
@@ -295,7 +325,8 @@ def test_a_long_unpunctuated_turn_makes_cards_within_the_limit_with_exact_spans(
         assert hit == total, c.text[:80]
 
 
-def test_a_backend_error_that_is_not_valid_unicode_is_recorded_readable() -> None:
+def test_a_backend_error_that_is_not_valid_unicode_is_logged_readable(caplog) -> None:
     llm = FakeLLM(lambda p, n: RuntimeError("HTTP 502: \udc80"))
     t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm)  # raised UnicodeEncodeError
-    assert set(t.column("fallback").to_pylist()) == {f"{LLM_FREE_EXTRACTOR} (llm: HTTP 502: \ufffd)"}
+    assert t.num_rows == 0  # a backend failure stores nothing (retried by the next run)
+    assert "llm: HTTP 502: \ufffd; nothing stored" in caplog.text

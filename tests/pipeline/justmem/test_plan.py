@@ -114,6 +114,16 @@ def test_llm_planner_repairs_once() -> None:
     assert ledger.stages["justmem-plan"].counters == {"repair": 1, "fallback": 0}
 
 
+def test_llm_planner_backend_failure_stores_no_plan() -> None:
+    """A failed call is no answer (issue 28 item 4): no row, so the next run plans the question again."""
+    llm = FakeLLM(lambda p, n: RuntimeError("HTTP 500: injected") if n == 1 else json.dumps(GOOD))
+    ledger = TokenLedger()
+    t = plan_queries([("q1", "What books has Melanie read?", None), ("q2", "Where did Caroline go?", None)],
+                     _cfg(), key="k", llm=llm, ledger=ledger)
+    assert len(llm.calls) == 2 and t.column("query_id").to_pylist() == ["q1"]
+    assert ledger.stages["justmem-plan"].counters == {"fallback": 0, "failed": 1}
+
+
 @pytest.mark.parametrize("reply", ["", "{\"entities\": \"Melanie\"}", json.dumps({**GOOD, "d": "yes"})])
 def test_llm_planner_falls_back_to_the_rules_and_says_why(reply) -> None:
     llm = FakeLLM(lambda p, n: reply)
