@@ -138,6 +138,10 @@ def environment_problems(cfg: MemgasConfig, command: Command, use_ray: bool) -> 
                 out.append(f"llm.backend=vllm with llm.tensor_parallel_size={llm.tensor_parallel_size} needs as many "
                            f"CUDA devices but torch sees {seen} {where}; run where there are, or choose a CPU "
                            "llm.backend (transformers-gguf)")
+        if llm.backend in ("transformers-gguf", "hf") and not _installed("lmformatenforcer"):
+            # JSON schemas (JustMem cards and plans, serve's response_format) are enforced with it on this backend
+            out.append(f"llm.backend={llm.backend} needs the package 'lm-format-enforcer', which is not installed "
+                       f"{where}; make setup installs it (pyproject.toml)")
         if llm.backend == "llama-cpp" and not _installed("llama_cpp"):
             out.append(f"llm.backend=llama-cpp needs the package 'llama_cpp', which is not installed {where}; "
                        "pip install llama-cpp-python, or choose llm.backend=transformers-gguf")

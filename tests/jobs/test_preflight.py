@@ -188,3 +188,17 @@ def test_gpu_work_without_gpus_under_ray_is_a_config_problem_of_the_stages_that_
 
     with pytest.raises(ConfigError, match="encoder.device=cuda"):
         preflight.check(MemgasConfig.load(DEMO, ["encoder.device=cuda"]), "run", use_ray=True)
+
+
+def test_the_cpu_llm_backend_without_lm_format_enforcer_is_refused(monkeypatch) -> None:
+    """lm-format-enforcer is installed by `make setup`, so its absence is simulated: without it, a failed import
+    inside every LLM call was counted as a backend failure (exit 4, retried for ever) instead of exit 3 here."""
+    from memgas.jobs import preflight
+    from memgas.pipeline.config import MemgasConfig
+
+    cfg = MemgasConfig.load(DEMO, ["justmem.planner=llm", "retrieval.methods=[justmem]", "reading.enabled=false"])
+    assert not [p for p in preflight.environment_problems(cfg, "index", use_ray=False) if "lm-format-enforcer" in p]
+    monkeypatch.setattr(preflight, "_installed", lambda module: module != "lmformatenforcer")
+    problems = preflight.environment_problems(cfg, "index", use_ray=False)
+    assert problems == ["llm.backend=transformers-gguf needs the package 'lm-format-enforcer', which is not "
+                        "installed (stages plan); make setup installs it (pyproject.toml)"]
