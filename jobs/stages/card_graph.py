@@ -28,7 +28,7 @@ from memgas.jobs import keys, tables
 from memgas.jobs.stage import Active, StageContext
 from memgas.jobs.stages.encode import EncodeStage, vector_rows
 from memgas.jobs.stages.justmem import current_cards
-from memgas.jobs.stages.rank import family_methods, query_vectors, ranking_rows
+from memgas.jobs.stages.rank import family_methods, family_ranker_active, query_vectors, ranking_rows
 from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.config import MemgasConfig
@@ -201,12 +201,7 @@ class CardGraphRankStage(HistoryShardStage):
         methods = family_methods(ctx.cfg.retrieval.methods, FAMILY)
         if not methods:
             return None
-        active = super().active(ctx)
-        unused = ("retrieval.methods",) + (("retrieval.ppr_epsilon",) if ctx.cfg.retrieval.ppr != "push" else ())
-        active.fields = tuple(f for f in self.fields if f not in unused)
-        active.resolved["methods"] = methods
-        active.params["retrieval"] = {**ctx.cfg.retrieval.model_dump(), "methods": methods}
-        return active
+        return family_ranker_active(super().active(ctx), self.fields, ctx, methods)
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         ids = unit["histories"]

@@ -57,6 +57,16 @@ def edges_of(bank: Bank, history_ids: list[str], parts: list[str]) -> dict[tuple
     return out
 
 
+def family_ranker_active(active: Active, fields: tuple[str, ...], ctx: StageContext, methods: list[str]) -> Active:
+    """A graph ranker's activity: its family's subset of retrieval.methods keys its rankings (a method of another
+    family added changes nothing) and the push threshold changes nothing under the exact kernel."""
+    unused = ("retrieval.methods",) + (("retrieval.ppr_epsilon",) if ctx.cfg.retrieval.ppr != "push" else ())
+    active.fields = tuple(f for f in fields if f not in unused)
+    active.resolved["methods"] = methods
+    active.params["retrieval"] = {**ctx.cfg.retrieval.model_dump(), "methods": methods}
+    return active
+
+
 class RankStage(RankedShardStage):
     """Per shard of histories: every query ranked by every MemGAS method (router + seeds + batched PPR).
     The JustMem methods are the card ranker's (:class:`memgas.jobs.stages.justmem.CardRankStage`): which of
@@ -74,14 +84,7 @@ class RankStage(RankedShardStage):
         methods = family_methods(ctx.cfg.retrieval.methods, "memgas")
         if not methods:
             return None
-        active = super().active(ctx)
-        # the MemGAS subset of retrieval.methods keys the rankings (a JustMem method added changes nothing)
-        # and the push threshold changes nothing under the exact kernel
-        unused = ("retrieval.methods",) + (("retrieval.ppr_epsilon",) if ctx.cfg.retrieval.ppr != "push" else ())
-        active.fields = tuple(f for f in self.fields if f not in unused)
-        active.resolved["methods"] = methods
-        active.params["retrieval"] = {**ctx.cfg.retrieval.model_dump(), "methods": methods}
-        return active
+        return family_ranker_active(super().active(ctx), self.fields, ctx, methods)
 
     def history_tables(self, ctx: StageContext, queries: pa.Table) -> dict[str, pa.Table]:
         """A history's questions and its nodes (the vectors and edges of a history follow from its nodes and

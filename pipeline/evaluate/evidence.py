@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 
 from memgas.pipeline.evaluate.categories import is_longmemeval_abstention
-from memgas.pipeline.evaluate.retrieval import SKIP_ABSTENTION, SKIP_NO_EVIDENCE
+from memgas.pipeline.evaluate.retrieval import SKIP_ABSTENTION, SKIP_NO_EVIDENCE, group_means
 
 #: The per-query metric columns, in report order.
 EVIDENCE_METRICS: tuple[str, ...] = ("evidence_recall", "evidence_all", "evidence_verbatim", "context_tokens")
@@ -100,17 +100,4 @@ def score_evidence(records: Iterable[dict[str, Any]]) -> tuple[pd.DataFrame, dic
 def aggregate_evidence(per_query: pd.DataFrame, by: str = "question_type") -> pd.DataFrame:
     """Means of :data:`EVIDENCE_METRICS`, overall and per ``by`` group (index ``"overall"`` first, then the
     groups), with an ``n`` column (queries averaged)."""
-    cols = list(EVIDENCE_METRICS)
-    if len(per_query):
-        overall = per_query[cols].astype(np.float64).mean().to_frame("overall").T
-    else:
-        overall = pd.DataFrame([[np.nan] * len(cols)], columns=cols, index=["overall"])
-    overall.insert(0, "n", len(per_query))
-    if by in per_query.columns and len(per_query):
-        grouped = per_query.groupby(by, sort=True)[cols].mean()
-        grouped.insert(0, "n", per_query.groupby(by, sort=True).size())
-        out = pd.concat([overall, grouped])
-    else:
-        out = overall
-    out.index.name = by
-    return out
+    return group_means(per_query, list(EVIDENCE_METRICS), by)

@@ -294,13 +294,19 @@ def aggregate_retrieval(per_query: pd.DataFrame, by: str = "question_type") -> p
     (queries averaged). Macro-averages over types are left to the report; LongMemEval reports the
     micro mean (``overall``).
     """
-    metrics = metric_columns(per_query)
-    overall = per_query[metrics].mean().to_frame("overall").T if len(per_query) else pd.DataFrame(
-        [[np.nan] * len(metrics)], columns=metrics, index=["overall"]
+    return group_means(per_query, metric_columns(per_query), by)
+
+
+def group_means(per_query: pd.DataFrame, cols: list[str], by: str) -> pd.DataFrame:
+    """Means of ``cols`` (as float64), overall and per ``by`` group: index ``"overall"`` first, then the groups
+    in sorted order, with an ``n`` column (queries averaged). Shared by every per-query metric table."""
+    values = per_query[cols].astype(np.float64)
+    overall = values.mean().to_frame("overall").T if len(per_query) else pd.DataFrame(
+        [[np.nan] * len(cols)], columns=cols, index=["overall"]
     )
     overall.insert(0, "n", len(per_query))
     if by in per_query.columns and len(per_query):
-        grouped = per_query.groupby(by, sort=True)[metrics].mean()
+        grouped = values.groupby(per_query[by], sort=True).mean()
         grouped.insert(0, "n", per_query.groupby(by, sort=True).size())
         out = pd.concat([overall, grouped])
     else:
