@@ -284,6 +284,18 @@ def reader_evidence(ctx: StageContext, rankings: pa.Table, picks: pa.Table) -> d
         log.warning("evaluate: %s: the queries have no evidence_utterance_ids (ingested before issue 28); "
                     "re-ingest to measure the evidence recall of the reader's context", bank.path)
         return {}
+    # a bank appended to after an ingest of before issue 28: its old questions carry no evidence turns (null;
+    # the loaders write a list, empty where a question has none). Measure the others, and say how many are not.
+    unmeasured = sum(q["evidence_utterance_ids"] is None for q in queries)
+    if unmeasured == len(queries):
+        log.warning("evaluate: %s: the queries have no evidence_utterance_ids (ingested before issue 28); "
+                    "re-ingest to measure the evidence recall of the reader's context", bank.path)
+        return {}
+    if unmeasured:
+        log.warning("evaluate: %s: %d of %d questions were ingested before issue 28 (no evidence_utterance_ids): "
+                    "the evidence recall of the reader's context leaves them out; re-ingest to measure them all",
+                    bank.path, unmeasured, len(queries))
+        queries = [q for q in queries if q["evidence_utterance_ids"] is not None]
     qids = [q["query_id"] for q in queries]
     counter = ApproxCounter(cfg.llm.context_tokens)
     sessions = bank.read("sessions", ["history_id", "session_id", "text_hash"]).to_pylist()
@@ -309,7 +321,7 @@ def reader_evidence(ctx: StageContext, rankings: pa.Table, picks: pa.Table) -> d
                     **contexts[q["query_id"]]} for q in queries]
         per_q, skipped = score_evidence(records)
         out[method] = {**_agg_to_dict(aggregate_evidence(per_q)), "n_evaluated": int(len(per_q)), "skipped": skipped,
-                       "cut": sum(int(c["cut"]) for c in contexts.values())}
+                       "cut": sum(int(c["cut"]) for c in contexts.values()), "not_measured": unmeasured}
     return out
 
 

@@ -316,7 +316,10 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
             + (" Evidence in context = the share of evidence utterances in the reader's context (all: every one "
                "of them; verbatim: in their own words), context tokens = its mean tokens per question; "
                f"{md_escape(_d(metrics.get('notes')).get('reader_evidence'))}."
-               if level_name == "session" and _d(metrics.get("notes")).get("reader_evidence") else ""),
+               if level_name == "session" and _d(metrics.get("notes")).get("reader_evidence") else "")
+            + (f" The evidence in context leaves out {md_escape(unmeasured)} questions ingested before the bank "
+               "kept evidence turns (re-ingest to measure them)."
+               if level_name == "session" and (unmeasured := _d(_d(any_m).get("reader")).get("not_measured")) else ""),
             "",
             retrieval_table(level),
             "",

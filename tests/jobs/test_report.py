@@ -136,3 +136,20 @@ def test_compare_says_when_datasets_differ(tmp_path: Path) -> None:
     (tmp_path / "e" / "metrics.json").write_text(json.dumps(_no_ground_truth()))
     text = compare_runs([tmp_path / "a", tmp_path / "e"])
     assert "| e | memgas | – |" in text and "different datasets" in text
+
+
+def test_report_names_questions_left_out_of_the_evidence_recall() -> None:
+    """A bank appended to after an ingest of before issue 28: its old questions have no evidence turns; the
+    report says how many the reader's evidence recall leaves out (it used to leave them out silently)."""
+    from memgas.jobs.report import render_markdown
+
+    overall = {"recall_all@5": 0.5}
+    reader = {"overall": {"evidence_recall": 0.5}, "by_type": {}, "n_evaluated": 2, "skipped": {}, "cut": 0,
+              "not_measured": 7}
+    metrics = {"retrieval": {"session": {"memgas": {"overall": overall, "by_type": {}, "n_evaluated": 2,
+                                                    "skipped": {}, "reader": reader}}},
+               "notes": {"reader_evidence": "what is measured"}}
+    text = render_markdown(metrics, {})
+    assert "leaves out 7 questions ingested before the bank kept evidence turns" in text
+    reader["not_measured"] = 0
+    assert "leaves out" not in render_markdown(metrics, {})
