@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 
 from memgas.jobs.keys import generation_key
 from memgas.jobs.stage import StageContext
-from memgas.jobs.stages.justmem import current_cards, current_plans, justmem_enabled
+from memgas.jobs.stages.justmem import bank_session_hashes, current_plans, justmem_enabled, session_cards
 from memgas.jobs.stages.read import current_answers
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
@@ -186,10 +186,11 @@ def method_tokens(ctx: StageContext) -> dict[str, dict[str, Any]]:
     if (both or any(m in GENERATED_METHODS for m in cfg.retrieval.methods)) and bank.exists("generations"):
         model, version = generation_key(ctx)
         gen = _token_sums(bank.read("generations", ["prompt_tokens", "completion_tokens"],
-                                    filter=(pc.field("model") == model) & (pc.field("prompt_version") == version)))
+                                    filter=(pc.field("model") == model) & (pc.field("prompt_version") == version)
+                                    & pc.field("text_hash").isin(bank_session_hashes(ctx))))
     cards = plans = zero
     if justmem_enabled(cfg) or both:
-        cards = _token_sums(current_cards(ctx)) if bank.exists("cards") else zero
+        cards = _token_sums(session_cards(ctx)) if bank.exists("cards") else zero
         plans = _token_sums(current_plans(ctx))
     answers: dict[str, dict[str, int]] = {}
     if cfg.reading.enabled and ctx.results is not None:
@@ -241,7 +242,7 @@ def justmem_text_groups(ctx: StageContext) -> dict[str, set[str]]:
     if not justmem_enabled(ctx.cfg):
         return {}
     rewrites = {text_hash(r) for rs in current_plans(ctx)["rewrites"].to_pylist() for r in rs or []}
-    return {"card": set(current_cards(ctx)["text_hash"].to_pylist()), "plan rewrite": rewrites}
+    return {"card": set(session_cards(ctx)["text_hash"].to_pylist()), "plan rewrite": rewrites}
 
 
 # -- evidence recall of what the reader receives (issue 28) --

@@ -53,12 +53,43 @@ def set_fingerprint(step: Any, ctx: StageContext) -> tuple[str, Active | None]:
         fp = ctx.fingerprints[step.name] = step.fingerprint(ctx)
         return fp, None
     active = step.active(ctx) if isinstance(step, (Stage, Report)) else Active()
-    if active is None:
+    if active is None or step.name in unused_stages(ctx):
         ctx.fingerprints[step.name] = "disabled"
         return "disabled", None
     ctx.keys[step.name] = T.stage_key(step, ctx, active)
     fp = ctx.fingerprints[step.name] = T.fingerprint(step, ctx, active)
     return fp, active
+
+
+def unused_stages(ctx: StageContext) -> frozenset[str]:
+    """The stages this config enables whose every table is read in the pipeline only by steps that do not
+    run under it: nothing needs their output, so they are disabled as if the config disabled them
+    (``memgas run`` with JustMem's methods alone runs no MemGAS index stage: rank is disabled, so associate's
+    edges have no reader, so neither have encode's vectors nor nodes' rows). A stage none of whose tables any
+    step of the pipeline reads (a terminal output, e.g. a new stage's) keeps running; a table a stage reads
+    back itself (associate's saved IVF index) is not a reader's, and does not keep it. Derived from the
+    declared reads and writes alone (a backward pass over the pipeline), never from stage names."""
+    names = tuple(step.name for step in ctx.pipeline)
+    cached = ctx.cache.get("runner:unused")
+    if cached is not None and cached[0] == names:
+        return cached[1]
+    declared = {t for step in ctx.pipeline if not isinstance(step, Source) for t in getattr(step, "reads", ())}
+    read_by_needed: set[str] = set()
+    unused: set[str] = set()
+    for step in reversed(ctx.pipeline):
+        if isinstance(step, Source):
+            continue
+        active = step.active(ctx)
+        if active is None:
+            continue
+        if (isinstance(step, Stage) and any(t.name in declared for t in step.writes)
+                and not any(t.name in read_by_needed for t in step.writes)):
+            unused.add(step.name)
+            continue
+        read_by_needed.update(active.reads if active.reads is not None else step.reads)
+    out = frozenset(unused)
+    ctx.cache["runner:unused"] = (names, out)
+    return out
 
 
 def compute_fingerprints(ctx: StageContext, pipeline: Sequence[Any] | None = None) -> dict[str, str]:
@@ -83,8 +114,9 @@ def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler,
                 ctx.outputs[step.name] = step.output(ctx)
                 continue
             if fp == "disabled":
-                if step.name in names:
-                    record.append({"stage": step.name, "status": "disabled"})
+                if step.name in names:  # "unused": enabled, but no step that runs reads its tables
+                    status = "unused" if step.name in unused_stages(ctx) else "disabled"
+                    record.append({"stage": step.name, "status": status})
                 continue
             if isinstance(step, Report):
                 if step.name in names:

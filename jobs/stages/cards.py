@@ -9,7 +9,7 @@ import pyarrow.compute as pc
 from memgas.jobs import keys, tables
 from memgas.jobs.models import JustMemModel
 from memgas.jobs.stage import Active, Stage, StageContext
-from memgas.jobs.stages.justmem import current_cards, justmem_enabled, justmem_model
+from memgas.jobs.stages.justmem import current_cards, justmem_enabled, justmem_model, session_cards
 from memgas.jobs.units import even_chunks
 from memgas.pipeline.errors import LLMCallsFailed
 
@@ -17,8 +17,7 @@ from memgas.pipeline.errors import LLMCallsFailed
 def _this_config(ctx: StageContext) -> pa.Table:
     """This config's cards of the bank's sessions (other configs' rows in the shared table must not change
     what downstream sees)."""
-    sessions = sorted(set(ctx.bank.read("sessions", ["text_hash"])["text_hash"].to_pylist()))
-    return current_cards(ctx, sessions).sort_by([("card_id", "ascending")])
+    return session_cards(ctx).sort_by([("card_id", "ascending")])
 
 
 CARDS = tables.Table("cards", "content", rows=_this_config)

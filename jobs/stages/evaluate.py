@@ -24,10 +24,17 @@ class EvaluateReport(Report):
     def active(self, ctx: StageContext) -> Active:
         from memgas.pipeline.methods import uses_card_graph
 
-        # memgas-cards' rankings are read only where it is ranked: other configs keep their fingerprint
-        if uses_card_graph(ctx.cfg.retrieval.methods):
-            return Active()
-        return Active(reads=tuple(t for t in self.reads if t != "card_graph_rankings"))
+        from memgas.jobs.evaluate_run import GENERATED_METHODS
+
+        methods = ctx.cfg.retrieval.methods
+        both = uses_card_graph(methods)
+        # memgas-cards' rankings are read only where it is ranked: other configs keep their fingerprint; the
+        # generations only to charge their tokens to the methods that read them (evaluate_run.method_tokens),
+        # so a JustMem-only run leaves MemGAS's generate stage without a reader (runner.unused_stages)
+        drop = set() if both else {"card_graph_rankings"}
+        if not both and not any(m in GENERATED_METHODS for m in methods):
+            drop.add("generations")
+        return Active(reads=tuple(t for t in self.reads if t not in drop)) if drop else Active()
 
     def report(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.jobs.evaluate_run import evaluate_run

@@ -60,11 +60,24 @@ def current_cards(ctx: StageContext, session_hashes: list[str] | None = None) ->
     return ctx.bank.read("cards", filter=f)
 
 
+def bank_session_hashes(ctx: StageContext) -> list[str]:
+    """The text hashes of the bank's sessions now (the content tables keep the rows of every dataset the
+    bank held: an ingest with a smaller ``data.limit`` leaves the others' cards and generations there)."""
+    return sorted(set(ctx.bank.read("sessions", ["text_hash"])["text_hash"].to_pylist()))
+
+
+def session_cards(ctx: StageContext) -> pa.Table:
+    """This config's cards of the bank's sessions now: what is encoded, ranked and counted (not every card the
+    shared table holds; a bank re-ingested with a smaller ``data.limit`` encoded 57,765 cards for 2 questions)."""
+    return current_cards(ctx, bank_session_hashes(ctx))
+
+
 def justmem_texts(ctx: StageContext) -> dict[str, str]:
-    """{text_hash: text} of this config's card texts and plan rewrites (encoded under the main key)."""
+    """{text_hash: text} of this config's card texts of the bank's sessions and plan rewrites (encoded under
+    the main key)."""
     from memgas.pipeline.hashing import text_hash
 
-    cards = current_cards(ctx)
+    cards = session_cards(ctx)
     out = dict(zip(cards["text_hash"].to_pylist(), cards["text"].to_pylist()))
     for rewrites in current_plans(ctx)["rewrites"].to_pylist():
         for r in rewrites or []:
@@ -152,7 +165,7 @@ class CardRankStage(RankedShardStage):
         vectors follow from those texts and the encoder's key)."""
         sessions = ctx.bank.read("sessions")
         return {"queries": queries, "sessions": sessions,
-                "cards": with_history(current_cards(ctx), "session_hash", sessions, "text_hash"),
+                "cards": with_history(session_cards(ctx), "session_hash", sessions, "text_hash"),
                 "plans": with_history(current_plans(ctx), "query_id", queries, "query_id")}
 
     def shard_inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:

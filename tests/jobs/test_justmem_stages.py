@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
@@ -75,6 +76,23 @@ def test_cards_and_plan_run_only_with_a_justmem_method(tmp_path, fake_bank) -> N
     assert "disabled" not in [jm[s] for s in JUSTMEM_STAGES]
     # selecting JustMem methods changes nothing of MemGAS's index: its branch is separate
     assert [s for s in ("ingest", "generate", "nodes", "encode", "associate") if plain[s] != jm[s]] == []
+
+
+def test_justmem_alone_leaves_memgas_index_stages_unused(tmp_path, fake_bank) -> None:
+    """With JustMem's methods alone, nothing reads MemGAS's tables: rank and read are disabled by the config,
+    and so associate, encode, nodes and generate have no reader left (runner.unused_stages, derived from the
+    declared reads); with one MemGAS method back, they are needed again."""
+    alone = _fingerprints(_jm(tmp_path, **{"retrieval.methods": JUSTMEM_METHOD_NAMES, "reading.methods": ["justmem"]}),
+                          fake_bank)
+    assert {s: alone[s] for s in MEMGAS_STAGES} == {s: "disabled" for s in MEMGAS_STAGES}
+    assert "disabled" not in [alone[s] for s in JUSTMEM_STAGES]
+    # memgas-cards reads MemGAS's nodes and vectors (not its edges or rankings)
+    both = _fingerprints(_jm(tmp_path, **{"retrieval.methods": [*JUSTMEM_METHOD_NAMES, "memgas-cards"],
+                                          "reading.methods": ["justmem"]}), fake_bank)
+    assert [s for s in MEMGAS_STAGES if both[s] == "disabled"] == ["associate", "rank", "read"]
+    # the `cards` method is read from its sessions: its reader's prompt holds summaries and keywords
+    cards = _fingerprints(_jm(tmp_path, **{"retrieval.methods": ["cards"], "reading.methods": ["cards"]}), fake_bank)
+    assert [s for s in MEMGAS_STAGES if cards[s] == "disabled"] == ["nodes", "encode", "associate", "rank", "read"]
 
 
 # (field, value, stages whose fingerprint changes) with JustMem selected (LLM-free extractor and planner)
@@ -317,6 +335,24 @@ def test_without_justmem_the_run_is_unchanged(tmp_path_factory, jm_run) -> None:
 
 
 @pytest.mark.slow
+def test_justmem_alone_runs_no_memgas_stage_and_ranks_the_same(tmp_path_factory, jm_run) -> None:
+    """A fresh run with JustMem's methods alone: no MemGAS stage runs (its index is never built), and every
+    JustMem ranking equals that of the run beside MemGAS byte for byte (the questions' vectors, which
+    MemGAS's encoder wrote there, are encoded by the JustMem encoder here, by content: the same bits)."""
+    work = tmp_path_factory.mktemp("jmalone")
+    _run(_jm(work, **{"retrieval.methods": JUSTMEM_METHOD_NAMES, "reading.enabled": False}))
+    rec = _record(work)
+    # rank is disabled by the config (no MemGAS method), the index stages because nothing reads them
+    assert {s: rec[s]["status"] for s in MEMGAS_STAGES if s != "read"} == \
+        {"generate": "unused", "nodes": "unused", "encode": "unused", "associate": "unused", "rank": "disabled"}
+    assert {s: rec[s]["status"] for s in ("cards", "plan", "card-encode", "card-rank")} == \
+        {s: "executed" for s in ("cards", "plan", "card-encode", "card-rank")}
+    assert not (work / "bank" / "edges").exists() and not (work / "bank" / "generations").exists()
+    jm_rows = [r for r in _outputs(jm_run)["rankings"] if r["method"] not in MEMGAS]
+    assert jm_rows and _outputs(work)["rankings"] == jm_rows
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["cards", "plan"])
 def test_a_failure_inside_cards_or_plan_resumes_its_finished_units(tmp_path_factory, jm_run, monkeypatch,
                                                                    stage) -> None:
@@ -382,3 +418,30 @@ def test_the_planners_tokens_are_charged_to_every_method_that_uses_the_plan() ->
     assert bill["memgas"] == {"construction": gen, "planner": zero, "answer": zero}
     assert bill["session"] == {"construction": zero, "planner": zero, "answer": zero}
     assert bill["justmem-replay"]["answer"] == {"prompt": 11, "completion": 2}
+
+
+def test_only_the_cards_of_the_banks_sessions_are_encoded_and_counted(tmp_path, fake_bank) -> None:
+    """The cards table is content-addressed and keeps every dataset's rows: after a re-ingest with a smaller
+    ``data.limit`` the cards of sessions the bank no longer holds stay there. The JustMem encoder, the card
+    ranker and the token and encoding accounting take only the cards of the bank's sessions now."""
+    from memgas.jobs.evaluate_run import justmem_text_groups
+    from memgas.jobs.stages.justmem import justmem_texts, session_cards
+    from memgas.pipeline.hashing import text_hash
+    from memgas.pipeline.schema import CARDS, SESSIONS
+
+    ctx = StageContext(_jm(tmp_path), fake_bank, None, use_ray=False, pipeline=S.PIPELINE)
+    resolve_stage_runtimes(ctx)
+    fake_bank.write("sessions", pa.Table.from_pylist(
+        [{"history_id": "h", "session_id": "s0", "position": 0, "text_hash": "here", "n_turns": 1}], schema=SESSIONS))
+    ext = keys.cards_key(ctx)
+
+    def card(session: str, text: str, tokens: int) -> dict:
+        return {"card_id": f"{session}-{text}", "session_hash": session, "extractor": ext, "card_index": 0,
+                "text": text, "text_hash": text_hash(text), "type": "fact", "turn_start": 0, "turn_end": 0,
+                "prompt_tokens": tokens}
+
+    fake_bank.write("cards", pa.Table.from_pylist([card("here", "kept card", 3), card("gone", "old card", 5)],
+                                                  schema=CARDS))
+    assert session_cards(ctx)["text"].to_pylist() == ["kept card"]
+    assert set(justmem_texts(ctx).values()) == {"kept card"}
+    assert justmem_text_groups(ctx)["card"] == {text_hash("kept card")}
