@@ -45,6 +45,12 @@ class Utterance:
     dia_id: str | None = None
 
 
+def no_text(utterances: list[Utterance]) -> bool:
+    """Whether a session has nothing to embed or retrieve: no turns, or only blank ones (such a session was
+    kept as an empty text, embedded and ranked, without a word)."""
+    return not any(u.content.strip() for u in utterances)
+
+
 @dataclass
 class HistoryRecord:
     """All rows of one history, one list per bank table (rows are dicts keyed by schema column)."""

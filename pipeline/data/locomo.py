@@ -23,6 +23,7 @@ from memgas.pipeline.data.common import (
     stream_records,
     Ctx,
     HistoryRecord,
+    no_text,
     Utterance,
     Warnings,
     expect_dict,
@@ -85,8 +86,9 @@ def parse_conversation(index: int, item: Any, file: str, warnings: Warnings) -> 
             if dia_id is not None and dia_id in where_is:
                 raise ctx.error(f"duplicate dia_id {dia_id!r}", f"{w}dia_id")
             utts.append(Utterance(role=speaker, content=content, dia_id=dia_id))
-        if not utts:
-            warnings.warn("empty_session", f"session {sid!r} has no dialogs (skipped)", index=index, record_id=sample_id, field=f"conversation.{sid}")
+        if no_text(utts):
+            what = "has only blank dialogs" if utts else "has no dialogs"
+            warnings.warn("empty_session", f"session {sid!r} {what} (skipped)", index=index, record_id=sample_id, field=f"conversation.{sid}")
             continue
         date_raw = ctx.get(conv, f"{sid}_date_time", str, where="conversation.", required=False)
         date = parse_date(date_raw)

@@ -18,6 +18,7 @@ from memgas.pipeline.data.common import (
     stream_records,
     Ctx,
     HistoryRecord,
+    no_text,
     Utterance,
     Warnings,
     check_evidence,
@@ -76,9 +77,10 @@ def add_chat_session(
         rec.repeats.append((session_id, first_where, where))
         return
     seen[session_id] = (where, utterances)
-    if not utterances:
+    if no_text(utterances):
         # An empty session has no text to embed or retrieve: skip it (strict mode: error).
-        warnings.warn("empty_session", f"session {session_id!r} has no turns (skipped)", index=ctx.index, record_id=ctx.record_id, field=where)
+        what = "has only blank turns" if utterances else "has no turns"
+        warnings.warn("empty_session", f"session {session_id!r} {what} (skipped)", index=ctx.index, record_id=ctx.record_id, field=where)
         return
     date = parse_date(date_raw)
     if date_raw is not None and date is None:

@@ -104,6 +104,17 @@ def test_empty_session_warns_and_skips(tmp_path: Path) -> None:
     assert "strict" in msg and "no turns" in msg
 
 
+def test_a_session_of_blank_turns_warns_and_skips(tmp_path: Path) -> None:
+    """Turns whose content is only whitespace leave nothing to embed: the session was kept as an empty
+    text and ranked without a word; now it is an empty session (warned, skipped; strict: an error)."""
+    blank = [{"role": "user", "content": "  "}, {"role": "assistant", "content": "\n"}]
+    item = q(haystack_sessions=[blank, q()["haystack_sessions"][1]])
+    s = run(tmp_path, write(tmp_path, [item]))
+    assert s["sessions"] == 1 and s["warnings"]["empty_session"]["count"] == 1
+    msg = one_line_error(tmp_path, write(tmp_path, [item]), strict=True)
+    assert "strict" in msg and "only blank turns" in msg
+
+
 def test_empty_history_warns_and_skips(tmp_path: Path) -> None:
     empty = q("e", haystack_session_ids=[], haystack_dates=[], haystack_sessions=[], answer_session_ids=[])
     s = run(tmp_path, write(tmp_path, [empty, q("ok")]))
