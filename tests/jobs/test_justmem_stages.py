@@ -287,12 +287,22 @@ def test_a_deleted_card_picks_part_reruns_its_rank_unit(tmp_path_factory, jm_run
     assert _outputs(work) == _outputs(jm_run)
 
 
+def _justmem_outputs(run_dir: Path, methods: list[str]) -> dict[str, object]:
+    """The JustMem part of a run's outputs: rankings, card picks and answers of ``methods``, and their
+    retrieval metrics (what a JustMem-alone run can be compared with)."""
+    out = _outputs(run_dir)
+    rows = {t: [r for r in out[t] or [] if r["method"] in methods] for t in ("rankings", "card_picks", "answers")}
+    return {**rows, "retrieval": {level: {m: v for m, v in per.items() if m in methods}
+                                  for level, per in out["retrieval"].items() if isinstance(per, dict)}}
+
+
 @pytest.mark.slow
 def test_a_justmem_field_reruns_exactly_its_stages_and_matches_a_fresh_run(tmp_path_factory, jm_run) -> None:
     """justmem.rewrites=1: new plans, the JustMem encoder runs (their one rewrite each is the first of the two
-    already encoded: nothing new to encode), the cards are ranked and read again; the rankings equal a fresh
-    run's exactly; then back to the original config. Every MemGAS stage is skipped: JustMem is its own
-    branch (it used to re-run encode, associate, rank and read)."""
+    already encoded: nothing new to encode), the cards are ranked and read again; the JustMem results equal
+    those of a fresh run exactly; then back to the original config. Every MemGAS stage is skipped: JustMem is
+    its own branch (it used to re-run encode, associate, rank and read). The fresh run has JustMem's methods
+    alone (no MemGAS index: runner.unused_stages), which a JustMem result must not depend on."""
     work = tmp_path_factory.mktemp("jmrewrites")
     shutil.copytree(jm_run, work, dirs_exist_ok=True)
     _run(_jm(work, **{"justmem.rewrites": 1}))
@@ -300,8 +310,12 @@ def test_a_justmem_field_reruns_exactly_its_stages_and_matches_a_fresh_run(tmp_p
     rec = _record(work)
     assert {s: rec[s]["status"] for s in MEMGAS_STAGES} == {s: "skipped" for s in MEMGAS_STAGES}
     fresh = tmp_path_factory.mktemp("jmfresh")
-    _run(_jm(fresh, **{"justmem.rewrites": 1}))
-    assert _outputs(work) == _outputs(fresh)
+    read = [m for m in READ if m in JUSTMEM_METHOD_NAMES]
+    _run(_jm(fresh, **{"justmem.rewrites": 1, "retrieval.methods": JUSTMEM_METHOD_NAMES, "reading.methods": read}))
+    assert {_record(fresh)[s]["status"] for s in ("generate", "nodes", "encode", "associate")} == {"unused"}
+    got, want = _justmem_outputs(work, JUSTMEM_METHOD_NAMES), _justmem_outputs(fresh, JUSTMEM_METHOD_NAMES)
+    assert got["answers"] and [r["method"] for r in got["answers"]] == [r["method"] for r in want["answers"]]
+    assert got == want
     _run(_jm(work))
     assert _outputs(work) == _outputs(jm_run)
 
@@ -356,11 +370,18 @@ def test_justmem_alone_runs_no_memgas_stage_and_ranks_the_same(tmp_path_factory,
 @pytest.mark.parametrize("stage", ["cards", "plan"])
 def test_a_failure_inside_cards_or_plan_resumes_its_finished_units(tmp_path_factory, jm_run, monkeypatch,
                                                                    stage) -> None:
-    """The job fails after the stage's 2nd unit committed (small units: ray.generate_unit is runtime-only);
-    the next run keeps those units, runs the rest and ends with the uninterrupted run's results."""
+    """The reference run with the stage's output removed: the stage runs again in small units
+    (ray.generate_unit is runtime-only) and the job fails after its 2nd unit committed; the next run keeps
+    those units, runs the rest and ends with the uninterrupted run's results (its output rebuilt to the same
+    bytes, nothing downstream runs again)."""
     from memgas.pipeline import faults
 
     work = tmp_path_factory.mktemp(f"jmresume-{stage}")
+    shutil.copytree(jm_run, work, dirs_exist_ok=True)
+    table = {"cards": "cards", "plan": "plans"}[stage]
+    assert sorted((work / "bank" / table).glob("*.parquet")), f"the reference run wrote no {table} part"
+    shutil.rmtree(work / "bank" / table)
+    (work / "bank" / "_stages" / f"{stage}.json").unlink()
     cfg = _jm(work, **{"ray.generate_unit": 2})
     monkeypatch.setattr(faults, "_counts", {})
     monkeypatch.setenv("MEMGAS_FAULT", f"raise@{stage}:unit-done#2")
@@ -368,9 +389,12 @@ def test_a_failure_inside_cards_or_plan_resumes_its_finished_units(tmp_path_fact
         _run(cfg)
     monkeypatch.delenv("MEMGAS_FAULT")
     _run(cfg)
-    rec = _record(work)[stage]
-    assert rec["status"] == "executed" and rec["units_resumed"] == 2 and rec["units_done"] == rec["units_total"] - 2
-    assert rec["units_total"] > 2
+    rec = _record(work)
+    assert rec[stage]["status"] == "executed" and rec[stage]["units_resumed"] == 2
+    assert rec[stage]["units_done"] == rec[stage]["units_total"] - 2 and rec[stage]["units_total"] > 2
+    # cards are content-addressed (the same rows: nothing downstream runs again); the plans are parts per
+    # unit, and other units make other parts, so the card stages downstream of plan run again, to equal results
+    assert _executed(work) == ([stage] if stage == "cards" else ["card-encode", "card-rank", "card-read", "plan"])
     assert _outputs(work) == _outputs(jm_run)
 
 
