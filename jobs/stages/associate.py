@@ -9,12 +9,20 @@ are recomputed and dropped. The search is always the exact causal one, whose res
 depend on which other rows one call computes (canonical shapes), so the edges of ``A`` then an append of
 ``B`` equal those of one build over ``A + B`` byte for byte.
 
+Node vectors (exact search): a history whose prefix is longer than one block
+(:data:`memgas.pipeline.association.blocks.BLOCK_ROWS` rows) reaches the task as
+:class:`~memgas.pipeline.association.blocks.NodeBlocks`, read from the bank block by block and put into
+Ray's object store once per block (spilled to files in-process, :mod:`memgas.jobs.stages.node_blocks`);
+the task fetches one block at a time. Neither the driver nor a task holds the history's matrix, and the
+edges are those of the whole matrix byte for byte (the search's tiles and chunks are fixed by node ids).
+
 ``association.search: ivf`` (faiss IVF on the CPU, :func:`memgas.pipeline.association.ivf_search.ivf_rows`):
 rows past a history's first ``ivf_exact_nodes`` nodes search an IVF index trained on those nodes. The index
 is saved per history (table ``ivf_index``, one part per unit, only the newest on a history's chain of
 current segments kept), verified before use (a damaged one is rebuilt, never searched), and walked on a
 fixed grid of session blocks, so an append over the saved index equals a fresh build byte for byte. Such a
-history is one unit (the index is filled in node order; it is not cut into row blocks). Each unit measures
+history is one unit (the index is filled in node order; it is not cut into row blocks) and its task gets
+the whole prefix matrix: the bounded-memory path above is the exact search's only. Each unit measures
 its IVF rows' candidate recall against the exact search on a seeded sample (table ``ivf_recall``), which
 ``finish`` and the run's metrics.json / report.md report.
 """
