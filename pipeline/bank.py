@@ -104,17 +104,49 @@ def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = True, point: st
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n").encode(), point=point)
 
 
-def atomic_write_parquet(path: Path, table: pa.Table, *, point: str = "bank:write-parquet") -> None:
-    """Write ``table`` to ``path`` atomically. Fault point ``<point>:before-rename``."""
+#: rows per Parquet row group of a table's parts where the writer's default (1 Mi rows) is too many: a
+#: reader decodes a whole row group (nested columns too) even to keep a few rows of it, so a 1 Mi-row group
+#: of 384-d vectors would be 1.5 GB in memory. 8,192 vectors are 12 MiB. Other tables keep the default.
+ROW_GROUP_ROWS = {"embeddings": 8192}
+
+
+def _parquet_opts(name: str | None) -> dict[str, Any]:
+    rows = ROW_GROUP_ROWS.get(name) if name else None
+    return {**_PARQUET_OPTS, **({"row_group_size": rows} if rows else {})}
+
+
+def atomic_write_parquet(path: Path, table: pa.Table, *, point: str = "bank:write-parquet",
+                         table_name: str | None = None) -> None:
+    """Write ``table`` to ``path`` atomically (as a part of table ``table_name``: its row groups, see
+    :data:`ROW_GROUP_ROWS`). Fault point ``<point>:before-rename``."""
     fd, tmp = _mkstemp(path)
     os.close(fd)
     try:
-        pq.write_table(table, tmp, **_PARQUET_OPTS)
+        pq.write_table(table, tmp, **_parquet_opts(table_name))
         faults.hit(f"{point}:before-rename")
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+#: bytes buffered per column chunk by a streamed read (:meth:`Bank.read` with ``batch_rows``): its pages
+#: are read as they are decoded, not the whole column chunk first
+STREAM_BUFFER = 1 << 20
+
+
+def _read_streamed(path: Path, columns: list[str] | None, filter: pc.Expression | None, batch_rows: int) -> pa.Table:
+    """``pq.read_table(path, columns=columns, filters=filter)``, read ``batch_rows`` rows at a time with
+    buffered page reads: memory is about one row group (a nested column is decoded a row group at a
+    time) and the rows kept, not the file."""
+    # no pre-buffering: it reads every row group's column chunks ahead (the whole file, for a small file)
+    f = pq.ParquetFile(path, pre_buffer=False, buffer_size=STREAM_BUFFER)
+    schema = f.schema_arrow if columns is None else pa.schema([f.schema_arrow.field(c) for c in columns])
+    kept = []
+    for batch in f.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False):
+        t = pa.Table.from_batches([batch], schema)
+        kept.append(t.filter(filter) if filter is not None else t)
+    return pa.concat_tables(kept) if kept else schema.empty_table()
 
 
 def _sweep_temps(d: Path, prefix: str) -> None:
@@ -366,7 +398,7 @@ class Bank:
         marker = self._dir(name) / "_done" / f"{part}.json"
         marker.unlink(missing_ok=True)  # a crash from here on leaves an unmarked part: ignored, redone
         _sweep_temps(self._dir(name), f".{part}.parquet.")  # of an earlier write of this part, killed
-        atomic_write_parquet(path, table, point="bank:write-part")
+        atomic_write_parquet(path, table, point="bank:write-part", table_name=name)
         faults.hit("bank:write-part:before-marker")
         atomic_write_json(marker, {"rows": table.num_rows, "digest": _file_digest(path),
                                    "bytes": path.stat().st_size, **(info or {})},
@@ -420,7 +452,7 @@ class Bank:
         fd, tmp = _mkstemp(d / "compact.parquet")
         os.close(fd)
         try:
-            pq.write_table(table, tmp, **_PARQUET_OPTS)
+            pq.write_table(table, tmp, **_parquet_opts(name))
             part = f"{COMPACT_PREFIX}{_file_digest(tmp)}"
             faults.hit("bank:compact:before-rename")
             if self.has_part(name, part):  # the same bytes are committed already (a re-run, or a resumed one)
@@ -542,10 +574,13 @@ class Bank:
             return "re-ingest it (`memgas ingest`)"
         return f"re-ingest it: {cmds}" + ("" if grown else " (or memgas run, which re-ingests by itself)")
 
-    def _read_part(self, name: str, part: str, columns: list[str] | None = None, filter: pc.Expression | None = None) -> pa.Table:
+    def _read_part(self, name: str, part: str, columns: list[str] | None = None, filter: pc.Expression | None = None,
+                   batch_rows: int | None = None) -> pa.Table:
         path = self._dir(name) / f"{part}.parquet"
         try:
             regular_file_size(path)  # a FIFO would block the reader for ever
+            if batch_rows is not None:
+                return _read_streamed(path, columns, filter, batch_rows)
             return pq.read_table(path, columns=columns, filters=filter)
         except (OSError, pa.ArrowException) as exc:
             if name in INGEST_TABLES and part.startswith(INGEST_PREFIX):
@@ -562,8 +597,13 @@ class Bank:
         parts: Iterable[str] | None = None,
         dedupe: bool = True,
         filter: pc.Expression | None = None,
+        batch_rows: int | None = None,
     ) -> pa.Table:
-        """All completed parts of ``name`` concatenated in part order; duplicate keys keep the last."""
+        """All completed parts of ``name`` concatenated in part order; duplicate keys keep the last.
+
+        ``batch_rows``: read each part ``batch_rows`` rows at a time and keep only the rows ``filter``
+        selects (which then may name only the columns read), for a small selection out of a large table:
+        a plain read decodes a whole row group (up to 1 Mi rows) before filtering. Same result."""
         if parts is None:
             self._check_ingest(name)
         chosen = list(parts) if parts is not None else self.parts(name)
@@ -576,7 +616,7 @@ class Bank:
             want = list(dict.fromkeys([*KEYS[name], *columns]))
         elif columns is not None:
             want = list(columns)
-        tables = [self._read_part(name, part, want, filter) for part in chosen]
+        tables = [self._read_part(name, part, want, filter, batch_rows) for part in chosen]
         table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         if dedupe and name in KEYS and len(tables) > 1:
             table = dedupe_last(table, KEYS[name])

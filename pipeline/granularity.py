@@ -152,10 +152,13 @@ class MatrixLoader:
         nodes: pa.Table | None = None,
         pair_encoder: str | None = None,
         session_encoder: str | None = None,
+        batch_rows: int | None = None,
     ) -> None:
         """``pair_encoder`` / ``session_encoder``: the cache key of turn-pair / session vectors when they have
         their own window (``encoder.pair_max_tokens`` / ``encoder.session_max_tokens``); default
-        ``encoder_name``."""
+        ``encoder_name``. ``batch_rows``: read ``pairs`` and ``embeddings`` that many rows at a time
+        (:meth:`Bank.read`), for the few sessions of a block out of a large bank."""
+        self.batch_rows = batch_rows
         self.bank = bank
         self.encoder_name = encoder_name
         keys = {"main": encoder_name, "pair": pair_encoder or encoder_name, "session": session_encoder or encoder_name}
@@ -171,7 +174,8 @@ class MatrixLoader:
         sess_hashes = sorted(
             set(nodes.filter(pc.field("granularity") == "session").column("text_hash").to_pylist())
         )
-        pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"], filter=pc.field("session_hash").isin(sess_hashes))
+        pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"], filter=pc.field("session_hash").isin(sess_hashes),
+                          batch_rows=batch_rows)
         pairs = pairs.sort_by([("session_hash", "ascending"), ("pair_index", "ascending")])
         need = {"main": set(nodes.filter(~pc.field("granularity").isin(["session", "turn"])).column("text_hash").to_pylist()),
                 "session": set(sess_hashes), "pair": set(pairs.column("text_hash").to_pylist())}
@@ -181,7 +185,7 @@ class MatrixLoader:
             by_key.setdefault(keys[role], set()).update(hashes)
         blocks, key_row, offset = [], {}, 0
         for key, hashes in by_key.items():
-            vectors, row = self._read(bank, key, hashes)
+            vectors, row = self._read(bank, key, hashes, batch_rows)
             blocks.append(vectors)
             key_row[key] = {h: offset + r for h, r in row.items()}
             offset += len(vectors)
@@ -220,10 +224,10 @@ class MatrixLoader:
         self._sid = nodes.column("session_id").to_pylist()
 
     @staticmethod
-    def _read(bank: Bank, key: str, need: set[str]) -> tuple[np.ndarray, dict[str, int]]:
+    def _read(bank: Bank, key: str, need: set[str], batch_rows: int | None = None) -> tuple[np.ndarray, dict[str, int]]:
         """Vectors of ``need`` under cache key ``key`` and their row per text hash; every one must exist."""
         emb = bank.read("embeddings", ["text_hash", "encoder", "vector"],
-                        filter=(pc.field("encoder") == key) & pc.field("text_hash").isin(sorted(need)))
+                        filter=(pc.field("encoder") == key) & pc.field("text_hash").isin(sorted(need)), batch_rows=batch_rows)
         row = {h: i for i, h in enumerate(emb.column("text_hash").to_pylist())}
         absent = sorted(need - row.keys())
         if absent:

@@ -9,12 +9,20 @@ are recomputed and dropped. The search is always the exact causal one, whose res
 depend on which other rows one call computes (canonical shapes), so the edges of ``A`` then an append of
 ``B`` equal those of one build over ``A + B`` byte for byte.
 
+Node vectors (exact search): a history whose prefix is longer than one block
+(:data:`memgas.pipeline.association.blocks.BLOCK_ROWS` rows) reaches the task as
+:class:`~memgas.pipeline.association.blocks.NodeBlocks`, read from the bank block by block and put into
+Ray's object store once per block (spilled to files in-process, :mod:`memgas.jobs.stages.node_blocks`);
+the task fetches one block at a time. Neither the driver nor a task holds the history's matrix, and the
+edges are those of the whole matrix byte for byte (the search's tiles and chunks are fixed by node ids).
+
 ``association.search: ivf`` (faiss IVF on the CPU, :func:`memgas.pipeline.association.ivf_search.ivf_rows`):
 rows past a history's first ``ivf_exact_nodes`` nodes search an IVF index trained on those nodes. The index
 is saved per history (table ``ivf_index``, one part per unit, only the newest on a history's chain of
 current segments kept), verified before use (a damaged one is rebuilt, never searched), and walked on a
 fixed grid of session blocks, so an append over the saved index equals a fresh build byte for byte. Such a
-history is one unit (the index is filled in node order; it is not cut into row blocks). Each unit measures
+history is one unit (the index is filled in node order; it is not cut into row blocks) and its task gets
+the whole prefix matrix: the bounded-memory path above is the exact search's only. Each unit measures
 its IVF rows' candidate recall against the exact search on a seeded sample (table ``ivf_recall``), which
 ``finish`` and the run's metrics.json / report.md report.
 """
@@ -30,10 +38,12 @@ import pyarrow.compute as pc
 from memgas.jobs import tables
 from memgas.jobs.keys import encoder_keys
 from memgas.jobs.stage import Active, StageContext
+from memgas.jobs.stages.node_blocks import history_nodes, keep_blocks
 from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix, owned
 from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
-from memgas.pipeline.association import segments
+from memgas.pipeline.association import blocks, segments
+from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.association.segments import Coverage, Segment, coverage, prefix_digests, split_segment
 from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, IVF_INDEX, IVF_RECALL, N_GRAN
 
@@ -192,10 +202,18 @@ class AssociateStage(HistoryShardStage):
         return [{"size": len(g), "segments": g} for g in groups]
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        """Each segment's rows see the nodes of its sessions ``[0, end)``: only that prefix is shipped. A
+        prefix longer than one block (``blocks.BLOCK_ROWS`` rows) under the exact search goes as
+        :class:`NodeBlocks` (read, put and fetched block by block: :mod:`memgas.jobs.stages.node_blocks`);
+        a shorter one, or any under IVF (one unit per history, its index filled in node order), as one
+        matrix read with the unit's other histories."""
         segs = unit["segments"]
-        loader = matrix_loader(ctx, sorted({s[0] for s in segs}))
-        # each segment's rows see the nodes of its sessions [0, end): only that prefix is shipped
-        out = {"segments": segs, "matrices": [node_matrix(loader.get(h))[: N_GRAN * b] for h, _, b, _ in segs]}
+        whole = [uses_ivf(ctx.cfg, b) or N_GRAN * b <= blocks.BLOCK_ROWS for _, _, b, _ in segs]
+        loader = matrix_loader(ctx, sorted({s[0] for s, w in zip(segs, whole) if w})) if any(whole) else None
+        keep_blocks(ctx, {s[0] for s, w in zip(segs, whole) if not w})
+        out = {"segments": segs,
+               "matrices": [node_matrix(loader.get(h))[: N_GRAN * b] if w else history_nodes(ctx, h, N_GRAN * b)
+                            for (h, _, b, _), w in zip(segs, whole)]}
         if ctx.cfg.association.search == "ivf":
             from memgas.pipeline.association.ivf_search import index_sessions
 
@@ -241,7 +259,7 @@ class AssociateStage(HistoryShardStage):
         with one_blas_thread():
             cands = []
             for i, (m, seg) in enumerate(zip(payload["matrices"], segs)):
-                E, (_, s0, s1, _) = owned(m, np.float32), seg
+                E, (_, s0, s1, _) = m if isinstance(m, NodeBlocks) else owned(m, np.float32), seg
                 if a["search"] == "ivf" and N_GRAN * s1 > a["ivf_exact_nodes"]:
                     cands.append(AssociateStage._ivf_segment(E, seg, payload["indexes"][i], a, ivf))
                 else:

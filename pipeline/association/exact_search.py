@@ -122,8 +122,9 @@ def _causal_candidates(
     row's candidates are the same whatever the row set: one call over a history, its row blocks
     (:func:`causal_rows`, one Ray task each) and the rows of appended sessions agree byte for byte.
 
-    ``E`` may be an array, a ``np.memmap`` or a :class:`NodeFile` (read in blocks: only one column chunk
-    and ``group_tiles`` query tiles are in memory at a time). Written against ``xp``: NumPy on CPU, CuPy
+    ``E`` may be an array, a ``np.memmap``, a :class:`NodeFile` or a
+    :class:`~memgas.pipeline.association.blocks.NodeBlocks` (read in blocks: only one column chunk and
+    ``group_tiles`` query tiles are in memory at a time). Written against ``xp``: NumPy on CPU, CuPy
     on GPU (the GPU candidate search; there is no GPU faiss path).
     """
     xp, _ = get_xp(device)
@@ -250,8 +251,8 @@ def causal_rows(
     """Exact causal candidates of the rows (node ids) ``[a, b)`` of one history: one Ray task's share.
 
     ``emb_nodes`` holds at least the nodes ``[0, b)`` (the prefix those rows may see and the rows
-    themselves; more is fine and never read): an array, a ``np.memmap`` or a :class:`NodeFile` (read in
-    blocks). Rows before the first eligible session (``min_prior_nodes``) give no candidates. The result
+    themselves; more is fine and never read): an array, a ``np.memmap``, a :class:`NodeFile` or a
+    :class:`~memgas.pipeline.association.blocks.NodeBlocks` (both read in blocks, never whole). Rows before the first eligible session (``min_prior_nodes``) give no candidates. The result
     is byte for byte the rows' part of ``candidates(..., search="causal")`` over the whole history,
     whatever ``a`` and ``b`` (see :func:`_causal_candidates` for why), so a history split into blocks, or
     extended by appended sessions, gives the same candidates, scores and edges as one task.

@@ -82,7 +82,9 @@ class NodeFile:
 
 
 def _as_nodes(emb_nodes: Any, whole_sessions: bool = True) -> Any:
-    if isinstance(emb_nodes, NodeFile):
+    from memgas.pipeline.association.blocks import NodeBlocks  # it imports the search's chunk size
+
+    if isinstance(emb_nodes, (NodeFile, NodeBlocks)):  # read in blocks, never whole
         return emb_nodes
     e = np.asarray(emb_nodes)
     if e.ndim == 3:
@@ -139,7 +141,7 @@ def _rescore(E: Any, rows: np.ndarray, cand: np.ndarray, valid: np.ndarray) -> t
 
 
 def _read_rows(E: Any, idx: np.ndarray) -> np.ndarray:
-    """float32 rows ``E[idx]`` (sorted ids) of an array, a memmap or a :class:`NodeFile`."""
+    """float32 rows ``E[idx]`` (sorted ids) of an array, a memmap, a :class:`NodeFile` or a ``NodeBlocks``."""
     return np.ascontiguousarray(E[idx], dtype=np.float32)
 
 

@@ -300,3 +300,35 @@ def test_open_errors_are_one_line(tmp_path: Path) -> None:
     (tmp_path / "b" / "manifest.json").write_text("{not json")
     with pytest.raises(BankError, match="corrupt manifest"):
         Bank(tmp_path / "b")
+
+
+def test_a_read_in_batches_equals_the_plain_read_and_embeddings_have_small_row_groups(tmp_path: Path) -> None:
+    """``Bank.read(batch_rows=...)`` (the node-block reader's reads) returns the plain read's rows, filtered,
+    in order and deduplicated across parts; embeddings parts are written in row groups of
+    ``ROW_GROUP_ROWS["embeddings"]`` rows (a reader decodes a whole row group before filtering)."""
+    import numpy as np
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from memgas.pipeline import bank as bank_mod
+    from memgas.pipeline.schema import embeddings_schema
+
+    bank = Bank.create(tmp_path / "bank")
+    n, dim = 20_000, 4
+    vec = pa.FixedSizeListArray.from_arrays(pa.array(np.arange(n * dim, dtype=np.float32)), dim)
+    rows = {"text_hash": [f"t{i}" for i in range(n)], "encoder": ["e" if i % 3 else "f" for i in range(n)],
+            "vector": vec, "truncated": [False] * n, "tokens": [1] * n, "tokens_dropped": [0] * n}
+    bank.write("embeddings", pa.table(rows, schema=embeddings_schema(dim)), dim=dim)
+    again = pa.table({k: v[:10] for k, v in rows.items()}, schema=embeddings_schema(dim))
+    bank.write_part("embeddings", "later", again.set_column(2, "vector", pa.FixedSizeListArray.from_arrays(
+        pa.array(np.zeros(10 * dim, np.float32)), dim)))  # the same keys again: the later part wins
+    (part,) = [p for p in bank.parts("embeddings") if p != "later"]
+    meta = pq.ParquetFile(bank.path / "embeddings" / f"{part}.parquet").metadata
+    assert meta.num_row_groups == -(-n // bank_mod.ROW_GROUP_ROWS["embeddings"])
+    cols = ["text_hash", "encoder", "vector"]
+    want_some = sorted(f"t{i}" for i in range(0, n, 7))
+    for flt in (None, (pc.field("encoder") == "e") & pc.field("text_hash").isin(want_some)):
+        plain = bank.read("embeddings", cols, filter=flt)
+        for batch_rows in (1000, 8192):
+            assert bank.read("embeddings", cols, filter=flt, batch_rows=batch_rows).equals(plain)
+    assert bank.read("embeddings", cols, filter=pc.field("text_hash") == "none", batch_rows=64).num_rows == 0
