@@ -241,7 +241,7 @@ print(json.dumps({"rss_kib": hwm, "edges": out["edges"].num_rows}))
 @pytest.mark.slow  # two 4,096- and 16,384-session banks of 384-d vectors and two processes: ~30 s on 2 cores
 def test_peak_rss_of_an_append_does_not_grow_with_the_history(tmp_path: Path) -> None:
     """Real processes, d = 384: a history of 4,096 sessions (a 24 MiB node matrix, 4 blocks) and one of
-    16,384 (96 MiB, 16 blocks). Appending 16 sessions to the longer one costs the process less than 24 MiB
+    16,384 (96 MiB, 16 blocks). Appending 16 sessions to the longer one costs the process less than 48 MiB
     more peak RSS than to the shorter one, though its matrix is 72 MiB larger (the unblocked inputs, which
     held the matrix and the vectors it was gathered from, took 410 MiB more when measured)."""
     rss = {}
@@ -253,4 +253,6 @@ def test_peak_rss_of_an_append_does_not_grow_with_the_history(tmp_path: Path) ->
         out = json.loads(p.stdout.strip().splitlines()[-1])
         assert out["edges"] > 0
         rss[n] = out["rss_kib"]
-    assert rss[16384] - rss[4096] < 24 * 1024, rss
+    # 48 MiB: below the 72 MiB the longer matrix alone would add (measured spread of the difference: 9-10 MiB
+    # in quiet runs, once over 24 MiB on a loaded machine: allocator arenas)
+    assert rss[16384] - rss[4096] < 48 * 1024, rss
