@@ -207,6 +207,11 @@ class RetrievalConfig(_Strict):
     #: softmax temperature of the entropy router
     temp: float = Field(0.2, gt=0)
     router: Literal["paper", "reference"] = "paper"
+    #: memgas-cards only: the entropy its router compares. "raw": H_g, as MemGAS's router; "normalised":
+    #: H_g / log N_g (N_g: the granularity's nodes in the history), its largest value, so that the cards, ~30
+    #: nodes per session against one node of each MemGAS granularity, are not read as the least confident
+    #: granularity for their number alone (kernels/router.py; docs/benchmarks.md, "memgas-cards")
+    card_graph_entropy: Literal["raw", "normalised"] = "raw"
     #: PPR kernel: "exact" (power iteration over the whole graph, all queries at once, CPU or GPU:
     #: kernels/ppr.py) or "push" (local forward push from the seeds, CPU only: kernels/ppr_push.py)
     ppr: Literal["exact", "push"] = "exact"
