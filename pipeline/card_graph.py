@@ -136,9 +136,10 @@ def card_graph_edges(g: CardGraph, *, mem_threshold: int, min_prior_nodes: int,
 
 def rank_card_graph(g: CardGraph, queries: np.ndarray, src: np.ndarray, dst: np.ndarray, *, num_seeds: int,
                     damping: float, temp: float, router: str, device: str = "cpu", ppr: str = "exact",
-                    ppr_epsilon: float = 1e-8, entropy: str = "raw") -> tuple[np.ndarray, np.ndarray]:
+                    ppr_epsilon: float = 1e-8, entropy: str = "normalised") -> tuple[np.ndarray, np.ndarray]:
     """(order int64 [Q, S], session scores float64 [Q, S]) of one history's queries (module docstring).
-    ``entropy``: "raw" (the router's H_g) or "normalised" (H_g / log N_g; ``retrieval.card_graph_entropy``)."""
+    ``entropy``: "normalised" (H_g / log N_g, the default of ``retrieval.card_graph_entropy``) or "raw" (the
+    router's H_g, as MemGAS's)."""
     if entropy not in ("raw", "normalised"):
         raise ValueError(f"entropy must be 'raw' or 'normalised', got {entropy!r}")
     from memgas.pipeline.retrieve import seed_reset

@@ -68,7 +68,7 @@ MC_CASES: list[tuple[str, object, list[str]]] = [
     ("association.topk_edges", 3, ["associate", "rank", "read"]),  # the card graph keeps the GMM's edges only
     ("retrieval.num_seeds", 10, ["rank", "read", "card-graph-rank"]),
     ("retrieval.temp", 0.5, ["rank", "read", "card-graph-rank"]),
-    ("retrieval.card_graph_entropy", "normalised", ["card-graph-rank"]),  # memgas-cards' router only
+    ("retrieval.card_graph_entropy", "raw", ["card-graph-rank"]),  # memgas-cards' router only
     ("retrieval.store_top", 40, ["rank", "read", "card-graph-rank"]),
     ("retrieval.methods", ["session", "memgas", "memgas-cards", "turn"], ["rank", "read"]),
     ("encoder.max_tokens", 128, ["encode", "associate", "rank", "read", *CARD_GRAPH_STAGES]),
