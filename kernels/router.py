@@ -15,6 +15,13 @@ Guards (documented behaviour):
   treatment does not apply; they get weight 0 (H reported 0) and the remaining weights are renormalised
   over the granularities that have nodes. memgas-cards' fifth granularity, the cards, is empty in a
   history whose sessions gave no card.
+
+``normalise=True`` divides each H_g by log N_g (N_g: the granularity's nodes; log 2 for N_g < 2, where H_g is
+0), the largest entropy a softmax over N_g nodes can have, so H_g is in [0, 1] whatever the granularity's size.
+Why: the raw entropy grows with N_g, so under either rule a granularity with many more nodes than the others
+(memgas-cards' cards: ~30 per session against one session node) reads as the least confident one even when its
+softmax is as peaked, relative to its size, as theirs. Granularities of equal N_g (MemGAS's four: N_g = S)
+share the divisor, so under the paper rule their weights are the raw ones (up to rounding).
 """
 from __future__ import annotations
 
@@ -43,8 +50,10 @@ def entropy_router(
     temp: float,
     rule: str,
     device: str = "cpu",
+    normalise: bool = False,
 ) -> tuple[Any, Any]:
-    """Router weights and entropies, both float64 [Q, G].
+    """Router weights and the entropies the rule used (divided by log N_g under ``normalise``), both float64
+    [Q, G].
 
     ``sims`` is either a list of G arrays [Q, N_g] (N_g may differ) or one array [G, Q, N] with an
     optional bool ``mask`` [G, Q, N] or [G, N] marking real nodes.
@@ -53,18 +62,21 @@ def entropy_router(
         raise ValueError(f"rule must be 'paper' or 'reference', got {rule!r}")
     xp, _ = get_xp(device)
     if isinstance(sims, (list, tuple)):
-        ents, has = [], []
+        ents, has, sizes = [], [], []
         for s in sims:
             a = to_device(s, xp).astype(xp.float64)
             if a.shape[1] == 0:  # no node of this granularity (a history without cards): weight 0, below
                 ents.append(xp.zeros(a.shape[0]))
                 has.append(xp.zeros(a.shape[0], dtype=bool))
+                sizes.append(xp.zeros(a.shape[0]))
                 continue
             m = xp.ones(a.shape, dtype=bool)
             ents.append(_entropy(xp, a, m, temp))
             has.append(xp.full(a.shape[0], a.shape[1] > 0))
+            sizes.append(xp.full(a.shape[0], float(a.shape[1])))
         H = xp.stack(ents, axis=1)
         present = xp.stack(has, axis=1)
+        n_nodes = xp.stack(sizes, axis=1)
     else:
         a = to_device(sims, xp).astype(xp.float64)
         if mask is None:
@@ -75,6 +87,9 @@ def entropy_router(
                 m = xp.broadcast_to(m[:, None, :], a.shape)
         H = _entropy(xp, a, m, temp).T  # [Q, G]
         present = m.any(axis=-1).T
+        n_nodes = m.sum(axis=-1).T.astype(xp.float64)
+    if normalise:
+        H = H / xp.log(xp.maximum(n_nodes, 2.0))
     if rule == "paper":
         num = xp.where(present, 1.0 / xp.maximum(H, _EPS), 0.0)
     else:

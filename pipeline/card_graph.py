@@ -10,7 +10,8 @@ not ``4*s + g``: :class:`CardGraph` carries each node's granularity and session,
   similar nodes of strictly earlier sessions (float32 search, float64 rescoring, ties by lower node id, as
   :mod:`memgas.pipeline.association`); the batched GMM (``edges_from``) keeps the higher-mean component.
 - Ranking (:func:`rank_card_graph`): the entropy router over the five granularities (the cards' softmax runs
-  over the history's cards), node score = w_g * sim, the ``num_seeds`` best as PPR's reset, PPR over the
+  over the history's cards; ``entropy="normalised"`` divides each granularity's entropy by log N_g,
+  :func:`memgas.kernels.router.entropy_router`), node score = w_g * sim, the ``num_seeds`` best as PPR's reset, PPR over the
   edges, session score = the sum of its nodes' PPR values (its four nodes and its cards), ties by lower
   session index.
 
@@ -135,8 +136,12 @@ def card_graph_edges(g: CardGraph, *, mem_threshold: int, min_prior_nodes: int,
 
 def rank_card_graph(g: CardGraph, queries: np.ndarray, src: np.ndarray, dst: np.ndarray, *, num_seeds: int,
                     damping: float, temp: float, router: str, device: str = "cpu", ppr: str = "exact",
-                    ppr_epsilon: float = 1e-8) -> tuple[np.ndarray, np.ndarray]:
-    """(order int64 [Q, S], session scores float64 [Q, S]) of one history's queries (module docstring)."""
+                    ppr_epsilon: float = 1e-8, entropy: str = "normalised") -> tuple[np.ndarray, np.ndarray]:
+    """(order int64 [Q, S], session scores float64 [Q, S]) of one history's queries (module docstring).
+    ``entropy``: "normalised" (H_g / log N_g, the default of ``retrieval.card_graph_entropy``) or "raw" (the
+    router's H_g, as MemGAS's)."""
+    if entropy not in ("raw", "normalised"):
+        raise ValueError(f"entropy must be 'raw' or 'normalised', got {entropy!r}")
     from memgas.pipeline.retrieve import seed_reset
 
     xp, _ = get_xp(device)
@@ -147,7 +152,8 @@ def rank_card_graph(g: CardGraph, queries: np.ndarray, src: np.ndarray, dst: np.
     q = to_device(np.asarray(queries, np.float32), xp)
     sims = q.astype(xp.float64) @ E.astype(xp.float64).T  # [Q, N], float64 as MemGAS's
     by_gran = [xp.asarray(np.flatnonzero(g.gran == i)) for i in range(len(CARD_GRAPH_GRANULARITIES))]
-    w, _ = entropy_router([sims[:, ix] for ix in by_gran], temp=temp, rule=router, device=device)
+    w, _ = entropy_router([sims[:, ix] for ix in by_gran], temp=temp, rule=router, device=device,
+                          normalise=entropy == "normalised")
     reset = seed_reset(sims * w[:, xp.asarray(g.gran)], num_seeds)
     adj = build_csr(to_host(src), to_host(dst), n)
     if ppr == "push":  # CPU only (kernels/ppr_push.py)

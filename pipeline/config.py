@@ -207,6 +207,14 @@ class RetrievalConfig(_Strict):
     #: softmax temperature of the entropy router
     temp: float = Field(0.2, gt=0)
     router: Literal["paper", "reference"] = "paper"
+    #: memgas-cards only: the entropy its router compares. "raw": H_g, as MemGAS's router; "normalised":
+    #: H_g / log N_g (N_g: the granularity's nodes in the history), its largest value, so that the cards, ~30
+    #: nodes per session against one node of each MemGAS granularity, are not read as the least confident
+    #: granularity for their number alone (kernels/router.py). Default "normalised": through the job, R_all@5 /
+    #: NDCG@10 +10.4 / +7.6 on full LoCoMo and +5.6 / +5.1 on the LongMemEval-S sample against "raw", but
+    #: -1.4 / -1.5 on the bundled sample (docs/benchmarks.md, "The LoCoMo and LongMemEval-S rows with today's
+    #: defaults")
+    card_graph_entropy: Literal["raw", "normalised"] = "normalised"
     #: PPR kernel: "exact" (power iteration over the whole graph, all queries at once, CPU or GPU:
     #: kernels/ppr.py) or "push" (local forward push from the seeds, CPU only: kernels/ppr_push.py)
     ppr: Literal["exact", "push"] = "exact"

@@ -195,7 +195,8 @@ class CardGraphRankStage(HistoryShardStage):
     reads = ("queries", "nodes", "node_vectors", "cards", "card_graph_vectors", "card_graph_edges")
     writes = (CARD_GRAPH_RANKINGS,)
     fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp", "retrieval.router",
-              "retrieval.ppr", "retrieval.ppr_epsilon", "retrieval.store_top", "retrieval.device")
+              "retrieval.card_graph_entropy", "retrieval.ppr", "retrieval.ppr_epsilon", "retrieval.store_top",
+              "retrieval.device")
 
     def active(self, ctx: StageContext) -> Active | None:
         methods = family_methods(ctx.cfg.retrieval.methods, FAMILY)
@@ -227,7 +228,7 @@ class CardGraphRankStage(HistoryShardStage):
                 ranked = rank_card_graph(CardGraph.from_arrays(h["graph"]), queries, src, dst,
                                          num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
                                          router=r["router"], device=params["device"], ppr=r["ppr"],
-                                         ppr_epsilon=r["ppr_epsilon"])
+                                         ppr_epsilon=r["ppr_epsilon"], entropy=r["card_graph_entropy"])
             ranking_rows(cols, h["session_ids"], h["query_ids"], {m: ranked for m in r["methods"]}, r["store_top"])
         return {"rankings": pa.table(cols, schema=SCHEMA)}
 

@@ -68,6 +68,7 @@ MC_CASES: list[tuple[str, object, list[str]]] = [
     ("association.topk_edges", 3, ["associate", "rank", "read"]),  # the card graph keeps the GMM's edges only
     ("retrieval.num_seeds", 10, ["rank", "read", "card-graph-rank"]),
     ("retrieval.temp", 0.5, ["rank", "read", "card-graph-rank"]),
+    ("retrieval.card_graph_entropy", "raw", ["card-graph-rank"]),  # memgas-cards' router only
     ("retrieval.store_top", 40, ["rank", "read", "card-graph-rank"]),
     ("retrieval.methods", ["session", "memgas", "memgas-cards", "turn"], ["rank", "read"]),
     ("encoder.max_tokens", 128, ["encode", "associate", "rank", "read", *CARD_GRAPH_STAGES]),
@@ -98,6 +99,7 @@ def test_a_run_ranks_memgas_cards_and_equals_the_library(mc_run) -> None:
     stored rankings are exactly the library's over each whole history (so they do not depend on how the
     histories were sharded or batched)."""
     from memgas.jobs.stages.card_graph import history_card_graph
+    from memgas.kernels.backend import one_blas_thread
     from memgas.pipeline.card_graph import card_graph_edges, rank_card_graph
 
     rec = _record(mc_run)
@@ -117,8 +119,9 @@ def test_a_run_ranks_memgas_cards_and_equals_the_library(mc_run) -> None:
         assert graph.n_cards > 0 and graph.gran.max() == 4
         src, dst = card_graph_edges(graph, mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes)
         assert np.isin(4, graph.gran[np.concatenate([src, dst])])  # cards are associated like any node
-        order, scores = rank_card_graph(graph, qv, src, dst, num_seeds=r.num_seeds, damping=r.damping,
-                                        temp=r.temp, router=r.router)
+        with one_blas_thread():  # as the stage's worker: BLAS's thread count may change a product's last bit
+            order, scores = rank_card_graph(graph, qv, src, dst, num_seeds=r.num_seeds, damping=r.damping,
+                                            temp=r.temp, router=r.router, entropy=r.card_graph_entropy)
         top = min(r.store_top, len(sids))
         for qi, qid in enumerate(qids):
             mine = got[got["query_id"] == qid].sort_values("rank")
@@ -134,3 +137,30 @@ def test_reading_memgas_cards_is_refused_in_one_line(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"reading.methods names \['memgas-cards'\], which is ranked only"):
         _mc(tmp_path, **{"reading.methods": ["memgas", "memgas-cards"]})
     _mc(tmp_path, **{"reading.methods": ["memgas", "memgas-cards"], "reading.enabled": False})  # not read: fine
+
+
+def test_the_rank_stage_ranks_with_the_configured_entropy() -> None:
+    """card-graph-rank's worker passes ``retrieval.card_graph_entropy`` to the library: its rows under
+    "normalised" are rank_card_graph's with entropy="normalised" (and differ from "raw" on this graph)."""
+    from memgas.jobs.stages.card_graph import CardGraphRankStage
+    from memgas.pipeline.card_graph import rank_card_graph
+    from memgas.pipeline.config import RetrievalConfig
+    from tests.pipeline.test_card_graph import _graph
+
+    g, q = _graph()
+    none = np.zeros(0, np.int64)
+    sids, qids = ["s0", "s1", "s2"], ["q0", "q1"]
+    payload = {"histories": [{"graph": g.to_arrays(), "session_ids": sids, "query_ids": qids, "queries": q,
+                              "edges": (none, none)}]}
+    rows = {}
+    for entropy in ("raw", "normalised"):
+        r = {**RetrievalConfig().model_dump(), "methods": ["memgas-cards"], "card_graph_entropy": entropy}
+        got = CardGraphRankStage.run(None, payload, {"retrieval": r, "device": "cpu"})["rankings"].to_pandas()
+        order, scores = rank_card_graph(g, q, none, none, num_seeds=r["num_seeds"], damping=r["damping"],
+                                        temp=r["temp"], router=r["router"], entropy=entropy)
+        for qi, qid in enumerate(qids):
+            mine = got[got["query_id"] == qid].sort_values("rank")
+            assert mine["session_id"].tolist() == [sids[i] for i in order[qi]]
+            assert mine["score"].tolist() == scores[qi, order[qi]].tolist()
+        rows[entropy] = got["score"].tolist()
+    assert rows["raw"] != rows["normalised"]

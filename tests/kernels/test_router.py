@@ -74,3 +74,43 @@ def test_five_granularities_one_empty_is_the_four_weights(rule: str) -> None:
     w0, H0 = entropy_router([*four, np.zeros((5, 0))], temp=0.2, rule=rule)
     assert w0.shape == (5, 5) and (w0[:, 4] == 0).all() and (H0[:, 4] == 0).all()
     assert np.array_equal(w0[:, :4], w4) and np.array_equal(H0[:, :4], H4)
+
+
+@pytest.mark.parametrize("rule", ["paper", "reference"])
+def test_normalised_entropy_is_divided_by_log_n(rule: str) -> None:
+    """``normalise``: each granularity's entropy over its maximum, log N_g (list and stacked forms alike; an
+    empty granularity still gets weight 0)."""
+    rng = np.random.default_rng(3)
+    sims = [rng.normal(0.3, 0.15, (5, n)) for n in (6, 6, 6, 6, 40)]
+    _, H = entropy_router(sims, temp=0.2, rule=rule)
+    w, Hn = entropy_router(sims, temp=0.2, rule=rule, normalise=True)
+    assert np.array_equal(Hn, H / np.log(np.array([6.0, 6.0, 6.0, 6.0, 40.0])))
+    assert ((Hn > 0) & (Hn <= 1)).all()
+    A = np.zeros((5, 5, 40))
+    mask = np.zeros((5, 40), bool)
+    for g, s in enumerate(sims):
+        A[g, :, : s.shape[1]] = s
+        mask[g, : s.shape[1]] = True
+    w3, H3 = entropy_router(A, mask=mask, temp=0.2, rule=rule, normalise=True)
+    np.testing.assert_allclose(H3, Hn, rtol=1e-12)
+    np.testing.assert_allclose(w3, w, rtol=1e-12)
+    w0, H0 = entropy_router([*sims[:4], np.zeros((5, 0))], temp=0.2, rule=rule, normalise=True)
+    w4, H4 = entropy_router(sims[:4], temp=0.2, rule=rule, normalise=True)
+    assert (w0[:, 4] == 0).all() and (H0[:, 4] == 0).all()
+    assert np.array_equal(w0[:, :4], w4) and np.array_equal(H0[:, :4], H4)
+
+
+def test_normalised_entropy_lifts_a_many_node_granularity_and_keeps_equal_sizes() -> None:
+    """Paper rule: granularities of one size (MemGAS's four) keep their weights; a granularity of many more
+    nodes (memgas-cards' cards), whose raw entropy is large for its size alone, gains weight on every query."""
+    rng = np.random.default_rng(4)
+    four = [rng.normal(0.3, 0.15, (7, 6)) for _ in range(4)]
+    cards = rng.normal(0.3, 0.15, (7, 40))
+    w_raw, _ = entropy_router(four, temp=0.2, rule="paper")
+    w_norm, _ = entropy_router(four, temp=0.2, rule="paper", normalise=True)
+    np.testing.assert_allclose(w_norm, w_raw, rtol=1e-12)
+    w_raw, _ = entropy_router([*four, cards], temp=0.2, rule="paper")
+    w_norm, _ = entropy_router([*four, cards], temp=0.2, rule="paper", normalise=True)
+    assert (w_norm[:, 4] > w_raw[:, 4]).all()
+    # the four keep their ratios to one another: only the cards' share moved
+    np.testing.assert_allclose(w_norm[:, :4] / w_norm[:, :1], w_raw[:, :4] / w_raw[:, :1], rtol=1e-12)
