@@ -275,7 +275,9 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["ingest"] = cmd(["ingest", str(work / "a.jsonl"), "--format", "jsonl", "--out", bank])
     out["fill"] = fill(cfg, args.topics, args.seed)
     out["index"] = cmd(["index", bank, *common, *ivf])
-    st = Bank(bank).manifest["index"]["stages"]["associate"]
+    man = Bank(bank).manifest["index"]
+    out["index"]["status"] = {e["stage"]: e["status"] for e in man["record"]}  # generate..encode: skipped
+    st = man["stages"]["associate"]
     out["associate"] = {"wall_s": st["wall_s"], "tree_peak_rss_gb": st["peak_rss_mb"] / 1024,
                         **{k: st["extra"].get(k) for k in ("edges_gmm", "ivf_recall", "ivf_recall_min_history",
                                                            "ivf_recall_rows", "ivf_index_reused", "search")}}
@@ -296,7 +298,9 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["append_ingest"] = cmd(["ingest", str(work / "b.jsonl"), "--format", "jsonl", "--out", bank, "--append"])
     out["append_fill"] = fill(cfg, args.topics, args.seed)
     out["append_index"] = cmd(["index", bank, *common, *ivf])
-    st = Bank(bank).manifest["index"]["stages"]["associate"]
+    man = Bank(bank).manifest["index"]
+    out["append_index"]["status"] = {e["stage"]: e["status"] for e in man["record"]}
+    st = man["stages"]["associate"]
     out["append_associate"] = {"wall_s": st["wall_s"], "tree_peak_rss_gb": st["peak_rss_mb"] / 1024,
                                **{k: st["extra"].get(k) for k in ("ivf_recall", "ivf_index_reused", "ivf_index_rebuilt")}}
     out["append_s"] = out["append_ingest"]["wall_s"] + out["append_index"]["wall_s"]

@@ -31,6 +31,10 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
 def test_through_job_index_and_append(result: dict) -> None:
+    # the stored data stands for generate, nodes and encode (runner.mark_done): the commands only associate
+    done = {"generate": "skipped", "nodes": "skipped", "encode": "skipped", "associate": "executed"}
+    for run in ("index", "append_index"):
+        assert {k: v for k, v in result[run]["status"].items() if v != "disabled"} == done
     assert result["fill"]["sessions_filled"] == 64
     assert result["fill"]["vectors"] == 64 * 6 + 8  # session, 2 pairs, summary, keywords, hybrid; questions
     assert result["append_fill"]["sessions_filled"] == 8
