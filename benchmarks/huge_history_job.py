@@ -228,7 +228,14 @@ def latency(cfg: Any, ppr: str, n_queries: int) -> dict[str, float]:
     ctx = StageContext(c, Bank(c.bank_path), None, use_ray=False)
     resolve_stage_runtimes(ctx)
     runner.compute_fingerprints(ctx)
-    return main_job.ranking_latency(ctx, n_queries=n_queries)
+    cpu, wall = time.process_time(), time.perf_counter()
+    out = main_job.ranking_latency(ctx, n_queries=n_queries)
+    # CPU seconds of the whole probe (matrices loaded once, then the queries) per query: on shared cores
+    # the wall percentiles carry the other processes' load, this does not
+    out["probe_cpu_ms_per_query"] = 1e3 * (time.process_time() - cpu) / max(out.get("n", 0), 1)
+    out["probe_wall_s"] = time.perf_counter() - wall
+    out["loadavg_1m_after"] = os.getloadavg()[0]
+    return out
 
 
 def top10(run: Path) -> dict[str, list[str]]:
@@ -258,56 +265,68 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     work.mkdir(parents=True, exist_ok=True)
     log = work / "commands.log"
+    out: dict[str, Any] = {}
 
-    def cmd(argv: list[str]) -> dict[str, float | None]:
-        return command(argv, log, args.in_process)
+    def save() -> None:  # each result as soon as it is measured: a long size stopped midway keeps them
+        (work / "partial.json").write_text(json.dumps(out, indent=1) + "\n")
+
+    def cmd(key: str, argv: list[str]) -> None:
+        # with the machine's load average (the cores are shared: wall times depend on it)
+        out[key] = {**command(argv, log, args.in_process), "loadavg_1m_after": os.getloadavg()[0]}
+        save()
+
     evidence = question_sessions(S, args.queries, args.seed)
     t0 = time.perf_counter()
     write_history(work / "a.jsonl", 0, S, evidence)
     write_history(work / "b.jsonl", S, S + args.append, [])
-    out: dict[str, Any] = {"sessions": S, "appended": args.append, "questions": args.queries,
-                           "files_s": time.perf_counter() - t0, "ray": not args.no_ray}
+    out.update({"sessions": S, "appended": args.append, "questions": args.queries,
+                "files_s": time.perf_counter() - t0, "ray": not args.no_ray})
     cfg_path = write_config(work / "config.yaml", work, args.ray_cpus)
     bank = str(work / "bank")
     common = ["-c", str(cfg_path), *(["--no-ray"] if args.no_ray else [])]
     ivf = ["--set", "association.search=ivf", *[x for kv in args.set for x in ("--set", kv)]]
     cfg = MemgasConfig.load(cfg_path, [s for s in ivf[1::2]])
-    out["ingest"] = cmd(["ingest", str(work / "a.jsonl"), "--format", "jsonl", "--out", bank])
+    cmd("ingest", ["ingest", str(work / "a.jsonl"), "--format", "jsonl", "--out", bank])
     out["fill"] = fill(cfg, args.topics, args.seed)
-    out["index"] = cmd(["index", bank, *common, *ivf])
+    save()
+    cmd("index", ["index", bank, *common, *ivf])
     man = Bank(bank).manifest["index"]
     out["index"]["status"] = {e["stage"]: e["status"] for e in man["record"]}  # generate..encode: skipped
     st = man["stages"]["associate"]
     out["associate"] = {"wall_s": st["wall_s"], "tree_peak_rss_gb": st["peak_rss_mb"] / 1024,
                         **{k: st["extra"].get(k) for k in ("edges_gmm", "ivf_recall", "ivf_recall_min_history",
                                                            "ivf_recall_rows", "ivf_index_reused", "search")}}
+    save()
     runs = {}
     for ppr in ("push", "exact"):
         run = work / f"run-{ppr}"
-        out[f"answer_{ppr}"] = cmd(["answer", bank, *common, *ivf, "--set", f"retrieval.ppr={ppr}",
-                                        "--out", str(run)])
+        cmd(f"answer_{ppr}", ["answer", bank, *common, *ivf, "--set", f"retrieval.ppr={ppr}", "--out", str(run)])
         m = json.loads((run / "metrics.json").read_text())
         rk = stage_of(m, "rank")
         out[f"answer_{ppr}"].update(rank_s=rk.get("wall_s"), rank_tree_peak_rss_gb=rk.get("peak_rss_mb", 0) / 1024,
-                                    association=m["run"]["association"])
+                                    association=m["run"]["association"], command_probe=m.get("latency"))
         n_lat = args.queries if ppr == "push" or args.exact_latency_queries is None else args.exact_latency_queries
         out[f"latency_{ppr}"] = latency(cfg, ppr, n_lat)
+        save()
         runs[ppr] = run
     out["push_agreement"] = agreement(runs["push"], runs["exact"])
+    save()
 
-    out["append_ingest"] = cmd(["ingest", str(work / "b.jsonl"), "--format", "jsonl", "--out", bank, "--append"])
+    cmd("append_ingest", ["ingest", str(work / "b.jsonl"), "--format", "jsonl", "--out", bank, "--append"])
     out["append_fill"] = fill(cfg, args.topics, args.seed)
-    out["append_index"] = cmd(["index", bank, *common, *ivf])
+    save()
+    cmd("append_index", ["index", bank, *common, *ivf])
     man = Bank(bank).manifest["index"]
     out["append_index"]["status"] = {e["stage"]: e["status"] for e in man["record"]}
     st = man["stages"]["associate"]
     out["append_associate"] = {"wall_s": st["wall_s"], "tree_peak_rss_gb": st["peak_rss_mb"] / 1024,
                                **{k: st["extra"].get(k) for k in ("ivf_recall", "ivf_index_reused", "ivf_index_rebuilt")}}
     out["append_s"] = out["append_ingest"]["wall_s"] + out["append_index"]["wall_s"]
-    out["append_answer_push"] = cmd(["answer", bank, *common, *ivf, "--set", "retrieval.ppr=push",
-                                         "--out", str(runs["push"])])
+    save()
+    cmd("append_answer_push", ["answer", bank, *common, *ivf, "--set", "retrieval.ppr=push", "--out", str(runs["push"])])
     m = json.loads((runs["push"] / "metrics.json").read_text())
     out["append_answer_push"]["rank_s"] = stage_of(m, "rank").get("wall_s")
+    save()
     return out
 
 
