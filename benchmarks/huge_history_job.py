@@ -120,7 +120,9 @@ def fill(cfg: Any, n_topics: int, seed: int) -> dict[str, Any]:
     sess = bank.read("sessions", ["position", "session_id", "text_hash"]).sort_by("position")
     pos_of = dict(zip(sess["text_hash"].to_pylist(), sess["position"].to_pylist()))
     pos_of_id = dict(zip(sess["session_id"].to_pylist(), sess["position"].to_pylist()))
-    have_gen = set(bank.read("generations", ["text_hash"])["text_hash"].to_pylist()) if bank.exists("generations") else set()
+    have_gen: set[str] = set()
+    if bank.exists("generations"):
+        have_gen = set(bank.read("generations", ["text_hash"])["text_hash"].to_pylist())
     new = [h for h in sess["text_hash"].to_pylist() if h not in have_gen]
     t = bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(new))
     stext = dict(zip(t["text_hash"].to_pylist(), t["text"].to_pylist()))
@@ -172,7 +174,8 @@ def fill(cfg: Any, n_topics: int, seed: int) -> dict[str, Any]:
             rng = np.random.default_rng([seed, 11, qi])
             v = base[p - lo, int(rng.integers(4))] + QUERY_NOISE * rng.standard_normal(DIM).astype(np.float32)
         else:
-            raise SystemExit(f"huge_history_job: no synthetic vector for text {h} ({questions.get(h, 'not a question')!r})")
+            what = questions.get(h, "not a question")
+            raise SystemExit(f"huge_history_job: no synthetic vector for text {h} ({what!r})")
         vec[i] = v / np.linalg.norm(v)
     schema = embeddings_schema(DIM)
     step = 200_000
@@ -320,10 +323,12 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["append_index"]["status"] = {e["stage"]: e["status"] for e in man["record"]}
     st = man["stages"]["associate"]
     out["append_associate"] = {"wall_s": st["wall_s"], "tree_peak_rss_gb": st["peak_rss_mb"] / 1024,
-                               **{k: st["extra"].get(k) for k in ("ivf_recall", "ivf_index_reused", "ivf_index_rebuilt")}}
+                               **{k: st["extra"].get(k)
+                                  for k in ("ivf_recall", "ivf_index_reused", "ivf_index_rebuilt")}}
     out["append_s"] = out["append_ingest"]["wall_s"] + out["append_index"]["wall_s"]
     save()
-    cmd("append_answer_push", ["answer", bank, *common, *ivf, "--set", "retrieval.ppr=push", "--out", str(runs["push"])])
+    cmd("append_answer_push",
+        ["answer", bank, *common, *ivf, "--set", "retrieval.ppr=push", "--out", str(runs["push"])])
     m = json.loads((runs["push"] / "metrics.json").read_text())
     out["append_answer_push"]["rank_s"] = stage_of(m, "rank").get("wall_s")
     save()
@@ -349,7 +354,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"| {r['sessions']:,} | {s(r['index']['wall_s'])} / {s(r['associate']['wall_s'])} | "
             f"{s(r['append_s'])} ({s(r['append_ingest']['wall_s'])} + {s(r['append_index']['wall_s'])}) | "
             f"{lp.get('p50_ms', 0):.0f} / {lp.get('p95_ms', 0):.0f} ms ({lp.get('n')} q) | "
-            f"{le.get('p50_ms', 0):.0f} / {le.get('p95_ms', 0):.0f} ms ({le.get('n')} q) | {s(r['answer_push']['rank_s'])} / {s(r['answer_exact']['rank_s'])} | "
+            f"{le.get('p50_ms', 0):.0f} / {le.get('p95_ms', 0):.0f} ms ({le.get('n')} q) | "
+            f"{s(r['answer_push']['rank_s'])} / {s(r['answer_exact']['rank_s'])} | "
             f"{rss} GB | {pct(r['associate']['ivf_recall'])} | {ag['top10_equal']}/{ag['queries']} |")
     return "\n".join(lines)
 
@@ -385,9 +391,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--set", action="append", default=[],
                    help="--through-job: KEY=VALUE for index and answer (e.g. association.ivf_exact_nodes=8192)")
     g.add_argument("--exact-latency-queries", type=int, default=None,
-                   help="--through-job: questions in the exact PPR's latency probe (default: all; each query "
-                        "runs PPR over the whole graph, seconds at 10^5 sessions)")
-    g.add_argument("--seed", type=int, default=0)
+                   help="--through-job: questions in the exact PPR's latency probe (default: all; each one "
+                        "builds the graph and runs PPR over all of it: seconds at 10^5 sessions)")
+    g.add_argument("--seed", type=int, default=0, help="--through-job: questions' sessions and vectors")
     g.add_argument("--in-process", action="store_true",
                    help="--through-job: run the commands in this process (quick; no per-command RSS)")
     g.add_argument("--keep", action="store_true", help="--through-job: keep the work directory")
