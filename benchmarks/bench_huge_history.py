@@ -21,6 +21,12 @@ Per size, each in its own process (so peak RSS is that size's):
   sgemm rate (never measured here).
 
     python benchmarks/bench_huge_history.py --sizes 10000,100000 [--search ivf] [--append 1000] [--queries 32]
+
+``--through-job``: the same history through the job's commands instead (``memgas ingest``, ``index`` with
+``association.search=ivf``, ``answer`` with ``retrieval.ppr=push`` and ``exact``, ``ingest --append``), each
+measured as a child process: see ``benchmarks/huge_history_job.py``.
+
+    python benchmarks/bench_huge_history.py --through-job --sizes 10000 [--append 1000] [--queries 200]
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import huge_history_job  # the --through-job mode (a sibling module: benchmarks/ is on sys.path when run)
 import numpy as np
 from memgas.pipeline.association import HNSWParams, IVFParams
 
@@ -351,11 +358,11 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="10000,100000", help="comma-separated session counts")
     ap.add_argument("--append", type=int, default=1000, help="sessions appended")
-    ap.add_argument("--queries", type=int, default=32)
+    ap.add_argument("--queries", type=int, default=None, help="default 32; --through-job: 200")
     ap.add_argument("--dim", type=int, default=384)
     ap.add_argument("--topics", type=int, default=1000)
     ap.add_argument("--search", default="hnsw", choices=["hnsw", "ivf"], help="approximate search")
@@ -380,7 +387,18 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--sample-only", action="store_true", help="sizes too long to build: sampled append only")
     ap.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    ap.add_argument("--through-job", action="store_true", help="through the job's commands (huge_history_job.py)")
+    huge_history_job.add_args(ap)
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
+    if args.through_job:
+        args.queries = args.queries or 200
+        huge_history_job.main(args)
+        return
+    args.queries = args.queries or 32
     if args.one is not None:  # child: one size, JSON on stdout's last line
         if args.tmp:
             Path(args.tmp).mkdir(parents=True, exist_ok=True)

@@ -327,6 +327,10 @@ def mark_done(ctx: StageContext, name: str) -> None:
     themselves (benchmarks/bench_end_to_end.py writes synthetic generations and embeddings)."""
     if not ctx.pipeline:
         ctx.pipeline = default_pipeline()
+    for step in ctx.pipeline:  # a stage's fingerprint hashes the source's digest, as run_stages sets it
+        if isinstance(step, Source) and step.name not in ctx.outputs:
+            set_fingerprint(step, ctx)
+            ctx.outputs[step.name] = step.output(ctx)
     stage = next(s for s in ctx.pipeline if s.name == name)
     fp, _ = set_fingerprint(stage, ctx)
     store = T.store_of(ctx, stage)

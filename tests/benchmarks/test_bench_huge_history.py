@@ -1,0 +1,55 @@
+"""``bench_huge_history.py --through-job`` on a tiny history (64 sessions, 8 appended, 8 questions), commands
+in-process and without Ray: the mode runs end to end through the job (IVF association with its recall, the
+saved index reused by the append, push and exact PPR answers), so it cannot rot."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_huge_history
+        import huge_history_job
+    finally:
+        sys.path.remove(str(BENCH))
+    tmp = tmp_path_factory.mktemp("huge_job")
+    # the IVF search past the first 32 sessions (128 nodes), so that 64 sessions exercise it
+    args = bench_huge_history.parser().parse_args([
+        "--through-job", "--sizes", "64", "--append", "8", "--queries", "8", "--tmp", str(tmp), "--no-ray",
+        "--in-process", "--set", "association.ivf_exact_nodes=128", "--set", "association.ivf_nlist=2",
+        "--set", "association.ivf_nprobe=1"])
+    (r,) = huge_history_job.main(args)
+    return r
+
+
+def test_through_job_index_and_append(result: dict) -> None:
+    # the stored data stands for generate, nodes and encode (runner.mark_done): the commands only associate
+    done = {"generate": "skipped", "nodes": "skipped", "encode": "skipped", "associate": "executed"}
+    for run in ("index", "append_index"):
+        assert {k: v for k, v in result[run]["status"].items() if v != "disabled"} == done
+    assert result["fill"]["sessions_filled"] == 64
+    assert result["fill"]["vectors"] == 64 * 6 + 8  # session, 2 pairs, summary, keywords, hybrid; questions
+    assert result["append_fill"]["sessions_filled"] == 8
+    a = result["associate"]
+    assert a["search"] == "ivf"
+    assert a["ivf_recall_rows"] == 4 * 64 - 128  # every row past the exact prefix (fewer than 256)
+    assert 0 < a["ivf_recall"] <= 1
+    assert result["answer_push"]["association"]["ivf_recall"] == a["ivf_recall"]  # what metrics.json reports
+    assert result["append_associate"]["ivf_index_reused"] == 1
+    assert result["append_associate"]["ivf_index_rebuilt"] == 0
+
+
+def test_through_job_queries(result: dict) -> None:
+    for ppr in ("push", "exact"):
+        assert result[f"latency_{ppr}"]["n"] == 8
+        assert result[f"answer_{ppr}"]["rank_s"] > 0
+    assert result["push_agreement"]["queries"] == 8
+    assert result["append_answer_push"]["rank_s"] > 0
