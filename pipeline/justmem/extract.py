@@ -76,7 +76,13 @@ from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import JustMemConfig
 from memgas.pipeline.data.locomo import CAPTION_SEP
 from memgas.pipeline.hashing import text_hash
-from memgas.pipeline.justmem.structured import InvalidOutput, StructuredResult, call_structured
+from memgas.pipeline.justmem.structured import (
+    BUDGET_CHARS_PER_TOKEN,
+    BUDGET_WHITESPACE_TOKENS,
+    InvalidOutput,
+    StructuredResult,
+    call_structured,
+)
 from memgas.pipeline.models.base import LLM, SamplingParams
 from memgas.pipeline.prompts import (
     JUSTMEM_EXTRACT_PROMPT_DIGEST,
@@ -115,14 +121,8 @@ LLM_CARD_TEXT_CHARS = 200
 LLM_CARDS_PER_TURN = 2
 #: Longest ``time`` of an LLM card in a session's schema, in characters ("two weeks before the trip").
 LLM_CARD_TIME_CHARS = 32
-#: Characters per token the budget of a session's reply assumes for the card strings: conservative for
-#: English prose with SmolLM2's tokenizer (about 4), lowered for a session of denser text (:func:`card_budget`).
-BUDGET_CHARS_PER_TOKEN = 3
 #: Share of a session's own characters per token the budget assumes for its cards' strings.
 BUDGET_DENSITY_MARGIN = 0.75
-#: Tokens of whitespace the budget allows per card (and for the wrapper): one per place the enforcer lets the
-#: model put whitespace between JSON tokens (``MAX_JSON_WHITESPACES`` characters each).
-BUDGET_WHITESPACE_TOKENS = 12
 #: Share of an LLM card's content words (:func:`grounding`) that must occur in the turns it cites, else the
 #: card is invalid. Every LLM-free card of the bundled samples scores 100% (its words are its turns' words),
 #: so the check never rejects that method's output; 50% leaves the LLM room to paraphrase ("prefers" for

@@ -47,7 +47,9 @@ def _short_sessions() -> list[dict]:
 def _overrides(data: Path, out: Path) -> list[str]:
     return [f"output_dir={out}", f"data.path={data}", "data.limit=1", "reading.enabled=false",
             "retrieval.methods=[justmem,cards]", "justmem.planner=llm", "justmem.extractor=llm",
-            "encoder.max_tokens=64"]
+            "encoder.max_tokens=64", "justmem.extract_max_tokens=256",
+            # runtime only (not in any key): one thread is several times faster on a loaded machine
+            "llm.threads=1"]
 
 
 @pytest.fixture(scope="module")

@@ -290,8 +290,20 @@ def test_a_card_not_grounded_in_its_turns_is_invalid() -> None:
     # content words: user, bank, password, hunter2; none occurs in turn 0 ("Caroline: I adopted a dog ...")
     assert str(e.value) == ("cards[2].text is not grounded in turns 0..0: 0 of its 4 content words occur there "
                             f"(at least {MIN_GROUNDED_SHARE:.0%} must)")
-    rows, ledger = _fallbacks(json.dumps(bad))
-    assert "cards[2].text is not grounded in turns 0..0" in rows[0]["fallback"]
+    # the extractor keeps the grounded cards of such a reply and records the others on the session's rows
+    llm = FakeLLM(lambda p, n: json.dumps(bad))
+    ledger = TokenLedger()
+    rows = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm, ledger=ledger).to_pylist()
+    assert len(llm.calls) == 1  # no repair: the reply is usable
+    assert [Card(r["text"], r["type"], r["time"], r["turn_start"], r["turn_end"]) for r in rows] == GOOD_CARDS
+    assert {r["fallback"] for r in rows} == {None}
+    assert {r["error"] for r in rows} == {"dropped 1 of 3 cards: cards[2].text is not grounded in turns 0..0: 0 of "
+                                          f"its 4 content words occur there (at least {MIN_GROUNDED_SHARE:.0%} must)"}
+    assert ledger.stages["justmem-cards"].counters["dropped-ungrounded"] == 1
+    # a reply none of whose cards is grounded is invalid: one repair, then the LLM-free cards, and why
+    only_bad = {"cards": bad["cards"][2:]}
+    rows, _ = _fallbacks(json.dumps(only_bad))
+    assert "cards[0].text is not grounded in turns 0..0" in rows[0]["fallback"]
     assert "hunter2" not in " ".join(r["text"] for r in rows)
     # the good cards pass: "Melanie prefers cats." has 2 of 3 words in "Melanie: I prefer cats, honestly."
     assert grounding("Melanie prefers cats.", SHORT[1:]) == (2, 3)
