@@ -256,7 +256,7 @@ JUSTMEM_EXTRACT_INSTRUCTION = (
     "fact, event, preference or plan a speaker states; skip greetings and small talk. For each card, first give "
     "\"turn_start\" and \"turn_end\": the numbers of the turns that state it (usually one turn: the same number "
     "twice). Then \"text\": one short self-contained statement in the words of those turns, with its subject "
-    "named (a speaker's name, \"The user\" or \"The assistant\", never \"I\" or \"you\"). Then \"type\": fact, "
+    "named ({names}; never \"I\" or \"you\"). Then \"type\": fact, "
     "event (something that happened or will happen), preference, state (a current condition) or interaction "
     "(what the assistant provided: code, lists, plans, recommendations). Then \"time\": when it happened, as "
     "the turn says it, or \"\" when the turn does not say. Reply with only a JSON object: "
@@ -331,13 +331,30 @@ def justmem_numbered_turns(turns: list[tuple[int, str, str]]) -> str:
     return "\n".join(f"[{i}] {role}: {content}" for i, role, content in turns)
 
 
-def justmem_extract_prompt(numbered_turns: str, dialogue_kind: str = USER_ASSISTANT) -> ChatPrompt:
+#: Most speaker names the extraction prompt lists as the cards' subjects.
+JUSTMEM_MAX_NAMED_SPEAKERS = 4
+
+
+def justmem_subject_names(dialogue_kind: str, speakers: list[str]) -> str:
+    """Who a card may name as its subject: "The user" or "The assistant" in a user-AI dialogue, else the
+    speakers' own names (in order of appearance). A small model copies the instruction's examples: given
+    "The user" in a LoCoMo prompt, SmolLM2-135M wrote cards about "The user", who is not in the dialogue."""
+    if dialogue_kind_for(dialogue_kind) != USER_USER or not speakers:
+        return '"The user" or "The assistant"'
+    names = list(dict.fromkeys(neutralise_delimiters(" ".join(s.split())[:40]) for s in speakers
+                               if s.strip()))[:JUSTMEM_MAX_NAMED_SPEAKERS]
+    return " or ".join(f'"{n}"' for n in names) or "a speaker's name"
+
+
+def justmem_extract_prompt(numbered_turns: str, dialogue_kind: str = USER_ASSISTANT,
+                           speakers: list[str] | None = None) -> ChatPrompt:
     """The instruction, then the dialogue right before the answer cue (v2): with the reply held to the JSON
     schema a small model cannot continue the dialogue instead of answering (DESIGN.md §5), and the turns it
     copies from are the nearest text. SmolLM2-135M on the bundled sample (8 turns, 2026-12-02): dialogue
     first, one card of invented text; dialogue last, a card per turn in order, the first ones in the turns'
     own words."""
-    instr = JUSTMEM_EXTRACT_INSTRUCTION.format(subject=subject_phrase(dialogue_kind))
+    instr = JUSTMEM_EXTRACT_INSTRUCTION.format(subject=subject_phrase(dialogue_kind),
+                                               names=justmem_subject_names(dialogue_kind, speakers or []))
     return _user(f"{instr}\n\n<dialogue>\n{neutralise_delimiters(numbered_turns)}\n</dialogue>\n\nJSON:")
 
 

@@ -815,7 +815,8 @@ def extract_cards(
     todo = [(h, list(turns), kind) for h, turns, kind in sessions if any(t.content.strip() for t in turns)]
     fitted = [_fit_turns(llm, turns, cfg.extract_max_input_tokens) for _, turns, _ in todo]
     prompts = [justmem_extract_prompt(justmem_numbered_turns([(t.turn_index, t.role, t.content) for t in shown]),
-                                      dialogue_kind_for(kind)) for (shown, _), (_, _, kind) in zip(fitted, todo)]
+                                      dialogue_kind_for(kind), [t.role for t in shown])
+               for (shown, _), (_, _, kind) in zip(fitted, todo)]
     # each session's reply is bounded by its own schema (its turn numbers, a card budget that fits the output
     # tokens); sessions whose schemas are equal share one call_structured (one batch on the backend)
     schemas = [session_cards_schema(shown, card_budget(llm, shown, cfg.extract_max_tokens)) for shown, _ in fitted]
