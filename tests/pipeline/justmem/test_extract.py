@@ -437,3 +437,16 @@ def test_sessions_with_different_turns_get_their_own_schema() -> None:
 def test_the_extractor_key_names_the_prompt_and_the_schema() -> None:
     key = extractor_key(_llm_cfg(), "m")
     assert f"|{LLM_EXTRACTOR_VERSION}|" in key and "cards-schema-v2-" in LLM_EXTRACTOR_VERSION
+
+
+def test_the_extraction_prompt_names_the_speakers_as_subjects() -> None:
+    """A small model copies the instruction's subjects: a LoCoMo prompt names Caroline and Melanie, not "The
+    user"; a user-AI prompt names "The user" and "The assistant"."""
+    llm = FakeLLM(lambda p, n: json.dumps(GOOD))
+    extract_cards([("h1", SHORT, "locomo"), ("h2", [Turn(0, "user", "I bake bread.")], "longmemeval")],
+                  _llm_cfg(), key="k", llm=llm)
+    locomo, lme = (c[0][0]["content"] for c in llm.calls[:2])  # (h2 cites turn 1, which it lacks: repaired)
+    assert 'subject named ("Caroline" or "Melanie"; never "I" or "you")' in locomo and "The user" not in locomo
+    assert 'subject named ("The user" or "The assistant"; never "I" or "you")' in lme
+    # the dialogue comes last, right before the answer cue
+    assert locomo.index("<dialogue>\n") > locomo.index("Extract memory cards") and locomo.endswith("</dialogue>\n\nJSON:")
