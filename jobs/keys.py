@@ -179,13 +179,12 @@ def planner_uses_llm(cfg: MemgasConfig) -> bool:
 
 
 def extractor_identity(ctx: StageContext) -> tuple[tuple[str, ...], dict[str, Any]]:
-    from memgas.pipeline.justmem.extract import LLM_FREE_EXTRACTOR
-    from memgas.pipeline.prompts import JUSTMEM_EXTRACT_PROMPT_DIGEST
+    from memgas.pipeline.justmem.extract import LLM_EXTRACTOR_VERSION, LLM_FREE_EXTRACTOR
 
     cfg = ctx.cfg
     if not extractor_uses_llm(cfg):
         return present_fields(cfg, ("justmem.extractor",)), {"llm_free": LLM_FREE_EXTRACTOR}
-    return present_fields(cfg, EXTRACTOR_FIELDS), llm_resolved(ctx, JUSTMEM_EXTRACT_PROMPT_DIGEST)
+    return present_fields(cfg, EXTRACTOR_FIELDS), llm_resolved(ctx, LLM_EXTRACTOR_VERSION)
 
 
 def cards_key(ctx: StageContext) -> str:
@@ -199,13 +198,12 @@ def cards_key(ctx: StageContext) -> str:
 
 
 def planner_identity(ctx: StageContext) -> tuple[tuple[str, ...], dict[str, Any]]:
-    from memgas.pipeline.justmem.plan import LLM_FREE_PLANNER
-    from memgas.pipeline.prompts import JUSTMEM_PLAN_PROMPT_DIGEST
+    from memgas.pipeline.justmem.plan import LLM_FREE_PLANNER, LLM_PLANNER_VERSION
 
     cfg = ctx.cfg
     if not planner_uses_llm(cfg):
         return present_fields(cfg, ("justmem.planner", "justmem.rewrites")), {"llm_free": LLM_FREE_PLANNER}
-    return present_fields(cfg, PLANNER_FIELDS), llm_resolved(ctx, JUSTMEM_PLAN_PROMPT_DIGEST)
+    return present_fields(cfg, PLANNER_FIELDS), llm_resolved(ctx, LLM_PLANNER_VERSION)
 
 
 def plan_key(ctx: StageContext) -> str:

@@ -60,7 +60,9 @@ against the session date of the history being read ("yesterday" on 8 May 2023 ->
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,7 +76,13 @@ from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import JustMemConfig
 from memgas.pipeline.data.locomo import CAPTION_SEP
 from memgas.pipeline.hashing import text_hash
-from memgas.pipeline.justmem.structured import InvalidOutput, call_structured
+from memgas.pipeline.justmem.structured import (
+    BUDGET_CHARS_PER_TOKEN,
+    BUDGET_WHITESPACE_TOKENS,
+    InvalidOutput,
+    StructuredResult,
+    call_structured,
+)
 from memgas.pipeline.models.base import LLM, SamplingParams
 from memgas.pipeline.prompts import (
     JUSTMEM_EXTRACT_PROMPT_DIGEST,
@@ -105,6 +113,16 @@ CARD_TEXT_LIMIT = 4000
 #: Most cards one LLM reply may give a session (schema ``maxItems`` and validation); more is runaway output.
 #: The LLM-free extractor's most on the bundled samples is 142 (a long LongMemEval session).
 MAX_CARDS_PER_SESSION = 256
+#: Longest text of an LLM card in a session's schema (``maxLength``), in characters: one statement (most
+#: LLM-free cards of the bundled LoCoMo sample are shorter).
+LLM_CARD_TEXT_CHARS = 200
+#: Most cards per turn shown in a session's schema (``maxItems``): the LLM-free extractor makes about one per
+#: turn on the bundled sample, and a small model that may write more repeats its last card until the limit.
+LLM_CARDS_PER_TURN = 2
+#: Longest ``time`` of an LLM card in a session's schema, in characters ("two weeks before the trip").
+LLM_CARD_TIME_CHARS = 32
+#: Share of a session's own characters per token the budget assumes for its cards' strings.
+BUDGET_DENSITY_MARGIN = 0.75
 #: Share of an LLM card's content words (:func:`grounding`) that must occur in the turns it cites, else the
 #: card is invalid. Every LLM-free card of the bundled samples scores 100% (its words are its turns' words),
 #: so the check never rejects that method's output; 50% leaves the LLM room to paraphrase ("prefers" for
@@ -154,7 +172,7 @@ def extractor_key(cfg: JustMemConfig, llm_name: str | None = None) -> str:
         return LLM_FREE_EXTRACTOR
     if not llm_name:
         raise ValueError("justmem.extractor=llm needs the LLM's name for the cards key")
-    return (f"{llm_name}|{JUSTMEM_EXTRACT_PROMPT_DIGEST}|in{cfg.extract_max_input_tokens}"
+    return (f"{llm_name}|{LLM_EXTRACTOR_VERSION}|in{cfg.extract_max_input_tokens}"
             f"|out{cfg.extract_max_tokens}|fb:{LLM_FREE_EXTRACTOR}")
 
 
@@ -564,29 +582,129 @@ def resolve_time(time: str | None, session_date: datetime | None) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def cards_json_schema() -> dict[str, Any]:
-    """Output schema of the extraction call (OpenAI strict mode: every property required, no extras)."""
-    card = {
+def _card_object(turn_numbers: Sequence[int] | None, text_chars: int | None, time_chars: int | None,
+                 ) -> dict[str, Any]:
+    """One card of the extraction schema. The turn numbers come first (the enforcer keeps the schema's field
+    order): a small model then picks the turn and writes what it says, rather than writing a statement and
+    guessing where it came from (SmolLM2-135M's cards cited turns that did not hold their words)."""
+    turn: dict[str, Any] = {"type": "integer", "minimum": 0}
+    if turn_numbers is not None:
+        turn = {"type": "integer", "enum": sorted(set(turn_numbers))}
+    text: dict[str, Any] = {"type": "string"}
+    time: dict[str, Any] = {"type": "string"}
+    if text_chars is not None:
+        text["maxLength"] = text_chars
+    if time_chars is not None:
+        time["maxLength"] = time_chars
+    return {
         "type": "object",
         "properties": {
-            "text": {"type": "string"},
+            "turn_start": turn,
+            "turn_end": dict(turn),
+            "text": text,
             "type": {"type": "string", "enum": list(CARD_TYPES)},
-            "time": {"type": "string"},
-            "turn_start": {"type": "integer", "minimum": 0},
-            "turn_end": {"type": "integer", "minimum": 0},
+            "time": time,
         },
-        "required": ["text", "type", "time", "turn_start", "turn_end"],
+        "required": ["turn_start", "turn_end", "text", "type", "time"],
         "additionalProperties": False,
     }
-    cards = {"type": "array", "items": card, "minItems": 1, "maxItems": MAX_CARDS_PER_SESSION}
-    return {"type": "object", "properties": {"cards": cards},
-            "required": ["cards"], "additionalProperties": False}
+
+
+def _wrap(card: dict[str, Any], max_items: int) -> dict[str, Any]:
+    cards = {"type": "array", "items": card, "minItems": 1, "maxItems": max_items}
+    return {"type": "object", "properties": {"cards": cards}, "required": ["cards"], "additionalProperties": False}
+
+
+def cards_json_schema() -> dict[str, Any]:
+    """The extraction call's schema without a session's bounds (OpenAI strict mode: every property required,
+    no extras): what :func:`validate_cards` checks, and the shape :func:`session_cards_schema` narrows."""
+    return _wrap(_card_object(None, None, None), MAX_CARDS_PER_SESSION)
+
+
+@dataclass(frozen=True)
+class CardBudget:
+    """How a session's extraction reply is bounded so that it fits ``justmem.extract_max_tokens``."""
+
+    max_cards: int
+    text_chars: int
+    time_chars: int
+    #: characters per token assumed for the card strings
+    chars_per_token: float
+
+
+def card_budget(llm: LLM, turns: Sequence[Turn], max_tokens: int) -> CardBudget:
+    """The most cards (at most ``LLM_CARDS_PER_TURN`` per turn shown), and the longest text and time per
+    card, whose JSON fits ``max_tokens`` tokens of ``llm`` in the worst case the budget assumes.
+
+    The skeleton of a card (keys, punctuation, the longest type, the largest turn number) is counted with the
+    model's own tokenizer, plus ``BUDGET_WHITESPACE_TOKENS`` for the whitespace the enforcer lets the model put
+    between JSON tokens; the strings are counted at ``chars_per_token``: ``BUDGET_CHARS_PER_TOKEN``, or less
+    when the session's own text is denser (digits, scripts without spaces: a card copies its turns' words), at
+    ``BUDGET_DENSITY_MARGIN`` of the session's characters per token. A reply is then cut at ``max_tokens`` only
+    when its strings are denser than that, and is invalid then as before (repair, then fallback)."""
+    text = "\n".join(t.content for t in turns)
+    n_tok = llm.count_tokens(text) if text else 0
+    density = len(text) / n_tok if n_tok else float(BUDGET_CHARS_PER_TOKEN)
+    cpt = max(1.0, min(float(BUDGET_CHARS_PER_TOKEN), BUDGET_DENSITY_MARGIN * density))
+    big = max((t.turn_index for t in turns), default=0)
+    longest_type = max(CARD_TYPES, key=len)
+    skeleton = json.dumps({"turn_start": big, "turn_end": big, "text": "", "type": longest_type, "time": ""})
+    card_tokens = llm.count_tokens(skeleton + ", ") + BUDGET_WHITESPACE_TOKENS
+    wrapper_tokens = llm.count_tokens('{"cards": []}') + BUDGET_WHITESPACE_TOKENS
+    time_chars = LLM_CARD_TIME_CHARS
+    per_card = card_tokens + math.ceil(LLM_CARD_TEXT_CHARS / cpt) + math.ceil(time_chars / cpt)
+    room = max_tokens - wrapper_tokens
+    if room >= per_card:
+        most = min(MAX_CARDS_PER_SESSION, LLM_CARDS_PER_TURN * max(1, len(turns)))
+        return CardBudget(min(most, room // per_card), LLM_CARD_TEXT_CHARS, time_chars, cpt)
+    # not even one full card fits: one card, its strings shortened to what is left (at least one character)
+    time_chars = max(1, min(time_chars, int((room - card_tokens) * cpt) // 4))
+    text_chars = max(1, int((room - card_tokens - math.ceil(time_chars / cpt)) * cpt))
+    return CardBudget(1, min(text_chars, LLM_CARD_TEXT_CHARS), time_chars, cpt)
+
+
+def session_cards_schema(turns: Sequence[Turn], budget: CardBudget) -> dict[str, Any]:
+    """The schema of one session's extraction call: at most ``budget.max_cards`` cards whose strings fit the
+    budget, citing only the turn numbers the prompt showed (``enum``)."""
+    return _wrap(_card_object([t.turn_index for t in turns], budget.text_chars, budget.time_chars),
+                 budget.max_cards)
+
+
+#: Version of the LLM extractor's reply schema and of its per-session budget (:func:`card_budget`,
+#: :func:`session_cards_schema`); bump it when their code changes. v2: turn numbers first and from the
+#: session's own (``enum``), strings and card count bounded to fit ``justmem.extract_max_tokens``.
+LLM_CARDS_SCHEMA_VERSION = "cards-schema-v2"
+
+
+def _schema_digest() -> str:
+    from memgas.pipeline.models.json_constrained import MAX_JSON_WHITESPACES
+
+    parts = [cards_json_schema(), LLM_CARD_TEXT_CHARS, LLM_CARD_TIME_CHARS, LLM_CARDS_PER_TURN, BUDGET_CHARS_PER_TOKEN,
+             BUDGET_DENSITY_MARGIN, BUDGET_WHITESPACE_TOKENS, MAX_JSON_WHITESPACES]
+    return hashlib.blake2b(json.dumps(parts, sort_keys=True).encode(), digest_size=6).hexdigest()
+
+
+#: What keys the LLM extractor's outputs beside the model and the config: the prompt (wording and version)
+#: and the reply schema with its budget constants. The one place both the ``extractor`` column
+#: (:func:`extractor_key`) and the cards stage's fingerprint (jobs/keys.py) take it from.
+LLM_EXTRACTOR_VERSION = f"{JUSTMEM_EXTRACT_PROMPT_DIGEST}|{LLM_CARDS_SCHEMA_VERSION}-{_schema_digest()}"
 
 
 def validate_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> list[Card]:
     """Cards of a parsed extraction output, or InvalidOutput naming the first problem. ``turns``: the turns
     the prompt showed (provenance must point at them, and a card's words must occur in the turns it cites:
     ``MIN_GROUNDED_SHARE``)."""
+    cards, ungrounded = grounded_cards(obj, turns)
+    if ungrounded:
+        raise InvalidOutput(ungrounded[0])
+    return cards
+
+
+def grounded_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> tuple[list[Card], list[str]]:
+    """(the cards of a parsed extraction output grounded in the turns they cite, the problem of each card that
+    is not). Any other problem is InvalidOutput, and so is a reply none of whose cards is grounded: the LLM
+    extractor keeps a reply's grounded cards and records the others (a small model's reply often starts with
+    faithful cards and then repeats one against later turns: SmolLM2-135M on the bundled sample)."""
     items = obj.get("cards")
     if not isinstance(items, list):
         raise InvalidOutput('"cards" must be a list of card objects')
@@ -597,6 +715,7 @@ def validate_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> list[Card]:
     shown = {t.turn_index for t in turns}
     lo, hi = min(shown), max(shown)
     out: list[Card] = []
+    ungrounded: list[str] = []
     for k, c in enumerate(items):
         where = f"cards[{k}]"
         if not isinstance(c, dict):
@@ -627,11 +746,14 @@ def validate_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> list[Card]:
         if not total:  # "...", "N/A": nothing to retrieve by (and an index of such cards has no vocabulary)
             raise InvalidOutput(f"{where}.text holds no content words; a card states something from the dialogue")
         if hit < MIN_GROUNDED_SHARE * total:
-            raise InvalidOutput(f"{where}.text is not grounded in turns {span[0]}..{span[1]}: {hit} of its {total} "
-                                f"content words occur there (at least {MIN_GROUNDED_SHARE:.0%} must)")
+            ungrounded.append(f"{where}.text is not grounded in turns {span[0]}..{span[1]}: {hit} of its {total} "
+                              f"content words occur there (at least {MIN_GROUNDED_SHARE:.0%} must)")
+            continue
         t = " ".join(time.split()).lower() if time else ""
         out.append(Card(" ".join(text.split()), typ, t or None, span[0], span[1]))
-    return out
+    if not out:
+        raise InvalidOutput(ungrounded[0])
+    return out, ungrounded
 
 
 def _fit_turns(llm: LLM, turns: Sequence[Turn], max_tokens: int) -> tuple[list[Turn], bool]:
@@ -693,13 +815,25 @@ def extract_cards(
     todo = [(h, list(turns), kind) for h, turns, kind in sessions if any(t.content.strip() for t in turns)]
     fitted = [_fit_turns(llm, turns, cfg.extract_max_input_tokens) for _, turns, _ in todo]
     prompts = [justmem_extract_prompt(justmem_numbered_turns([(t.turn_index, t.role, t.content) for t in shown]),
-                                      dialogue_kind_for(kind)) for (shown, _), (_, _, kind) in zip(fitted, todo)]
-    params = SamplingParams(max_tokens=cfg.extract_max_tokens, temperature=temperature, seed=seed,
-                            json_schema=cards_json_schema())
-    results = call_structured(llm, prompts, lambda obj, i: validate_cards(obj, fitted[i][0]),
+                                      dialogue_kind_for(kind), [t.role for t in shown])
+               for (shown, _), (_, _, kind) in zip(fitted, todo)]
+    # each session's reply is bounded by its own schema (its turn numbers, a card budget that fits the output
+    # tokens); sessions whose schemas are equal share one call_structured (one batch on the backend)
+    schemas = [session_cards_schema(shown, card_budget(llm, shown, cfg.extract_max_tokens)) for shown, _ in fitted]
+    groups: dict[str, list[int]] = {}
+    for i, schema in enumerate(schemas):
+        groups.setdefault(json.dumps(schema, sort_keys=True), []).append(i)
+    results: list[StructuredResult] = [StructuredResult() for _ in todo]
+    for idx in groups.values():
+        params = SamplingParams(max_tokens=cfg.extract_max_tokens, temperature=temperature, seed=seed,
+                                json_schema=schemas[idx[0]])
+        got = call_structured(llm, [prompts[i] for i in idx],
+                              lambda obj, k, idx=idx: grounded_cards(obj, fitted[idx[k]][0]),
                               params, ledger=ledger, stage="justmem-cards")
+        for i, r in zip(idx, got):
+            results[i] = r
     by_hash: dict[str, list[dict[str, Any]]] = {}
-    n_fallback = n_failed = 0
+    n_fallback = n_failed = n_dropped = 0
     for (h, turns, _), (_, truncated), res in zip(todo, fitted, results):
         tokens = dict(prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
                       input_truncated=truncated)
@@ -707,7 +841,11 @@ def extract_cards(
             n_failed += 1
             log.warning("justmem cards: session %s: %s; nothing stored, the next run retries it", h[:12], res.error)
         elif res.value is not None:
-            by_hash[h] = card_rows(h, key, res.value, **tokens)
+            kept, dropped = res.value
+            n_dropped += len(dropped)
+            note = (f"dropped {len(dropped)} of {len(kept) + len(dropped)} cards: {'; '.join(dropped)}"
+                    if dropped else None)
+            by_hash[h] = card_rows(h, key, kept, error=note, **tokens)
         else:
             n_fallback += 1
             log.warning("justmem cards: session %s: %s; LLM-free cards used", h[:12], res.error)
@@ -717,6 +855,8 @@ def extract_cards(
         rows += by_hash.get(h, [])
     if ledger is not None:
         ledger.count("justmem-cards", "fallback", n_fallback)
+        if n_dropped:
+            ledger.count("justmem-cards", "dropped-ungrounded", n_dropped)
         if n_failed:
             ledger.count("justmem-cards", "failed", n_failed)
         ledger.count("justmem-cards", "sessions", len(todo))

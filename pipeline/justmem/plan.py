@@ -38,7 +38,10 @@ terms fed back from the top cards (RM3) are found there, as they need the cards.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -50,7 +53,12 @@ import pyarrow as pa
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import JustMemConfig
 from memgas.pipeline.justmem.extract import _MONTHS, _NUM, _WEEKDAYS, _WORDNUM, content_words, find_time
-from memgas.pipeline.justmem.structured import InvalidOutput, call_structured
+from memgas.pipeline.justmem.structured import (
+    BUDGET_CHARS_PER_TOKEN,
+    BUDGET_WHITESPACE_TOKENS,
+    InvalidOutput,
+    call_structured,
+)
 from memgas.pipeline.models.base import LLM, SamplingParams
 from memgas.pipeline.prompts import JUSTMEM_PLAN_PROMPT_DIGEST, justmem_plan_prompt
 from memgas.pipeline.schema import PLAN_OPERATIONS, PLANS
@@ -63,6 +71,14 @@ LLM_FREE_PLANNER = "llm-free/justmem-plan-v2"
 #: Most ``entities`` and most ``time_constraints`` an LLM plan may hold (schema ``maxItems`` and validation; a
 #: question names a handful; more is runaway output, not a plan).
 MAX_PLAN_ITEMS = 16
+#: Most entities and most time constraints in the LLM planner's schema (a question names a handful), and the
+#: longest of each and of a rewrite, in characters, before the budget (:func:`plan_budget`) shortens them.
+PLAN_SCHEMA_ITEMS = 4
+PLAN_ITEM_CHARS = 40
+PLAN_REWRITE_CHARS = 200
+#: Version of the LLM planner's reply schema and its budget; bump it when their code changes. v2: every list
+#: and string bounded so that the reply fits ``justmem.plan_max_tokens`` (a reply cut there is invalid).
+PLAN_SCHEMA_VERSION = "plan-schema-v2"
 
 
 def profile_for(d: bool, f: bool) -> str:
@@ -94,7 +110,7 @@ def planner_key(cfg: JustMemConfig, llm_name: str | None = None) -> str:
         return f"{LLM_FREE_PLANNER}|r{cfg.rewrites}"
     if not llm_name:
         raise ValueError("justmem.planner=llm needs the LLM's name for the plans key")
-    return f"{llm_name}|{JUSTMEM_PLAN_PROMPT_DIGEST}|r{cfg.rewrites}|out{cfg.plan_max_tokens}|fb:{LLM_FREE_PLANNER}"
+    return f"{llm_name}|{LLM_PLANNER_VERSION}|r{cfg.rewrites}|out{cfg.plan_max_tokens}|fb:{LLM_FREE_PLANNER}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -348,22 +364,81 @@ def time_interval(text: str, now: date | datetime | None) -> DayInterval | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def plan_json_schema(n_rewrites: int) -> dict[str, Any]:
-    """Output schema of the planner call (OpenAI strict mode: every property required, no extras)."""
-    strings = {"type": "array", "items": {"type": "string"}}
+@dataclass(frozen=True)
+class PlanBudget:
+    """Bounds of the LLM planner's reply: most entities and time constraints, and the longest of each and of a
+    rewrite, in characters."""
+
+    items: int
+    item_chars: int
+    rewrite_chars: int
+    rewrites: int
+
+
+def plan_json_schema(n_rewrites: int, budget: PlanBudget | None = None) -> dict[str, Any]:
+    """Output schema of the planner call (OpenAI strict mode: every property required, no extras); with a
+    ``budget`` (:func:`plan_budget`), every list and string bounded to it."""
+    def strings(most: int, chars: int | None) -> dict[str, Any]:
+        item: dict[str, Any] = {"type": "string"}
+        if chars is not None:
+            item["maxLength"] = chars
+        return {"type": "array", "items": item, "maxItems": most}
+
+    b = budget
     return {
         "type": "object",
         "properties": {
-            "entities": {**strings, "maxItems": MAX_PLAN_ITEMS},
-            "time_constraints": {**strings, "maxItems": MAX_PLAN_ITEMS},
+            "entities": strings(b.items if b else MAX_PLAN_ITEMS, b.item_chars if b else None),
+            "time_constraints": strings(b.items if b else MAX_PLAN_ITEMS, b.item_chars if b else None),
             "operation": {"type": "string", "enum": list(PLAN_OPERATIONS)},
             "d": {"type": "boolean"},
             "f": {"type": "boolean"},
-            "rewrites": {**strings, "maxItems": n_rewrites},
+            "rewrites": strings(b.rewrites if b else n_rewrites, b.rewrite_chars if b else None),
         },
         "required": ["entities", "time_constraints", "operation", "d", "f", "rewrites"],
         "additionalProperties": False,
     }
+
+
+def plan_budget(llm: LLM, n_rewrites: int, max_tokens: int) -> PlanBudget:
+    """The largest bounds (at most ``PLAN_SCHEMA_ITEMS`` items of ``PLAN_ITEM_CHARS``, ``n_rewrites``
+    rewrites of ``PLAN_REWRITE_CHARS``) whose reply fits ``max_tokens`` tokens of ``llm``: the skeleton
+    counted with the model's tokenizer plus ``BUDGET_WHITESPACE_TOKENS``, each string's quotes and comma
+    counted, its characters at ``BUDGET_CHARS_PER_TOKEN``. Strings shrink first (to a quarter), then the
+    lists."""
+    skeleton = json.dumps({"entities": [], "time_constraints": [], "operation": max(PLAN_OPERATIONS, key=len),
+                           "d": False, "f": False, "rewrites": []})
+    fixed = llm.count_tokens(skeleton) + BUDGET_WHITESPACE_TOKENS
+    per_string = llm.count_tokens('"", ') + 1  # quotes, comma, and a whitespace token
+
+    def cost(items: int, rewrites: int, scale: float) -> tuple[int, PlanBudget]:
+        b = PlanBudget(items, max(1, int(PLAN_ITEM_CHARS * scale)), max(1, int(PLAN_REWRITE_CHARS * scale)),
+                       rewrites)
+        tok = (fixed + (2 * items + rewrites) * per_string + 2 * items * math.ceil(b.item_chars / BUDGET_CHARS_PER_TOKEN)
+               + rewrites * math.ceil(b.rewrite_chars / BUDGET_CHARS_PER_TOKEN))
+        return tok, b
+
+    items, rewrites = PLAN_SCHEMA_ITEMS, n_rewrites
+    while True:
+        for scale in (1.0, 0.75, 0.5, 0.25):
+            tok, b = cost(items, rewrites, scale)
+            if tok <= max_tokens:
+                return b
+        if rewrites > 0 and rewrites >= items:
+            rewrites -= 1
+        elif items > 0:
+            items -= 1
+        else:  # not even the skeleton fits: the bounds are empty lists (the reply may still be cut; invalid then)
+            return cost(0, 0, 0.25)[1]
+
+
+#: What keys the LLM planner's outputs beside the model and the config: the prompt and the reply schema with
+#: its budget constants; the ``planner`` column (:func:`planner_key`) and the plan stage's fingerprint
+#: (jobs/keys.py) both take it from here.
+LLM_PLANNER_VERSION = (f"{JUSTMEM_PLAN_PROMPT_DIGEST}|{PLAN_SCHEMA_VERSION}-"
+                       + hashlib.blake2b(json.dumps([plan_json_schema(0), PLAN_SCHEMA_ITEMS, PLAN_ITEM_CHARS,
+                                                     PLAN_REWRITE_CHARS, BUDGET_CHARS_PER_TOKEN,
+                                                     BUDGET_WHITESPACE_TOKENS]).encode(), digest_size=6).hexdigest())
 
 
 def _strings(obj: dict[str, Any], name: str, cap: int | None = None) -> list[str]:
@@ -432,7 +507,8 @@ def plan_queries(
         raise ValueError("justmem.planner=llm needs an LLM")
     prompts = [justmem_plan_prompt(q, date, cfg.rewrites) for _, q, date in queries]
     params = SamplingParams(max_tokens=cfg.plan_max_tokens, temperature=temperature, seed=seed,
-                            json_schema=plan_json_schema(cfg.rewrites))
+                            json_schema=plan_json_schema(cfg.rewrites, plan_budget(llm, cfg.rewrites,
+                                                                                   cfg.plan_max_tokens)))
     results = call_structured(llm, prompts, lambda obj, i: validate_plan(obj, cfg.rewrites), params,
                               ledger=ledger, stage="justmem-plan")
     rows = []

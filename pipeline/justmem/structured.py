@@ -47,6 +47,15 @@ MAX_JSON_DEPTH = 32
 #: bounds the parse to this many linear passes however many braces the reply holds.
 MAX_OBJECT_STARTS = 8
 
+#: Characters per token a reply's budget assumes for its free strings (cards, plan items): conservative for
+#: English prose with SmolLM2's tokenizer (about 4). With the JSON schema bounding every string (``maxLength``)
+#: and list (``maxItems``) to this budget, a greedy reply ends within ``max_tokens`` unless its strings are
+#: denser than this, so the schema-enforcing backends give valid output by construction.
+BUDGET_CHARS_PER_TOKEN = 3
+#: Tokens of whitespace a budget allows per object (a card, a plan, the wrapper): one per place the enforcer
+#: lets the model put whitespace between JSON tokens (``MAX_JSON_WHITESPACES`` characters each).
+BUDGET_WHITESPACE_TOKENS = 12
+
 # a brace, a bracket, a whole JSON string (unrolled loop: no nested quantifier, so one pass), or a quote that
 # opens a string never closed (matched last: the scan stops there instead of retrying from each later quote)
 _TOKEN_RE = re.compile(r'[{}\[\]]|"[^"\\]*(?:\\.[^"\\]*)*"|"', re.DOTALL)

@@ -19,8 +19,13 @@ from memgas.pipeline.justmem.extract import (
     LLM_FREE_EXTRACTOR,
     MAX_CARDS_PER_SESSION,
     MIN_GROUNDED_SHARE,
+    LLM_CARD_TEXT_CHARS,
+    LLM_CARD_TIME_CHARS,
+    LLM_EXTRACTOR_VERSION,
     Card,
+    CardBudget,
     Turn,
+    card_budget,
     card_id,
     cards_json_schema,
     extract_cards,
@@ -28,6 +33,7 @@ from memgas.pipeline.justmem.extract import (
     extractor_key,
     grounding,
     resolve_time,
+    session_cards_schema,
     turns_by_session,
     validate_cards,
 )
@@ -132,7 +138,9 @@ def test_llm_extractor_valid_output_uses_the_schema() -> None:
     t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key=key, llm=llm)
     assert len(llm.calls) == 1
     prompt, params = llm.calls[0]
-    assert params.json_schema == cards_json_schema() and params.max_tokens == _llm_cfg().extract_max_tokens
+    budget = card_budget(llm, SHORT, _llm_cfg().extract_max_tokens)
+    assert params.json_schema == session_cards_schema(SHORT, budget)
+    assert params.max_tokens == _llm_cfg().extract_max_tokens
     assert "[0] Caroline: I adopted a dog" in prompt[0]["content"] and "[1] Melanie:" in prompt[0]["content"]
     rows = t.to_pylist()
     assert [Card(r["text"], r["type"], r["time"], r["turn_start"], r["turn_end"]) for r in rows] == GOOD_CARDS
@@ -282,8 +290,20 @@ def test_a_card_not_grounded_in_its_turns_is_invalid() -> None:
     # content words: user, bank, password, hunter2; none occurs in turn 0 ("Caroline: I adopted a dog ...")
     assert str(e.value) == ("cards[2].text is not grounded in turns 0..0: 0 of its 4 content words occur there "
                             f"(at least {MIN_GROUNDED_SHARE:.0%} must)")
-    rows, ledger = _fallbacks(json.dumps(bad))
-    assert "cards[2].text is not grounded in turns 0..0" in rows[0]["fallback"]
+    # the extractor keeps the grounded cards of such a reply and records the others on the session's rows
+    llm = FakeLLM(lambda p, n: json.dumps(bad))
+    ledger = TokenLedger()
+    rows = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm, ledger=ledger).to_pylist()
+    assert len(llm.calls) == 1  # no repair: the reply is usable
+    assert [Card(r["text"], r["type"], r["time"], r["turn_start"], r["turn_end"]) for r in rows] == GOOD_CARDS
+    assert {r["fallback"] for r in rows} == {None}
+    assert {r["error"] for r in rows} == {"dropped 1 of 3 cards: cards[2].text is not grounded in turns 0..0: 0 of "
+                                          f"its 4 content words occur there (at least {MIN_GROUNDED_SHARE:.0%} must)"}
+    assert ledger.stages["justmem-cards"].counters["dropped-ungrounded"] == 1
+    # a reply none of whose cards is grounded is invalid: one repair, then the LLM-free cards, and why
+    only_bad = {"cards": bad["cards"][2:]}
+    rows, _ = _fallbacks(json.dumps(only_bad))
+    assert "cards[0].text is not grounded in turns 0..0" in rows[0]["fallback"]
     assert "hunter2" not in " ".join(r["text"] for r in rows)
     # the good cards pass: "Melanie prefers cats." has 2 of 3 words in "Melanie: I prefer cats, honestly."
     assert grounding("Melanie prefers cats.", SHORT[1:]) == (2, 3)
@@ -330,3 +350,103 @@ def test_a_backend_error_that_is_not_valid_unicode_is_logged_readable(caplog) ->
     t = extract_cards([("h1", SHORT, "locomo")], _llm_cfg(), key="k", llm=llm)  # raised UnicodeEncodeError
     assert t.num_rows == 0  # a backend failure stores nothing (retried by the next run)
     assert "llm: HTTP 502: \ufffd; nothing stored" in caplog.text
+
+
+# -- the session's budgeted schema (issue 28 item 3: a reply that fits extract_max_tokens) ----------------------
+
+
+class _CharTokens(FakeLLM):
+    """A tokenizer of ``n`` characters per token (the budget's worst case when ``n`` is its assumption)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(lambda p, k: "")
+        self.n = n
+
+    def count_tokens(self, text: str) -> int:
+        return -(-len(text) // self.n)
+
+
+def _largest_reply(schema: dict) -> str:
+    """The longest reply the schema allows (compact JSON, every string at its maxLength, the largest turn
+    number, the longest type, every card), as the enforcer would let a model write it without whitespace."""
+    items = schema["properties"]["cards"]
+    card = items["items"]["properties"]
+    big = max(card["turn_start"]["enum"])
+    one = {"turn_start": big, "turn_end": big, "text": "x" * card["text"]["maxLength"],
+           "type": max(card["type"]["enum"], key=len), "time": "y" * card["time"]["maxLength"]}
+    return json.dumps({"cards": [one] * items["maxItems"]})
+
+
+def test_the_largest_reply_the_session_schema_allows_fits_the_output_budget() -> None:
+    llm = _CharTokens(3)
+    cards = []
+    for max_tokens in (300, 1024, 4096):
+        budget = card_budget(llm, TURNS, max_tokens)
+        # the session's text at 3 characters per token: its cards budgeted at 3/4 of that
+        assert 2 < budget.chars_per_token < 2.25 and budget.text_chars == LLM_CARD_TEXT_CHARS
+        assert llm.count_tokens(_largest_reply(session_cards_schema(TURNS, budget))) <= max_tokens
+        cards.append(budget.max_cards)
+    assert 1 <= cards[0] < cards[1] < cards[2]
+
+
+def test_session_schema_turn_numbers_are_the_shown_turns_and_come_first() -> None:
+    schema = session_cards_schema(TURNS[2:5], CardBudget(3, 50, 10, 3.0))
+    card = schema["properties"]["cards"]["items"]
+    assert list(card["properties"])[:2] == ["turn_start", "turn_end"]
+    assert card["properties"]["turn_start"] == {"type": "integer", "enum": [2, 3, 4]}
+    assert card["properties"]["turn_end"] == {"type": "integer", "enum": [2, 3, 4]}
+    assert card["properties"]["text"] == {"type": "string", "maxLength": 50}
+    assert card["properties"]["time"] == {"type": "string", "maxLength": 10}
+    assert schema["properties"]["cards"]["maxItems"] == 3 and schema["properties"]["cards"]["minItems"] == 1
+    # the bounded schema narrows the unbounded one: the same fields, required, no extras
+    base = cards_json_schema()["properties"]["cards"]["items"]
+    assert set(card["properties"]) == set(base["properties"]) and card["required"] == base["required"]
+
+
+def test_a_dense_session_is_budgeted_at_fewer_characters_per_token() -> None:
+    """Digits and unspaced scripts take more tokens per character: the cards copying them are budgeted so."""
+    dense = [Turn(0, "user", "1234567890" * 20)]
+    llm = _CharTokens(2)  # the session's text at 2 characters per token
+    budget = card_budget(llm, dense, 1024)
+    assert budget.chars_per_token == 1.5
+    assert llm.count_tokens(_largest_reply(session_cards_schema(dense, budget))) <= 1024
+
+
+def test_a_budget_too_small_for_one_full_card_shortens_its_strings() -> None:
+    llm = _CharTokens(3)
+    budget = card_budget(llm, TURNS, 60)
+    assert budget.max_cards == 1 and 1 <= budget.text_chars < LLM_CARD_TEXT_CHARS
+    assert budget.time_chars <= LLM_CARD_TIME_CHARS
+
+
+def test_sessions_with_different_turns_get_their_own_schema() -> None:
+    llm = FakeLLM(lambda p, n: json.dumps(GOOD))
+    t = extract_cards([("h1", SHORT, "locomo"), ("h2", SHORT[:1], "locomo"), ("h3", SHORT, "locomo")],
+                      _llm_cfg(), key="k", llm=llm)
+    enums = [c[1].json_schema["properties"]["cards"]["items"]["properties"]["turn_start"]["enum"]
+             for c in llm.calls]
+    # h1 and h3 share one schema (one batch), h2 has its own; h2's reply cites turn 1, which it lacks: repaired
+    # once, then its LLM-free cards
+    assert enums[:3] == [[0, 1], [0, 1], [0]]
+    rows = t.to_pylist()
+    assert [r["session_hash"] for r in rows][:2] == ["h1", "h1"] and rows[-1]["session_hash"] == "h3"
+    assert {r["fallback"] is None for r in rows if r["session_hash"] != "h2"} == {True}
+    assert all(r["fallback"] for r in rows if r["session_hash"] == "h2")
+
+
+def test_the_extractor_key_names_the_prompt_and_the_schema() -> None:
+    key = extractor_key(_llm_cfg(), "m")
+    assert f"|{LLM_EXTRACTOR_VERSION}|" in key and "cards-schema-v2-" in LLM_EXTRACTOR_VERSION
+
+
+def test_the_extraction_prompt_names_the_speakers_as_subjects() -> None:
+    """A small model copies the instruction's subjects: a LoCoMo prompt names Caroline and Melanie, not "The
+    user"; a user-AI prompt names "The user" and "The assistant"."""
+    llm = FakeLLM(lambda p, n: json.dumps(GOOD))
+    extract_cards([("h1", SHORT, "locomo"), ("h2", [Turn(0, "user", "I bake bread.")], "longmemeval")],
+                  _llm_cfg(), key="k", llm=llm)
+    locomo, lme = (c[0][0]["content"] for c in llm.calls[:2])  # (h2 cites turn 1, which it lacks: repaired)
+    assert 'subject named ("Caroline" or "Melanie"; never "I" or "you")' in locomo and "The user" not in locomo
+    assert 'subject named ("The user" or "The assistant"; never "I" or "you")' in lme
+    # the dialogue comes last, right before the answer cue
+    assert locomo.index("<dialogue>\n") > locomo.index("Extract memory cards") and locomo.endswith("</dialogue>\n\nJSON:")

@@ -13,8 +13,14 @@ from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import JustMemConfig
 from memgas.pipeline.justmem.plan import (
     LLM_FREE_PLANNER,
+    LLM_PLANNER_VERSION,
     MAX_PLAN_ITEMS,
+    PLAN_ITEM_CHARS,
+    PLAN_REWRITE_CHARS,
+    PLAN_SCHEMA_ITEMS,
     Plan,
+    PlanBudget,
+    plan_budget,
     plan_json_schema,
     plan_llm_free,
     plan_queries,
@@ -93,7 +99,8 @@ def test_llm_planner_valid_output_uses_the_schema_and_trims_rewrites() -> None:
     llm = FakeLLM(lambda p, n: json.dumps(GOOD))
     t = plan_queries([("q1", "What books has Melanie read?", "2 June 2023")], _cfg(), key="k", llm=llm)
     prompt, params = llm.calls[0]
-    assert params.json_schema == plan_json_schema(2) and params.max_tokens == _cfg().plan_max_tokens
+    assert params.json_schema == plan_json_schema(2, plan_budget(llm, 2, _cfg().plan_max_tokens))
+    assert params.max_tokens == _cfg().plan_max_tokens
     assert "Question: What books has Melanie read?" in prompt[0]["content"]
     row = t.to_pylist()[0]
     assert (row["operation"], row["d"], row["f"], row["profile"]) == ("aggregation", True, False, "compose")
@@ -246,3 +253,43 @@ def test_relative_times_need_a_date() -> None:
     assert time_interval("july 2023", None) == _days(date(2023, 7, 1), date(2023, 7, 31))
     assert plan_llm_free("How many graduation ceremonies have I attended in the past three months?",
                          2).time_constraints == ["past three months"]
+
+
+# -- the budgeted schema (issue 28 item 3: a plan that fits plan_max_tokens, valid by construction) ------------
+
+
+class _ThreeCharTokens(FakeLLM):
+    """A tokenizer of 3 characters per token: the budget's assumption for the strings."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda p, n: "")
+
+    def count_tokens(self, text: str) -> int:
+        return -(-len(text) // 3)
+
+
+def _largest_plan(schema: dict) -> str:
+    p = schema["properties"]
+
+    def most(name: str) -> list[str]:
+        return ["x" * p[name]["items"]["maxLength"]] * p[name]["maxItems"]
+
+    return json.dumps({"entities": most("entities"), "time_constraints": most("time_constraints"),
+                       "operation": max(p["operation"]["enum"], key=len), "d": False, "f": False,
+                       "rewrites": most("rewrites")})
+
+
+def test_the_largest_plan_the_budgeted_schema_allows_fits_the_output_budget() -> None:
+    llm = _ThreeCharTokens()
+    for max_tokens in (96, 128, 160, 256, 512, 1024):
+        budget = plan_budget(llm, 2, max_tokens)
+        assert llm.count_tokens(_largest_plan(plan_json_schema(2, budget))) <= max_tokens, (max_tokens, budget)
+    assert plan_budget(llm, 2, 1024) == PlanBudget(PLAN_SCHEMA_ITEMS, PLAN_ITEM_CHARS, PLAN_REWRITE_CHARS, 2)
+    small = plan_budget(llm, 2, 128)
+    assert small.item_chars < PLAN_ITEM_CHARS and small.rewrite_chars < PLAN_REWRITE_CHARS
+    # without a budget: the validator's bounds, strings unbounded (what other callers check a reply against)
+    assert "maxLength" not in plan_json_schema(2)["properties"]["rewrites"]["items"]
+
+
+def test_the_planner_key_names_the_prompt_and_the_schema() -> None:
+    assert f"|{LLM_PLANNER_VERSION}|" in planner_key(_cfg(), "m") and "plan-schema-v2-" in LLM_PLANNER_VERSION

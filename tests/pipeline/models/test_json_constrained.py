@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 
-from memgas.pipeline.justmem.extract import Turn, cards_json_schema
+from memgas.pipeline.justmem.extract import Turn, card_budget, session_cards_schema
 from memgas.pipeline.justmem.plan import plan_json_schema, validate_plan
 from memgas.pipeline.models.base import SamplingParams
 from memgas.pipeline.models.openai_http import OpenAIHTTPLLM
@@ -44,10 +44,11 @@ def test_smollm2_plans_are_schema_valid_by_construction(smollm) -> None:
 
 @pytest.mark.slow
 def test_smollm2_cards_are_schema_valid_by_construction(smollm) -> None:
-    schema = cards_json_schema()
+    # the session's schema: its turn numbers, and at most the cards whose JSON fits the 256 output tokens
+    schema = session_cards_schema(TURNS, card_budget(smollm, TURNS, 256))
     prompt = justmem_extract_prompt(justmem_numbered_turns([(t.turn_index, t.role, t.content) for t in TURNS]),
                                     "conversation")
-    r = smollm.generate([prompt], SamplingParams(max_tokens=1024, json_schema=schema))[0]
+    r = smollm.generate([prompt], SamplingParams(max_tokens=256, json_schema=schema))[0]
     assert r.ok and r.finish_reason == "stop", (r.error, r.text)
     # schema-valid; grounding and turn numbers are checks no JSON schema expresses (validate_cards, then repair)
     assert _valid(r.text, schema)["cards"]
