@@ -34,7 +34,7 @@ class NodeBlocks:
     """The first ``n_rows`` node vectors of one history (float32 ``[n_rows, dim]``) in blocks of
     ``block_rows`` rows. Only the last fetched block is kept; every read returns a new aligned, writeable
     float32 array (Ray's views are read-only and may be unaligned: NumPy would then skip BLAS and sum
-    another way, see ``memgas.jobs.stages.shards.owned``). ``keep``: an object the handles need alive
+    another way, see the job's ``owned`` in jobs/stages/shards.py). ``keep``: an object the handles need alive
     (the driver's spill directory); it is not pickled."""
 
     def __init__(self, blocks: Sequence[Any], block_rows: int, n_rows: int, dim: int, keep: Any = None) -> None:

@@ -33,11 +33,16 @@ def _valid(text: str, schema: dict) -> dict:
     return obj
 
 
+@pytest.fixture(scope="module")
+def plans(smollm) -> list:
+    """The plan prompts decoded once in-process under the plan schema (the plan and server tests read them)."""
+    return smollm.generate(_plan_prompts(), SamplingParams(max_tokens=256, json_schema=plan_json_schema(2)))
+
+
 @pytest.mark.slow
-def test_smollm2_plans_are_schema_valid_by_construction(smollm) -> None:
+def test_smollm2_plans_are_schema_valid_by_construction(plans) -> None:
     schema = plan_json_schema(2)
-    out = smollm.generate(_plan_prompts(), SamplingParams(max_tokens=256, json_schema=schema))
-    for r in out:
+    for r in plans:
         assert r.ok and r.finish_reason == "stop" and r.extra["json_schema"] == "enforced", (r.error, r.text)
         validate_plan(_valid(r.text, schema), 2)
 
@@ -66,8 +71,9 @@ def test_constrained_batch_matches_one_by_one(smollm) -> None:
 
 
 @pytest.mark.slow
-def test_memgas_serve_honours_response_format_json_schema(smollm) -> None:
-    """The OpenAI client sends ``response_format: {type: json_schema}``; the server passes it to the backend."""
+def test_memgas_serve_honours_response_format_json_schema(smollm, plans) -> None:
+    """The OpenAI client sends ``response_format: {type: json_schema}``; the server passes it to the backend,
+    whose reply is the in-process one's (a row's allowed tokens depend on that row alone)."""
     schema = plan_json_schema(2)
     srv, _ = serve_in_thread(smollm)
     try:
@@ -78,3 +84,4 @@ def test_memgas_serve_honours_response_format_json_schema(smollm) -> None:
         srv.server_close()
     assert r.ok and r.finish_reason == "stop", (r.error, r.text)
     validate_plan(_valid(r.text, schema), 2)
+    assert r.text == plans[0].text
