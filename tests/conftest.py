@@ -6,6 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 # OpenMP threads (torch's intra-op pool) that wait for work by sleeping, not spinning: the suite runs the
@@ -44,7 +49,8 @@ SAMPLE_COUNTS: dict[str, int] = _locomo_counts(SAMPLE_LOCOMO)
 #: `--dist loadfile` hands each worker whole files in queue order; with the longest last (its default
 #: orders files by their number of tests, which put the few-but-slow Ray and kill tests at the end), one
 #: worker idled for minutes while the other finished it. `make test` passes `--no-loadscope-reorder` so the
-#: queue keeps this order. Order only: every test still runs, in its file's own order.
+#: queue keeps this order. Order only: every test still runs, in its file's own order. tests/test_gpu_stack.py
+#: is not listed: collected last, its resolver test then finds pip's background resolution (below) finished.
 LONGEST_FIRST = (
     "tests/jobs/test_ray_cluster.py",
     "tests/jobs/test_resume.py",
@@ -52,7 +58,6 @@ LONGEST_FIRST = (
     "tests/pipeline/models/test_gguf_cache.py",
     "tests/jobs/test_stages.py",
     "tests/jobs/test_justmem_stages.py",
-    "tests/test_gpu_stack.py",
     "tests/pipeline/models/test_encoders.py",
     "tests/jobs/test_exit_codes.py",
     "tests/jobs/test_runner_faults.py",
@@ -66,3 +71,47 @@ def pytest_collection_modifyitems(session: object, config: object, items: list) 
     rank = {f: i for i, f in enumerate(LONGEST_FIRST)}
     order = {id(item): n for n, item in enumerate(items)}
     items.sort(key=lambda item: (rank.get(item.nodeid.split("::")[0], len(rank)), order[id(item)]))
+
+
+# -- pip's resolution of the gpu extra, started in the background at the suite's start --------------------------
+# tests/test_gpu_stack.py's resolver test waits on the package index for minutes with almost no CPU. Started
+# here, in the process that hands out the files (xdist's controller, or the only process), it runs while the
+# other tests do, and the test only reads its result: no worker waits on the network. Only when the run
+# would select that test (a whole-suite or that file's run, without -k or a marker that drops slow tests).
+GPU_STACK_TEST = REPO / "tests" / "test_gpu_stack.py"
+GPU_EXTRA_PREFETCH_ENV = "MEMGAS_TEST_GPU_EXTRA_PREFETCH"  # as test_gpu_stack.PREFETCH_ENV
+
+
+def _selects_gpu_extra_test(config: object) -> bool:
+    opt = config.option  # type: ignore[attr-defined]
+    if getattr(opt, "keyword", "") or "slow" in (getattr(opt, "markexpr", "") or ""):
+        return False
+    here = Path(config.invocation_params.dir)  # type: ignore[attr-defined]
+    for arg in config.args or [str(REPO / "tests")]:  # type: ignore[attr-defined]
+        path = (here / arg.split("::")[0]).resolve()
+        if path == GPU_STACK_TEST or path in GPU_STACK_TEST.parents:
+            return "::" not in arg or arg.split("::")[1].startswith("test_gpu_extra")
+    return False
+
+
+def pytest_configure(config: object) -> None:
+    if hasattr(config, "workerinput") or os.environ.get(GPU_EXTRA_PREFETCH_ENV) or not _selects_gpu_extra_test(config):
+        return
+    out = Path(tempfile.mkdtemp(prefix="memgas-gpu-extra-"))
+    proc = subprocess.Popen([sys.executable, str(GPU_STACK_TEST), str(out)], cwd=REPO, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    (out / "started").write_text(str(proc.pid))
+    os.environ[GPU_EXTRA_PREFETCH_ENV] = str(out)  # xdist's workers start later, with this environment
+    config._memgas_gpu_extra = (proc, out)  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: object) -> None:
+    started = getattr(config, "_memgas_gpu_extra", None)
+    if started is None:
+        return
+    proc, out = started
+    if proc.poll() is None:  # the run ended (or was interrupted) first: pip and its children go too
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    os.environ.pop(GPU_EXTRA_PREFETCH_ENV, None)
+    shutil.rmtree(out, ignore_errors=True)
