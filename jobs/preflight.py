@@ -63,10 +63,16 @@ def needs(cfg: MemgasConfig, command: Command, use_ray: bool = False) -> dict[Mo
     """{model: the stages of ``command`` that compute with it}, in pipeline order; ``serve``: the LLM."""
     if command == "serve":
         return {"llm": ("serve",)}
+    from memgas.jobs.runner import unused_stages  # noqa: PLC0415  (runner imports the executor, as here)
+
     ctx = _placeholder_context(cfg, use_ray)
+    ctx.pipeline = S.PIPELINE
+    # a stage the config enables but whose output no running step reads does not run (runner.unused_stages):
+    # what it would compute with is not asked for (JustMem's methods alone need no MemGAS generator's LLM)
+    unused = unused_stages(ctx)
     out: dict[Model, tuple[str, ...]] = {}
     for stage in S.PIPELINE:
-        if stage.name in SLICES[command] and isinstance(stage, Stage):
+        if stage.name in SLICES[command] and isinstance(stage, Stage) and stage.name not in unused:
             for model in stage_models(stage, ctx):
                 out[model] = (*out.get(model, ()), stage.name)
     return {m: out[m] for m in ("encoder", "llm", "kernels") if m in out}

@@ -158,6 +158,22 @@ def test_needs_follow_the_stages_of_each_command() -> None:
                                "reading.enabled=false")
 
 
+
+def test_a_stage_whose_output_nothing_reads_asks_for_nothing() -> None:
+    """A stage the config enables but whose tables no running step reads does not run (runner.unused_stages),
+    so its model is not asked for: JustMem's methods alone run no MemGAS index, whose LLM generator would
+    otherwise refuse an openai backend without a URL. The same setting is refused where the generator runs."""
+    justmem_alone = ("retrieval.methods=[justmem]", "reading.enabled=false", "generation.generator=llm")
+    assert _needs("run", *justmem_alone) == {"encoder": ("card-encode",), "kernels": ("card-rank",)}
+    assert _needs("index", *justmem_alone) == {"encoder": ("card-encode",)}
+    from memgas.jobs import preflight
+
+    no_url = ("llm.backend=openai", "llm.base_url=")
+    preflight.check(MemgasConfig.load(DEMO, [*justmem_alone, *no_url]), "run", use_ray=False)
+    with pytest.raises(ConfigError, match=r"needs llm.base_url .*\(stages generate\)"):
+        preflight.check(MemgasConfig.load(DEMO, ["retrieval.methods=[memgas]", *justmem_alone[1:], *no_url]), "run",
+                        use_ray=False)
+
 def _ray_problems(command: str, *sets: str) -> list[str]:
     from memgas.jobs import preflight
 
