@@ -156,6 +156,10 @@ OTHER_METHODS = ("PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "CONNECT"
 #: client trickling a byte every few seconds (slowloris) never trips a per-read timeout, and would hold its
 #: handler thread for as long as it liked. A Content-Length larger than the body sent ends the same way.
 BODY_TIMEOUT_S = 10.0
+#: Most connections open at once. Each holds a handler thread (idle keep-alive ones for up to
+#: ``BODY_TIMEOUT_S``), so without a bound a client that opens thousands holds as many threads; past it a new
+#: connection is answered 503 ``server_overloaded`` with ``Retry-After`` and closed, as a proxy in front would.
+MAX_CONNECTIONS = 64
 
 
 class BadRequest(Exception):
@@ -174,8 +178,12 @@ class ChatServer(ThreadingHTTPServer):
     allow_reuse_address = True
 
     def __init__(self, addr: tuple[str, int], llm: LLM, faults: Faults | None = None,
-                 aliases: Sequence[str] = ()) -> None:
+                 aliases: Sequence[str] = (), max_connections: int = MAX_CONNECTIONS) -> None:
         super().__init__(addr, _Handler)
+        #: a slot per open connection
+        self.max_connections = max_connections
+        self.connection_slots = threading.BoundedSemaphore(max_connections)
+        self.refused_connections = 0
         self.llm = llm
         self.faults = faults or Faults()
         #: other names a request's ``model`` may give the served model (the config's, e.g. ``smollm2``);
@@ -186,6 +194,39 @@ class ChatServer(ThreadingHTTPServer):
         self.requests = 0
         #: whether the last chat request carried an ``Authorization`` header (tests check the client)
         self.last_authorization: str | None = None
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A handler thread per connection while a slot is free; else a 503 at once (no thread)."""
+        if not self.connection_slots.acquire(blocking=False):
+            self.refused_connections += 1
+            self._refuse(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: its slot is free again
+            self.connection_slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.connection_slots.release()
+
+    def _refuse(self, request: Any) -> None:
+        """OpenAI's error body with 503 on a connection there is no slot for, written from the accepting thread
+        (a few hundred bytes: the socket's buffer takes them), then the connection is closed unread."""
+        body = json.dumps({"error": {"message": f"the server has {self.max_connections} connections open, its limit; "
+                                                "retry later", "type": "server_error", "param": None,
+                                     "code": "server_overloaded"}}).encode("utf-8")
+        head = ("HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nRetry-After: 1\r\nConnection: close\r\n\r\n").encode("ascii")
+        try:
+            request.settimeout(1.0)
+            request.sendall(head + body)
+        except OSError:  # the client is gone or not reading: nothing more is owed to it
+            pass
+        self.shutdown_request(request)
 
     @property
     def url(self) -> str:

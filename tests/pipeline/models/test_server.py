@@ -20,7 +20,7 @@ import pytest
 
 from memgas.pipeline.config import LLMConfig
 from memgas.pipeline.models.llms import SMOLLM2_NAME
-from memgas.pipeline.models.server import EchoLLM, serve_forever_from_config
+from memgas.pipeline.models.server import ChatServer, EchoLLM, serve_forever_from_config
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -445,3 +445,33 @@ def test_a_slow_client_is_answered_once_its_request_takes_longer_than_the_deadli
     else:  # the contract of a body shorter than its Content-Length
         assert (status, err["type"], err["param"]) == (400, "invalid_request_error", "Content-Length")
         assert err["message"] == f"the body did not reach the {len(body)} bytes that Content-Length announced within 1 s"
+
+
+def test_connections_past_the_cap_get_503_and_a_freed_slot_serves_again() -> None:
+    """Each open connection holds a handler thread: past ``max_connections`` a new one is answered 503
+    ``server_overloaded`` at once (JSON body, Retry-After) and closed; once one closes, a request is served."""
+    srv = ChatServer(("127.0.0.1", 0), EchoLLM(), max_connections=2)
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    held = [socket.create_connection(srv.server_address[:2], timeout=30) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + 10
+        while srv.connection_slots._value and time.monotonic() < deadline:  # both accepted, each on its thread
+            time.sleep(0.01)
+        answer = _raw_exchange(srv, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, err = _status_and_error(answer)
+        assert (status, err["code"], err["type"]) == (503, "server_overloaded", "server_error")
+        assert b"Retry-After: 1" in answer and "2 connections open" in err["message"]
+        assert srv.refused_connections == 1
+        held.pop().close()
+        deadline = time.monotonic() + 10
+        while not srv.connection_slots._value and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status, body = _post(srv, json.dumps({"messages": [{"role": "user", "content": "hi there"}]}))
+        assert status == 200 and body["choices"][0]["message"]["content"] == "hi there"
+    finally:
+        for s in held:
+            s.close()
+        srv.shutdown()
+        srv.server_close()
+        t.join(10)
