@@ -43,8 +43,15 @@ from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_mat
 from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks, segments
-from memgas.pipeline.association.blocks import NodeBlocks
-from memgas.pipeline.association.segments import Coverage, Segment, coverage, prefix_digests, split_segment
+from memgas.pipeline.association.blocks import NodeBlocks, is_object_ref
+from memgas.pipeline.association.segments import (
+    Coverage,
+    Segment,
+    coverage,
+    prefix_digests,
+    split_every,
+    split_segment,
+)
 from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, IVF_INDEX, IVF_RECALL, N_GRAN
 
 log = logging.getLogger(__name__)
@@ -189,10 +196,12 @@ class AssociateStage(HistoryShardStage):
         for h in sorted(chain):
             c = chain[h]
             a, s = cov.covered.get(h, 0), len(c) - 1
-            if a < s and uses_ivf(ctx.cfg, s):  # the index is filled in node order: one unit
-                large.append([[h, a, s, c[s]]])
+            if a >= s:
                 continue
-            pieces = split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS) if a < s else []
+            if uses_ivf(ctx.cfg, s):  # each unit rebuilds the index at its first row: fixed, longer units
+                pieces = split_every(a, s, segments.IVF_UNIT_SESSIONS)
+            else:
+                pieces = split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS)
             segs = [[h, x, y, c[y]] for x, y in pieces]
             if len(segs) == 1:
                 small.append(segs[0])
@@ -203,39 +212,46 @@ class AssociateStage(HistoryShardStage):
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         """Each segment's rows see the nodes of its sessions ``[0, end)``: only that prefix is shipped. A
-        prefix longer than one block (``blocks.BLOCK_ROWS`` rows) under the exact search goes as
-        :class:`NodeBlocks` (read, put and fetched block by block: :mod:`memgas.jobs.stages.node_blocks`);
-        a shorter one, or any under IVF (one unit per history, its index filled in node order), as one
-        matrix read with the unit's other histories."""
+        prefix longer than one block (``blocks.BLOCK_ROWS`` rows), exact or IVF, goes as :class:`NodeBlocks`
+        (read, put and fetched block by block: :mod:`memgas.jobs.stages.node_blocks`); a shorter one as one
+        matrix read with the unit's other histories. Under IVF each segment also gets the history's saved
+        index (read and verified once per history and run, put once into Ray's object store), the IVF grid
+        (module constants are the driver's: a task may run in another process) and whether its index is the
+        one to save (the history's last segment only)."""
         segs = unit["segments"]
-        whole = [uses_ivf(ctx.cfg, b) or N_GRAN * b <= blocks.BLOCK_ROWS for _, _, b, _ in segs]
+        whole = [N_GRAN * b <= blocks.BLOCK_ROWS for _, _, b, _ in segs]
         loader = matrix_loader(ctx, sorted({s[0] for s, w in zip(segs, whole) if w})) if any(whole) else None
         keep_blocks(ctx, {s[0] for s, w in zip(segs, whole) if not w})
         out = {"segments": segs,
                "matrices": [node_matrix(loader.get(h))[: N_GRAN * b] if w else history_nodes(ctx, h, N_GRAN * b)
                             for (h, _, b, _), w in zip(segs, whole)]}
         if ctx.cfg.association.search == "ivf":
-            from memgas.pipeline.association.ivf_search import index_sessions
+            from memgas.pipeline.association import ivf_search
 
-            chain = chains(ctx)
-            # the saved index to search (or None), and the identity of the nodes the new one will hold
-            out["indexes"] = [{"saved": self._saved_index(ctx, h, a),
-                               "digest": chain[h][index_sessions(b)]} if uses_ivf(ctx.cfg, b) else None
-                              for h, a, b, _ in segs]
+            chain, grid = chains(ctx), ivf_search.STAGE_BLOCK_SESSIONS
+            # the saved index to start from (or None), the identity of the nodes the new one will hold, and
+            # whether to save it: only the history's last segment's index is current (and kept)
+            out["indexes"] = [{"saved": self._saved_index(ctx, h, a), "grid": grid, "save": b == len(chain[h]) - 1,
+                               "digest": chain[h][ivf_search.index_sessions(b, grid)]} if uses_ivf(ctx.cfg, b)
+                              else None for h, a, b, _ in segs]
         return out
 
     @staticmethod
     def _saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] | None:
         """The history's saved IVF index for rows from session ``start`` on, its part verified first (a part
         whose bytes are not those written is never searched: the task rebuilds the index, and the stats
-        count it); None when there is none to use."""
-        if start == 0:
-            return None
-        if "ivf_saved" not in ctx.scratch:  # the indexes saved before this run: listed once per run
+        count it); None when there is none to use. Every unit of the history in this run starts from the
+        same saved index (it ends at or before the first unit's rows): it is read, verified and counted once
+        (the last history's, kept in the scratch; under Ray its bytes are put once and shared by reference)."""
+        if "ivf_saved" not in ctx.scratch:  # the indexes saved before this run: listed once, before any unit
             ctx.scratch["ivf_saved"] = current_indexes(ctx, tables.prefix(AssociateStage, ctx))
         saved = ctx.scratch["ivf_saved"].get(history)
-        if saved is None:
+        if start == 0 or saved is None:
             return None
+        loaded = ctx.scratch.get("ivf_loaded")
+        if loaded is not None and loaded[0] == history:
+            return loaded[1]
+        ctx.scratch["ivf_loaded"] = (history, None)  # drops the previous history's bytes first
         part, sessions, digest = saved
         if not ctx.bank.verify_part("ivf_index", part):
             log.warning("associate: the saved IVF index of history %s (ivf_index/%s) is damaged; rebuilding it",
@@ -244,10 +260,17 @@ class AssociateStage(HistoryShardStage):
             return None
         t = ctx.bank.read("ivf_index", parts=[part]).filter(pc.equal(pc.field("history_id"), history))
         row = t.slice(t.num_rows - 1).to_pylist()[0]
+        del t
         if row["sessions"] != sessions or row["prefix_digest"] != digest:
             return None
+        data: Any = np.frombuffer(row.pop("index"), np.uint8)
+        if ctx.use_ray:
+            import ray
+
+            data = ray.put(data)
         ctx.scratch["ivf_reused"] = ctx.scratch.get("ivf_reused", 0) + 1
-        return {"sessions": sessions, "dim": row["dim"], "bytes": np.frombuffer(row["index"], np.uint8)}
+        ctx.scratch["ivf_loaded"] = (history, {"sessions": sessions, "dim": row["dim"], "bytes": data})
+        return ctx.scratch["ivf_loaded"][1]
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
@@ -287,14 +310,23 @@ class AssociateStage(HistoryShardStage):
     @staticmethod
     def _ivf_segment(E: np.ndarray, seg: list[Any], meta: dict[str, Any], a: dict[str, Any],
                      out: dict[str, list]) -> Any:
-        """One segment under the IVF search: its candidates; its index (to save) and recall rows go to ``out``."""
+        """One segment under the IVF search: its candidates; its index (to save, when it is the history's
+        last segment) and recall rows go to ``out``. The index at the segment's first row is the saved one
+        (or trained afresh on the exact prefix: the same bits), plus the grid blocks between its end and the
+        segment's rows, which :func:`ivf_rows` adds on its way (coarse lists and add, no search)."""
         from memgas.pipeline.association import ivf_search as I
         h, s0, s1, _ = seg
-        saved = meta["saved"]
-        params = I.stage_params(a["ivf_nlist"], a["ivf_nprobe"], a["ivf_exact_nodes"])
+        saved, grid = meta["saved"], meta.get("grid") or I.STAGE_BLOCK_SESSIONS
+        params = I.stage_params(a["ivf_nlist"], a["ivf_nprobe"], a["ivf_exact_nodes"], grid)
         index = None
         if saved is not None:
-            index = I.index_from_bytes(saved["bytes"], params, d=E.shape[1], ntotal=N_GRAN * saved["sessions"])
+            data = saved["bytes"]
+            if is_object_ref(data):
+                import ray
+
+                data = ray.get(data)
+            index = I.index_from_bytes(data, params, d=E.shape[1], ntotal=N_GRAN * saved["sessions"])
+            del data
         c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
                               min_prior_nodes=a["min_prior_nodes"], params=params)
         approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
@@ -302,11 +334,11 @@ class AssociateStage(HistoryShardStage):
         hits, total = I.candidate_recall(E, c, sample, a["mem_threshold"])
         out["recall"].append({"history_id": h, "first_session": s0, "end_session": s1, "rows": int(sample.size),
                               "hits": hits, "total": total})
-        if index is not None and index.index is not None:
+        if meta.get("save", True) and index is not None and index.index is not None:
             sessions = index.ntotal // N_GRAN
-            if sessions != I.index_sessions(s1):
+            if sessions != I.index_sessions(s1, grid):
                 raise RuntimeError(f"associate: the IVF index of history {h} holds {sessions} sessions, "
-                                   f"expected {I.index_sessions(s1)}")
+                                   f"expected {I.index_sessions(s1, grid)}")
             out["index"].append({"history_id": h, "end_session": s1, "sessions": sessions,
                                  "prefix_digest": meta["digest"], "dim": E.shape[1],
                                  "index": I.index_bytes(index).tobytes()})

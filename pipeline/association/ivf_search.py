@@ -299,18 +299,21 @@ RECALL_SEED = 29
 STAGE_BLOCK_SESSIONS = IVFParams.block_sessions
 
 
-def index_sessions(end_session: int) -> int:
+def index_sessions(end_session: int, grid: int | None = None) -> int:
     """Sessions the stage's saved index holds once the rows of sessions before ``end_session`` are done:
-    the complete grid blocks (:func:`ivf_rows`)."""
-    return end_session // STAGE_BLOCK_SESSIONS * STAGE_BLOCK_SESSIONS
+    the complete grid blocks (:func:`ivf_rows`) of ``grid`` sessions (None: :data:`STAGE_BLOCK_SESSIONS`)."""
+    g = grid or STAGE_BLOCK_SESSIONS
+    return end_session // g * g
 
 
-def stage_params(nlist: int, nprobe: int, exact_nodes: int) -> IVFParams:
+def stage_params(nlist: int, nprobe: int, exact_nodes: int, block_sessions: int | None = None) -> IVFParams:
     """The associate stage's IVF: centroids trained on the exact prefix (so a history is trained once, on
     nodes that never change while it grows), one faiss thread (the job runs one task per core, and k-means
-    and the searches then give the same bits on any machine's thread count)."""
+    and the searches then give the same bits on any machine's thread count: so every unit of one history
+    that trains its own centroids gets the same ones). ``block_sessions``: the grid (None:
+    :data:`STAGE_BLOCK_SESSIONS`; the driver ships its value to the tasks, which may run in other processes)."""
     return IVFParams(nlist=nlist, nprobe=nprobe, train_nodes=exact_nodes, exact_nodes=exact_nodes, threads=1,
-                     block_sessions=STAGE_BLOCK_SESSIONS)
+                     block_sessions=block_sessions or STAGE_BLOCK_SESSIONS)
 
 
 def index_bytes(index: CausalIVF) -> np.ndarray:
