@@ -256,3 +256,104 @@ def test_peak_rss_of_an_append_does_not_grow_with_the_history(tmp_path: Path) ->
     # 48 MiB: below the 72 MiB the longer matrix alone would add (measured spread of the difference: 9-10 MiB
     # in quiet runs, once over 24 MiB on a loaded machine: allocator arenas)
     assert rss[16384] - rss[4096] < 48 * 1024, rss
+
+
+# -- one history cut into several units, exact and IVF ---------------------------------------------------------
+#: the IVF of the cut tests: the first 400 nodes (100 sessions) exact, 8 lists (400 // 39 = 10, capped), 2 probed
+IVF_SMALL = {"search": "ivf", "ivf_exact_nodes": 400, "ivf_nlist": 8, "ivf_nprobe": 2}
+#: sessions per block of the IVF grid in these tests (a saved index after 250 sessions holds 240)
+GRID = 16
+ASSOCIATE_TABLES = ("edges", "edge_segments", "ivf_index", "ivf_recall")
+
+
+def small_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constants that cut a few hundred sessions into several units whose node vectors come in blocks of 16
+    sessions: exact units of about a third of 360 sessions' causal work, IVF units of 96 sessions."""
+    from memgas.pipeline.association import segments
+
+    monkeypatch.setattr(blocks, "BLOCK_ROWS", 64)
+    monkeypatch.setattr(segments, "UNIT_WORK", segments.causal_work(0, 360) // 3)
+    monkeypatch.setattr(segments, "IVF_UNIT_SESSIONS", 96)
+
+
+def associate_ctx(bank: Bank, association: dict[str, Any], use_ray: bool = False) -> StageContext:
+    """A context of the default config with ``association`` fields set (the encoder keys of seeded_bank)."""
+    cfg = MemgasConfig(association={**MemgasConfig().association.model_dump(), **association})
+    return StageContext(cfg, bank, None, use_ray=use_ray)
+
+
+def run_associate(ctx: StageContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The associate stage alone through the runner (plan, units, finish, marker): its plan and stats."""
+    from memgas.jobs import runner
+    from memgas.jobs.profiling import Profiler
+
+    fps = runner.compute_fingerprints(ctx)
+    stage = next(s for s in ctx.pipeline if s.name == "associate")  # the pipeline's own (writers are by identity)
+    units = stage.plan(ctx)  # what run_stage plans (a pure function of the bank)
+    runner.run_stage(stage, ctx, stage.active(ctx), ctx.bank, fps["associate"], Profiler(), {})
+    return units, ctx.stats["associate"]
+
+
+def associate_rows(bank: Bank) -> dict[str, list[tuple]]:
+    """The stage's rows, sorted, table by table (a part's name is its unit's: not compared)."""
+    out = {}
+    for name in ASSOCIATE_TABLES:
+        t = bank.read(name) if bank.parts(name) else None
+        out[name] = [] if t is None else sorted(zip(*(t[c].to_pylist() for c in t.column_names)))
+    return out
+
+
+def copy_parts(src: Bank, dst: Bank) -> None:
+    """The associate stage's parts of ``src`` into ``dst`` (an append's bank: ``src``'s sessions, then more)."""
+    for name in ASSOCIATE_TABLES:
+        for part in src.parts(name):
+            dst.write_part(name, part, src.read(name, parts=[part]))
+
+
+def _segments(units: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
+    return [(h, a, b) for u in units for h, a, b, _ in u["segments"]]
+
+
+@pytest.mark.parametrize("search", ["exact", "ivf"])
+def test_one_history_cut_into_units_equals_one_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    search: str) -> None:
+    """A history of 360 sessions (32-d seeded vectors): one unit of the whole matrix (the default constants),
+    several units of node blocks, and 250 sessions then an append of 110 over the saved state, in several
+    units: the same edges and, under IVF, the same saved index, byte for byte. Under IVF a later unit
+    rebuilds the index at its first row (trains the same centroids, or starts from the saved index, then
+    adds the grid blocks before its rows); only the history's last unit saves it."""
+    from memgas.pipeline.association import ivf_search
+
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    assoc = IVF_SMALL if search == "ivf" else {}
+    one, _ = seeded_bank(tmp_path / "one", {"h": 360})
+    units, _ = run_associate(associate_ctx(one, assoc))
+    assert _segments(units) == [("h", 0, 360)]
+    want = associate_rows(one)
+    assert want["edges"] and bool(want["ivf_index"]) == (search == "ivf")
+
+    small_units(monkeypatch)
+    cut, _ = seeded_bank(tmp_path / "cut", {"h": 360})
+    units, _ = run_associate(associate_ctx(cut, assoc))
+    expect = [(0, 96), (96, 192), (192, 288), (288, 360)] if search == "ivf" else [(0, 192), (192, 256), (256, 360)]
+    assert _segments(units) == [("h", a, b) for a, b in expect]
+    got = associate_rows(cut)
+    assert got["edges"] == want["edges"] and got["ivf_index"] == want["ivf_index"]
+    # the recall sample is per segment (as after an append): up to 256 of each unit's IVF rows (past node 400)
+    ivf_rows = {(a, b): 4 * b - max(4 * a, 400) for a, b in expect if 4 * b > 400 and search == "ivf"}
+    assert [(a, b, n) for _, a, b, n, *_ in got["ivf_recall"]] == [(a, b, min(256, n)) for (a, b), n in ivf_rows.items()]
+
+    first, _ = seeded_bank(tmp_path / "first", {"h": 250})
+    run_associate(associate_ctx(first, assoc))
+    grown, _ = seeded_bank(tmp_path / "grown", {"h": 360})
+    copy_parts(first, grown)
+    units, stats = run_associate(associate_ctx(grown, assoc))
+    expect = [(250, 288), (288, 360)] if search == "ivf" else [(250, 256), (256, 360)]
+    assert _segments(units) == [("h", a, b) for a, b in expect]
+    appended = associate_rows(grown)
+    assert appended["edges"] == want["edges"] and appended["ivf_index"] == want["ivf_index"]
+    if search == "ivf":
+        # both units started from the index saved after 250 sessions (240 of them: 15 grid blocks), read once
+        assert [r[:3] for r in associate_rows(first)["ivf_index"]] == [("h", 250, 240)]
+        assert stats["ivf_index_reused"] == 1 and stats["ivf_index_rebuilt"] == 0
+        assert len(grown.parts("ivf_index")) == 1
