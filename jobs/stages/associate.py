@@ -9,22 +9,43 @@ are recomputed and dropped. The search is always the exact causal one, whose res
 depend on which other rows one call computes (canonical shapes), so the edges of ``A`` then an append of
 ``B`` equal those of one build over ``A + B`` byte for byte.
 
-Node vectors (exact search): a history whose prefix is longer than one block
+Node vectors: a history whose prefix is longer than one block
 (:data:`memgas.pipeline.association.blocks.BLOCK_ROWS` rows) reaches the task as
 :class:`~memgas.pipeline.association.blocks.NodeBlocks`, read from the bank block by block and put into
 Ray's object store once per block (spilled to files in-process, :mod:`memgas.jobs.stages.node_blocks`);
 the task fetches one block at a time. Neither the driver nor a task holds the history's matrix, and the
-edges are those of the whole matrix byte for byte (the search's tiles and chunks are fixed by node ids).
+edges are those of the whole matrix byte for byte (the searches' tiles, chunks and grid blocks are fixed by
+node ids). Both searches: a long history's new rows are cut into several units, one Ray task each.
 
 ``association.search: ivf`` (faiss IVF on the CPU, :func:`memgas.pipeline.association.ivf_search.ivf_rows`):
 rows past a history's first ``ivf_exact_nodes`` nodes search an IVF index trained on those nodes. The index
-is saved per history (table ``ivf_index``, one part per unit, only the newest on a history's chain of
-current segments kept), verified before use (a damaged one is rebuilt, never searched), and walked on a
-fixed grid of session blocks, so an append over the saved index equals a fresh build byte for byte. Such a
-history is one unit (the index is filled in node order; it is not cut into row blocks) and its task gets
-the whole prefix matrix: the bounded-memory path above is the exact search's only. Each unit measures
-its IVF rows' candidate recall against the exact search on a seeded sample (table ``ivf_recall``), which
-``finish`` and the run's metrics.json / report.md report.
+is saved per history (table ``ivf_index``, only the newest on a history's chain of current segments kept),
+verified before use (a damaged one is rebuilt, never searched), and walked on a fixed grid of session
+blocks, so an append over the saved index equals a fresh build byte for byte. Each unit measures its IVF
+rows' candidate recall against the exact search on a seeded sample (table ``ivf_recall``, per segment: up
+to :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS` rows of each unit), which ``finish`` and the
+run's metrics.json / report.md report.
+
+*One IVF history, several units.* The index a row searches holds the complete grid blocks before the
+row's own block, so the units of one history need the index state at their first row. They are not
+chained (the executor runs a plan's units independently, in any order, on any worker, and resumes any
+subset): each unit *rebuilds* that state itself. It starts from the history's saved index when there is one
+(every unit of a run may: it ends at or before the run's first row), else it trains the centroids on the
+exact prefix (seeded k-means, one thread: the same bits in every unit), and then adds the grid blocks
+between the index's end and its rows (coarse lists and add, no search); :func:`ivf_rows` does both on its
+way. Only the history's last unit saves its index: the one a fresh build would save, byte for byte (the
+others would be superseded at once). The price, paid for the parallelism and the bounded units: a unit
+that starts at node ``r`` with no saved index repeats the training (``ivf_exact_nodes x nlist x d``
+multiply-adds per k-means iteration) and the coarse assignment of ``r`` nodes (``r x nlist x d``, one BLAS
+product per grid block). Arithmetic, not measured: a fresh 10^6-session build with the defaults (8 units,
+nlist 2048, d 384, 25 k-means iterations) repeats 7 trainings (~1.3e12 multiply-adds each) and ~1.2e13
+multiply-adds of coarse products, about 4x the coarse products a one-task build computes (3.1e12) and
+more than its SQ8 list scans (~1e13); an append (its units start from the saved index) repeats no
+training and walks only from the saved index on. Units are therefore long and fixed: :data:`~memgas.pipeline.association.segments.IVF_UNIT_SESSIONS`
+(131,072 sessions) per unit, cut at its multiples. A task's memory is then one node block, the unit's candidates and the index, which grows with
+the history (SQ8: ``d + 8`` bytes a node, a quarter of the float32 matrix, more while faiss's lists keep
+spare capacity); a saved index is read, verified and put into the object store once per history and run,
+and every unit of that history shares it.
 """
 
 from __future__ import annotations
