@@ -280,17 +280,16 @@ class AssociateStage(HistoryShardStage):
             ctx.scratch["ivf_rebuilt"] = ctx.scratch.get("ivf_rebuilt", 0) + 1
             return None
         t = ctx.bank.read("ivf_index", parts=[part]).filter(pc.equal(pc.field("history_id"), history))
-        row = t.slice(t.num_rows - 1).to_pylist()[0]
-        del t
-        if row["sessions"] != sessions or row["prefix_digest"] != digest:
+        last = t.num_rows - 1
+        if t["sessions"][last].as_py() != sessions or t["prefix_digest"][last].as_py() != digest:
             return None
-        data: Any = np.frombuffer(row.pop("index"), np.uint8)
+        data: Any = np.frombuffer(t["index"][last].as_buffer(), np.uint8)  # a view of the Arrow buffer, no copy
         if ctx.use_ray:
             import ray
 
             data = ray.put(data)
         ctx.scratch["ivf_reused"] = ctx.scratch.get("ivf_reused", 0) + 1
-        ctx.scratch["ivf_loaded"] = (history, {"sessions": sessions, "dim": row["dim"], "bytes": data})
+        ctx.scratch["ivf_loaded"] = (history, {"sessions": sessions, "dim": t["dim"][last].as_py(), "bytes": data})
         return ctx.scratch["ivf_loaded"][1]
 
     @staticmethod
@@ -325,7 +324,7 @@ class AssociateStage(HistoryShardStage):
         if ivf["recall"]:
             out["ivf_recall"] = pa.Table.from_pylist(ivf["recall"], schema=IVF_RECALL)
         if ivf["index"]:
-            out["ivf_index"] = pa.Table.from_pylist(ivf["index"], schema=IVF_INDEX)
+            out["ivf_index"] = _index_table(ivf["index"])
         return out
 
     @staticmethod
@@ -361,9 +360,8 @@ class AssociateStage(HistoryShardStage):
                 raise RuntimeError(f"associate: the IVF index of history {h} holds {sessions} sessions, "
                                    f"expected {I.index_sessions(s1, grid)}")
             out["index"].append({"history_id": h, "end_session": s1, "sessions": sessions,
-                                 "prefix_digest": meta["digest"], "dim": E.shape[1],
-                                 "index": I.index_bytes(index).tobytes()})
-        return c
+                                 "prefix_digest": meta["digest"], "dim": E.shape[1], "index": I.index_bytes(index)})
+        return c  # the faiss index is freed here: only its bytes stay, until the table is written
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         """Count the current edges (the segmented table's kind dropped every part that is not current)."""
@@ -376,3 +374,15 @@ class AssociateStage(HistoryShardStage):
             out.update(ivf_recall(ctx), ivf_index_reused=ctx.scratch.get("ivf_reused", 0),
                        ivf_index_rebuilt=ctx.scratch.get("ivf_rebuilt", 0))
         return out
+
+
+def _index_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """The ``ivf_index`` rows, their index bytes (uint8 arrays) wrapped by Arrow without a copy when there is
+    one (a long history's unit saves one index: ``Table.from_pylist`` would copy it twice, via bytes)."""
+    blobs = [r["index"] for r in rows]
+    data = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
+    offsets = np.cumsum([0, *(b.size for b in blobs)], dtype=np.int64)
+    index = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(blobs),
+                                             [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    cols = [pa.array([r[f.name] for r in rows], f.type) for f in IVF_INDEX if f.name != "index"]
+    return pa.Table.from_arrays([*cols, index], schema=IVF_INDEX)
