@@ -26,26 +26,26 @@ rows' candidate recall against the exact search on a seeded sample (table ``ivf_
 to :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS` rows of each unit), which ``finish`` and the
 run's metrics.json / report.md report.
 
-*One IVF history, several units.* The index a row searches holds the complete grid blocks before the
-row's own block, so the units of one history need the index state at their first row. They are not
-chained (the executor runs a plan's units independently, in any order, on any worker, and resumes any
-subset): each unit *rebuilds* that state itself. It starts from the history's saved index when there is one
-(every unit of a run may: it ends at or before the run's first row), else it trains the centroids on the
-exact prefix (seeded k-means, one thread: the same bits in every unit), and then adds the grid blocks
-between the index's end and its rows (coarse lists and add, no search); :func:`ivf_rows` does both on its
-way. Only the history's last unit saves its index: the one a fresh build would save, byte for byte (the
-others would be superseded at once). The price, paid for the parallelism and the bounded units: a unit
-that starts at node ``r`` with no saved index repeats the training (``ivf_exact_nodes x nlist x d``
-multiply-adds per k-means iteration) and the coarse assignment of ``r`` nodes (``r x nlist x d``, one BLAS
-product per grid block). Arithmetic, not measured: a fresh 10^6-session build with the defaults (8 units,
-nlist 2048, d 384, 25 k-means iterations) repeats 7 trainings (~1.3e12 multiply-adds each) and ~1.2e13
-multiply-adds of coarse products, about 4x the coarse products a one-task build computes (3.1e12) and
-more than its SQ8 list scans (~1e13); an append (its units start from the saved index) repeats no
-training and walks only from the saved index on. Units are therefore long and fixed: :data:`~memgas.pipeline.association.segments.IVF_UNIT_SESSIONS`
-(131,072 sessions) per unit, cut at its multiples. A task's memory is then one node block, the unit's candidates and the index, which grows with
-the history (SQ8: ``d + 8`` bytes a node, a quarter of the float32 matrix, more while faiss's lists keep
-spare capacity); a saved index is read, verified and put into the object store once per history and run,
-and every unit of that history shares it.
+*One IVF history, several units.* The index a row searches holds the complete grid blocks before the row's
+own block, so the units of one history need the index state at their first row. They are not chained (the
+executor runs a plan's units independently, in any order, on any worker, and resumes any subset): each unit
+*rebuilds* that state itself. It starts from the history's saved index when there is one (every unit of a
+run may: it ends at or before the run's first row), else it trains the centroids on the exact prefix (seeded
+k-means, one thread: the same bits in every unit), and then adds the grid blocks between the index's end and
+its rows (coarse lists and add, no search); :func:`ivf_rows` does both on its way. Only the history's last
+unit saves its index: the one a fresh build would save, byte for byte (the others would be superseded at
+once). The price, paid for the parallelism and the bounded units: a unit that starts at node ``r`` with no
+saved index repeats the training (``ivf_exact_nodes x nlist x d`` multiply-adds per k-means iteration) and
+the coarse assignment of ``r`` nodes (``r x nlist x d``, one BLAS product per grid block). Arithmetic, not
+measured: a fresh 10^6-session build with the defaults (8 units, nlist 2048, d 384, 25 k-means iterations)
+repeats 7 trainings (~1.3e12 multiply-adds each) and ~1.2e13 multiply-adds of coarse products, about 4x the
+coarse products a one-task build computes (3.1e12) and more than its SQ8 list scans (~1e13); an append (its
+units start from the saved index) repeats no training and walks only from the saved index on. Units are
+therefore long and fixed: :data:`~memgas.pipeline.association.segments.IVF_UNIT_SESSIONS` (131,072 sessions)
+per unit, cut at its multiples. A task's memory is then one node block, the unit's candidates and the index,
+which grows with the history (SQ8: ``d + 8`` bytes a node, a quarter of the float32 matrix, more while
+faiss's lists keep spare capacity); a saved index is read, verified and put into the object store once per
+history and run, and every unit of that history shares it.
 """
 
 from __future__ import annotations
@@ -250,6 +250,8 @@ class AssociateStage(HistoryShardStage):
             from memgas.pipeline.association import ivf_search
 
             chain, grid = chains(ctx), ivf_search.STAGE_BLOCK_SESSIONS
+            if "ivf_saved" not in ctx.scratch:  # the indexes saved before this run: listed before any unit is written
+                ctx.scratch["ivf_saved"] = current_indexes(ctx, tables.prefix(AssociateStage, ctx))
             # the saved index to start from (or None), the identity of the nodes the new one will hold, and
             # whether to save it: only the history's last segment's index is current (and kept)
             out["indexes"] = [{"saved": self._saved_index(ctx, h, a), "grid": grid, "save": b == len(chain[h]) - 1,
@@ -264,9 +266,7 @@ class AssociateStage(HistoryShardStage):
         count it); None when there is none to use. Every unit of the history in this run starts from the
         same saved index (it ends at or before the first unit's rows): it is read, verified and counted once
         (the last history's, kept in the scratch; under Ray its bytes are put once and shared by reference)."""
-        if "ivf_saved" not in ctx.scratch:  # the indexes saved before this run: listed once, before any unit
-            ctx.scratch["ivf_saved"] = current_indexes(ctx, tables.prefix(AssociateStage, ctx))
-        saved = ctx.scratch["ivf_saved"].get(history)
+        saved = ctx.scratch["ivf_saved"].get(history)  # listed by inputs before the run's first unit
         if start == 0 or saved is None:
             return None
         loaded = ctx.scratch.get("ivf_loaded")

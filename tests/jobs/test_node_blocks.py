@@ -341,7 +341,8 @@ def test_one_history_cut_into_units_equals_one_unit(tmp_path: Path, monkeypatch:
     assert got["edges"] == want["edges"] and got["ivf_index"] == want["ivf_index"]
     # the recall sample is per segment (as after an append): up to 256 of each unit's IVF rows (past node 400)
     ivf_rows = {(a, b): 4 * b - max(4 * a, 400) for a, b in expect if 4 * b > 400 and search == "ivf"}
-    assert [(a, b, n) for _, a, b, n, *_ in got["ivf_recall"]] == [(a, b, min(256, n)) for (a, b), n in ivf_rows.items()]
+    want_recall = [(a, b, min(256, n)) for (a, b), n in ivf_rows.items()]
+    assert [(a, b, n) for _, a, b, n, *_ in got["ivf_recall"]] == want_recall
 
     first, _ = seeded_bank(tmp_path / "first", {"h": 250})
     run_associate(associate_ctx(first, assoc))

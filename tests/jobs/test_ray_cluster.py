@@ -359,9 +359,10 @@ def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monke
     IVF: associated in one in-process task over its whole matrix (the default constants), then on a real
     two-node cluster cut into several Ray tasks (3 exact units, 4 IVF units) whose node vectors reach them in
     blocks of 16 sessions through the object store. Edges, and under IVF the saved index, are the same
-    bytes; so are those of 250 sessions then an append of 110 over the saved index. The driver is this process (its module constants cut the plan; the IVF grid travels in the
-    payload). Which node ran which task is Ray's choice and is not asserted: with one CPU per node and up
-    to four units in flight, the units are spread over both."""
+    bytes; so are those of 250 sessions then an append of 110 over the saved index. The driver is this
+    process (its module constants cut the plan; the IVF grid travels in the payload). Which node ran which
+    task is Ray's choice and is not asserted: with one CPU per node and up to four units in flight, the
+    units are spread over both."""
     import ray
 
     from memgas.pipeline.association import ivf_search
