@@ -261,3 +261,29 @@ def test_kill_between_the_ivf_units_of_one_history_then_resume_is_byte_identical
         got = {p: (killed.path / table / f"{p}.parquet").read_bytes() for p in Bank(killed.path).parts(table)}
         want = {p: (ref.path / table / f"{p}.parquet").read_bytes() for p in Bank(ref.path).parts(table)}
         assert got == want and got, table
+
+
+@pytest.mark.slow
+def test_ivf_histories_cut_into_units_through_the_cli_equal_one_unit(tmp_path: Path, built: dict[str, Any],
+                                                                     cli: Callable,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real MiniLM vectors through `memgas index`: the fresh bank's association dropped, then rebuilt with each
+    history cut at every 8 sessions (h0: 4 units, h1: 4) and node blocks of 2 sessions. Edges and saved indexes
+    are those of one unit per history, byte for byte."""
+    from memgas.pipeline.association import blocks, ivf_search, segments
+
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    monkeypatch.setattr(segments, "IVF_UNIT_SESSIONS", 8)
+    monkeypatch.setattr(blocks, "BLOCK_ROWS", 8)
+    bank = tmp_path / "bank"
+    shutil.copytree(built["fresh"], bank)
+    b = Bank(bank)
+    for table in ("edges", "edge_segments", "ivf_index", "ivf_recall"):
+        for part in b.parts(table):
+            b.drop_part(table, part)
+    cli("index", str(bank), *CONFIG)
+    segs = sorted(s[:3] for s in _rows(bank, "edge_segments"))
+    assert segs == [("h0", a, min(a + 8, 30)) for a in range(0, 30, 8)] + [("h1", a, min(a + 8, 26))
+                                                                          for a in range(0, 26, 8)]
+    assert _edges(bank) == _edges(built["fresh"])
+    assert _rows(bank, "ivf_index") == _rows(built["fresh"], "ivf_index")
