@@ -9,22 +9,43 @@ are recomputed and dropped. The search is always the exact causal one, whose res
 depend on which other rows one call computes (canonical shapes), so the edges of ``A`` then an append of
 ``B`` equal those of one build over ``A + B`` byte for byte.
 
-Node vectors (exact search): a history whose prefix is longer than one block
+Node vectors: a history whose prefix is longer than one block
 (:data:`memgas.pipeline.association.blocks.BLOCK_ROWS` rows) reaches the task as
 :class:`~memgas.pipeline.association.blocks.NodeBlocks`, read from the bank block by block and put into
 Ray's object store once per block (spilled to files in-process, :mod:`memgas.jobs.stages.node_blocks`);
 the task fetches one block at a time. Neither the driver nor a task holds the history's matrix, and the
-edges are those of the whole matrix byte for byte (the search's tiles and chunks are fixed by node ids).
+edges are those of the whole matrix byte for byte (the searches' tiles, chunks and grid blocks are fixed by
+node ids). Both searches: a long history's new rows are cut into several units, one Ray task each.
 
 ``association.search: ivf`` (faiss IVF on the CPU, :func:`memgas.pipeline.association.ivf_search.ivf_rows`):
 rows past a history's first ``ivf_exact_nodes`` nodes search an IVF index trained on those nodes. The index
-is saved per history (table ``ivf_index``, one part per unit, only the newest on a history's chain of
-current segments kept), verified before use (a damaged one is rebuilt, never searched), and walked on a
-fixed grid of session blocks, so an append over the saved index equals a fresh build byte for byte. Such a
-history is one unit (the index is filled in node order; it is not cut into row blocks) and its task gets
-the whole prefix matrix: the bounded-memory path above is the exact search's only. Each unit measures
-its IVF rows' candidate recall against the exact search on a seeded sample (table ``ivf_recall``), which
-``finish`` and the run's metrics.json / report.md report.
+is saved per history (table ``ivf_index``, only the newest on a history's chain of current segments kept),
+verified before use (a damaged one is rebuilt, never searched), and walked on a fixed grid of session
+blocks, so an append over the saved index equals a fresh build byte for byte. Each unit measures its IVF
+rows' candidate recall against the exact search on a seeded sample (table ``ivf_recall``, per segment: up
+to :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS` rows of each unit), which ``finish`` and the
+run's metrics.json / report.md report.
+
+*One IVF history, several units.* The index a row searches holds the complete grid blocks before the row's
+own block, so the units of one history need the index state at their first row. They are not chained (the
+executor runs a plan's units independently, in any order, on any worker, and resumes any subset): each unit
+*rebuilds* that state itself. It starts from the history's saved index when there is one (every unit of a
+run may: it ends at or before the run's first row), else it trains the centroids on the exact prefix (seeded
+k-means, one thread: the same bits in every unit), and then adds the grid blocks between the index's end and
+its rows (coarse lists and add, no search); :func:`ivf_rows` does both on its way. Only the history's last
+unit saves its index: the one a fresh build would save, byte for byte (the others would be superseded at
+once). The price, paid for the parallelism and the bounded units: a unit that starts at node ``r`` with no
+saved index repeats the training (``ivf_exact_nodes x nlist x d`` multiply-adds per k-means iteration) and
+the coarse assignment of ``r`` nodes (``r x nlist x d``, one BLAS product per grid block). Arithmetic, not
+measured: a fresh 10^6-session build with the defaults (8 units, nlist 2048, d 384, 25 k-means iterations)
+repeats 7 trainings (~1.3e12 multiply-adds each) and ~1.2e13 multiply-adds of coarse products, about 4x the
+coarse products a one-task build computes (3.1e12) and more than its SQ8 list scans (~1e13); an append (its
+units start from the saved index) repeats no training and walks only from the saved index on. Units are
+therefore long and fixed: :data:`~memgas.pipeline.association.segments.IVF_UNIT_SESSIONS` (131,072 sessions)
+per unit, cut at its multiples. A task's memory is then one node block, the unit's candidates and the index,
+which grows with the history (SQ8: ``d + 8`` bytes a node, a quarter of the float32 matrix, more while
+faiss's lists keep spare capacity); a saved index is read, verified and put into the object store once per
+history and run, and every unit of that history shares it.
 """
 
 from __future__ import annotations
@@ -43,8 +64,15 @@ from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_mat
 from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks, segments
-from memgas.pipeline.association.blocks import NodeBlocks
-from memgas.pipeline.association.segments import Coverage, Segment, coverage, prefix_digests, split_segment
+from memgas.pipeline.association.blocks import NodeBlocks, is_object_ref
+from memgas.pipeline.association.segments import (
+    Coverage,
+    Segment,
+    coverage,
+    prefix_digests,
+    split_every,
+    split_segment,
+)
 from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, IVF_INDEX, IVF_RECALL, N_GRAN
 
 log = logging.getLogger(__name__)
@@ -189,10 +217,12 @@ class AssociateStage(HistoryShardStage):
         for h in sorted(chain):
             c = chain[h]
             a, s = cov.covered.get(h, 0), len(c) - 1
-            if a < s and uses_ivf(ctx.cfg, s):  # the index is filled in node order: one unit
-                large.append([[h, a, s, c[s]]])
+            if a >= s:
                 continue
-            pieces = split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS) if a < s else []
+            if uses_ivf(ctx.cfg, s):  # each unit rebuilds the index at its first row: fixed, longer units
+                pieces = split_every(a, s, segments.IVF_UNIT_SESSIONS)
+            else:
+                pieces = split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS)
             segs = [[h, x, y, c[y]] for x, y in pieces]
             if len(segs) == 1:
                 small.append(segs[0])
@@ -203,39 +233,46 @@ class AssociateStage(HistoryShardStage):
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         """Each segment's rows see the nodes of its sessions ``[0, end)``: only that prefix is shipped. A
-        prefix longer than one block (``blocks.BLOCK_ROWS`` rows) under the exact search goes as
-        :class:`NodeBlocks` (read, put and fetched block by block: :mod:`memgas.jobs.stages.node_blocks`);
-        a shorter one, or any under IVF (one unit per history, its index filled in node order), as one
-        matrix read with the unit's other histories."""
+        prefix longer than one block (``blocks.BLOCK_ROWS`` rows), exact or IVF, goes as :class:`NodeBlocks`
+        (read, put and fetched block by block: :mod:`memgas.jobs.stages.node_blocks`); a shorter one as one
+        matrix read with the unit's other histories. Under IVF each segment also gets the history's saved
+        index (read and verified once per history and run, put once into Ray's object store), the IVF grid
+        (module constants are the driver's: a task may run in another process) and whether its index is the
+        one to save (the history's last segment only)."""
         segs = unit["segments"]
-        whole = [uses_ivf(ctx.cfg, b) or N_GRAN * b <= blocks.BLOCK_ROWS for _, _, b, _ in segs]
+        whole = [N_GRAN * b <= blocks.BLOCK_ROWS for _, _, b, _ in segs]
         loader = matrix_loader(ctx, sorted({s[0] for s, w in zip(segs, whole) if w})) if any(whole) else None
         keep_blocks(ctx, {s[0] for s, w in zip(segs, whole) if not w})
         out = {"segments": segs,
                "matrices": [node_matrix(loader.get(h))[: N_GRAN * b] if w else history_nodes(ctx, h, N_GRAN * b)
                             for (h, _, b, _), w in zip(segs, whole)]}
         if ctx.cfg.association.search == "ivf":
-            from memgas.pipeline.association.ivf_search import index_sessions
+            from memgas.pipeline.association import ivf_search
 
-            chain = chains(ctx)
-            # the saved index to search (or None), and the identity of the nodes the new one will hold
-            out["indexes"] = [{"saved": self._saved_index(ctx, h, a),
-                               "digest": chain[h][index_sessions(b)]} if uses_ivf(ctx.cfg, b) else None
-                              for h, a, b, _ in segs]
+            chain, grid = chains(ctx), ivf_search.STAGE_BLOCK_SESSIONS
+            if "ivf_saved" not in ctx.scratch:  # the indexes saved before this run: listed before any unit is written
+                ctx.scratch["ivf_saved"] = current_indexes(ctx, tables.prefix(AssociateStage, ctx))
+            # the saved index to start from (or None), the identity of the nodes the new one will hold, and
+            # whether to save it: only the history's last segment's index is current (and kept)
+            out["indexes"] = [{"saved": self._saved_index(ctx, h, a), "grid": grid, "save": b == len(chain[h]) - 1,
+                               "digest": chain[h][ivf_search.index_sessions(b, grid)]} if uses_ivf(ctx.cfg, b)
+                              else None for h, a, b, _ in segs]
         return out
 
     @staticmethod
     def _saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] | None:
         """The history's saved IVF index for rows from session ``start`` on, its part verified first (a part
         whose bytes are not those written is never searched: the task rebuilds the index, and the stats
-        count it); None when there is none to use."""
-        if start == 0:
+        count it); None when there is none to use. Every unit of the history in this run starts from the
+        same saved index (it ends at or before the first unit's rows): it is read, verified and counted once
+        (the last history's, kept in the scratch; under Ray its bytes are put once and shared by reference)."""
+        saved = ctx.scratch["ivf_saved"].get(history)  # listed by inputs before the run's first unit
+        if start == 0 or saved is None:
             return None
-        if "ivf_saved" not in ctx.scratch:  # the indexes saved before this run: listed once per run
-            ctx.scratch["ivf_saved"] = current_indexes(ctx, tables.prefix(AssociateStage, ctx))
-        saved = ctx.scratch["ivf_saved"].get(history)
-        if saved is None:
-            return None
+        loaded = ctx.scratch.get("ivf_loaded")
+        if loaded is not None and loaded[0] == history:
+            return loaded[1]
+        ctx.scratch["ivf_loaded"] = (history, None)  # drops the previous history's bytes first
         part, sessions, digest = saved
         if not ctx.bank.verify_part("ivf_index", part):
             log.warning("associate: the saved IVF index of history %s (ivf_index/%s) is damaged; rebuilding it",
@@ -243,11 +280,17 @@ class AssociateStage(HistoryShardStage):
             ctx.scratch["ivf_rebuilt"] = ctx.scratch.get("ivf_rebuilt", 0) + 1
             return None
         t = ctx.bank.read("ivf_index", parts=[part]).filter(pc.equal(pc.field("history_id"), history))
-        row = t.slice(t.num_rows - 1).to_pylist()[0]
-        if row["sessions"] != sessions or row["prefix_digest"] != digest:
+        last = t.num_rows - 1
+        if t["sessions"][last].as_py() != sessions or t["prefix_digest"][last].as_py() != digest:
             return None
+        data: Any = np.frombuffer(t["index"][last].as_buffer(), np.uint8)  # a view of the Arrow buffer, no copy
+        if ctx.use_ray:
+            import ray
+
+            data = ray.put(data)
         ctx.scratch["ivf_reused"] = ctx.scratch.get("ivf_reused", 0) + 1
-        return {"sessions": sessions, "dim": row["dim"], "bytes": np.frombuffer(row["index"], np.uint8)}
+        ctx.scratch["ivf_loaded"] = (history, {"sessions": sessions, "dim": t["dim"][last].as_py(), "bytes": data})
+        return ctx.scratch["ivf_loaded"][1]
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
@@ -281,20 +324,29 @@ class AssociateStage(HistoryShardStage):
         if ivf["recall"]:
             out["ivf_recall"] = pa.Table.from_pylist(ivf["recall"], schema=IVF_RECALL)
         if ivf["index"]:
-            out["ivf_index"] = pa.Table.from_pylist(ivf["index"], schema=IVF_INDEX)
+            out["ivf_index"] = _index_table(ivf["index"])
         return out
 
     @staticmethod
     def _ivf_segment(E: np.ndarray, seg: list[Any], meta: dict[str, Any], a: dict[str, Any],
                      out: dict[str, list]) -> Any:
-        """One segment under the IVF search: its candidates; its index (to save) and recall rows go to ``out``."""
+        """One segment under the IVF search: its candidates; its index (to save, when it is the history's
+        last segment) and recall rows go to ``out``. The index at the segment's first row is the saved one
+        (or trained afresh on the exact prefix: the same bits), plus the grid blocks between its end and the
+        segment's rows, which :func:`ivf_rows` adds on its way (coarse lists and add, no search)."""
         from memgas.pipeline.association import ivf_search as I
         h, s0, s1, _ = seg
-        saved = meta["saved"]
-        params = I.stage_params(a["ivf_nlist"], a["ivf_nprobe"], a["ivf_exact_nodes"])
+        saved, grid = meta["saved"], meta.get("grid") or I.STAGE_BLOCK_SESSIONS
+        params = I.stage_params(a["ivf_nlist"], a["ivf_nprobe"], a["ivf_exact_nodes"], grid)
         index = None
         if saved is not None:
-            index = I.index_from_bytes(saved["bytes"], params, d=E.shape[1], ntotal=N_GRAN * saved["sessions"])
+            data = saved["bytes"]
+            if is_object_ref(data):
+                import ray
+
+                data = ray.get(data)
+            index = I.index_from_bytes(data, params, d=E.shape[1], ntotal=N_GRAN * saved["sessions"])
+            del data
         c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
                               min_prior_nodes=a["min_prior_nodes"], params=params)
         approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
@@ -302,15 +354,14 @@ class AssociateStage(HistoryShardStage):
         hits, total = I.candidate_recall(E, c, sample, a["mem_threshold"])
         out["recall"].append({"history_id": h, "first_session": s0, "end_session": s1, "rows": int(sample.size),
                               "hits": hits, "total": total})
-        if index is not None and index.index is not None:
+        if meta.get("save", True) and index is not None and index.index is not None:
             sessions = index.ntotal // N_GRAN
-            if sessions != I.index_sessions(s1):
+            if sessions != I.index_sessions(s1, grid):
                 raise RuntimeError(f"associate: the IVF index of history {h} holds {sessions} sessions, "
-                                   f"expected {I.index_sessions(s1)}")
+                                   f"expected {I.index_sessions(s1, grid)}")
             out["index"].append({"history_id": h, "end_session": s1, "sessions": sessions,
-                                 "prefix_digest": meta["digest"], "dim": E.shape[1],
-                                 "index": I.index_bytes(index).tobytes()})
-        return c
+                                 "prefix_digest": meta["digest"], "dim": E.shape[1], "index": I.index_bytes(index)})
+        return c  # the faiss index is freed here: only its bytes stay, until the table is written
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         """Count the current edges (the segmented table's kind dropped every part that is not current)."""
@@ -323,3 +374,15 @@ class AssociateStage(HistoryShardStage):
             out.update(ivf_recall(ctx), ivf_index_reused=ctx.scratch.get("ivf_reused", 0),
                        ivf_index_rebuilt=ctx.scratch.get("ivf_rebuilt", 0))
         return out
+
+
+def _index_table(rows: list[dict[str, Any]]) -> pa.Table:
+    """The ``ivf_index`` rows, their index bytes (uint8 arrays) wrapped by Arrow without a copy when there is
+    one (a long history's unit saves one index: ``Table.from_pylist`` would copy it twice, via bytes)."""
+    blobs = [r["index"] for r in rows]
+    data = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
+    offsets = np.cumsum([0, *(b.size for b in blobs)], dtype=np.int64)
+    index = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(blobs),
+                                             [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    cols = [pa.array([r[f.name] for r in rows], f.type) for f in IVF_INDEX if f.name != "index"]
+    return pa.Table.from_arrays([*cols, index], schema=IVF_INDEX)

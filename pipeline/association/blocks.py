@@ -26,7 +26,8 @@ from memgas.pipeline.schema import N_GRAN
 BLOCK_ROWS = COL_CHUNK
 
 
-def _is_ref(handle: Any) -> bool:
+def is_object_ref(handle: Any) -> bool:
+    """Whether ``handle`` is a Ray ``ObjectRef`` (checked by name: Ray is imported only where one is fetched)."""
     return type(handle).__name__ == "ObjectRef" and type(handle).__module__.startswith("ray")
 
 
@@ -61,7 +62,7 @@ class NodeBlocks:
         if self._cached is not None and self._cached[0] == i:
             return self._cached[1]
         h = self.blocks[i]
-        if _is_ref(h):
+        if is_object_ref(h):
             import ray
 
             h = ray.get(h)

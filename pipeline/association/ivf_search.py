@@ -299,33 +299,61 @@ RECALL_SEED = 29
 STAGE_BLOCK_SESSIONS = IVFParams.block_sessions
 
 
-def index_sessions(end_session: int) -> int:
+def index_sessions(end_session: int, grid: int | None = None) -> int:
     """Sessions the stage's saved index holds once the rows of sessions before ``end_session`` are done:
-    the complete grid blocks (:func:`ivf_rows`)."""
-    return end_session // STAGE_BLOCK_SESSIONS * STAGE_BLOCK_SESSIONS
+    the complete grid blocks (:func:`ivf_rows`) of ``grid`` sessions (None: :data:`STAGE_BLOCK_SESSIONS`)."""
+    g = grid or STAGE_BLOCK_SESSIONS
+    return end_session // g * g
 
 
-def stage_params(nlist: int, nprobe: int, exact_nodes: int) -> IVFParams:
+def stage_params(nlist: int, nprobe: int, exact_nodes: int, block_sessions: int | None = None) -> IVFParams:
     """The associate stage's IVF: centroids trained on the exact prefix (so a history is trained once, on
     nodes that never change while it grows), one faiss thread (the job runs one task per core, and k-means
-    and the searches then give the same bits on any machine's thread count)."""
+    and the searches then give the same bits on any machine's thread count: so every unit of one history
+    that trains its own centroids gets the same ones). ``block_sessions``: the grid (None:
+    :data:`STAGE_BLOCK_SESSIONS`; the driver ships its value to the tasks, which may run in other processes)."""
     return IVFParams(nlist=nlist, nprobe=nprobe, train_nodes=exact_nodes, exact_nodes=exact_nodes, threads=1,
-                     block_sessions=STAGE_BLOCK_SESSIONS)
+                     block_sessions=block_sessions or STAGE_BLOCK_SESSIONS)
 
 
 def index_bytes(index: CausalIVF) -> np.ndarray:
-    """The faiss index (centroids, quantiser, lists) as uint8 bytes (``faiss.serialize_index``; no pickle)."""
+    """The faiss index (centroids, quantiser, lists) as uint8 bytes: ``faiss.serialize_index``'s bytes (no
+    pickle), written through a callback into one growing ``bytearray`` (the returned array is a view of it).
+    ``serialize_index`` fills a ``std::vector`` and returns a NumPy copy of it: twice the index beside the
+    index while the last unit of a long history saves it."""
     import faiss
 
-    return faiss.serialize_index(index.index)
+    out = bytearray()
+
+    def write(chunk: bytes) -> int:
+        out.extend(chunk)
+        return len(chunk)
+
+    writer = faiss.PyCallbackIOWriter(write)
+    faiss.write_index(index.index, writer)
+    del writer
+    return np.frombuffer(out, np.uint8)
 
 
 def index_from_bytes(data: Any, params: IVFParams, *, d: int, ntotal: int) -> CausalIVF:
     """An index stored by :func:`index_bytes`, checked against what its row says it holds (dimension,
-    nodes): bytes that deserialise to another index raise instead of being searched."""
+    nodes): bytes that deserialise to another index raise instead of being searched. ``data`` (bytes, an
+    array, a read-only view into Ray's object store) is read in place, a chunk at a time, through a
+    callback (``deserialize_index`` would copy it whole into a ``std::vector`` first)."""
     import faiss
 
-    owner = faiss.deserialize_index(np.frombuffer(data, np.uint8).copy())  # writeable (Ray's are read-only)
+    arr = np.frombuffer(data, np.uint8)
+    at = 0
+
+    def read(n: int) -> bytes:
+        nonlocal at
+        chunk = arr[at : at + n].tobytes()
+        at += len(chunk)
+        return chunk
+
+    reader = faiss.PyCallbackIOReader(read)
+    owner = faiss.read_index(reader)
+    del reader
     raw = faiss.downcast_index(owner)
     owner.this.disown()  # the downcast wrapper owns the C++ index from here on (else it is freed with ``owner``)
     raw.this.acquire()

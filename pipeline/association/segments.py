@@ -12,7 +12,8 @@ stores its edges per *segment* ``(history, a, b, prefix digest of sessions [0, b
 * :func:`coverage`: which stored parts are current (every segment they hold continues its history's
   chain of valid segments from session 0) and how many sessions of each history they cover;
 * :func:`split_segment`: a huge history's new rows cut into row blocks of about equal causal work (one
-  Ray task each; the edges do not depend on the cuts).
+  Ray task each; the edges do not depend on the cuts); :func:`split_every`: the cut of the rows searched
+  by IVF (``association.search: ivf``), at fixed multiples of :data:`IVF_UNIT_SESSIONS` sessions.
 
 Everything here is a pure function of tables and lists, so it is tested without running a stage.
 """
@@ -36,6 +37,11 @@ Segment = tuple[str, int, int, str]
 UNIT_WORK = 1 << 33
 #: sessions per causal tile (``association.CAUSAL_BLOCK_SESSIONS``): cuts fall on tile edges
 TILE_SESSIONS = 64
+#: sessions per unit of a history's rows past its exact prefix under ``association.search: ivf`` (524,288
+#: rows: their candidates take ~0.27 GB). Each such unit rebuilds the index at its first row (trains the
+#: centroids unless a saved index is there, then adds the nodes before its rows), so fewer, longer units cost
+#: less CPU in all and more units spread one history over more workers: 8 units at 10^6 sessions.
+IVF_UNIT_SESSIONS = 1 << 17
 
 
 def prefix_digests(nodes: pa.Table, seed: str) -> dict[str, list[str]]:
@@ -137,3 +143,11 @@ def split_segment(a: int, b: int, unit_work: int = UNIT_WORK, tile: int = TILE_S
             cuts.add(s)
     c = sorted(cuts)
     return list(zip(c[:-1], c[1:]))
+
+
+def split_every(a: int, b: int, unit: int) -> list[tuple[int, int]]:
+    """``[a, b)`` cut at every multiple of ``unit`` sessions between them: cuts fixed by session ids, so a
+    history's units cover the same sessions whatever its length (an append adds units, it moves no cut)."""
+    u = max(1, int(unit))
+    cuts = [a, *range((a // u + 1) * u, b, u), b] if a < b else []
+    return list(zip(cuts[:-1], cuts[1:]))

@@ -201,3 +201,89 @@ def test_recall_of_rows_whose_exact_neighbours_are_known() -> None:
                     "hits": 176 * 30 - missed, "total": 176 * 30}]
     idx = out["ivf_index"].to_pylist()
     assert [(r["history_id"], r["end_session"], r["sessions"], r["prefix_digest"]) for r in idx] == [("h", 64, 0, "d0")]
+
+
+#: the associate stage alone (through the runner) on the seeded bank at argv[1] under the IVF of argv[2], with
+#: the constants of test_node_blocks' cut tests: 4 units of one 360-session history, blocks of 16 sessions
+_ASSOCIATE_SCRIPT = """
+import json, sys
+from memgas.jobs import runner
+from memgas.jobs.profiling import Profiler
+from memgas.jobs.stage import StageContext
+from memgas.pipeline.association import blocks, ivf_search, segments
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.config import MemgasConfig
+blocks.BLOCK_ROWS, segments.IVF_UNIT_SESSIONS, ivf_search.STAGE_BLOCK_SESSIONS = 64, 96, 16
+cfg = MemgasConfig(association={**MemgasConfig().association.model_dump(), **json.loads(sys.argv[2])})
+ctx = StageContext(cfg, Bank(sys.argv[1]), None, use_ray=False)
+fps = runner.compute_fingerprints(ctx)
+stage = next(s for s in ctx.pipeline if s.name == "associate")
+runner.run_stage(stage, ctx, stage.active(ctx), ctx.bank, fps["associate"], Profiler(), {})
+"""
+
+
+@pytest.mark.slow  # three processes on a 360-session seeded bank: ~15 s on 2 cores
+def test_kill_between_the_ivf_units_of_one_history_then_resume_is_byte_identical(
+        tmp_path: Path, memgas_exe: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One history cut into 4 units (the first exact only): a real process killed after its second unit's
+    parts, then resumed. The third unit starts past the exact prefix with no saved index (only the last
+    unit saves one): it trains the centroids and adds the nodes before its rows itself. Every part's bytes
+    are those of an uninterrupted build of the same plan."""
+    import sys
+
+    from memgas.pipeline.association import ivf_search
+
+    from .test_node_blocks import (
+        ASSOCIATE_TABLES,
+        GRID,
+        IVF_SMALL,
+        associate_ctx,
+        run_associate,
+        seeded_bank,
+        small_units,
+    )
+
+    _, env, repo = memgas_exe
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    small_units(monkeypatch)
+    ref, _ = seeded_bank(tmp_path / "ref", {"h": 360})
+    units, _ = run_associate(associate_ctx(ref, IVF_SMALL))
+    assert [s[1:3] for u in units for s in u["segments"]] == [[0, 96], [96, 192], [192, 288], [288, 360]]
+    killed, _ = seeded_bank(tmp_path / "killed", {"h": 360})
+    cmd = [sys.executable, "-c", _ASSOCIATE_SCRIPT, str(killed.path), json.dumps(IVF_SMALL)]
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300,
+                          env={**env, "MEMGAS_FAULT": "kill@associate:unit-done#2"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert len(Bank(killed.path).parts("edge_segments")) == 2 and not Bank(killed.path).parts("ivf_index")
+    proc = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for table in ASSOCIATE_TABLES:
+        got = {p: (killed.path / table / f"{p}.parquet").read_bytes() for p in Bank(killed.path).parts(table)}
+        want = {p: (ref.path / table / f"{p}.parquet").read_bytes() for p in Bank(ref.path).parts(table)}
+        assert got == want and got, table
+
+
+@pytest.mark.slow
+def test_ivf_histories_cut_into_units_through_the_cli_equal_one_unit(tmp_path: Path, built: dict[str, Any],
+                                                                     cli: Callable,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Real MiniLM vectors through `memgas index`: the fresh bank's association dropped, then rebuilt with each
+    history cut at every 8 sessions (h0: 4 units, h1: 4) and node blocks of 2 sessions. Edges and saved indexes
+    are those of one unit per history, byte for byte."""
+    from memgas.pipeline.association import blocks, ivf_search, segments
+
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    monkeypatch.setattr(segments, "IVF_UNIT_SESSIONS", 8)
+    monkeypatch.setattr(blocks, "BLOCK_ROWS", 8)
+    bank = tmp_path / "bank"
+    shutil.copytree(built["fresh"], bank)
+    b = Bank(bank)
+    for table in ("edges", "edge_segments", "ivf_index", "ivf_recall"):
+        for part in b.parts(table):
+            b.drop_part(table, part)
+    cli("index", str(bank), *CONFIG)
+    segs = sorted(s[:3] for s in _rows(bank, "edge_segments"))
+    assert segs == [("h0", a, min(a + 8, 30)) for a in range(0, 30, 8)] + [("h1", a, min(a + 8, 26))
+                                                                          for a in range(0, 26, 8)]
+    assert _edges(bank) == _edges(built["fresh"])
+    assert _rows(bank, "ivf_index") == _rows(built["fresh"], "ivf_index")

@@ -256,3 +256,161 @@ def test_peak_rss_of_an_append_does_not_grow_with_the_history(tmp_path: Path) ->
     # 48 MiB: below the 72 MiB the longer matrix alone would add (measured spread of the difference: 9-10 MiB
     # in quiet runs, once over 24 MiB on a loaded machine: allocator arenas)
     assert rss[16384] - rss[4096] < 48 * 1024, rss
+
+
+# -- one history cut into several units, exact and IVF ---------------------------------------------------------
+#: the IVF of the cut tests: the first 400 nodes (100 sessions) exact, 8 lists (400 // 39 = 10, capped), 2 probed
+IVF_SMALL = {"search": "ivf", "ivf_exact_nodes": 400, "ivf_nlist": 8, "ivf_nprobe": 2}
+#: sessions per block of the IVF grid in these tests (a saved index after 250 sessions holds 240)
+GRID = 16
+ASSOCIATE_TABLES = ("edges", "edge_segments", "ivf_index", "ivf_recall")
+
+
+def small_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Constants that cut a few hundred sessions into several units whose node vectors come in blocks of 16
+    sessions: exact units of about a third of 360 sessions' causal work, IVF units of 96 sessions."""
+    from memgas.pipeline.association import segments
+
+    monkeypatch.setattr(blocks, "BLOCK_ROWS", 64)
+    monkeypatch.setattr(segments, "UNIT_WORK", segments.causal_work(0, 360) // 3)
+    monkeypatch.setattr(segments, "IVF_UNIT_SESSIONS", 96)
+
+
+def associate_ctx(bank: Bank, association: dict[str, Any], use_ray: bool = False) -> StageContext:
+    """A context of the default config with ``association`` fields set (the encoder keys of seeded_bank)."""
+    cfg = MemgasConfig(association={**MemgasConfig().association.model_dump(), **association})
+    return StageContext(cfg, bank, None, use_ray=use_ray)
+
+
+def run_associate(ctx: StageContext) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The associate stage alone through the runner (plan, units, finish, marker): its plan and stats."""
+    from memgas.jobs import runner
+    from memgas.jobs.profiling import Profiler
+
+    fps = runner.compute_fingerprints(ctx)
+    stage = next(s for s in ctx.pipeline if s.name == "associate")  # the pipeline's own (writers are by identity)
+    units = stage.plan(ctx)  # what run_stage plans (a pure function of the bank)
+    runner.run_stage(stage, ctx, stage.active(ctx), ctx.bank, fps["associate"], Profiler(), {})
+    return units, ctx.stats["associate"]
+
+
+def associate_rows(bank: Bank) -> dict[str, list[tuple]]:
+    """The stage's rows, sorted, table by table (a part's name is its unit's: not compared)."""
+    out = {}
+    for name in ASSOCIATE_TABLES:
+        t = bank.read(name) if bank.parts(name) else None
+        out[name] = [] if t is None else sorted(zip(*(t[c].to_pylist() for c in t.column_names)))
+    return out
+
+
+def copy_parts(src: Bank, dst: Bank) -> None:
+    """The associate stage's parts of ``src`` into ``dst`` (an append's bank: ``src``'s sessions, then more)."""
+    for name in ASSOCIATE_TABLES:
+        for part in src.parts(name):
+            dst.write_part(name, part, src.read(name, parts=[part]))
+
+
+def _segments(units: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
+    return [(h, a, b) for u in units for h, a, b, _ in u["segments"]]
+
+
+@pytest.mark.parametrize("search", ["exact", "ivf"])
+def test_one_history_cut_into_units_equals_one_unit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    search: str) -> None:
+    """A history of 360 sessions (32-d seeded vectors): one unit of the whole matrix (the default constants),
+    several units of node blocks, and 250 sessions then an append of 110 over the saved state, in several
+    units: the same edges and, under IVF, the same saved index, byte for byte. Under IVF a later unit
+    rebuilds the index at its first row (trains the same centroids, or starts from the saved index, then
+    adds the grid blocks before its rows); only the history's last unit saves it."""
+    from memgas.pipeline.association import ivf_search
+
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    assoc = IVF_SMALL if search == "ivf" else {}
+    one, _ = seeded_bank(tmp_path / "one", {"h": 360})
+    units, _ = run_associate(associate_ctx(one, assoc))
+    assert _segments(units) == [("h", 0, 360)]
+    want = associate_rows(one)
+    assert want["edges"] and bool(want["ivf_index"]) == (search == "ivf")
+
+    small_units(monkeypatch)
+    cut, _ = seeded_bank(tmp_path / "cut", {"h": 360})
+    units, _ = run_associate(associate_ctx(cut, assoc))
+    expect = [(0, 96), (96, 192), (192, 288), (288, 360)] if search == "ivf" else [(0, 192), (192, 256), (256, 360)]
+    assert _segments(units) == [("h", a, b) for a, b in expect]
+    got = associate_rows(cut)
+    assert got["edges"] == want["edges"] and got["ivf_index"] == want["ivf_index"]
+    # the recall sample is per segment (as after an append): up to 256 of each unit's IVF rows (past node 400)
+    ivf_rows = {(a, b): 4 * b - max(4 * a, 400) for a, b in expect if 4 * b > 400 and search == "ivf"}
+    want_recall = [(a, b, min(256, n)) for (a, b), n in ivf_rows.items()]
+    assert [(a, b, n) for _, a, b, n, *_ in got["ivf_recall"]] == want_recall
+
+    first, _ = seeded_bank(tmp_path / "first", {"h": 250})
+    run_associate(associate_ctx(first, assoc))
+    grown, _ = seeded_bank(tmp_path / "grown", {"h": 360})
+    copy_parts(first, grown)
+    units, stats = run_associate(associate_ctx(grown, assoc))
+    expect = [(250, 288), (288, 360)] if search == "ivf" else [(250, 256), (256, 360)]
+    assert _segments(units) == [("h", a, b) for a, b in expect]
+    appended = associate_rows(grown)
+    assert appended["edges"] == want["edges"] and appended["ivf_index"] == want["ivf_index"]
+    if search == "ivf":
+        # both units started from the index saved after 250 sessions (240 of them: 15 grid blocks), read once
+        assert [r[:3] for r in associate_rows(first)["ivf_index"]] == [("h", 250, 240)]
+        assert stats["ivf_index_reused"] == 1 and stats["ivf_index_rebuilt"] == 0
+        assert len(grown.parts("ivf_index")) == 1
+
+
+#: _RSS_SCRIPT under ``association.search: ivf`` (exact prefix 2,048 nodes, 52 lists, 4 probed): the unit of the
+#: last 16 sessions, with no saved index, trains the centroids, adds every grid block before its rows, searches
+#: them, measures their recall (the exact search's column chunks also of 4,096 rows) and saves the index
+_RSS_IVF_SCRIPT = """
+import functools, json, sys
+from memgas.jobs import runner
+from memgas.jobs.stage import StageContext
+from memgas.jobs.stages.associate import AssociateStage
+from memgas.pipeline import association
+from memgas.pipeline.association import blocks, ivf_search
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.config import MemgasConfig
+association.causal_rows = functools.partial(association.causal_rows, col_chunk=4096)
+ivf_search._causal_candidates = functools.partial(ivf_search._causal_candidates, col_chunk=4096)
+blocks.BLOCK_ROWS = 4096
+a = {**MemgasConfig().association.model_dump(), "search": "ivf", "ivf_exact_nodes": 2048, "ivf_nlist": 64,
+     "ivf_nprobe": 4}
+ctx = StageContext(MemgasConfig(association=a), Bank(sys.argv[1]), None, use_ray=False)
+runner.compute_fingerprints(ctx)  # the IVF inputs read the prefix digests (the identity of the saved index)
+n = int(sys.argv[2])
+params = {"association": ctx.cfg.association.model_dump(), "device": "cpu"}
+out = AssociateStage.run(None, AssociateStage().inputs(ctx, {"segments": [["h", n - 16, n, "d"]]}), params)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+index = out["ivf_index"].to_pylist()[0]
+print(json.dumps({"rss_kib": hwm, "edges": out["edges"].num_rows, "index_sessions": index["sessions"],
+                  "index_bytes": len(index["index"])}))
+"""
+
+
+@pytest.mark.slow  # a 2,048- and a 16,384-session bank of 384-d vectors and two processes: ~35 s on 2 cores
+def test_peak_rss_of_an_ivf_append_grows_with_the_index_not_the_matrix(tmp_path: Path) -> None:
+    """Real processes, d = 384, ``association.search: ivf``: the last 16 sessions of a history of 2,048
+    sessions and of 16,384 (an 84 MiB larger matrix; both histories longer than one block, so the driver
+    reads both block by block). Under IVF a task holds the history's index, which grows with it (SQ8: 392
+    bytes a node, a quarter of the matrix's 1,536), with faiss's spare list capacity while it is built and
+    its bytes while it is saved. The peak RSS grows by less than the matrix alone would add (measured in two
+    runs: +55.2 and +55.8 MiB of peak, for an index 21.4 MiB larger: ~2.6 times the index's growth).
+    Arrow's memory pool is the system allocator here: with its default (mimalloc), which keeps freed pages
+    for a while, the peak of the same command varied by ~30 MB from run to run."""
+    import os
+
+    rss, index = {}, {}
+    env = {**os.environ, "ARROW_DEFAULT_MEMORY_POOL": "system"}
+    for n in (2048, 16384):
+        seeded_bank(tmp_path / f"b{n}", {"h": n}, dim=384)
+        p = subprocess.run([sys.executable, "-c", _RSS_IVF_SCRIPT, str(tmp_path / f"b{n}"), str(n)],
+                           capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        out = json.loads(p.stdout.strip().splitlines()[-1])
+        assert out["edges"] > 0 and out["index_sessions"] == n  # every grid block complete: all in the index
+        rss[n], index[n] = out["rss_kib"], out["index_bytes"]
+    matrix_growth = 4 * (16384 - 2048) * 384 * 4
+    assert index[16384] - index[2048] < matrix_growth / 3, index
+    assert (rss[16384] - rss[2048]) * 1024 < matrix_growth, (rss, index)

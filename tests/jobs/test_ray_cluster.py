@@ -304,15 +304,10 @@ def _start_node(args: list[str], env: dict[str, str], timeout: float = 120) -> s
 
 
 def test_two_node_local_cluster_runs_the_job(tmp_path, indexed) -> None:
-    ray_exe = str(Path(sys.executable).with_name("ray"))
-    port = _free_port()
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    nodes: list[subprocess.Popen] = []
+    nodes, port = _two_nodes(env)
     try:
-        nodes.append(_start_node([ray_exe, "start", "--head", f"--port={port}", "--num-cpus=1", "--block",
-                                  "--include-dashboard=false"], env))
-        nodes.append(_start_node([ray_exe, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", "--block"], env))
         out = tmp_path / "cluster"
         exe = str(Path(sys.executable).with_name("memgas"))
         args = [exe, "run", "configs/demo.yaml", "--address", f"127.0.0.1:{port}", "--set", f"output_dir={out}"]
@@ -322,19 +317,100 @@ def test_two_node_local_cluster_runs_the_job(tmp_path, indexed) -> None:
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert _rankings(out) == _rankings(indexed)
     finally:
-        # SIGTERM, then SIGKILL: `ray start --block` answers SIGTERM by stopping its daemons one by one with
-        # ~30 s of grace each time (measured: 30-33 s per node), more than the job itself takes here. Every
-        # daemon of a node (gcs_server, raylet, dashboard agents) is in its process group.
-        for p in reversed(nodes):
-            try:
-                os.killpg(p.pid, 15)
-                p.wait(timeout=3)
-            except ProcessLookupError:
-                pass
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 9)
-                p.wait(timeout=60)
-        # `ray start` records its address for later ray.init() calls; ours is gone, so is the record
-        current = Path("/tmp/ray/ray_current_cluster")
-        if current.exists() and current.read_text().strip().endswith(f":{port}"):
-            current.unlink()
+        _stop_nodes(nodes, port)
+
+
+def _two_nodes(env: dict[str, str]) -> tuple[list[subprocess.Popen], int]:
+    """A head and a worker node of one CPU each (``ray start --block``, each in its own session)."""
+    ray_exe = str(Path(sys.executable).with_name("ray"))
+    port = _free_port()
+    nodes: list[subprocess.Popen] = []
+    try:
+        nodes.append(_start_node([ray_exe, "start", "--head", f"--port={port}", "--num-cpus=1", "--block",
+                                  "--include-dashboard=false"], env))
+        nodes.append(_start_node([ray_exe, "start", f"--address=127.0.0.1:{port}", "--num-cpus=1", "--block"], env))
+    except BaseException:
+        _stop_nodes(nodes, port)
+        raise
+    return nodes, port
+
+
+def _stop_nodes(nodes: list[subprocess.Popen], port: int) -> None:
+    # SIGTERM, then SIGKILL: `ray start --block` answers SIGTERM by stopping its daemons one by one with
+    # ~30 s of grace each time (measured: 30-33 s per node), more than the job itself takes here. Every
+    # daemon of a node (gcs_server, raylet, dashboard agents) is in its process group.
+    for p in reversed(nodes):
+        try:
+            os.killpg(p.pid, 15)
+            p.wait(timeout=3)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            p.wait(timeout=60)
+    # `ray start` records its address for later ray.init() calls; ours is gone, so is the record
+    current = Path("/tmp/ray/ray_current_cluster")
+    if current.exists() and current.read_text().strip().endswith(f":{port}"):
+        current.unlink()
+
+
+def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monkeypatch) -> None:
+    """ONE synthetic history of 360 sessions (seeded 32-d vectors written into the bank, no encoder), exact and
+    IVF: associated in one in-process task over its whole matrix (the default constants), then on a real
+    two-node cluster cut into several Ray tasks (3 exact units, 4 IVF units) whose node vectors reach them in
+    blocks of 16 sessions through the object store. Edges, and under IVF the saved index, are the same
+    bytes; so are those of 250 sessions then an append of 110 over the saved index. The driver is this
+    process (its module constants cut the plan; the IVF grid travels in the payload). Which node ran which
+    task is Ray's choice and is not asserted: with one CPU per node and up to four units in flight, the
+    units are spread over both."""
+    import ray
+
+    from memgas.pipeline.association import ivf_search
+
+    from .test_node_blocks import (
+        GRID,
+        IVF_SMALL,
+        associate_ctx,
+        associate_rows,
+        copy_parts,
+        run_associate,
+        seeded_bank,
+        small_units,
+    )
+
+    modes = {"exact": {}, "ivf": IVF_SMALL}
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    want = {}
+    for mode, assoc in modes.items():
+        bank, _ = seeded_bank(tmp_path / f"one-{mode}", {"h": 360})
+        units, _ = run_associate(associate_ctx(bank, assoc))
+        assert [s[:3] for u in units for s in u["segments"]] == [["h", 0, 360]]
+        want[mode] = associate_rows(bank)
+    small_units(monkeypatch)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    nodes, port = _two_nodes(env)
+    try:
+        ray.init(address=f"127.0.0.1:{port}", configure_logging=False, log_to_driver=False)
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        assert len(alive) == 2 and all(n["Resources"].get("CPU") == 1 for n in alive)
+        for mode, assoc in modes.items():
+            bank, _ = seeded_bank(tmp_path / f"cut-{mode}", {"h": 360})
+            units, stats = run_associate(associate_ctx(bank, assoc, use_ray=True))
+            assert len(units) == (4 if mode == "ivf" else 3) and all(u["size"] == 1 for u in units)
+            got = associate_rows(bank)
+            assert got["edges"] == want[mode]["edges"], mode
+            assert got["ivf_index"] == want[mode]["ivf_index"] and bool(got["ivf_index"]) == (mode == "ivf")
+        # an append over the saved index: 250 sessions, then 110 more in two units, both starting from the
+        # saved index (put once into the object store, shared by reference)
+        first, _ = seeded_bank(tmp_path / "first", {"h": 250})
+        run_associate(associate_ctx(first, IVF_SMALL, use_ray=True))
+        grown, _ = seeded_bank(tmp_path / "grown", {"h": 360})
+        copy_parts(first, grown)
+        units, stats = run_associate(associate_ctx(grown, IVF_SMALL, use_ray=True))
+        assert len(units) == 2 and stats["ivf_index_reused"] == 1
+        got = associate_rows(grown)
+        assert got["edges"] == want["ivf"]["edges"] and got["ivf_index"] == want["ivf"]["ivf_index"]
+    finally:
+        ray.shutdown()
+        _stop_nodes(nodes, port)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from memgas.pipeline.association.segments import causal_work, coverage, prefix_digests, split_segment
+from memgas.pipeline.association.segments import causal_work, coverage, prefix_digests, split_every, split_segment
 from memgas.pipeline.association import split_rows
 from memgas.pipeline.schema import NODES
 
@@ -76,3 +76,12 @@ def test_split_segment_cuts_on_tiles_into_equal_work_and_agrees_with_split_rows(
     # the same cuts as the library's row blocks (in nodes, 4 per session)
     assert [(4 * a, 4 * b) for a, b in pieces] == split_rows(40_000, 4)
     assert split_segment(9_000, 10_000, unit_work=causal_work(9_000, 10_000) // 2)[0][0] == 9_000
+
+
+def test_split_every_cuts_at_fixed_multiples() -> None:
+    """The IVF units: cuts at multiples of the unit, whatever the first session (an append adds units, moves none)."""
+    assert split_every(0, 300, 96) == [(0, 96), (96, 192), (192, 288), (288, 300)]
+    assert split_every(250, 360, 96) == [(250, 288), (288, 360)]
+    assert split_every(96, 192, 96) == [(96, 192)]
+    assert split_every(0, 50, 96) == [(0, 50)]
+    assert split_every(7, 7, 96) == []
