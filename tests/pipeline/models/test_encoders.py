@@ -102,6 +102,21 @@ def test_vectors_do_not_depend_on_batching(backend: str, st_enc: SentenceTransfo
         torch.set_num_threads(threads)
 
 
+def test_cpu_workers_follow_the_callers_threads() -> None:
+    """One worker per torch thread of the caller on the CPU (a single-threaded Ray actor: one, as before);
+    one on CUDA, which orders its own work."""
+    from memgas.pipeline.models.encoders import cpu_workers
+
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert cpu_workers(torch.device("cpu")) == n
+        assert cpu_workers(torch.device("cuda")) == 1
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_truncation_is_counted(st_enc: SentenceTransformerEncoder) -> None:
     st_enc.encode(["short", LONG, "also short"])
     assert st_enc.last_truncated.tolist() == [False, True, False]
