@@ -10,10 +10,13 @@ Both backends share one length-bucketed batching engine that works on token ids:
    token, its first turn pair whenever that pair fills the window: 79% of LongMemEval-S sessions, ~10% of
    the tokens a LongMemEval index encodes); the vector is shared. ``last_tokens`` counts each text's own
    model inputs (a function of the text); ``last_stats.tokens`` is what the model actually ran on;
-4. pieces are grouped by exact length and cut into unpadded batches under a token budget (short texts get
-   large batches), run under ``torch.inference_mode`` with a fixed thread count and scattered back into the
-   caller's order: a vector depends on its text and the encoder alone, never on which other texts shared
-   its batch or call (``_canonical_batches``).
+4. pieces are grouped by exact length and cut into unpadded batches of equal sizes under a token budget
+   (short texts get large batches), run under ``torch.inference_mode`` with a fixed intra-op thread count
+   and scattered back into the caller's order: a vector depends on its text and the encoder alone, never on
+   which other texts shared its batch or call (``_canonical_batches``);
+5. on the CPU the batches run side by side on worker threads, one per core the caller's torch threads
+   allow (``cpu_workers``: all cores in-process, one in a single-threaded Ray actor), each batch computing
+   with the same fixed thread count, so the worker count changes the speed and never the bits.
 
 The model is loaded once per encoder object; Ray actors keep the object alive between batches.
 
@@ -32,6 +35,7 @@ import copy
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +63,7 @@ from memgas.pipeline.models.onnx_export import ONNX_RECIPE, onnx_cache_dir, onnx
 __all__ = [
     "CPU_DEFAULT_RUNTIME", "CPU_MIN_BATCH_TOKENS", "CPU_THREADS", "CUDA_BATCH_TOKENS", "MINILM_ALIAS", "MINILM_NAME",
     "ONNX_RECIPE", "RUNTIMES", "EncodeStats", "HFMeanPoolingEncoder", "SentenceTransformerEncoder", "encoder_name",
-    "minilm_path", "model_path", "onnx_cache_dir", "onnx_model_bytes", "precision_tag", "resolve_device",
+    "cpu_workers", "minilm_path", "model_path", "onnx_cache_dir", "onnx_model_bytes", "precision_tag", "resolve_device",
     "resolve_dtype", "resolve_runtime",
 ]
 
@@ -69,10 +73,21 @@ logger = logging.getLogger(__name__)
 CUDA_BATCH_TOKENS = 16384
 #: Intra-op threads of every CPU forward pass. Thread count changes the bits of some CPU kernels (about
 #: 1e-7 for some lengths on MiniLM), so it is fixed rather than taken from the machine; parallelism comes
-#: from several single-threaded workers (``encoder.actors``).
+#: from several single-threaded workers: Ray actors (one per core) and, inside one process, worker threads
+#: that run batches side by side (:func:`cpu_workers`).
 CPU_THREADS = 1
 #: CPU batches hold at least this many tokens (short ones are topped up; see ``_canonical_batches``).
 CPU_MIN_BATCH_TOKENS = 64
+
+
+def cpu_workers(device: torch.device) -> int:
+    """Threads one ``encode`` call runs its batches on: on the CPU, one per :data:`CPU_THREADS` of the
+    caller's torch thread count (all cores in-process; 1 in a single-threaded Ray actor), each computing with
+    :data:`CPU_THREADS` intra-op threads, so a batch runs the same kernels on the same shapes whichever
+    worker takes it and the bits do not depend on the worker count. Elsewhere one (CUDA orders its own work)."""
+    if device.type != "cpu":
+        return 1
+    return max(1, torch.get_num_threads() // CPU_THREADS)
 
 
 @contextmanager
@@ -128,6 +143,8 @@ class _BucketedEncoder:
         self.last_tokens: np.ndarray = np.zeros(0, dtype=np.int64)
         self.last_tokens_dropped: np.ndarray = np.zeros(0, dtype=np.int64)
         self.last_stats = EncodeStats()
+        #: threads an ``encode`` call runs its batches on; None: :func:`cpu_workers` at each call
+        self.workers: int | None = None
         self.runtime = "torch"
         self._ort: Any = None  # onnxruntime.InferenceSession when runtime is onnx*
         self._ort_inputs: list[str] = []
@@ -223,17 +240,38 @@ class _BucketedEncoder:
         dropped = np.maximum(raw - window, 0) if self.long_text == "truncate" else np.zeros(n, np.int64)
         out = np.zeros((len(pieces), self.dim), dtype=np.float32)
         forward = self._forward if self._ort is None else self._forward_ort
-        n_batches = 0
-        with torch.inference_mode(), _fixed_threads(self._device):
-            for idx, rows in self._canonical_batches(unique, lengths):
-                width = int(lengths[idx[0]])
-                batch = [pieces[j] for j in idx]
-                # rows beyond the pieces (CUDA's fixed batch shapes only) repeat the first piece
-                input_ids = torch.tensor(batch + [batch[0]] * (rows - len(batch)), dtype=torch.long)
-                mask = torch.ones((rows, width), dtype=torch.long)
+        batches = list(self._canonical_batches(unique, lengths))
+        workers = min(self.workers if self.workers is not None else cpu_workers(self._device), len(batches))
+
+        def run(batch: tuple[np.ndarray, int]) -> None:
+            idx, rows = batch
+            width = int(lengths[idx[0]])
+            rows_ids = [pieces[j] for j in idx]
+            # rows beyond the pieces (CUDA's fixed batch shapes, the CPU's minimum tokens) repeat the first piece
+            input_ids = torch.tensor(rows_ids + [rows_ids[0]] * (rows - len(rows_ids)), dtype=torch.long)
+            mask = torch.ones((rows, width), dtype=torch.long)
+            with torch.inference_mode():  # thread-local: entered in every worker
                 emb = forward(input_ids.to(self._device), mask.to(self._device))
-                out[idx] = emb[: len(idx)].float().cpu().numpy()
-                n_batches += 1
+            out[idx] = emb[: len(idx)].float().cpu().numpy()  # disjoint rows per batch
+
+        def run_in_worker(batch: tuple[np.ndarray, int]) -> None:
+            # a worker thread computes with CPU_THREADS intra-op threads like the caller's thread does
+            # (torch's thread count is per thread under OpenMP; setting it again is cheap and idempotent)
+            torch.set_num_threads(CPU_THREADS)
+            run(batch)
+
+        with _fixed_threads(self._device):
+            if workers <= 1:
+                for b in batches:
+                    run(b)
+            else:
+                # Batches are independent, so they run side by side, largest first (the pool ends together);
+                # a batch's vector does not depend on which worker runs it or when.
+                by_cost = sorted(batches, key=lambda b: -(b[1] * int(lengths[b[0][0]])))
+                with ThreadPoolExecutor(workers, thread_name_prefix="memgas-encode") as pool:
+                    for _ in pool.map(run_in_worker, by_cost):
+                        pass
+        n_batches = len(batches)
         out = out[source]  # reused pieces take their source's vector
 
         if len(pieces) == n:
@@ -303,9 +341,15 @@ class _BucketedEncoder:
             else:
                 rows = max(1, min(self.batch_size * 8, (self.batch_size * self.max_tokens) // length))
             floor = -(-CPU_MIN_BATCH_TOKENS // length)  # rows that make a batch CPU_MIN_BATCH_TOKENS long
-            for a in range(start, end, rows):
-                idx = order[a : min(a + rows, end)]
-                yield idx, (rows if cuda else max(len(idx), floor))
+            if cuda:
+                for a in range(start, end, rows):
+                    yield order[a : min(a + rows, end)], rows
+            else:
+                # as many batches as the budget needs, of equal sizes: 17 pieces under a cap of 16 run as 9 + 8,
+                # not 16 + 1 (a one-row batch computes at a fraction of the speed; the bits are the same)
+                k = -(-(end - start) // rows)
+                for part in np.array_split(order[start:end], k):
+                    yield part, max(len(part), floor)
             start = end
 
     def _special_wrap(self) -> tuple[list[int], list[int]]:

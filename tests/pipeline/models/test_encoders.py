@@ -78,7 +78,8 @@ def _mixed_texts(n: int, seed: int) -> list[str]:
 def test_vectors_do_not_depend_on_batching(backend: str, st_enc: SentenceTransformerEncoder,
                                            hf_enc: HFMeanPoolingEncoder) -> None:
     """A vector is a function of its text alone: other batch sizes, other companions in the call, other
-    torch thread counts, one text at a time -- the same bits (what makes resumed and re-sized runs store
+    torch thread counts, other numbers of worker threads running the batches side by side, one text at a
+    time -- the same bits (what makes resumed and re-sized runs store
     the same embeddings)."""
     base = st_enc if backend == "st" else hf_enc
     texts = _mixed_texts(24, 0) + [LONG]
@@ -91,10 +92,27 @@ def test_vectors_do_not_depend_on_batching(backend: str, st_enc: SentenceTransfo
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        for bs in (1, 3, 64):
+        for bs, workers in ((1, None), (3, 1), (3, 3), (64, 2)):
             enc = (SentenceTransformerEncoder if backend == "st" else HFMeanPoolingEncoder)("minilm", device="cpu",
                                                                                            batch_size=bs)
+            enc.workers = workers  # None: one worker thread per caller thread (2 here)
             np.testing.assert_array_equal(enc.encode(texts), ref)
+        assert torch.get_num_threads() == 2  # the caller's setting is restored
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_cpu_workers_follow_the_callers_threads() -> None:
+    """One worker per torch thread of the caller on the CPU (a single-threaded Ray actor: one, as before);
+    one on CUDA, which orders its own work."""
+    from memgas.pipeline.models.encoders import cpu_workers
+
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert cpu_workers(torch.device("cpu")) == n
+        assert cpu_workers(torch.device("cuda")) == 1
     finally:
         torch.set_num_threads(threads)
 
