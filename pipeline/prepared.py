@@ -152,6 +152,15 @@ class PreparedGraph:
             self._push[mode] = PushGraph(self.csr(mode))
         return self._push[mode]
 
+    def prepare(self, methods: list[str], ppr: str | None = None) -> PreparedGraph:
+        """Build now the graphs that ``methods`` rank on under ``ppr`` (else built on first use); returns self."""
+        kind, _ = ppr_settings(ppr, 1.0)
+        for name in methods:
+            m = get_method(name)
+            if m.is_graph and m.ppr:
+                self.adjacency(m.edges) if kind == "exact" else self.push_graph(m.edges)
+        return self
+
     # -- similarities ----------------------------------------------------------------------------------------
     def _spans(self) -> list[tuple[int, int]]:
         return row_spans(self.n_nodes) if self.xp is np else [(0, self.n_nodes)]
