@@ -165,11 +165,17 @@ class PreparedGraph:
     def _spans(self) -> list[tuple[int, int]]:
         return row_spans(self.n_nodes) if self.xp is np else [(0, self.n_nodes)]
 
+    def _queries(self, queries: Any) -> Any:
+        """float32 queries on the kernel's device (any array-like on the host; a device array stays there)."""
+        if type(queries).__module__.startswith("cupy"):
+            return queries.astype(self.xp.float32, copy=False)
+        return to_device(np.asarray(queries, np.float32), self.xp)
+
     def similarities(self, queries: Any) -> Any:
         """float64 ``[Q, 4S]`` = queries . nodes, over node-row blocks (bits of the whole product: module
         docstring). ``queries`` float32 [Q, d] on the host or the device."""
         xp = self.xp
-        q = to_device(np.asarray(queries, np.float32) if isinstance(queries, np.ndarray) else queries, xp)
+        q = self._queries(queries)
         if q.ndim != 2 or q.shape[1] != self.dim:
             raise ValueError(f"query_emb must be [Q, {self.dim}], got {tuple(q.shape)}")
         q64 = q.astype(xp.float64)
@@ -188,7 +194,7 @@ class PreparedGraph:
         """float32 ``[Q, S]`` of a single-granularity baseline (``hybrid``: the hybrid embeddings), over the
         same row blocks."""
         xp = self.xp
-        q = to_device(np.asarray(queries, np.float32) if isinstance(queries, np.ndarray) else queries, xp)
+        q = self._queries(queries)
         if granularity == "hybrid":
             if self.hybrid is None:
                 raise ValueError("method 'hybrid' needs the hybrid embeddings")
