@@ -21,7 +21,8 @@ Per size N (sessions), in a fresh work directory:
      time, the agreement of the two runs' stored top-10 sessions per question;
    - query latency p50/p95: the job's own probe (``jobs/main_job.py: ranking_latency``, what ``memgas
      profile`` reports), over every question one at a time (query vector -> router -> seeds -> PPR on the
-     stored graph -> session order; the matrices and edges are loaded once before, not timed), per PPR mode;
+     stored graph -> session order; each history's PreparedGraph, its node matrix and the CSR of its edges,
+     is built once before, not timed, as a query server holds it), per PPR mode;
    - append: ``memgas ingest --append`` of the next sessions, the stored data of the new sessions (setup, as
      in 2, timed apart), ``memgas index`` again (associate over the new rows, the saved IVF index reused),
      then ``memgas answer`` with push again.

@@ -100,24 +100,35 @@ def push_one(indptr: np.ndarray, indices: np.ndarray, weights: np.ndarray, deg: 
     return nodes, vals / (1.0 - damping * seed_mass[deg[seeds] == 0].sum())
 
 
+class PushGraph:
+    """A graph prepared for push, once: int64 CSR arrays, edge weights and weighted degrees (what every call
+    of :func:`personalized_pagerank_push` would otherwise derive again from the CSR, O(edges) each time)."""
+
+    def __init__(self, adj: Any) -> None:
+        A = adj if sp.isspmatrix_csr(adj) else sp.csr_matrix(adj)
+        self.shape: tuple[int, int] = A.shape
+        self.nnz = int(A.nnz)
+        self.indptr, self.indices = A.indptr.astype(np.int64), A.indices.astype(np.int64)
+        self.weights = np.asarray(A.data, dtype=np.float64)
+        self.deg = np.asarray(A.sum(axis=1), dtype=np.float64).ravel()
+
+
 def personalized_pagerank_push(adj: Any, reset: Any, damping: float, *, epsilon: float) -> np.ndarray:
     """PPR for a batch of reset vectors by forward push: float64 [Q, N] on the host.
 
     The contract of :func:`memgas.kernels.ppr.personalized_pagerank` (``adj`` symmetric CSR [N, N], values
-    used as edge weights; ``reset`` [Q, N] non-negative; an all-zero reset row gives an all-zero row), approximated
-    from below with per-node residual < ``epsilon`` * degree (rows sum to 1 only in the limit). CPU only (see the module docstring).
+    used as edge weights, or a :class:`PushGraph` of one; ``reset`` [Q, N] non-negative; an all-zero reset row
+    gives an all-zero row), approximated from below with per-node residual < ``epsilon`` * degree (rows sum to 1
+    only in the limit). CPU only (see the module docstring).
     """
     R = np.asarray(reset, dtype=np.float64)
     _check(adj, R, damping, epsilon)
-    A = adj if sp.isspmatrix_csr(adj) else sp.csr_matrix(adj)
-    n = A.shape[0]
+    g = adj if isinstance(adj, PushGraph) else PushGraph(adj)
+    n = g.shape[0]
     out = np.zeros(R.shape, dtype=np.float64)
-    if A.nnz == 0:  # the exact kernel's answer for a graph without edges, to the bit: the normalised reset
+    if g.nnz == 0:  # the exact kernel's answer for a graph without edges, to the bit: the normalised reset
         tot = R.sum(axis=1, keepdims=True)
         return R / np.where(tot == 0, 1.0, tot)
-    indptr, indices = A.indptr.astype(np.int64), A.indices.astype(np.int64)
-    weights = np.asarray(A.data, dtype=np.float64)
-    deg = np.asarray(A.sum(axis=1), dtype=np.float64).ravel()
     p, res = np.zeros(n), np.zeros(n)
     for q in range(R.shape[0]):
         row = R[q]
@@ -125,6 +136,6 @@ def personalized_pagerank_push(adj: Any, reset: Any, damping: float, *, epsilon:
         if not seeds.size:
             continue  # all-zero reset row: all-zero answer, as the exact kernel
         mass = row[seeds] / row.sum()
-        nodes, vals = push_one(indptr, indices, weights, deg, seeds, mass, damping, epsilon, p, res)
+        nodes, vals = push_one(g.indptr, g.indices, g.weights, g.deg, seeds, mass, damping, epsilon, p, res)
         out[q, nodes] = vals
     return out

@@ -26,15 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from memgas.kernels.backend import get_xp, one_blas_thread, to_device, to_host
-from memgas.kernels.ppr import build_csr, personalized_pagerank
-from memgas.kernels.ppr_push import personalized_pagerank_push
-from memgas.kernels.router import entropy_router
-from memgas.kernels.segment import segment_sum_contiguous
-from memgas.kernels.topk import stable_argsort_desc
+from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import N_GRAN, associate
 from memgas.pipeline.methods import get_method
-from memgas.pipeline.schema import GRANULARITIES
+from memgas.pipeline.prepared import PreparedGraph, ppr_settings, seed_reset  # noqa: F401  (seed_reset: API)
 
 log = logging.getLogger(__name__)
 
@@ -46,40 +41,6 @@ def stack_nodes(session_emb: Any, turn_emb: Any, summary_emb: Any, keyword_emb: 
     if len(shapes) != 1 or parts[0].ndim != 2:
         raise ValueError(f"the four granularity embeddings must share one [S, d] shape, got {shapes}")
     return np.ascontiguousarray(np.stack(parts, axis=1).reshape(-1, parts[0].shape[1]))
-
-
-def seed_reset(node_scores: Any, num_seeds: int) -> Any:
-    """Keep the top ``num_seeds`` scores per row plus ties with the num_seeds-th; zero the rest; clip < 0."""
-    xp = get_xp("cuda")[0] if type(node_scores).__module__.startswith("cupy") else np
-    n = node_scores.shape[1]
-    if num_seeds < n:
-        kth = -xp.partition(-node_scores, num_seeds - 1, axis=1)[:, num_seeds - 1 : num_seeds]
-        node_scores = xp.where(node_scores >= kth, node_scores, 0.0)
-    return xp.maximum(node_scores, 0.0)
-
-
-def _with_defaults(num_seeds: int | None, damping: float | None, temp: float | None, router: str | None
-                   ) -> tuple[int, float, float, str]:
-    """The ranking settings, ``None`` replaced by ``RetrievalConfig``'s defaults (the one place they live)."""
-    if None not in (num_seeds, damping, temp, router):
-        return num_seeds, damping, temp, router  # type: ignore[return-value]
-    from memgas.pipeline.config import RetrievalConfig  # noqa: PLC0415  (as rank_sessions: only when needed)
-
-    r = RetrievalConfig()
-    return (r.num_seeds if num_seeds is None else num_seeds, r.damping if damping is None else damping,
-            r.temp if temp is None else temp, r.router if router is None else router)
-
-
-def _ppr_settings(ppr: str | None, ppr_epsilon: float | None) -> tuple[str, float]:
-    """The PPR kernel and push threshold, ``None`` replaced by ``RetrievalConfig``'s defaults."""
-    if ppr is None or ppr_epsilon is None:
-        from memgas.pipeline.config import RetrievalConfig  # noqa: PLC0415  (as _with_defaults)
-
-        r = RetrievalConfig()
-        ppr, ppr_epsilon = r.ppr if ppr is None else ppr, r.ppr_epsilon if ppr_epsilon is None else ppr_epsilon
-    if ppr not in ("exact", "push"):
-        raise ValueError(f"ppr must be 'exact' or 'push', got {ppr!r}")
-    return ppr, ppr_epsilon
 
 
 def score_with_edges(
@@ -102,41 +63,17 @@ def score_with_edges(
     ``node_emb`` [4*S, d] (node order), ``query_emb`` [Q, d], ``src``/``dst`` undirected edges (node ids).
     Methods: memgas, memgas-no-gmm (pass the top-k edges), memgas-no-ppr, memgas-no-router,
     memgas-no-association (edges ignored). Returns (order int64 [Q, S], session scores float64 [Q, S]).
-    Settings left ``None`` take ``RetrievalConfig``'s defaults.
+    Settings left ``None`` take ``RetrievalConfig``'s defaults. One call prepares the graph and ranks once:
+    to rank many batches against one history, build a :class:`~memgas.pipeline.prepared.PreparedGraph`.
     """
-    num_seeds, damping, temp, router = _with_defaults(num_seeds, damping, temp, router)
-    ppr_kind, ppr_epsilon = _ppr_settings(ppr, ppr_epsilon)
     m = get_method(method)
     if not m.is_graph:
         raise ValueError(f"score_with_edges handles the MemGAS methods, not {method!r}")
-    xp, _ = get_xp(device)
-    E = to_device(np.asarray(node_emb, dtype=np.float32), xp)
-    q = to_device(np.asarray(query_emb, dtype=np.float32), xp)
-    n = E.shape[0]
-    if n % N_GRAN:
-        raise ValueError(f"node_emb must have 4*S rows, got {n}")
-    S = n // N_GRAN
-    # float64 similarities: near-equal session scores then order the same as a float64 reference
-    sims = q.astype(xp.float64) @ E.astype(xp.float64).T  # [Q, 4S]
-    if not m.router:
-        w = xp.full((q.shape[0], N_GRAN), 1.0 / N_GRAN)
-    else:
-        w, _ = entropy_router([sims[:, g::N_GRAN] for g in range(N_GRAN)], temp=temp, rule=router, device=device)
-    node_scores = sims * xp.tile(w, (1, S))  # w_g * sim, node = 4*s + g
-    if not m.ppr:
-        scores = segment_sum_contiguous(node_scores, N_GRAN)
-    else:
-        reset = seed_reset(node_scores, num_seeds)
-        if m.edges is None:  # no association: PPR on an empty graph
-            src, dst = np.zeros(0, np.int64), np.zeros(0, np.int64)
-        adj = build_csr(to_host(src), to_host(dst), n)
-        if ppr_kind == "push":  # CPU only (kernels/ppr_push.py says why); the scores go back to the device
-            pr = to_device(personalized_pagerank_push(adj, to_host(reset), damping, epsilon=ppr_epsilon), xp)
-        else:
-            pr = personalized_pagerank(adj, reset, damping, device=device)
-        scores = segment_sum_contiguous(pr, N_GRAN)
-    order = stable_argsort_desc(scores)
-    return to_host(order).astype(np.int64), to_host(scores).astype(np.float64)
+    ppr_settings(ppr, ppr_epsilon)  # a bad setting fails before any work
+    edges = {} if m.edges is None else {m.edges: (src, dst)}
+    g = PreparedGraph(node_emb, edges, device=device)
+    return g.rank(query_emb, [method], num_seeds=num_seeds, damping=damping, temp=temp, router=router, ppr=ppr,
+                  ppr_epsilon=ppr_epsilon)[method]
 
 
 def rank_sessions(
@@ -227,22 +164,10 @@ def rank_history(
     association stage stored them; ``hybrid`` [S, d] for the hybrid baseline. ``ppr``: "exact" or "push"
     (``ppr_epsilon`` its threshold). Settings left ``None`` take ``RetrievalConfig``'s defaults.
     """
-    num_seeds, damping, temp, router = _with_defaults(num_seeds, damping, temp, router)
-    out = {}
-    for name in methods:
+    for name in methods:  # before any work: a method of another family is an error
         m = get_method(name)
         if m.family != "memgas":  # scored from cards, not node matrices: justmem.retrieve.rank_history_cards
             raise ValueError(f"rank_history scores the MemGAS methods; {name!r} is a {m.family} method")
-        if not m.is_graph:
-            g = m.granularity
-            H = hybrid if g == "hybrid" else nodes[GRANULARITIES.index(g) :: N_GRAN]
-            if H is None:
-                raise ValueError("method 'hybrid' needs the hybrid embeddings")
-            xp, _ = get_xp(device)
-            scores = to_device(np.asarray(queries, np.float32), xp) @ to_device(np.asarray(H, np.float32), xp).T
-            out[name] = (to_host(stable_argsort_desc(scores)).astype(np.int64), to_host(scores).astype(np.float64))
-        else:
-            src, dst = edges.get(m.edges or "gmm", (np.zeros(0, np.int64), np.zeros(0, np.int64)))
-            out[name] = score_with_edges(nodes, queries, src, dst, method=name, num_seeds=num_seeds, damping=damping,
-                                         temp=temp, router=router, device=device, ppr=ppr, ppr_epsilon=ppr_epsilon)
-    return out
+    g = PreparedGraph(nodes, edges, hybrid=hybrid, device=device)
+    return g.rank(queries, methods, num_seeds=num_seeds, damping=damping, temp=temp, router=router, ppr=ppr,
+                  ppr_epsilon=ppr_epsilon)

@@ -1,4 +1,23 @@
-"""The rank stage: every query ranked by every MemGAS retrieval method (JustMem's are the card ranker's)."""
+"""The rank stage: every query ranked by every MemGAS retrieval method (JustMem's are the card ranker's).
+
+Node vectors, as the associate stage reads them: a history of at most one block
+(:data:`memgas.pipeline.association.blocks.BLOCK_ROWS` node rows) is one matrix read with the unit's other
+histories; a longer one reaches the task as :class:`~memgas.pipeline.association.blocks.NodeBlocks`, read from
+the bank a block at a time and put into Ray's object store (spilled to files in-process,
+:mod:`memgas.jobs.stages.node_blocks`), so the driver holds one block of it at a time, never the matrix. The
+task ranks from :class:`~memgas.pipeline.prepared.PreparedGraph`, which reads the blocks in order for the
+similarities (one block and its float64 copy at a time) and holds the history's graph.
+
+Peak memory per history, Q its questions, S its sessions, d the vectors' size, E its stored edges:
+- driver: one node block (``BLOCK_ROWS * d * 4`` bytes, 96 MiB at d = 384) while it reads, the history's
+  edges (16 bytes per stored edge, through a pandas frame), its session ids and Q query vectors; for the
+  hybrid baseline, the ``[S, d]`` hybrid vectors (a quarter of the node matrix, read whole);
+- task: one node block, one float64 similarity block (8,192 to 16,383 rows, ``PreparedGraph``), the graph
+  (CSR: about 24 bytes per stored edge; push adds 32), and the batch's ``[Q, 4S]`` float64 arrays: about ten
+  at the exact PPR's peak (similarities, node scores, reset, PPR iterates), so ``~10 * Q * 4S * 8`` bytes. The
+  batch is a history's questions together (the exact PPR's iterations, and so its bits, depend on the batch):
+  that term grows with Q * S and bounds the history that fits (200 questions at 10^6 sessions: ~64 GB).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +30,14 @@ from memgas.jobs import tables
 from memgas.jobs.keys import encoder_key
 from memgas.jobs.stage import Active, StageContext
 from memgas.jobs.stages.ranked import RankedShardStage, kept_parts, ranked_table
+from memgas.jobs.keys import encoder_keys
+from memgas.jobs.stages.node_blocks import READ_BATCH_ROWS, history_nodes, keep_blocks
 from memgas.jobs.stages.shards import matrix_loader, node_matrix, owned
 from memgas.kernels.backend import one_blas_thread
+from memgas.pipeline.association import blocks
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import BankError
+from memgas.pipeline.schema import N_GRAN
 
 #: kept per history across appends (:mod:`memgas.jobs.stages.ranked`): what each part's histories were ranked
 #: from, and their rankings
@@ -55,6 +78,35 @@ def edges_of(bank: Bank, history_ids: list[str], parts: list[str]) -> dict[tuple
         for (h, mode), g in df.groupby(["history_id", "mode"], sort=False):
             out[(h, mode)] = (g["src"].to_numpy(np.int64), g["dst"].to_numpy(np.int64))
     return out
+
+
+def session_ids(bank: Bank, histories: list[str]) -> dict[str, list[str]]:
+    """Per history, its session ids in position order (the rows of its node matrix / 4), read in batches."""
+    t = bank.read("nodes", ["history_id", "position", "session_id"], batch_rows=READ_BATCH_ROWS,
+                  filter=pc.field("history_id").isin(histories) & (pc.field("granularity") == "session"))
+    out: dict[str, list[str]] = {}
+    for h in histories:
+        r = t.filter(pc.field("history_id") == h).sort_by("position")
+        pos, sid = r["position"].to_numpy(), r["session_id"].to_pylist()
+        keep = np.r_[True, pos[1:] != pos[:-1]] if pos.size else np.zeros(0, bool)  # one row per position
+        if pos.size:
+            out[h] = [s for s, k in zip(sid, keep) if k]
+    return out
+
+
+def hybrid_vectors(bank: Bank, key: str, history: str) -> np.ndarray | None:
+    """float32 ``[S, d]``: the hybrid node vectors of one history in position order (the hybrid baseline's
+    matrix, which the node blocks do not hold), under the main encoder key as the matrix loader reads them."""
+    from memgas.pipeline.granularity import MatrixLoader
+
+    t = bank.read("nodes", ["position", "text_hash"], batch_rows=READ_BATCH_ROWS,
+                  filter=(pc.field("history_id") == history) & (pc.field("granularity") == "hybrid")).sort_by("position")
+    pos, hashes = t["position"].to_numpy(), t["text_hash"].to_pylist()
+    hashes = [x for x, k in zip(hashes, np.r_[True, pos[1:] != pos[:-1]] if pos.size else []) if k]
+    if not hashes:  # no hybrid nodes (as the matrix loader: the hybrid baseline then says what is missing)
+        return None
+    vecs, row = MatrixLoader._read(bank, key, set(hashes), READ_BATCH_ROWS)
+    return vecs[np.fromiter((row[x] for x in hashes), np.int64, len(hashes))].astype(np.float32)
 
 
 def family_ranker_active(active: Active, fields: tuple[str, ...], ctx: StageContext, methods: list[str]) -> Active:
@@ -99,16 +151,27 @@ class RankStage(RankedShardStage):
         queries = queries.sort_by("query_id")
         if queries.num_rows == 0:
             return {"histories": []}
-        loader = matrix_loader(ctx, ids)
+        sids = session_ids(bank, ids)
+        counts = {h: len(v) for h, v in sids.items()}
+        long = sorted(h for h, n in counts.items() if N_GRAN * n > blocks.BLOCK_ROWS)
+        short = [h for h in ids if h not in long]
+        loader = matrix_loader(ctx, short) if short else None
+        keep_blocks(ctx, set(long))
         all_edges = edges_of(bank, ids, tables.current_parts(ctx, "edges"))
         qdf = queries.to_pandas()
         qv = query_vectors(bank, qdf["question"].tolist(), encoder_key(ctx))
+        hybrid = "hybrid" in family_methods(ctx.cfg.retrieval.methods, "memgas")
         out = []
         empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
         for h, g in qdf.groupby("history_id", sort=True):
-            if h not in loader.history_ids:
+            if h in long:  # row blocks: the driver holds one block at a time (module docstring)
+                nodes = {"nodes": history_nodes(ctx, h, N_GRAN * counts[h]), "session_ids": sids[h],
+                         "hybrid": hybrid_vectors(bank, encoder_keys(ctx)["main"], h) if hybrid else None}
+            elif loader is not None and h in loader.history_ids:
+                nodes = {"matrices": loader.get(h)}
+            else:
                 continue
-            out.append({"history_id": h, "matrices": loader.get(h), "query_ids": g["query_id"].tolist(),
+            out.append({"history_id": h, **nodes, "query_ids": g["query_id"].tolist(),
                         "queries": qv[g.index.to_numpy()],
                         "edges": {mode: all_edges.get((h, mode), empty) for mode in ("gmm", "topk")}})
         return {"histories": out}
@@ -120,22 +183,29 @@ class RankStage(RankedShardStage):
         r = params["retrieval"]
         cols: dict[str, list] = {"method": [], "query_id": [], "rank": [], "session_id": [], "score": []}
         with one_blas_thread():
-            ranked_all = [RankStage.rank_one(h, r, params["device"]) for h in payload["histories"]]
-        for h, (m, ranked) in zip(payload["histories"], ranked_all):
-            ranking_rows(cols, m["session_ids"], h["query_ids"], ranked, r["store_top"])
+            for h in payload["histories"]:
+                sids, ranked = RankStage.rank_one(h, r, params["device"])
+                ranking_rows(cols, sids, h["query_ids"], ranked, r["store_top"])
         return {"rankings": pa.table(cols, schema=SCHEMA), "ranked_histories": ranked_table(payload)}
 
     @staticmethod
-    def rank_one(h: dict[str, Any], r: dict[str, Any], device: str) -> tuple[dict, dict]:
-        """(matrices, {method: (order, scores)}) of the MemGAS methods ``r["methods"]`` from the node matrices."""
-        from memgas.pipeline.retrieve import rank_history
+    def rank_one(h: dict[str, Any], r: dict[str, Any], device: str) -> tuple[list[str], dict]:
+        """(session ids, {method: (order, scores)}) of the MemGAS methods ``r["methods"]``, from the history's
+        node matrices or its node blocks."""
+        from memgas.pipeline.prepared import PreparedGraph
 
-        m = {k: (owned(v, np.float32) if isinstance(v, np.ndarray) else v) for k, v in h["matrices"].items()}
+        if "nodes" in h:  # NodeBlocks: every read is an owned copy
+            nodes, sids, hybrid = h["nodes"], h["session_ids"], h.get("hybrid")
+            hybrid = None if hybrid is None else owned(hybrid, np.float32)
+        else:
+            m = {k: (owned(v, np.float32) if isinstance(v, np.ndarray) else v) for k, v in h["matrices"].items()}
+            nodes, sids, hybrid = node_matrix(m), m["session_ids"], m.get("hybrid")
         edges = {mode: (owned(src, np.int64), owned(dst, np.int64)) for mode, (src, dst) in h["edges"].items()}
-        ranked = rank_history(node_matrix(m), owned(h["queries"], np.float32), edges, r["methods"],
-                              hybrid=m.get("hybrid"), num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
-                              router=r["router"], device=device, ppr=r["ppr"], ppr_epsilon=r["ppr_epsilon"])
-        return m, {x: ranked[x] for x in r["methods"]}
+        graph = PreparedGraph(nodes, edges, hybrid=hybrid, device=device)
+        ranked = graph.rank(owned(h["queries"], np.float32), r["methods"], num_seeds=r["num_seeds"],
+                            damping=r["damping"], temp=r["temp"], router=r["router"], ppr=r["ppr"],
+                            ppr_epsilon=r["ppr_epsilon"])
+        return sids, {x: ranked[x] for x in r["methods"]}
 
 
 def ranking_rows(cols: dict[str, list], session_ids: list[str], query_ids: list[str], ranked: dict[str, tuple],

@@ -1,0 +1,143 @@
+"""PreparedGraph (pipeline/prepared.py): one history prepared once, ranked in batches or one query at a time.
+
+- Its float64 similarities over node-row blocks equal the whole-matrix product bit for bit, and so do the
+  single-granularity baselines (the machine's BLAS: see the module docstring), from arrays or NodeBlocks.
+- On real MiniLM node vectors (LoCoMo fixture) every MemGAS method, exact and push PPR, equals the
+  whole-matrix formulation the rank stage used before (CSR and float64 matrix rebuilt per call), byte for byte.
+- One question at a time gives the batch's top-10 (push: each query is pushed alone, so its scores differ from
+  the batch's only through the similarity product's kernel; exact: also through the batch's iteration count).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memgas.kernels.backend import one_blas_thread
+from memgas.kernels.ppr import build_csr, personalized_pagerank
+from memgas.kernels.ppr_push import personalized_pagerank_push
+from memgas.kernels.router import entropy_router
+from memgas.kernels.segment import segment_sum_contiguous
+from memgas.kernels.topk import stable_argsort_desc
+from memgas.pipeline.association.blocks import NodeBlocks
+from memgas.pipeline.methods import get_method
+from memgas.pipeline.prepared import SIM_BLOCK_ROWS, PreparedGraph, row_spans, seed_reset
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "locomo_minilm_nodes.npz"
+GRAPH_METHODS = ["memgas", "memgas-no-gmm", "memgas-no-ppr", "memgas-no-router", "memgas-no-association"]
+BASELINES = ["session", "turn", "summary", "keyword", "hybrid"]
+SETTINGS = {"num_seeds": 15, "damping": 0.1, "temp": 0.2, "router": "reference"}
+
+
+def _bits(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a).tobytes()
+
+
+def test_row_spans() -> None:
+    B = SIM_BLOCK_ROWS
+    assert row_spans(4) == [(0, 4)]
+    assert row_spans(2 * B - 4) == [(0, 2 * B - 4)]  # under two blocks: the whole matrix, one call
+    assert row_spans(2 * B) == [(0, B), (B, 2 * B)]
+    assert row_spans(3 * B + 100) == [(0, B), (B, 2 * B), (2 * B, 3 * B + 100)]  # the last takes the rest
+
+
+@pytest.mark.parametrize("n_queries", [1, 2, 5, 33])
+def test_blocked_products_equal_the_whole_matrix(n_queries: int) -> None:
+    """Three blocks and a remainder of real-size rows (d = 384): similarities (float64, gemv for one query,
+    gemm otherwise) and baselines (float32, strided granularity rows; the contiguous hybrid matrix) have the
+    bits of one product over the whole matrix, from an array and from NodeBlocks of another block size."""
+    rng = np.random.default_rng(n_queries)
+    n, d = 3 * SIM_BLOCK_ROWS + 4 * 97, 384
+    E = rng.standard_normal((n, d)).astype(np.float32)
+    H = rng.standard_normal((n // 4, d)).astype(np.float32)
+    q = rng.standard_normal((n_queries, d)).astype(np.float32)
+    blocks = NodeBlocks([E[i : i + 4 * 3000] for i in range(0, n, 4 * 3000)], 4 * 3000, n, d)
+    with one_blas_thread():
+        whole = q.astype(np.float64) @ E.astype(np.float64).T
+        for nodes in (E, blocks):
+            g = PreparedGraph(nodes, hybrid=H)
+            assert _bits(g.similarities(q)) == _bits(whole)
+            for i, gran in enumerate(BASELINES[:4]):
+                assert _bits(g.baseline_scores(q, gran)) == _bits(q @ E[i::4].T), gran
+            assert _bits(g.baseline_scores(q, "hybrid")) == _bits(q @ H.T)
+
+
+def _reference(nodes: np.ndarray, q: np.ndarray, edges: dict, method: str, ppr: str, eps: float,
+               hybrid: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The rank stage's formulation before PreparedGraph (score_with_edges at 1531295): the whole node matrix
+    in float64, the CSR built per call."""
+    m = get_method(method)
+    S = nodes.shape[0] // 4
+    if not m.is_graph:
+        H = hybrid if m.granularity == "hybrid" else nodes[BASELINES.index(m.granularity) :: 4]
+        scores = q @ H.T
+        return stable_argsort_desc(scores).astype(np.int64), scores.astype(np.float64)
+    sims = q.astype(np.float64) @ nodes.astype(np.float64).T
+    if not m.router:
+        w = np.full((q.shape[0], 4), 0.25)
+    else:
+        w, _ = entropy_router([sims[:, g::4] for g in range(4)], temp=SETTINGS["temp"], rule=SETTINGS["router"])
+    node_scores = sims * np.tile(w, (1, S))
+    if not m.ppr:
+        scores = segment_sum_contiguous(node_scores, 4)
+    else:
+        reset = seed_reset(node_scores, SETTINGS["num_seeds"])
+        src, dst = edges[m.edges] if m.edges is not None else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        adj = build_csr(src, dst, nodes.shape[0])
+        if ppr == "push":
+            pr = personalized_pagerank_push(adj, reset, SETTINGS["damping"], epsilon=eps)
+        else:
+            pr = personalized_pagerank(adj, reset, SETTINGS["damping"])
+        scores = segment_sum_contiguous(pr, 4)
+    return stable_argsort_desc(scores).astype(np.int64), scores.astype(np.float64)
+
+
+@pytest.fixture(scope="module")
+def histories() -> list[tuple[np.ndarray, np.ndarray, dict, np.ndarray]]:
+    """Three LoCoMo histories: node matrix, questions, gmm and top-k edges (the real association), and a
+    hybrid matrix (the session rows plus the summary rows: any [S, d] will do)."""
+    from memgas.pipeline.association import associate
+    from memgas.pipeline.config import AssociationConfig
+
+    f, a = np.load(FIXTURE), AssociationConfig()
+    out = []
+    with one_blas_thread():
+        for c in range(3):
+            nodes = f["nodes"][f["conv_offsets"][c] : f["conv_offsets"][c + 1]].astype(np.float32)
+            nodes = np.ascontiguousarray(nodes.reshape(-1, nodes.shape[-1]))
+            qs = f["queries"][f["query_conv"] == c].astype(np.float32)
+            edges = {}
+            for mode in ("gmm", "topk"):
+                e = associate(nodes, mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes, mode=mode,
+                              topk_edges=a.topk_edges, search="causal")
+                edges[mode] = (e.src, e.dst)
+            out.append((nodes, qs, edges, np.ascontiguousarray(nodes[0::4] + nodes[2::4])))
+    return out
+
+
+@pytest.mark.parametrize("ppr", ["exact", "push"])
+def test_prepared_equals_the_whole_matrix_formulation_on_minilm(histories: list, ppr: str) -> None:
+    eps = 1e-4
+    with one_blas_thread():
+        for nodes, qs, edges, hybrid in histories:
+            g = PreparedGraph(nodes, edges, hybrid=hybrid)
+            got = g.rank(qs, GRAPH_METHODS + BASELINES, ppr=ppr, ppr_epsilon=eps, **SETTINGS)
+            for m in GRAPH_METHODS + BASELINES:
+                want = _reference(nodes, qs, edges, m, ppr, eps, hybrid)
+                assert _bits(got[m][0]) == _bits(want[0]) and _bits(got[m][1]) == _bits(want[1]), m
+            assert set(g._csr) == {"gmm", "topk", None}  # each graph built once, for all the methods
+            again = g.rank(qs, ["memgas"], ppr=ppr, ppr_epsilon=eps, **SETTINGS)["memgas"]
+            assert _bits(again[1]) == _bits(got["memgas"][1])  # the kept graph ranks the same
+
+
+@pytest.mark.parametrize("ppr", ["exact", "push"])
+def test_one_question_at_a_time_gives_the_batch_top10(histories: list, ppr: str) -> None:
+    with one_blas_thread():
+        for nodes, qs, edges, _ in histories:
+            g = PreparedGraph(nodes, edges).prepare(["memgas"], ppr=ppr)
+            batch = g.rank(qs, ["memgas"], ppr=ppr, **SETTINGS)["memgas"]
+            for i in range(qs.shape[0]):
+                order, scores = g.rank(qs[i : i + 1], ["memgas"], ppr=ppr, **SETTINGS)["memgas"]
+                assert (order[0, :10] == batch[0][i, :10]).all(), i
+                np.testing.assert_allclose(scores[0], batch[1][i], rtol=0, atol=1e-9)
