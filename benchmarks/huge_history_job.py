@@ -142,7 +142,16 @@ def fill(cfg: Any, n_topics: int, seed: int) -> dict[str, Any]:
         gens = pa.Table.from_pylist(rows, schema=GENERATIONS)
         bank.write_part("generations", f"gen-bench-{tag}", gens)
         bank.write_part("texts", f"derived-bench-{tag}", derived_texts(gens, stext))
-    nodes = build_nodes(bank, generator_model=model, prompt_version=pv, write=True)  # the real nodes stage
+    # the real nodes stage's rows, stored as the stage stores them: one part named by its fingerprint (the rank
+    # stage reads the current part; a part of another name would leave it blind to the appended sessions)
+    runner.mark_done(ctx, "generate")
+    nodes_stage = next(st for st in ctx.pipeline if st.name == "nodes")
+    fp, _ = runner.set_fingerprint(nodes_stage, ctx)
+    nodes = build_nodes(bank, generator_model=model, prompt_version=pv)
+    bank.write_part("nodes", f"nodes-{fp}-bench", nodes)
+    for part in bank.parts("nodes"):
+        if part != f"nodes-{fp}-bench":
+            bank.drop_part("nodes", part)
     t_gen = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -189,7 +198,7 @@ def fill(cfg: Any, n_topics: int, seed: int) -> dict[str, Any]:
             pa.nulls(len(keys), pa.int32()), pa.nulls(len(keys), pa.int32()),  # no tokens were encoded
         ], schema=schema)
         bank.write_part("embeddings", f"emb-bench-{tag}-{j:05d}", table, dim=DIM)
-    for name in ("generate", "nodes", "encode"):  # filled above: the runner takes them as done
+    for name in ("nodes", "encode"):  # filled above: the runner takes them as done (generate: before the nodes)
         runner.mark_done(ctx, name)
     return {"sessions_filled": len(new), "vectors": len(need), "node_rows": nodes.num_rows,
             "generate_nodes_s": t_gen, "vectors_s": time.perf_counter() - t0}
@@ -332,6 +341,8 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ["answer", bank, *common, *ivf, "--set", "retrieval.ppr=push", "--out", str(runs["push"])])
     m = json.loads((runs["push"] / "metrics.json").read_text())
     out["append_answer_push"]["rank_s"] = stage_of(m, "rank").get("wall_s")
+    rank = [e for e in json.loads((runs["push"] / "run_record.json").read_text()) if e["stage"] == "rank"]
+    out["append_answer_push"]["histories_ranked"] = rank[0].get("histories_ranked") if rank else None
     save()
     return out
 

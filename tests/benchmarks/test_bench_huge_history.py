@@ -53,3 +53,5 @@ def test_through_job_queries(result: dict) -> None:
         assert result[f"answer_{ppr}"]["rank_s"] > 0
     assert result["push_agreement"]["queries"] == 8
     assert result["append_answer_push"]["rank_s"] > 0
+    # the history grew, so its questions are ranked again (the bench's nodes are stored as the stage's part)
+    assert result["append_answer_push"]["histories_ranked"] == 1
