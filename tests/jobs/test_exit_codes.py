@@ -183,7 +183,9 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path, capsys, monkeypatch) -> None:
 @pytest.mark.slow
 def test_sigterm_with_ray_is_one_line_exit_143_and_resumable(tmp_path, memgas_exe) -> None:
     """`memgas run` with a local Ray (whose ray.init installs its own SIGTERM handler) gets SIGTERM between
-    generate's last unit and its marker: one line, exit 143, no Ray stack dump; the next run resumes."""
+    generate's last unit and its marker: one line, exit 143, no Ray stack dump; the next run resumes. The
+    resume runs in-process (--no-ray): what this test checks is the bank the SIGTERM left, and a second local
+    Ray would only add its start-up (the Ray path's own resume: tests/jobs/test_resume.py)."""
     exe, env, repo = memgas_exe
     args = [exe, "run", "configs/demo.yaml", "--set", f"output_dir={tmp_path / 'run'}", "--set", "data.limit=1",
             "--set", "data.path=tests/fixtures/locomo_small.json", "--set", "reading.enabled=false",
@@ -196,7 +198,7 @@ def test_sigterm_with_ray_is_one_line_exit_143_and_resumable(tmp_path, memgas_ex
                                             "kept, re-run to resume"), proc.stderr[-3000:]
     marker = json.loads((tmp_path / "run" / "RUNNING.json").read_text())
     assert marker["status"] == "failed" and marker["error"].startswith("Terminated")
-    again = subprocess.run(args[:-1], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    again = subprocess.run([*args[:-1], "--no-ray"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stderr[-3000:]
     record = json.loads((tmp_path / "run" / "metrics.json").read_text())["record"]
     by_stage = {r["stage"]: r for r in record}

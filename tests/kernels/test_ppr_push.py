@@ -2,17 +2,15 @@
 epsilon -> 0, the exact kernel's edge cases, batch invariance, and top-10 agreement on real LoCoMo vectors."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from memgas.kernels.ppr import build_csr, personalized_pagerank
 from memgas.kernels.ppr_push import personalized_pagerank_push
+from tests.fixtures.locomo_minilm import locomo_minilm_histories
 
 #: the exact kernel stops at an L1 change < 1e-12, so it is itself that far from the fixed point
 EXACT_SLACK = 1e-11
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "locomo_minilm_nodes.npz"
 
 
 def _graph_and_resets(seed: int, n: int = 150, e: int = 400, n_isolated: int = 10, q: int = 12):
@@ -97,24 +95,15 @@ def test_locomo_top10_under_push_equals_exact_at_the_default_epsilon() -> None:
     under push at RetrievalConfig's default ppr_epsilon equal the exact PPR's on >= 99.9% of questions, for
     both graph methods that run PPR on stored edges."""
     from memgas.kernels.backend import one_blas_thread
-    from memgas.pipeline.association import associate
-    from memgas.pipeline.config import AssociationConfig, RetrievalConfig
+    from memgas.pipeline.config import RetrievalConfig
     from memgas.pipeline.retrieve import rank_history
 
-    f, a, eps = np.load(FIXTURE), AssociationConfig(), RetrievalConfig().ppr_epsilon
+    eps = RetrievalConfig().ppr_epsilon
     methods = ["memgas", "memgas-no-gmm"]
     agree = {m: 0 for m in methods}
     total = 0
     with one_blas_thread():
-        for c in range(len(f["conv_offsets"]) - 1):
-            nodes = f["nodes"][f["conv_offsets"][c] : f["conv_offsets"][c + 1]].astype(np.float32)
-            nodes = np.ascontiguousarray(nodes.reshape(-1, nodes.shape[-1]))
-            qs = f["queries"][f["query_conv"] == c].astype(np.float32)
-            edges = {}
-            for mode in ("gmm", "topk"):
-                e = associate(nodes, mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes, mode=mode,
-                              topk_edges=a.topk_edges, search="causal")
-                edges[mode] = (e.src, e.dst)
+        for nodes, qs, edges in locomo_minilm_histories():
             assert edges["gmm"][0].size > 0  # a real graph, not the empty-graph shortcut
             exact = rank_history(nodes, qs, edges, methods, ppr="exact")
             push = rank_history(nodes, qs, edges, methods, ppr="push", ppr_epsilon=eps)

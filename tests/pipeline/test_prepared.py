@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -23,8 +21,8 @@ from memgas.kernels.topk import stable_argsort_desc
 from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.methods import get_method
 from memgas.pipeline.prepared import SIM_BLOCK_ROWS, PreparedGraph, row_spans, seed_reset
+from tests.fixtures.locomo_minilm import locomo_minilm_histories
 
-FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "locomo_minilm_nodes.npz"
 GRAPH_METHODS = ["memgas", "memgas-no-gmm", "memgas-no-ppr", "memgas-no-router", "memgas-no-association"]
 BASELINES = ["session", "turn", "summary", "keyword", "hybrid"]
 SETTINGS = {"num_seeds": 15, "damping": 0.1, "temp": 0.2, "router": "reference"}
@@ -97,23 +95,9 @@ def _reference(nodes: np.ndarray, q: np.ndarray, edges: dict, method: str, ppr: 
 def histories() -> list[tuple[np.ndarray, np.ndarray, dict, np.ndarray]]:
     """Three LoCoMo histories: node matrix, questions, gmm and top-k edges (the real association), and a
     hybrid matrix (the session rows plus the summary rows: any [S, d] will do)."""
-    from memgas.pipeline.association import associate
-    from memgas.pipeline.config import AssociationConfig
-
-    f, a = np.load(FIXTURE), AssociationConfig()
-    out = []
     with one_blas_thread():
-        for c in range(3):
-            nodes = f["nodes"][f["conv_offsets"][c] : f["conv_offsets"][c + 1]].astype(np.float32)
-            nodes = np.ascontiguousarray(nodes.reshape(-1, nodes.shape[-1]))
-            qs = f["queries"][f["query_conv"] == c].astype(np.float32)
-            edges = {}
-            for mode in ("gmm", "topk"):
-                e = associate(nodes, mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes, mode=mode,
-                              topk_edges=a.topk_edges, search="causal")
-                edges[mode] = (e.src, e.dst)
-            out.append((nodes, qs, edges, np.ascontiguousarray(nodes[0::4] + nodes[2::4])))
-    return out
+        return [(nodes, qs, edges, np.ascontiguousarray(nodes[0::4] + nodes[2::4]))
+                for nodes, qs, edges in locomo_minilm_histories(3)]
 
 
 @pytest.mark.parametrize("ppr", ["exact", "push"])
