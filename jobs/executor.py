@@ -217,6 +217,21 @@ class ModelHost:
 
         self.model = make_model(kind, config)
 
+    def load(self, kind: str, config: dict) -> None:
+        """Drop the model this host holds and load another (:meth:`ActorPool.reuse_for`: a CPU actor serves the
+        next stage instead of a fresh process). The old model and every cached LLM are released first, so the
+        process holds one model at a time, as a fresh actor would; torch's threads are set again by
+        ``make_model``, so the new model computes exactly as in a fresh process."""
+        import gc
+
+        from memgas.jobs.models import make_model
+        from memgas.pipeline.models.llms import release_cached_models
+
+        self.model = None
+        release_cached_models()
+        gc.collect()
+        self.model = make_model(kind, config)
+
     def call(self, fn_path: str, payload: Any, params: dict) -> dict[str, pa.Table]:
         faults.hit(f"actor-call:{type(self.model).__name__}")
         return resolve(fn_path)(self.model, payload, params)
@@ -299,15 +314,46 @@ def use_loaded_model(kind: str, config: dict, model: Any) -> None:
 
 class ActorPool:
     """Ray actors holding one model config; reused by consecutive stages with the same model (the judge
-    reuses the reader's engine) and killed when the runner moves on to another model or ends."""
+    reuses the reader's engine), given the next stage's model on CPUs (:meth:`reuse_for`), and killed when
+    the runner reaches a stage that needs the CPUs for tasks, or ends."""
 
     def __init__(self, kind: str, config: dict, n: int, num_cpus: float, num_gpus: float) -> None:
         import ray
 
         self.key = short_hash([kind, config, num_gpus], 12)
+        self.num_gpus = num_gpus
         self._cls = ray.remote(ModelHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
         self._args = (kind, config)
         self.actors = [self._cls.remote(*self._args) for _ in range(max(1, n))]
+
+    def reuse_for(self, kind: str, config: dict, n: int) -> bool:
+        """Load another model into this pool's CPU actors (:meth:`ModelHost.load`), keeping ``n`` of them
+        (more are started, extras killed): a stage after another actor stage then skips the process start
+        and imports (several seconds of CPU per actor) that fresh actors pay. Not on GPUs, where a fresh
+        process is the only sure way to give the device memory back (vLLM's engine, CUDA contexts).
+        False where the pool cannot be reused: then the caller closes it and starts fresh actors, so a model
+        that fails to load fails the way it always has."""
+        import ray
+
+        if self.num_gpus:
+            return False
+        n = max(1, n)
+        keep, extra = self.actors[:n], self.actors[n:]
+        for a in extra:
+            try:
+                ray.kill(a)
+            except Exception:  # already gone
+                pass
+        self.actors = keep
+        try:
+            ray.get([a.load.remote(kind, config) for a in keep])
+        except Exception as exc:  # a dead actor or a failed load: the caller starts fresh ones
+            log.debug("reusing the actors for %s failed (%s); starting fresh ones", kind, _one_line(exc))
+            return False
+        self.key = short_hash([kind, config, self.num_gpus], 12)
+        self._args = (kind, config)
+        self.actors = keep + [self._cls.remote(*self._args) for _ in range(n - len(keep))]
+        return True
 
     def replace(self, dead: Any) -> Any:
         import ray
@@ -505,16 +551,19 @@ def _run_on_actors(stage, ctx, place, todo, fn, params, pools, counts, bar, stor
 
 
 def _pool_for(stage: Stage, place: Placement, pools: dict[str, ActorPool], n_units: int) -> ActorPool:
-    """The actor pool for the stage's model: reuse the open one if it holds the same model, else replace it.
-    GPUs per actor are checked against the cluster before any actor is created (:func:`require_gpus`)."""
+    """The actor pool for the stage's model: the open one if it holds the same model; on CPUs the open one
+    with this model loaded into its actors (:meth:`ActorPool.reuse_for`); else fresh actors. GPUs per actor are checked against the cluster before any actor is created (:func:`require_gpus`)."""
     key = short_hash([stage.model, place.config, place.gpus], 12)
     open_pool = pools.get("current")
     if open_pool is not None and open_pool.key == key:
+        return open_pool
+    n = min(place.actors, n_units)
+    if open_pool is not None and not place.gpus and open_pool.reuse_for(stage.model, place.config, n):
         return open_pool
     if open_pool is not None:
         open_pool.close()
         pools.pop("current")
     require_gpus(f"stage {stage.name} ({stage.model} actors)", place.gpus, ACTOR_GPU_HINT)
-    pool = ActorPool(stage.model, place.config, min(place.actors, n_units), num_cpus=1, num_gpus=place.gpus)
+    pool = ActorPool(stage.model, place.config, n, num_cpus=1, num_gpus=place.gpus)
     pools["current"] = pool
     return pool

@@ -130,11 +130,13 @@ def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler,
             entry = run_stage(step, ctx, active, store, fp, prof, pools)
             record.append(entry)
             log.info("stage %s: %s (%s)", step.name, entry["status"], fp)
-            # release the actors unless the next stage holds the same model (the judge reuses the reader)
+            # keep the actors while the next stage that is not the driver's runs on actors too: it reuses them
+            # (same model, or on CPUs another model loaded into them); release them before task stages, which
+            # need the CPUs the actors hold, and at the end
             later = ctx.pipeline[ctx.pipeline.index(step) + 1:]
-            nxt = next((s for s in later if s.name in names and isinstance(s, Stage) and s.active(ctx) is not None),
-                       None)
-            if "current" in pools and (nxt is None or nxt.model != step.model):
+            nxt = next((s for s in later if s.name in names and isinstance(s, Stage) and s.where != "driver"
+                        and s.active(ctx) is not None), None)
+            if "current" in pools and (nxt is None or nxt.where != "actor"):
                 pools.pop("current").close()
     finally:
         for pool in pools.values():

@@ -144,6 +144,13 @@ _MODEL_CACHE: dict[tuple[str, str | None, str, str], tuple[Any, Any]] = {}
 _MODEL_CACHE_LOCK = threading.Lock()
 
 
+def release_cached_models() -> None:
+    """Forget every loaded model of :func:`load_transformers` (a reused Ray actor loading another model holds
+    one model at a time; the memory goes back once nothing else references them)."""
+    with _MODEL_CACHE_LOCK:
+        _MODEL_CACHE.clear()
+
+
 def resolve_llm_dtype(dtype: str, device: str, bf16_supported: bool | None = None) -> str:
     """``auto`` -> bfloat16 on CUDA (float16 where bf16 is unsupported), float32 on CPU; names pass through.
 

@@ -176,9 +176,14 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
         with_llm = StageContext(_cfg(indexed, "generation.generator=llm+fallback"), bank, None, use_ray=True)
         resolve_stage_runtimes(with_llm)
         assert actor_count(gen, with_llm) == 1 and actor_config(gen, with_llm)["threads"] is None
-        pool = _pool_for(stage, placement(stage, stage.active(ctx), ctx), {}, n_units=10)
+        # the generator's CPU actors then serve the encode stage: the same processes, the encoder loaded into
+        # them (no fresh process, no second round of imports), computing the bank's vectors bit for bit
+        pools: dict = {}
+        gen_pool = _pool_for(gen, placement(gen, gen.active(ctx), ctx), pools, n_units=10)
+        gen_actors = [a._actor_id for a in gen_pool.actors]
+        pool = _pool_for(stage, placement(stage, stage.active(ctx), ctx), pools, n_units=10)
         try:
-            assert len(pool.actors) == 2
+            assert pool is gen_pool and [a._actor_id for a in pool.actors] == gen_actors and len(gen_actors) == 2
             assert ray.get([a.torch_threads.remote() for a in pool.actors]) == [1, 1]
             key = keys.encoder_key(ctx)
             have = bank.read("embeddings", ["text_hash", "vector"], filter=pc.field("encoder") == key)
@@ -187,7 +192,11 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
             got = ray.get(pool.actors[1].call.remote(stage_fn(stage), payload, stage.active(ctx).params))["embeddings"]
             want = np.asarray(have["vector"].to_pylist()[:40], np.float32)
             assert got["text_hash"].to_pylist() == hashes
-            np.testing.assert_allclose(np.asarray(got["vector"].to_pylist(), np.float32), want, atol=1e-5)
+            assert np.array_equal(np.asarray(got["vector"].to_pylist(), np.float32), want)
+            # a model that fails to load is not reused into: the caller starts fresh actors (and fails as before)
+            bad = {**placement(stage, stage.active(ctx), ctx).config, "encoder": {
+                **placement(stage, stage.active(ctx), ctx).config["encoder"], "model": str(tmp_path / "no-model")}}
+            assert pool.reuse_for("encoder", bad, 1) is False
         finally:
             pool.close()
         fixed = StageContext(_cfg(indexed, "encoder.actors=3", "llm.threads=2"), bank, None, use_ray=True)
