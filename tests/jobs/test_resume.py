@@ -8,6 +8,7 @@ compaction, one after the other, and still ends byte-identical.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -124,9 +125,17 @@ def test_rerun_skips_everything(tmp_path, cli, reference) -> None:
     assert _tables(reference) == before
 
 
-def test_ray_path_matches_in_process_path(tmp_path, cli, reference) -> None:
-    out = tmp_path / "ray"
-    cli(*_args(out))  # local embedded Ray: model actors + sharded tasks
+def test_ray_path_matches_in_process_path_even_after_a_killed_actor(tmp_path, cli, reference) -> None:
+    """A local embedded Ray (model actors, sharded tasks) writes the in-process run's bytes, even when the
+    encoder actor is SIGKILLed in its first call (as Ray's OOM killer would): its unit runs again on a fresh
+    actor, the run record counts the retry, and nothing of the killed call reaches a table."""
+    out, state = tmp_path / "ray", tmp_path / "faults"
+    state.mkdir()
+    cli(*_args(out), env={"MEMGAS_FAULT": "kill-once@actor-call:SentenceTransformerEncoder",
+                          "MEMGAS_FAULT_STATE": str(state)})
+    assert list(state.iterdir()), "the fault was never injected"
+    record = {r["stage"]: r for r in json.loads((out / "run_record.json").read_text())}
+    assert record["encode"]["actor_retries"] == 1 and record["encode"]["status"] == "executed"
     got, want = _tables(out), _tables(reference)
     assert sorted(got) == sorted(want)
     assert [k for k in want if got[k] != want[k]] == []
