@@ -28,6 +28,7 @@ RUNTIME_ONLY: tuple[str, ...] = (
     "llm.threads",
     "ray.address", "ray.num_cpus", "ray.num_gpus_per_model_actor", "ray.num_gpus_per_task", "ray.model_actors",
     "ray.shard_size", "ray.generate_unit", "ray.encode_unit",
+    "evaluation.plots",
 )
 
 #: LLM settings that change what an LLM writes (backend and model, context, batching, sampling).

@@ -343,7 +343,7 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
     from memgas.pipeline.bank import atomic_write_bytes
 
     atomic_write_bytes(run_dir / "config.yaml", cfg.dump_yaml().encode())
-    return write_report(run_dir).parent
+    return write_report(run_dir, plots=cfg.evaluation.plots).parent
 
 
 def _model_manifest(ctx: StageContext) -> dict[str, Any]:

@@ -194,6 +194,10 @@ def _pct_or_nan(v: Any) -> float:
     return float("nan") if x is None else 100 * x
 
 
+#: the PNGs :func:`plot_run` may write into a run directory (jobs/run_dir.py's RUN_FILES lists them too)
+PLOT_FILES: tuple[str, ...] = ("recall_at_k.png", "recall_by_type.png", "stage_times.png")
+
+
 def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
     """Recall@K curves per method, per-type bars, and the stage time breakdown.
 
@@ -223,7 +227,7 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
-        written.append(out_dir / "recall_at_k.png")
+        written.append(out_dir / PLOT_FILES[0])
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
@@ -245,7 +249,7 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_title("Recall_all@5 by question type")
         ax.legend(fontsize=6, ncol=2)
         fig.tight_layout()
-        written.append(out_dir / "recall_by_type.png")
+        written.append(out_dir / PLOT_FILES[1])
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
 
@@ -258,7 +262,7 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_xlabel("wall time (s)")
         ax.set_title("Stage time breakdown")
         fig.tight_layout()
-        written.append(out_dir / "stage_times.png")
+        written.append(out_dir / PLOT_FILES[2])
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
     return written
@@ -279,7 +283,7 @@ def _association(a: dict[str, Any]) -> str | None:
             f"{a.get('ivf_recall_histories')} histories (lowest history {_f(a.get('ivf_recall_min_history'), '.4f')})")
 
 
-def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) -> str:
+def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None, plots_off: bool = False) -> str:
     run = _d(metrics.get("run"))
     dataset = _d(metrics.get("dataset"))
     parts = [f"# memgas report: {md_escape(run.get('name', '?'))}", ""]
@@ -391,6 +395,8 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None) ->
         parts += ["", "## Query latency", "", _md_table(["step", "p50 ms", "p95 ms", "n"], rows)]
     for p in plots or []:
         parts += ["", f"![{p.stem}]({p.name})"]  # our own file names
+    if plots_off:
+        parts += ["", "Plots are off (`evaluation.plots=false`); `memgas report` on this directory draws them."]
     return "\n".join(parts) + "\n"
 
 
@@ -498,11 +504,19 @@ def write_comparison(path: str | Path, text: str) -> Path:
     return write_text(p, text)
 
 
-def write_report(run_dir: str | Path) -> Path:
+def write_report(run_dir: str | Path, plots: bool = True) -> Path:
+    """``report.md`` of a run directory from its metrics.json, with its plots (:func:`plot_run`) unless
+    ``plots`` is off: then plots of an earlier run in this directory are removed (memgas's own files, which
+    would no longer match the report) and the report says how to draw them."""
     run_dir = Path(run_dir)
     metrics = load_metrics(run_dir)
-    plots = plot_run(metrics, run_dir)
-    return write_text(run_dir / "report.md", render_markdown(metrics, plots))
+    if plots:
+        drawn = plot_run(metrics, run_dir)
+    else:
+        drawn = []
+        for name in PLOT_FILES:
+            (run_dir / name).unlink(missing_ok=True)
+    return write_text(run_dir / "report.md", render_markdown(metrics, drawn, plots_off=not plots))
 
 
 def dataset_differences(runs: dict[str, dict[str, Any]]) -> str | None:

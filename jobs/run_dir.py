@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from memgas.jobs.report import PLOT_FILES
 from memgas.pipeline.bank import atomic_write_json
 from memgas.pipeline.errors import MemgasError
 from memgas.pipeline.locks import LOCK
@@ -37,8 +38,8 @@ class IncompleteRun(MemgasError):
 #: one proof that the directory is memgas's. ``entries`` lists what it created there beyond RUN_FILES.
 OWNER = ".memgas-run.json"
 #: what a run writes into its directory (and ``--fresh`` removes, with OWNER's entries; nothing else)
-RUN_FILES = (RUN_MARKER, RUN_RECORD, "metrics.json", "manifest.json", "config.yaml", "report.md",
-             "recall_at_k.png", "recall_by_type.png", "stage_times.png", "results")
+RUN_FILES = (RUN_MARKER, RUN_RECORD, "metrics.json", "manifest.json", "config.yaml", "report.md", *PLOT_FILES,
+             "results")
 
 
 def _owner(path: Path) -> dict[str, Any] | None:

@@ -308,6 +308,9 @@ class EvalConfig(_Strict):
     ks: list[Annotated[int, Field(ge=1, le=MAX_RANKED)]] = Field(default_factory=lambda: [1, 3, 5, 10, 30, 50], min_length=1)
     judge: bool = False
     bertscore: bool = False
+    #: draw the report's PNG plots (matplotlib, about a second per run). Off for headless batch runs that
+    #: read metrics.json only; `memgas report RUN_DIR` draws them later from metrics.json. Changes no table.
+    plots: bool = True
 
 
 class RayConfig(_Strict):

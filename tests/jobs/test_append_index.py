@@ -30,7 +30,7 @@ TOPICS = [
 ]
 
 CONFIG = ["--set", "retrieval.methods=[session,memgas,memgas-no-gmm]", "--set", "reading.enabled=false",
-          "--set", "evaluation.ks=[1,3,5]", "--set", "ray.shard_size=1"]
+          "--set", "evaluation.ks=[1,3,5]", "--set", "ray.shard_size=1", "--set", "evaluation.plots=false"]
 
 
 def _session(h: int, s: int) -> dict:

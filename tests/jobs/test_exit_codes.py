@@ -189,7 +189,7 @@ def test_sigterm_with_ray_is_one_line_exit_143_and_resumable(tmp_path, memgas_ex
     exe, env, repo = memgas_exe
     args = [exe, "run", "configs/demo.yaml", "--set", f"output_dir={tmp_path / 'run'}", "--set", "data.limit=1",
             "--set", "data.path=tests/fixtures/locomo_small.json", "--set", "reading.enabled=false",
-            "--set", "retrieval.methods=[session,memgas]", "-q"]
+            "--set", "retrieval.methods=[session,memgas]", "--set", "evaluation.plots=false", "-q"]
     proc = subprocess.run(args, cwd=repo, env={**env, "MEMGAS_FAULT": "term@runner:before-marker:generate"},
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 143, proc.stderr[-3000:]

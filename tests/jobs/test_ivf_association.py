@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 IVF = ["--set", "association.search=ivf", "--set", "association.ivf_exact_nodes=80", "--set",
        "association.ivf_nlist=2", "--set", "association.ivf_nprobe=1"]
 CONFIG = ["--config", str(REPO / "configs" / "demo.yaml"), "--no-ray", "--set", "retrieval.methods=[session,memgas]",
-          "--set", "reading.enabled=false", "--set", "evaluation.ks=[1,3,5]", "--set", "ray.shard_size=1", *IVF]
+          "--set", "reading.enabled=false", "--set", "evaluation.ks=[1,3,5]", "--set", "ray.shard_size=1", "--set", "evaluation.plots=false", *IVF]
 #: sessions per block of the IVF grid in the append tests: A ends inside a block (22 = 2 x 8 + 6), so the
 #: append's first rows share a block with A's last sessions, which the saved index does not hold
 GRID = 8

@@ -50,7 +50,7 @@ def _overrides(data: Path, out: Path) -> list[str]:
             # output budgets that bound each reply to one card / a short plan (the schemas hold them to it)
             "encoder.max_tokens=64", "justmem.extract_max_tokens=160", "justmem.plan_max_tokens=128",
             # runtime only (not in any key): one thread is several times faster on a loaded machine
-            "llm.threads=1"]
+            "llm.threads=1", "evaluation.plots=false"]
 
 
 @pytest.fixture(scope="module")

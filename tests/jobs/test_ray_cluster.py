@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[2]
 #: the smallest file on which every stage does real work (tests/fixtures/make_locomo_small.py): the
 #: cluster run is about Ray placement, not data volume
 SETTINGS = [f"data.path={REPO / 'tests' / 'fixtures' / 'locomo_small.json'}", "data.limit=1", "reading.enabled=false", "retrieval.methods=[session,memgas,memgas-no-gmm]",
-            "ray.shard_size=1"]
+            "ray.shard_size=1", "evaluation.plots=false"]
 
 
 def _cfg(out: Path, *extra: str) -> MemgasConfig:

@@ -45,6 +45,24 @@ def test_write_report_tables_and_plots(tmp_path: Path) -> None:
         assert f"({png})" in report
 
 
+def test_plots_off_removes_the_earlier_runs_plots_and_report_draws_them_later(tmp_path: Path) -> None:
+    """evaluation.plots=false: no PNG, and the previous run's PNGs (which no longer match the report) are gone;
+    `memgas report` on the directory draws them from metrics.json."""
+    from memgas.jobs.cli import main
+
+    (tmp_path / "metrics.json").write_text(json.dumps(_metrics(0.6)))
+    write_report(tmp_path)
+    assert (tmp_path / "stage_times.png").exists()
+    (tmp_path / "mine.png").write_bytes(b"not memgas's")
+    report = write_report(tmp_path, plots=False).read_text()
+    assert not any((tmp_path / png).exists() for png in ("recall_at_k.png", "recall_by_type.png", "stage_times.png"))
+    assert ".png)" not in report and "`evaluation.plots=false`" in report
+    assert (tmp_path / "mine.png").read_bytes() == b"not memgas's"
+    assert main(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "stage_times.png").stat().st_size > 1000
+    assert "(stage_times.png)" in (tmp_path / "report.md").read_text()
+
+
 def test_report_has_tokens_per_granularity(tmp_path: Path) -> None:
     m = _metrics(0.6)
     m["encoding"] = {"session": {"texts": 4, "truncated": 3, "tokens": 300, "tokens_dropped": 100},

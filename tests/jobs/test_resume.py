@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow
 SETTINGS = [
     "--set", "data.path=tests/fixtures/locomo_small.json", "--set", "data.limit=1", "--set", "reading.enabled=false",
     "--set", "ray.generate_unit=1", "--set", "ray.encode_unit=24",
-    "--set", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
+    "--set", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]", "--set", "evaluation.plots=false",
 ]
 
 

@@ -20,7 +20,7 @@ from .conftest import run_memgas
 REPO = Path(__file__).resolve().parents[2]
 EXE = str(Path(sys.executable).with_name("memgas"))
 #: the smallest file on which every stage does real work (tests/fixtures/make_locomo_small.py)
-SMALL = ["--set", "data.path=tests/fixtures/locomo_small.json", "--set", "data.limit=1", "--set", "reading.enabled=false", "--set", "retrieval.methods=[session,memgas]"]
+SMALL = ["--set", "data.path=tests/fixtures/locomo_small.json", "--set", "data.limit=1", "--set", "reading.enabled=false", "--set", "retrieval.methods=[session,memgas]", "--set", "evaluation.plots=false"]
 
 
 def _env(**extra: str) -> dict[str, str]:

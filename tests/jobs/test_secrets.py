@@ -20,7 +20,7 @@ from memgas.pipeline.redact import printable, redact
 from .conftest import REPO, memgas_env
 
 SMALL = ["--no-ray", "-q", "--set", "data.limit=1", "--set", "reading.enabled=false", "--set",
-         "retrieval.methods=[session,memgas]"]
+         "retrieval.methods=[session,memgas]", "--set", "evaluation.plots=false"]
 PASSWORD = "s3cretPW"
 URL = f"http://user:{PASSWORD}@127.0.0.1:9/v1"
 SHOWN = "http://***@127.0.0.1:9/v1"

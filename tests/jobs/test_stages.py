@@ -151,7 +151,8 @@ def _base(tmp: Path, **extra: object) -> MemgasConfig:
     applies: sessions and summaries are longer than 64 tokens, a prompt of two sessions is cut)."""
     overrides = [f"output_dir={tmp}", f"data.path={SMALL_LOCOMO}", "data.limit=1", "reading.max_questions=1", "reading.top_k=1",
                  "encoder.max_tokens=64", "reading.context_tokens=512", "reading.filter=false", "reading.max_new_tokens=16", "retrieval.methods=[session,turn,memgas,memgas-no-gmm]",
-                 "reading.methods=[memgas]", "retrieval.store_top=50", "evaluation.ks=[1,3,5,10]"]
+                 "reading.methods=[memgas]", "retrieval.store_top=50", "evaluation.ks=[1,3,5,10]",
+                 "evaluation.plots=false"]  # runtime only; drawing PNGs is ~1 s a run (tests/jobs/test_report.py)
     overrides += [f"{k}={json.dumps(v)}" for k, v in extra.items()]
     return MemgasConfig.load(REPO / "configs" / "demo.yaml", overrides)
 
@@ -245,7 +246,8 @@ def test_a_branch_change_re_runs_nothing_of_the_other_branch(tmp_path, fake_bank
 @pytest.mark.parametrize("field,value", [("llm.threads", 1), ("llm.concurrency", 2), ("llm.timeout_s", 5.0),
                                          ("ray.shard_size", 3), ("ray.encode_unit", 7), ("ray.generate_unit", 5),
                                          ("encoder.batch_size", 8), ("name", "other"), ("ray.model_actors", 2), ("encoder.actors", 2),
-                                         ("llm.gpu_memory_utilization", 0.5), ("llm.max_retries", 1)])
+                                         ("llm.gpu_memory_utilization", 0.5), ("llm.max_retries", 1),
+                                         ("evaluation.plots", False)])
 def test_runtime_only_fields_change_no_fingerprint(tmp_path, fake_bank, field, value) -> None:
     assert _fingerprints(_base(tmp_path), fake_bank) == _fingerprints(_base(tmp_path, **{field: value}), fake_bank)
 
