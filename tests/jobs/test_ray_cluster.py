@@ -4,7 +4,6 @@ the bank, and a real two-node local Ray cluster running the job end to end."""
 from __future__ import annotations
 
 import dataclasses
-
 import importlib.util
 import json
 import os
@@ -13,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -312,21 +312,31 @@ def _start_node(args: list[str], env: dict[str, str], timeout: float = 120) -> s
     return proc
 
 
-def test_two_node_local_cluster_runs_the_job(tmp_path, indexed) -> None:
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    nodes, port = _two_nodes(env)
+def _node_env() -> dict[str, str]:
+    return {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+@pytest.fixture(scope="module")
+def two_nodes() -> Iterator[int]:
+    """The port of a real two-node local cluster (one CPU each), shared by this module's two cluster tests:
+    starting and stopping one costs more than either job."""
+    nodes, port = _two_nodes(_node_env())
     try:
-        out = tmp_path / "cluster"
-        exe = str(Path(sys.executable).with_name("memgas"))
-        args = [exe, "run", "configs/demo.yaml", "--address", f"127.0.0.1:{port}", "--set", f"output_dir={out}"]
-        for s in SETTINGS:
-            args += ["--set", s]
-        proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert _rankings(out) == _rankings(indexed)
+        yield port
     finally:
         _stop_nodes(nodes, port)
+
+
+def test_two_node_local_cluster_runs_the_job(tmp_path, indexed, two_nodes) -> None:
+    out = tmp_path / "cluster"
+    exe = str(Path(sys.executable).with_name("memgas"))
+    args = [exe, "run", "configs/demo.yaml", "--address", f"127.0.0.1:{two_nodes}", "--set", f"output_dir={out}"]
+    for s in SETTINGS:
+        args += ["--set", s]
+    proc = subprocess.run(args, cwd=REPO, env=_node_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _rankings(out) == _rankings(indexed)
 
 
 def _two_nodes(env: dict[str, str]) -> tuple[list[subprocess.Popen], int]:
@@ -363,7 +373,7 @@ def _stop_nodes(nodes: list[subprocess.Popen], port: int) -> None:
         current.unlink()
 
 
-def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monkeypatch) -> None:
+def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monkeypatch, two_nodes) -> None:
     """ONE synthetic history of 360 sessions (seeded 32-d vectors written into the bank, no encoder), exact and
     IVF: associated in one in-process task over its whole matrix (the default constants), then on a real
     two-node cluster cut into several Ray tasks (3 exact units, 4 IVF units) whose node vectors reach them in
@@ -396,9 +406,7 @@ def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monke
         assert [s[:3] for u in units for s in u["segments"]] == [["h", 0, 360]]
         want[mode] = associate_rows(bank)
     small_units(monkeypatch)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    nodes, port = _two_nodes(env)
+    port = two_nodes
     try:
         ray.init(address=f"127.0.0.1:{port}", configure_logging=False, log_to_driver=False)
         alive = [n for n in ray.nodes() if n["Alive"]]
@@ -422,4 +430,3 @@ def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monke
         assert got["edges"] == want["ivf"]["edges"] and got["ivf_index"] == want["ivf"]["ivf_index"]
     finally:
         ray.shutdown()
-        _stop_nodes(nodes, port)
