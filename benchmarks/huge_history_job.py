@@ -207,7 +207,7 @@ def fill(cfg: Any, n_topics: int, seed: int) -> dict[str, Any]:
 # -- commands -----------------------------------------------------------------------------------------------
 def command(argv: list[str], log: Path, in_process: bool = False) -> dict[str, float | None]:
     """Run ``memgas ARGV`` as a child process; its wall time and ``ru_maxrss`` (its largest process, with the
-    descendants it waited for). Exit on failure, with the tail of its log. ``in_process`` (the smoke test:
+    descendants it waited for; measured through :data:`_LEAN_PARENT`). Exit on failure, with the tail of its log. ``in_process`` (the smoke test:
     no interpreter start per command): ``cli.main(ARGV)`` here, and no RSS of its own."""
     t0 = time.perf_counter()
     if in_process:
@@ -220,14 +220,28 @@ def command(argv: list[str], log: Path, in_process: bool = False) -> dict[str, f
     with open(log, "ab") as f:
         f.write(("$ memgas " + " ".join(argv) + "\n").encode())
         f.flush()
-        p = subprocess.Popen([sys.executable, "-c", "import sys; from memgas.jobs.cli import main; sys.exit(main())",
-                              *argv], stdout=f, stderr=subprocess.STDOUT, env=os.environ)
-        _, status, usage = os.wait4(p.pid, 0)
+        read_end, write_end = os.pipe()
+        try:
+            p = subprocess.Popen([sys.executable, "-c", _LEAN_PARENT, str(write_end), sys.executable, "-c",
+                                  "import sys; from memgas.jobs.cli import main; sys.exit(main())", *argv],
+                                 stdout=f, stderr=subprocess.STDOUT, env=os.environ, pass_fds=(write_end,))
+            os.close(write_end)
+            code = p.wait()
+            maxrss_kib = int(os.read(read_end, 64) or b"0")
+        finally:
+            os.close(read_end)
     wall = time.perf_counter() - t0
-    code = os.waitstatus_to_exitcode(status)
     if code:
         sys.exit(f"memgas {' '.join(argv)} failed ({code}):\n" + log.read_text()[-4000:])
-    return {"wall_s": wall, "maxrss_gb": usage.ru_maxrss / 2**20}  # KiB on Linux
+    return {"wall_s": wall, "maxrss_gb": maxrss_kib / 2**20}  # KiB on Linux
+
+
+#: The command's parent: a bare interpreter that runs it and writes its ``ru_maxrss`` (KiB) to the fd given.
+#: Linux counts a parent's RSS at fork into the child's ``ru_maxrss`` (the old mm's high-water mark is kept
+#: at exec), so waiting on the command from this process reported the bench's own RSS (gigabytes once its
+#: vectors are filled) for every command; through this ~15 MB parent, the command's own peak.
+_LEAN_PARENT = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[2:]); _, status, usage = os.wait4(p.pid, 0); "
+                "os.write(int(sys.argv[1]), str(usage.ru_maxrss).encode()); sys.exit(os.waitstatus_to_exitcode(status))")
 
 
 def latency(cfg: Any, ppr: str, n_queries: int) -> dict[str, float]:

@@ -55,3 +55,20 @@ def test_through_job_queries(result: dict) -> None:
     assert result["append_answer_push"]["rank_s"] > 0
     # the history grew, so its questions are ranked again (the bench's nodes are stored as the stage's part)
     assert result["append_answer_push"]["histories_ranked"] == 1
+
+
+def test_a_commands_peak_rss_is_its_own_not_the_benchs(tmp_path: Path) -> None:
+    """Linux counts a parent's RSS at fork into a child's ``ru_maxrss``: with 1 GB touched here, a command
+    waited on directly reported >= 1 GB. Through the bench's lean parent: the command's own peak."""
+    import numpy as np
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import huge_history_job
+    finally:
+        sys.path.remove(str(BENCH))
+    held = np.ones(2**30 // 8)  # 1 GiB, every page touched
+    got = huge_history_job.command(["--help"], tmp_path / "log")
+    assert held.sum() == held.size  # still held while the command ran
+    assert 0 < got["maxrss_gb"] < 0.5, got
+    assert "usage: memgas" in (tmp_path / "log").read_text()
