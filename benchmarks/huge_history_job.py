@@ -207,8 +207,9 @@ def fill(cfg: Any, n_topics: int, seed: int) -> dict[str, Any]:
 # -- commands -----------------------------------------------------------------------------------------------
 def command(argv: list[str], log: Path, in_process: bool = False) -> dict[str, float | None]:
     """Run ``memgas ARGV`` as a child process; its wall time and ``ru_maxrss`` (its largest process, with the
-    descendants it waited for; measured through :data:`_LEAN_PARENT`). Exit on failure, with the tail of its log. ``in_process`` (the smoke test:
-    no interpreter start per command): ``cli.main(ARGV)`` here, and no RSS of its own."""
+    descendants it waited for; measured through :data:`_LEAN_PARENT`). Exit on failure, with the tail of its
+    log. ``in_process`` (the smoke test: no interpreter start per command): ``cli.main(ARGV)`` here, and no
+    RSS of its own."""
     t0 = time.perf_counter()
     if in_process:
         from memgas.jobs.cli import main as cli_main

@@ -552,7 +552,8 @@ def _run_on_actors(stage, ctx, place, todo, fn, params, pools, counts, bar, stor
 
 def _pool_for(stage: Stage, place: Placement, pools: dict[str, ActorPool], n_units: int) -> ActorPool:
     """The actor pool for the stage's model: the open one if it holds the same model; on CPUs the open one
-    with this model loaded into its actors (:meth:`ActorPool.reuse_for`); else fresh actors. GPUs per actor are checked against the cluster before any actor is created (:func:`require_gpus`)."""
+    with this model loaded into its actors (:meth:`ActorPool.reuse_for`); else fresh actors. GPUs per actor
+    are checked against the cluster before any actor is created (:func:`require_gpus`)."""
     key = short_hash([stage.model, place.config, place.gpus], 12)
     open_pool = pools.get("current")
     if open_pool is not None and open_pool.key == key:
