@@ -202,16 +202,19 @@ IVF_INDEX = pa.schema(
     ]
 )
 
-#: association.search=ivf: per segment, the candidate recall of its IVF rows against the exact search on a
-#: seeded sample of them (``hits`` of the exact candidates ``total``; recall@mem_threshold = hits / total)
+#: association.search=ivf: the candidate recall of the IVF rows against the exact search, one row per sampled
+#: node row (``row``, its fixed ``key``: ivf_search.row_keys) of the segment ``[first_session, end_session)``
+#: that holds it: ``hits`` of its exact candidates ``total``. A unit stores the rows of its own bottom-k keys;
+#: a history's sample is the bottom-k of its current segments' rows (recall@mem_threshold = hits / total)
 IVF_RECALL = pa.schema(
     [
         pa.field("history_id", pa.string(), nullable=False),
         pa.field("first_session", pa.int32(), nullable=False),
         pa.field("end_session", pa.int32(), nullable=False),
-        pa.field("rows", pa.int32(), nullable=False),
-        pa.field("hits", pa.int64(), nullable=False),
-        pa.field("total", pa.int64(), nullable=False),
+        pa.field("row", pa.int64(), nullable=False),
+        pa.field("key", pa.uint64(), nullable=False),
+        pa.field("hits", pa.int32(), nullable=False),
+        pa.field("total", pa.int32(), nullable=False),
     ]
 )
 

@@ -21,10 +21,15 @@ node ids). Both searches: a long history's new rows are cut into several units, 
 rows past a history's first ``ivf_exact_nodes`` nodes search an IVF index trained on those nodes. The index
 is saved per history (table ``ivf_index``, only the newest on a history's chain of current segments kept),
 verified before use (a damaged one is rebuilt, never searched), and walked on a fixed grid of session
-blocks, so an append over the saved index equals a fresh build byte for byte. Each unit measures its IVF
-rows' candidate recall against the exact search on a seeded sample (table ``ivf_recall``, per segment: up
-to :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS` rows of each unit), which ``finish`` and the
-run's metrics.json / report.md report.
+blocks, so an append over the saved index equals a fresh build byte for byte. The candidate recall against
+the exact search is measured on a sample of each history's IVF rows that does not depend on the cut: every
+node row has a fixed key (a seeded hash of the history and the node id,
+:func:`~memgas.pipeline.association.ivf_search.row_keys`), a history's sample is its
+:data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS` rows of smallest key, and each of those is among
+the smallest of its own unit's rows. So each unit checks only its own bottom-k rows (at most ``RECALL_ROWS``
+exact rows) and stores one row per sampled node row (table ``ivf_recall``); ``finish`` and the run's
+metrics.json / report.md keep each history's bottom-k of its current segments' rows (:func:`ivf_recall`):
+the same numbers for one build, several units, or a build then appends.
 
 *One IVF history, several units.* The index a row searches holds the complete grid blocks before the row's
 own block, so the units of one history need the index state at their first row. They are not chained (the
@@ -158,22 +163,29 @@ def uses_ivf(cfg: Any, end_session: int) -> bool:
 
 def ivf_recall(ctx: StageContext) -> dict[str, Any]:
     """The candidate recall of the current IVF segments (empty under the exact search or when no history
-    reached the exact prefix's end): what metrics.json and report.md say the approximation costs."""
+    reached the exact prefix's end): what metrics.json and report.md say the approximation costs.
+
+    Per history, its sample is the :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS` smallest
+    row keys among the rows its current segments stored (each unit stored its own smallest): the same rows,
+    hence the same counts, whether the history was built at once, in several units or by appends."""
+    from memgas.pipeline.association import ivf_search
+
     if ctx.cfg.association.search != "ivf" or ctx.fingerprints.get("associate") in (None, "disabled"):
         return {}
     parts = tables.current_parts(ctx, "ivf_recall")
     if not parts:
         return {}
-    t = ctx.bank.read("ivf_recall", parts=parts)
-    hits, total = int(pc.sum(t["hits"]).as_py() or 0), int(pc.sum(t["total"]).as_py() or 0)
-    per = {}
-    for h, x, n in zip(t["history_id"].to_pylist(), t["hits"].to_pylist(), t["total"].to_pylist()):
-        a, b = per.get(h, (0, 0))
-        per[h] = (a + x, b + n)
-    worst = min((x / n for x, n in per.values() if n), default=None)
+    t = ctx.bank.read("ivf_recall", ["history_id", "key", "hits", "total"], parts=parts)
+    hist = np.asarray(t["history_id"].to_pylist(), dtype=object)
+    keep = ivf_search.history_sample(hist, t["key"].to_numpy(), ivf_search.RECALL_ROWS)
+    x, n = t["hits"].to_numpy()[keep].astype(np.int64), t["total"].to_numpy()[keep].astype(np.int64)
+    _, code = np.unique(hist[keep], return_inverse=True)
+    per = zip(np.bincount(code, x).tolist(), np.bincount(code, n).tolist())  # exact: integer sums below 2**53
+    worst = min((a / b for a, b in per if b), default=None)
+    hits, total = int(x.sum()), int(n.sum())
     return {"ivf_recall_k": ctx.cfg.association.mem_threshold, "ivf_recall": hits / total if total else None,
-            "ivf_recall_min_history": worst, "ivf_recall_rows": int(pc.sum(t["rows"]).as_py() or 0),
-            "ivf_recall_histories": len(per)}
+            "ivf_recall_min_history": worst, "ivf_recall_rows": int(keep.size),
+            "ivf_recall_histories": int(code.max(initial=-1)) + 1}
 
 
 def association_info(ctx: StageContext) -> dict[str, Any]:
@@ -204,6 +216,19 @@ class AssociateStage(HistoryShardStage):
             # the IVF's parameters change nothing under the exact search; nor does the mode itself enter the
             # key there, so banks associated before the option existed keep their edges (the same key)
             active.fields = tuple(f for f in self.fields if f not in ("association.search", *IVF_FIELDS))
+        else:
+            from memgas.pipeline.association import ivf_search
+
+            # The recall sample (the rows of each history's smallest row keys; table ivf_recall stores one row
+            # per sampled node row) enters the IVF key only: its old per-unit sample and schema (one row per
+            # segment) are then never current, and the next run recomputes the IVF segments and drops their
+            # parts (the segmented table keeps only current parts), while exact banks keep their key and edges.
+            # Not `version` (in every key) nor `params` (in none). The sample size and seed enter too: the
+            # stored rows are each unit's bottom-k for this k, which report time's bottom-k must not exceed.
+            k = ivf_search.RECALL_ROWS
+            active.resolved["recall_sample"] = {"method": "bottom-k-row-hash", "rows": k,
+                                                "seed": ivf_search.RECALL_SEED}
+            active.params["recall_rows"] = k  # the driver's constant (a task may run in another process)
         return active
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
@@ -304,7 +329,8 @@ class AssociateStage(HistoryShardStage):
             for i, (m, seg) in enumerate(zip(payload["matrices"], segs)):
                 E, (_, s0, s1, _) = m if isinstance(m, NodeBlocks) else owned(m, np.float32), seg
                 if a["search"] == "ivf" and N_GRAN * s1 > a["ivf_exact_nodes"]:
-                    cands.append(AssociateStage._ivf_segment(E, seg, payload["indexes"][i], a, ivf))
+                    cands.append(AssociateStage._ivf_segment(E, seg, payload["indexes"][i], a, ivf,
+                                                             params.get("recall_rows")))
                 else:
                     cands.append(causal_rows(E, N_GRAN * s0, N_GRAN * s1, mem_threshold=a["mem_threshold"],
                                              min_prior_nodes=a["min_prior_nodes"], device=device))
@@ -322,18 +348,20 @@ class AssociateStage(HistoryShardStage):
                             schema=EDGE_SEGMENTS)
         out = {"edges": pa.table(cols, schema=EDGES), "edge_segments": segs_table}
         if ivf["recall"]:
-            out["ivf_recall"] = pa.Table.from_pylist(ivf["recall"], schema=IVF_RECALL)
+            out["ivf_recall"] = pa.concat_tables(ivf["recall"])
         if ivf["index"]:
             out["ivf_index"] = _index_table(ivf["index"])
         return out
 
     @staticmethod
     def _ivf_segment(E: np.ndarray, seg: list[Any], meta: dict[str, Any], a: dict[str, Any],
-                     out: dict[str, list]) -> Any:
+                     out: dict[str, list], recall_rows: int | None = None) -> Any:
         """One segment under the IVF search: its candidates; its index (to save, when it is the history's
-        last segment) and recall rows go to ``out``. The index at the segment's first row is the saved one
-        (or trained afresh on the exact prefix: the same bits), plus the grid blocks between its end and the
-        segment's rows, which :func:`ivf_rows` adds on its way (coarse lists and add, no search)."""
+        last segment) and recall rows (its IVF rows of the ``recall_rows`` smallest row keys, None:
+        :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS`) go to ``out``. The index at the
+        segment's first row is the saved one (or trained afresh on the exact prefix: the same bits), plus the
+        grid blocks between its end and the segment's rows, which :func:`ivf_rows` adds on its way (coarse
+        lists and add, no search)."""
         from memgas.pipeline.association import ivf_search as I
         h, s0, s1, _ = seg
         saved, grid = meta["saved"], meta.get("grid") or I.STAGE_BLOCK_SESSIONS
@@ -350,10 +378,10 @@ class AssociateStage(HistoryShardStage):
         c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
                               min_prior_nodes=a["min_prior_nodes"], params=params)
         approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
-        sample = I.recall_sample(h, s0, s1, approx)
-        hits, total = I.candidate_recall(E, c, sample, a["mem_threshold"])
-        out["recall"].append({"history_id": h, "first_session": s0, "end_session": s1, "rows": int(sample.size),
-                              "hits": hits, "total": total})
+        sample, keys = I.recall_sample(h, approx, I.RECALL_ROWS if recall_rows is None else recall_rows)
+        hits, total = I.candidate_hits(E, c, sample, a["mem_threshold"])
+        n = sample.size
+        out["recall"].append(pa.table([[h] * n, [s0] * n, [s1] * n, sample, keys, hits, total], schema=IVF_RECALL))
         if meta.get("save", True) and index is not None and index.index is not None:
             sessions = index.ntotal // N_GRAN
             if sessions != I.index_sessions(s1, grid):

@@ -291,9 +291,10 @@ def associate_ivf(
 
 
 # -- the associate stage's IVF rows: a saved index on a fixed grid of session blocks ----------------------
-#: rows sampled per history and unit for the candidate recall against the exact search (all when fewer)
+#: rows sampled per history for the candidate recall against the exact search (all when fewer): the rows
+#: past the exact prefix with the smallest :func:`row_keys` (the driver ships it to the tasks)
 RECALL_ROWS = 256
-#: seed of that sample (with the history and its rows: the same rows on every run)
+#: seed of the rows' keys (with the history and the node id: the same sample on every run and machine)
 RECALL_SEED = 29
 #: sessions per block of the stage's IVF grid (IVFParams' default; the tests make it small)
 STAGE_BLOCK_SESSIONS = IVFParams.block_sessions
@@ -432,30 +433,80 @@ def _concat(parts: list[Candidates], k: int) -> Candidates:
     return Candidates(*(np.concatenate([getattr(c, f) for c in parts]) for f in ("rows", "cand", "valid", "scores")))
 
 
-def recall_sample(history_id: str, a: int, b: int, rows: np.ndarray) -> np.ndarray:
-    """The rows (sorted) whose candidates are compared with the exact search's: all of ``rows`` when
-    there are at most :data:`RECALL_ROWS`, else that many drawn without replacement, seeded by the
-    history and the unit's rows (the same sample on every run and machine)."""
-    if rows.size <= RECALL_ROWS:
-        return rows
+#: splitmix64's increment and finaliser multipliers (Steele, Lea and Flood 2014; Vigna's reference code)
+_GAMMA, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def row_keys(history_id: str, rows: np.ndarray) -> np.ndarray:
+    """A fixed uint64 key per node row (id) of one history, which orders its rows for the recall sample.
+
+    ``splitmix64(base + (row + 1) * GAMMA)`` mod 2**64, ``base`` = blake2b of the history id keyed by
+    :data:`RECALL_SEED`: a row's key depends on nothing but (seed, history, row), so it is the same in every
+    unit, cut, run and machine (integer arithmetic only), and vectorised (a unit may hold 655,360 rows). The
+    step is odd and the finaliser a bijection on 64 bits, so the rows of one history have distinct keys:
+    the bottom-k is one set, with no ties to break."""
     import hashlib
 
-    h = int.from_bytes(hashlib.blake2b(f"{history_id}|{a}|{b}".encode(), digest_size=8).digest(), "little")
-    rng = np.random.default_rng([RECALL_SEED, h])
-    return np.sort(rng.choice(rows, RECALL_ROWS, replace=False))
+    h = hashlib.blake2b(history_id.encode(), digest_size=8, key=RECALL_SEED.to_bytes(8, "little")).digest()
+    x = np.uint64(int.from_bytes(h, "little")) + (np.asarray(rows, np.uint64) + np.uint64(1)) * _GAMMA
+    x = (x ^ (x >> np.uint64(30))) * _MIX1
+    x = (x ^ (x >> np.uint64(27))) * _MIX2
+    return x ^ (x >> np.uint64(31))
+
+
+def bottom_k(keys: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the ``k`` smallest ``keys`` (all when fewer), smallest first (ties by position)."""
+    keys = np.asarray(keys, np.uint64)
+    if keys.size <= k:
+        return np.argsort(keys, kind="stable")
+    part = np.argpartition(keys, k - 1)[:k] if k > 0 else np.zeros(0, np.int64)
+    return part[np.lexsort((part, keys[part]))]
+
+
+def recall_sample(history_id: str, rows: np.ndarray, k: int = RECALL_ROWS) -> tuple[np.ndarray, np.ndarray]:
+    """The rows (sorted) of one unit whose candidates are compared with the exact search's, and their keys:
+    the ``k`` of ``rows`` (the unit's rows past the exact prefix) with the smallest :func:`row_keys`.
+
+    A history's sample is the ``k`` smallest keys among *all* its rows past the exact prefix. Each of those
+    is among the ``k`` smallest of its own unit's rows (fewer than ``k`` of the unit's rows are smaller),
+    so the units' samples together hold it, whatever the cut: :func:`history_sample` keeps it at report
+    time, and the measured recall is that of one fresh build (after an append too)."""
+    rows = np.asarray(rows, np.int64)
+    keys = row_keys(history_id, rows)
+    pick = np.sort(bottom_k(keys, k))  # rows are sorted: positions in order are rows in order
+    return rows[pick], keys[pick]
+
+
+def history_sample(history_ids: np.ndarray, keys: np.ndarray, k: int = RECALL_ROWS) -> np.ndarray:
+    """Positions of the rows in a history's sample: per history (``history_ids[i]`` of the stored row
+    ``i``), its ``k`` smallest ``keys`` among the rows the units stored (:func:`recall_sample`)."""
+    if not len(keys):
+        return np.zeros(0, np.int64)
+    _, code = np.unique(np.asarray(history_ids, dtype=object), return_inverse=True)
+    order = np.lexsort((np.asarray(keys, np.uint64), code))  # by history, then key
+    c = code[order]
+    rank = np.arange(c.size) - np.searchsorted(c, c)  # place within its history
+    return np.sort(order[rank < k])
+
+
+def candidate_hits(E: Any, got: Candidates, sample: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per ``sample`` row (sorted node ids among ``got.rows``): (hits, total), of the exact search's valid
+    candidates (``total``) how many ``got`` holds too. A row's exact candidates do not depend on the other
+    rows asked for (canonical shapes), so its counts are the same in any unit."""
+    hits = np.zeros(sample.size, np.int64)
+    total = np.zeros(sample.size, np.int64)
+    if not sample.size:
+        return hits, total
+    exact, valid = _causal_candidates(E, sample, k, "cpu")
+    pos = np.searchsorted(got.rows, sample)
+    for i, j in enumerate(pos):
+        want = set(exact[i][valid[i]].tolist())
+        hits[i] = len(want & set(got.cand[j][got.valid[j]].tolist()))
+        total[i] = len(want)
+    return hits, total
 
 
 def candidate_recall(E: Any, got: Candidates, sample: np.ndarray, k: int) -> tuple[int, int]:
-    """(hits, total): of the exact search's valid candidates of the ``sample`` rows (node ids among
-    ``got.rows``), how many ``got`` holds too. Recall@k = hits / total."""
-    if not sample.size:
-        return 0, 0
-    exact, valid = _causal_candidates(E, sample, k, "cpu")
-    pos = np.searchsorted(got.rows, sample)
-    hits = total = 0
-    for i, j in enumerate(pos):
-        want = set(exact[i][valid[i]].tolist())
-        have = set(got.cand[j][got.valid[j]].tolist())
-        hits += len(want & have)
-        total += len(want)
-    return hits, total
+    """(hits, total) of :func:`candidate_hits` summed: recall@k = hits / total."""
+    hits, total = candidate_hits(E, got, sample, k)
+    return int(hits.sum()), int(total.sum())

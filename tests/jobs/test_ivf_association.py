@@ -1,9 +1,9 @@
 """``association.search: ivf`` through the associate stage (issue 29).
 
 Through the CLI (in-process, real LLM-free generator and MiniLM encoder, no Ray): an index after an append
-over the saved IVF index equals a fresh IVF build byte for byte (edges, recall rows and the saved index);
-a damaged saved index is rebuilt, never searched; the recall the stage measured is in metrics.json and
-report.md. Through the stage's task with designed vectors: the recall of rows whose exact neighbours are
+over the saved IVF index equals a fresh IVF build byte for byte (edges and the saved index), and so does the
+recall it reports (metrics.json, report.md: each history's bottom-k row keys, whatever the cut); a damaged
+saved index is rebuilt, never searched. Through the stage's task with designed vectors: the recall of rows whose exact neighbours are
 known. A real `memgas index` process killed inside an IVF build resumes to the bytes of an uninterrupted one.
 """
 
@@ -34,6 +34,17 @@ CONFIG = ["--config", str(REPO / "configs" / "demo.yaml"), "--no-ray", "--set", 
 #: sessions per block of the IVF grid in the append tests: A ends inside a block (22 = 2 x 8 + 6), so the
 #: append's first rows share a block with A's last sessions, which the saved index does not hold
 GRID = 8
+#: rows per history in the recall sample of these tests: fewer than h0's 40 IVF rows and h1's 24, so that
+#: which rows the bottom-k keeps matters (the default, 256, would sample every row)
+RECALL_K = 16
+
+
+def small_ivf(mp: pytest.MonkeyPatch) -> None:
+    """The IVF grid and recall sample of these tests (the driver ships both to the stage's tasks)."""
+    from memgas.pipeline.association import ivf_search
+
+    mp.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    mp.setattr(ivf_search, "RECALL_ROWS", RECALL_K)
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +74,12 @@ def built(tmp_path_factory: pytest.TempPathFactory, files: tuple[Path, Path], cl
     """``grown``: A indexed, B appended, indexed again (over the saved index); ``fresh``: A + B indexed once;
     ``appended``: a copy of ``grown`` after the append, before its second index (for the damage test).
     ``fresh`` starts with ``grown``'s embeddings (content-addressed: the encoder does not run again; its
-    association starts from nothing)."""
-    from memgas.pipeline.association import ivf_search
-
+    association starts from nothing). ``run`` / ``run_grown``: answers over ``fresh`` / ``grown``."""
     a, b = files
     d = tmp_path_factory.mktemp("ivf_built")
-    out: dict[str, Any] = {k: d / k for k in ("grown", "fresh", "appended", "run")}
+    out: dict[str, Any] = {k: d / k for k in ("grown", "fresh", "appended", "run", "run_grown")}
     mp = pytest.MonkeyPatch()
-    mp.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    small_ivf(mp)
     try:
         cli("ingest", str(a), "--format", "jsonl", "--out", str(out["grown"]))
         cli("index", str(out["grown"]), *CONFIG)
@@ -83,7 +92,9 @@ def built(tmp_path_factory: pytest.TempPathFactory, files: tuple[Path, Path], cl
         cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(out["fresh"]))
         shutil.copytree(out["grown"] / "embeddings", out["fresh"] / "embeddings")
         cli("index", str(out["fresh"]), *CONFIG)
+        out["stats_fresh"] = _associate_stats(out["fresh"])
         cli("answer", str(out["fresh"]), *CONFIG, "--out", str(out["run"]))
+        cli("answer", str(out["grown"]), *CONFIG, "--out", str(out["run_grown"]))
     finally:
         mp.undo()
     return out
@@ -102,36 +113,46 @@ def test_ivf_index_after_append_equals_a_fresh_build_byte_for_byte(built: dict[s
     assert [(h, end, s) for h, end, s, *_ in idx] == [("h0", 30, 24), ("h1", 26, 24)]
     assert idx == _rows(fresh, "ivf_index")
     assert len(Bank(grown).parts("ivf_index")) == 2, "the superseded index of h0 was kept"
-    recall = {(h, a, b): (n, x, t) for h, a, b, n, x, t in _rows(grown, "ivf_recall")}
-    assert set(recall) == {("h0", 0, 22), ("h0", 22, 30), ("h1", 0, 26)}
-    # fresh: one segment of h0, whose rows (past the 80 exact nodes) are all sampled
-    fresh_recall = {(h, a, b): (n, x, t) for h, a, b, n, x, t in _rows(fresh, "ivf_recall")}
-    assert fresh_recall[("h0", 0, 30)][0] == 4 * 30 - 80
-    assert recall[("h0", 0, 22)][0] + recall[("h0", 22, 30)][0] == 4 * 30 - 80
-    hits = sum(x for _, x, _ in recall.values())
-    assert hits < sum(t for *_, t in recall.values()), "1 of 2 lists probed but every exact candidate found"
+    # the recall rows: each segment's IVF rows (past the 80 exact nodes) of its 16 smallest keys, so the
+    # grown bank holds more of h0's rows (8 of A's segment, 16 of B's) than the fresh one (16 of its 40)
+    recall = _rows(grown, "ivf_recall")
+    per_segment = {}
+    for h, a, b, *_ in recall:
+        per_segment[(h, a, b)] = per_segment.get((h, a, b), 0) + 1
+    assert per_segment == {("h0", 0, 22): 4 * 22 - 80, ("h0", 22, 30): RECALL_K, ("h1", 0, 26): RECALL_K}
+    fresh_recall = _rows(fresh, "ivf_recall")
+    assert [(h, a, b) for h, a, b, *_ in fresh_recall] == [("h0", 0, 30)] * RECALL_K + [("h1", 0, 26)] * RECALL_K
+    # the fresh sample is the grown one's bottom-k per history: the same rows, keys and counts
+    assert set(r[:1] + r[3:] for r in fresh_recall) <= set(r[:1] + r[3:] for r in recall)
+    assert sum(r[5] for r in recall) < sum(r[6] for r in recall), "1 of 2 lists probed but every exact candidate found"
 
 
 @pytest.mark.slow
 def test_the_recall_is_in_metrics_and_report(built: dict[str, Any]) -> None:
+    """The fresh bank's recall (one segment per history: its rows are the sample), and the grown bank's
+    (A, then B over the saved index: other segments, more stored rows) is the same, bit for bit."""
     metrics = json.loads((built["run"] / "metrics.json").read_text())
     a = metrics["run"]["association"]
     rows = _rows(built["fresh"], "ivf_recall")
-    hits, total = sum(r[4] for r in rows), sum(r[5] for r in rows)
+    hits, total = sum(r[5] for r in rows), sum(r[6] for r in rows)
+    per = {h: sum(r[5] for r in rows if r[0] == h) / sum(r[6] for r in rows if r[0] == h) for h in ("h0", "h1")}
     assert a["search"] == "ivf" and a["ivf_nlist"] == 2 and a["ivf_nprobe"] == 1 and a["ivf_exact_nodes"] == 80
     assert a["ivf_recall"] == hits / total and a["ivf_recall_k"] == 30
-    assert a["ivf_recall_rows"] == (4 * 30 - 80) + (4 * 26 - 80) and a["ivf_recall_histories"] == 2
+    assert a["ivf_recall_rows"] == 2 * RECALL_K and a["ivf_recall_histories"] == 2
+    assert a["ivf_recall_min_history"] == min(per.values())
     report = (built["run"] / "report.md").read_text()
-    assert f"candidate recall@30 against the exact search {hits / total:.4f} on 64 sampled rows of 2 histories" \
+    assert f"candidate recall@30 against the exact search {hits / total:.4f} on 32 sampled rows of 2 histories" \
         in report, report[:1500]
+    grown = json.loads((built["run_grown"] / "metrics.json").read_text())["run"]["association"]
+    assert grown == a
+    recall = {k: v for k, v in built["stats_grown"].items() if k.startswith("ivf_recall")}
+    assert recall == {k: v for k, v in built["stats_fresh"].items() if k.startswith("ivf_recall")} and recall
 
 
 @pytest.mark.slow
 def test_a_damaged_saved_index_is_rebuilt_never_searched(tmp_path: Path, built: dict[str, Any], cli: Callable,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from memgas.pipeline.association import ivf_search
-
-    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    small_ivf(monkeypatch)
     bank = tmp_path / "bank"
     shutil.copytree(built["appended"], bank)
     part = next(p for p in Bank(bank).parts("ivf_index") if "h0" in Bank(bank).read("ivf_index", parts=[p])["history_id"].to_pylist())
@@ -194,13 +215,83 @@ def test_recall_of_rows_whose_exact_neighbours_are_known() -> None:
     out = AssociateStage.run(None, {"segments": [["h", 0, 64, "d64"]], "matrices": [E],
                                     "indexes": [{"saved": None, "digest": "d0"}]},
                              {"association": a, "device": "cpu"})
-    rec = out["ivf_recall"].to_pylist()
-    rare = [j for j in range(8) if 8 * j + 7 >= 20]  # rare sessions past the exact prefix (session 20 on)
-    missed = sum(4 * (30 - 4 * j) for j in rare)  # 4 rows each, 30 - 4j exact candidates out of reach
-    assert rec == [{"history_id": "h", "first_session": 0, "end_session": 64, "rows": 176,
-                    "hits": 176 * 30 - missed, "total": 176 * 30}]
+    from memgas.pipeline.association import ivf_search
+
+    rec = out["ivf_recall"]
+    rows = np.arange(80, 256)
+    assert rec["row"].to_pylist() == rows.tolist() and rec["key"].to_pylist() == ivf_search.row_keys("h", rows).tolist()
+    assert set(zip(rec["history_id"].to_pylist(), rec["first_session"].to_pylist(), rec["end_session"].to_pylist())) \
+        == {("h", 0, 64)}
+    # a rare row (session 8j+7 past the exact prefix's 20 sessions: j >= 2) finds its 4j, every other row its 30
+    want = [4 * (s // 8) if s % 8 == 7 else 30 for s in rows // 4]
+    assert rec["hits"].to_pylist() == want and rec["total"].to_pylist() == [30] * 176
+    # the driver's sample size (params): the rows of the 10 smallest keys, with their own counts
+    out = AssociateStage.run(None, {"segments": [["h", 0, 64, "d64"]], "matrices": [E],
+                                    "indexes": [{"saved": None, "digest": "d0"}]},
+                             {"association": a, "device": "cpu", "recall_rows": 10})
+    keys = ivf_search.row_keys("h", rows)
+    pick = np.sort(rows[np.argsort(keys)[:10]])
+    assert out["ivf_recall"]["row"].to_pylist() == pick.tolist()
+    assert out["ivf_recall"]["hits"].to_pylist() == [want[r - 80] for r in pick]
     idx = out["ivf_index"].to_pylist()
     assert [(r["history_id"], r["end_session"], r["sessions"], r["prefix_digest"]) for r in idx] == [("h", 64, 0, "d0")]
+
+
+def test_an_old_banks_per_segment_recall_parts_are_never_current_and_are_dropped(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bank associated under IVF before the recall sample was stored per node row: its parts are named by
+    the key without the sample's entry, its ``ivf_recall`` parts have the old schema (one row per segment).
+    Under the new key none of them is current: the stage recomputes the IVF history from session 0, then
+    drops every old part, ending with a fresh build's rows. The exact search's key has no such entry."""
+    import pyarrow as pa
+
+    from memgas.jobs import tables
+    from memgas.jobs.stages.associate import AssociateStage
+    from memgas.pipeline import schema
+    from memgas.pipeline.association import ivf_search
+
+    from .test_node_blocks import (
+        ASSOCIATE_TABLES,
+        GRID,
+        IVF_SMALL,
+        associate_ctx,
+        associate_rows,
+        run_associate,
+        seeded_bank,
+    )
+
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 130})
+    _, fresh_stats = run_associate(associate_ctx(fresh, IVF_SMALL))
+    old, _ = seeded_bank(tmp_path / "old", {"h": 130})
+    ctx = associate_ctx(old, IVF_SMALL)
+    stage = AssociateStage()
+    active = stage.active(ctx)
+    new_key = tables.stage_key(stage, ctx, active)
+    del active.resolved["recall_sample"]
+    old_key = tables.stage_key(stage, ctx, active)
+    exact = stage.active(associate_ctx(old, {}))
+    assert "recall_sample" not in exact.resolved and "recall_rows" not in exact.params
+    for name in ("edges", "edge_segments", "ivf_index"):
+        for part in fresh.parts(name):
+            old.write_part(name, part.replace(new_key, old_key), fresh.read(name, parts=[part]))
+    monkeypatch.setitem(schema.TABLES, "ivf_recall", pa.schema(
+        [("history_id", pa.string()), ("first_session", pa.int32()), ("end_session", pa.int32()),
+         ("rows", pa.int32()), ("hits", pa.int64()), ("total", pa.int64())]))
+    for part in fresh.parts("ivf_recall"):
+        t = fresh.read("ivf_recall", parts=[part])
+        old.write_part("ivf_recall", part.replace(new_key, old_key), pa.table(
+            {"history_id": ["h"], "first_session": [0], "end_session": [130], "rows": [t.num_rows],
+             "hits": [sum(t["hits"].to_pylist())], "total": [sum(t["total"].to_pylist())]}))
+    monkeypatch.setitem(schema.TABLES, "ivf_recall", schema.IVF_RECALL)
+    assert all(p.startswith(f"associate-{old_key}-") for name in ASSOCIATE_TABLES for p in old.parts(name))
+    units, stats = run_associate(associate_ctx(old, IVF_SMALL))
+    assert [s[:3] for u in units for s in u["segments"]] == [["h", 0, 130]]
+    parts = [p for name in ASSOCIATE_TABLES for p in old.parts(name)]
+    assert len(parts) == 4 and all(p.startswith(f"associate-{new_key}-") for p in parts)
+    assert associate_rows(old) == associate_rows(fresh)
+    recall = {k: v for k, v in stats.items() if k.startswith("ivf_recall")}
+    assert recall == {k: v for k, v in fresh_stats.items() if k.startswith("ivf_recall")} and recall
 
 
 #: the associate stage alone (through the runner) on the seeded bank at argv[1] under the IVF of argv[2], with
@@ -270,9 +361,9 @@ def test_ivf_histories_cut_into_units_through_the_cli_equal_one_unit(tmp_path: P
     """Real MiniLM vectors through `memgas index`: the fresh bank's association dropped, then rebuilt with each
     history cut at every 8 sessions (h0: 4 units, h1: 4) and node blocks of 2 sessions. Edges and saved indexes
     are those of one unit per history, byte for byte."""
-    from memgas.pipeline.association import blocks, ivf_search, segments
+    from memgas.pipeline.association import blocks, segments
 
-    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    small_ivf(monkeypatch)
     monkeypatch.setattr(segments, "IVF_UNIT_SESSIONS", 8)
     monkeypatch.setattr(blocks, "BLOCK_ROWS", 8)
     bank = tmp_path / "bank"
@@ -287,3 +378,7 @@ def test_ivf_histories_cut_into_units_through_the_cli_equal_one_unit(tmp_path: P
                                                                           for a in range(0, 26, 8)]
     assert _edges(bank) == _edges(built["fresh"])
     assert _rows(bank, "ivf_index") == _rows(built["fresh"], "ivf_index")
+    # more rows stored (each unit's bottom-k), the same sample and recall as one unit per history
+    assert len(_rows(bank, "ivf_recall")) > len(_rows(built["fresh"], "ivf_recall"))
+    recall = {k: v for k, v in _associate_stats(bank).items() if k.startswith("ivf_recall")}
+    assert recall == {k: v for k, v in built["stats_fresh"].items() if k.startswith("ivf_recall")} and recall

@@ -310,6 +310,20 @@ def copy_parts(src: Bank, dst: Bank) -> None:
             dst.write_part(name, part, src.read(name, parts=[part]))
 
 
+def _history_sample(rows: list[tuple]) -> list[tuple]:
+    """Of stored ``ivf_recall`` rows (history, first, end, row, key, hits, total): the histories' samples
+    (their bottom-k keys, as the report keeps them), without the segment that stored each row."""
+    from memgas.pipeline.association import ivf_search
+
+    hist = np.array([r[0] for r in rows], dtype=object)
+    keep = ivf_search.history_sample(hist, np.array([r[4] for r in rows], np.uint64), ivf_search.RECALL_ROWS)
+    return sorted((rows[i][0], *rows[i][3:]) for i in keep)
+
+
+def _recall_stats(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in stats.items() if k.startswith("ivf_recall")}
+
+
 def _segments(units: list[dict[str, Any]]) -> list[tuple[str, int, int]]:
     return [(h, a, b) for u in units for h, a, b, _ in u["segments"]]
 
@@ -327,22 +341,26 @@ def test_one_history_cut_into_units_equals_one_unit(tmp_path: Path, monkeypatch:
     monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
     assoc = IVF_SMALL if search == "ivf" else {}
     one, _ = seeded_bank(tmp_path / "one", {"h": 360})
-    units, _ = run_associate(associate_ctx(one, assoc))
+    units, one_stats = run_associate(associate_ctx(one, assoc))
     assert _segments(units) == [("h", 0, 360)]
     want = associate_rows(one)
     assert want["edges"] and bool(want["ivf_index"]) == (search == "ivf")
 
     small_units(monkeypatch)
     cut, _ = seeded_bank(tmp_path / "cut", {"h": 360})
-    units, _ = run_associate(associate_ctx(cut, assoc))
+    units, cut_stats = run_associate(associate_ctx(cut, assoc))
     expect = [(0, 96), (96, 192), (192, 288), (288, 360)] if search == "ivf" else [(0, 192), (192, 256), (256, 360)]
     assert _segments(units) == [("h", a, b) for a, b in expect]
     got = associate_rows(cut)
     assert got["edges"] == want["edges"] and got["ivf_index"] == want["ivf_index"]
-    # the recall sample is per segment (as after an append): up to 256 of each unit's IVF rows (past node 400)
+    # each unit stores the recall rows of its 256 smallest row keys among its IVF rows (past node 400); their
+    # bottom 256 per history are the one unit's rows (row, key, hits, total), and its recall, bit for bit
     ivf_rows = {(a, b): 4 * b - max(4 * a, 400) for a, b in expect if 4 * b > 400 and search == "ivf"}
-    want_recall = [(a, b, min(256, n)) for (a, b), n in ivf_rows.items()]
-    assert [(a, b, n) for _, a, b, n, *_ in got["ivf_recall"]] == want_recall
+    per_segment = [(a, b) for _, a, b, *_ in got["ivf_recall"]]
+    assert {x: per_segment.count(x) for x in per_segment} == {x: min(256, n) for x, n in ivf_rows.items()}
+    assert _history_sample(got["ivf_recall"]) == _history_sample(want["ivf_recall"])
+    assert len(want["ivf_recall"]) == (256 if search == "ivf" else 0)
+    assert _recall_stats(cut_stats) == _recall_stats(one_stats)
 
     first, _ = seeded_bank(tmp_path / "first", {"h": 250})
     run_associate(associate_ctx(first, assoc))
@@ -353,6 +371,8 @@ def test_one_history_cut_into_units_equals_one_unit(tmp_path: Path, monkeypatch:
     assert _segments(units) == [("h", a, b) for a, b in expect]
     appended = associate_rows(grown)
     assert appended["edges"] == want["edges"] and appended["ivf_index"] == want["ivf_index"]
+    assert _history_sample(appended["ivf_recall"]) == _history_sample(want["ivf_recall"])
+    assert _recall_stats(stats) == _recall_stats(one_stats)
     if search == "ivf":
         # both units started from the index saved after 250 sessions (240 of them: 15 grid blocks), read once
         assert [r[:3] for r in associate_rows(first)["ivf_index"]] == [("h", 250, 240)]

@@ -379,7 +379,9 @@ def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monke
     two-node cluster cut into several Ray tasks (3 exact units, 4 IVF units) whose node vectors reach them in
     blocks of 16 sessions through the object store. Edges, and under IVF the saved index, are the same
     bytes; so are those of 250 sessions then an append of 110 over the saved index. The driver is this
-    process (its module constants cut the plan; the IVF grid travels in the payload). Which node ran which
+    process (its module constants cut the plan; the IVF grid and the recall sample's size, 100 rows here,
+    travel with the units: each unit stores its 100 smallest row keys, and the history keeps the one
+    task's 100). Which node ran which
     task is Ray's choice and is not asserted: with one CPU per node and up to four units in flight, the
     units are spread over both."""
     import ray
@@ -389,6 +391,7 @@ def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monke
     from .test_node_blocks import (
         GRID,
         IVF_SMALL,
+        _history_sample,
         associate_ctx,
         associate_rows,
         copy_parts,
@@ -399,6 +402,7 @@ def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monke
 
     modes = {"exact": {}, "ivf": IVF_SMALL}
     monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    monkeypatch.setattr(ivf_search, "RECALL_ROWS", 100)
     want = {}
     for mode, assoc in modes.items():
         bank, _ = seeded_bank(tmp_path / f"one-{mode}", {"h": 360})
@@ -418,6 +422,9 @@ def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monke
             got = associate_rows(bank)
             assert got["edges"] == want[mode]["edges"], mode
             assert got["ivf_index"] == want[mode]["ivf_index"] and bool(got["ivf_index"]) == (mode == "ivf")
+            # IVF units [96, 192), [192, 288), [288, 360): 368, 384 and 288 rows past node 400, 100 stored each
+            assert len(got["ivf_recall"]) == (300 if mode == "ivf" else 0)
+            assert _history_sample(got["ivf_recall"]) == _history_sample(want[mode]["ivf_recall"])
         # an append over the saved index: 250 sessions, then 110 more in two units, both starting from the
         # saved index (put once into the object store, shared by reference)
         first, _ = seeded_bank(tmp_path / "first", {"h": 250})

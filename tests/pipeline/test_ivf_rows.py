@@ -60,3 +60,59 @@ def test_near_ties_below_the_sq8_resolution_still_give_a_fresh_builds_candidates
                          params=p)
     m = fresh.rows >= 120
     assert np.array_equal(rest.cand, fresh.cand[m]) and np.array_equal(rest.scores, fresh.scores[m])
+
+
+# -- the recall sample: the bottom-k row keys of a history, whatever its cut --------------------------------------
+def test_row_keys_are_fixed_distinct_and_per_row() -> None:
+    """A row's key depends on (seed, history, node id) only: pinned values (the same on every machine), the
+    same whichever other rows are asked for, distinct within a history, other values in another history."""
+    rows = np.arange(100_000, dtype=np.int64)
+    keys = I.row_keys("h0", rows)
+    assert keys.dtype == np.uint64
+    assert keys[:3].tolist() == PINNED_KEYS
+    assert np.unique(keys).size == rows.size
+    assert all(I.row_keys("h0", rows[[i]])[0] == keys[i] for i in (0, 7, 99_999))
+    assert not np.array_equal(I.row_keys("h1", rows[:1000]), keys[:1000])
+
+
+#: row_keys("h0", [0, 1, 2]) under RECALL_SEED 29 (checked against a pure-Python splitmix64 of the same base)
+PINNED_KEYS = [7007313346863902838, 10262934957297190534, 7466430387267049020]
+
+
+@pytest.mark.parametrize("k", [1, 5, 64, 1000])
+def test_the_union_of_the_units_bottom_k_holds_the_historys_bottom_k(k: int) -> None:
+    """Two histories' rows past an exact prefix, cut into units in several ways (one unit, fixed widths, uneven
+    cuts): each unit keeps its bottom-k (``recall_sample``), and the bottom-k of the union per history
+    (``history_sample``) is the history's bottom-k computed by sorting every row's key (an oracle)."""
+    rows = {"h0": np.arange(400, 1500, dtype=np.int64), "h1": np.arange(80, 300, dtype=np.int64)}
+    oracle = {h: sorted(r.tolist(), key=lambda x, h=h: int(I.row_keys(h, np.array([x]))[0]))[:k]
+              for h, r in rows.items()}
+    for cuts in ([], [500], [410, 411, 900, 1499], list(range(400, 1500, 96)), list(range(100, 300, 7))):
+        hist, got_rows, got_keys = [], [], []
+        for h, r in rows.items():
+            for unit in np.split(r, np.searchsorted(r, cuts)):
+                s, keys = I.recall_sample(h, unit, k)
+                assert s.size == min(k, unit.size) and np.array_equal(s, np.sort(s))
+                assert np.array_equal(keys, I.row_keys(h, s))
+                hist += [h] * s.size
+                got_rows.append(s)
+                got_keys.append(keys)
+        r, keys = np.concatenate(got_rows), np.concatenate(got_keys)
+        keep = I.history_sample(np.array(hist, dtype=object), keys, k)
+        got = {h: sorted(r[keep][np.array(hist, dtype=object)[keep] == h].tolist()) for h in rows}
+        assert got == {h: sorted(o) for h, o in oracle.items()}, cuts
+
+
+def test_a_rows_hits_do_not_depend_on_the_other_sampled_rows() -> None:
+    """``candidate_hits`` of a sample equals that of its rows asked for in two other calls (the exact search
+    has canonical shapes): a row's counts are the same in whichever unit samples it."""
+    E = clustered_nodes(0, 60, dim=32, n_topics=20, seed=2)
+    c, _ = I.ivf_rows(E, 0, 240, None, params=I.stage_params(4, 1, 80))
+    sample = np.arange(80, 240, 3, dtype=np.int64)
+    hits, total = I.candidate_hits(E, c, sample, 30)
+    parts = [I.candidate_hits(E, c, s, 30) for s in (sample[::2], sample[1::2])]
+    assert np.array_equal(np.sort(np.concatenate([sample[::2], sample[1::2]])), sample)
+    assert hits[::2].tolist() == parts[0][0].tolist() and hits[1::2].tolist() == parts[1][0].tolist()
+    assert total[::2].tolist() == parts[0][1].tolist() and total[1::2].tolist() == parts[1][1].tolist()
+    assert I.candidate_recall(E, c, sample, 30) == (int(hits.sum()), int(total.sum()))
+    assert 0 < hits.sum() < total.sum(), "1 of 4 lists probed found every exact candidate, or none"
