@@ -36,7 +36,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -583,11 +583,30 @@ class Bank:
                 return _read_streamed(path, columns, filter, batch_rows)
             return pq.read_table(path, columns=columns, filters=filter)
         except (OSError, pa.ArrowException) as exc:
-            if name in INGEST_TABLES and part.startswith(INGEST_PREFIX):
-                advice = self.reingest_advice()
-            else:
-                advice = "delete it and re-run the stage that wrote it"
-            raise BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); {advice}") from None
+            raise self._unreadable(name, part, path, exc) from None
+
+    def _unreadable(self, name: str, part: str, path: Path, exc: BaseException) -> BankError:
+        if name in INGEST_TABLES and part.startswith(INGEST_PREFIX):
+            advice = self.reingest_advice()
+        else:
+            advice = "delete it and re-run the stage that wrote it"
+        return BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); {advice}")
+
+    def iter_read(self, name: str, columns: list[str], *, batch_rows: int) -> Iterator[pa.Table]:
+        """Every completed part of ``name``, in part order, ``batch_rows`` rows at a time (buffered page
+        reads, as :meth:`read` with ``batch_rows``), without de-duplication: a caller that keeps the last row
+        of a key, as :meth:`read` does, lets later batches win. Memory: about one row group."""
+        self._check_ingest(name)
+        for part in self.parts(name):
+            path = self._dir(name) / f"{part}.parquet"
+            try:
+                regular_file_size(path)
+                f = pq.ParquetFile(path, pre_buffer=False, buffer_size=STREAM_BUFFER)
+                schema = pa.schema([f.schema_arrow.field(c) for c in columns])
+                for batch in f.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False):
+                    yield pa.Table.from_batches([batch], schema)
+            except (OSError, pa.ArrowException, KeyError) as exc:
+                raise self._unreadable(name, part, path, exc) from None
 
     def read(
         self,

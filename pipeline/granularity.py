@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -35,6 +35,9 @@ from memgas.pipeline.errors import BankError
 from memgas.pipeline.generate import hybrid_text
 from memgas.pipeline.hashing import text_hash
 from memgas.pipeline.schema import NODES
+
+if TYPE_CHECKING:
+    from memgas.pipeline.spilled_vectors import SpilledVectors
 
 log = logging.getLogger(__name__)
 
@@ -153,11 +156,13 @@ class MatrixLoader:
         pair_encoder: str | None = None,
         session_encoder: str | None = None,
         batch_rows: int | None = None,
+        vectors: SpilledVectors | None = None,
     ) -> None:
         """``pair_encoder`` / ``session_encoder``: the cache key of turn-pair / session vectors when they have
         their own window (``encoder.pair_max_tokens`` / ``encoder.session_max_tokens``); default
         ``encoder_name``. ``batch_rows``: read ``pairs`` and ``embeddings`` that many rows at a time
-        (:meth:`Bank.read`), for the few sessions of a block out of a large bank."""
+        (:meth:`Bank.read`), for the few sessions of a block out of a large bank. ``vectors``: take the
+        vectors from there instead of ``embeddings`` (a long history's, gathered once for all its blocks)."""
         self.batch_rows = batch_rows
         self.bank = bank
         self.encoder_name = encoder_name
@@ -185,10 +190,10 @@ class MatrixLoader:
             by_key.setdefault(keys[role], set()).update(hashes)
         blocks, key_row, offset = [], {}, 0
         for key, hashes in by_key.items():
-            vectors, row = self._read(bank, key, hashes, batch_rows)
-            blocks.append(vectors)
+            got, row = vectors.read(key, hashes) if vectors is not None else self._read(bank, key, hashes, batch_rows)
+            blocks.append(got)
             key_row[key] = {h: offset + r for h, r in row.items()}
-            offset += len(vectors)
+            offset += len(got)
         nonempty = [b for b in blocks if b.size]
         self.vectors = np.concatenate(nonempty) if len(nonempty) > 1 else nonempty[0] if nonempty else \
             np.zeros((0, 0), np.float32)

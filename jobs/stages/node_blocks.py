@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs.keys import encoder_keys
 from memgas.jobs.stage import StageContext
@@ -26,6 +27,9 @@ from memgas.pipeline.association.nodes import NodeFile
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import BankError
 from memgas.pipeline.schema import N_GRAN
+
+if TYPE_CHECKING:
+    from memgas.pipeline.spilled_vectors import SpilledVectors
 
 
 #: rows per batch of the block reader's table reads (12 MiB of embeddings at d = 384): a block's rows are
@@ -44,6 +48,28 @@ class HistoryBlockReader:
         t = bank.read("nodes", ["history_id", "granularity", "position"], dedupe=False, batch_rows=READ_BATCH_ROWS,
                       filter=(pc.field("history_id") == history) & (pc.field("granularity") == "session"))
         self.positions = np.unique(t["position"].to_numpy())
+        self._vectors: SpilledVectors | None = None
+
+    def _gathered(self) -> SpilledVectors:
+        """Every vector of the history, gathered in one pass over ``embeddings`` on the first block read
+        (:mod:`memgas.pipeline.spilled_vectors`): reading them block by block scanned the whole table once per
+        block. Spilled to a temporary file that lives as long as this reader."""
+        if self._vectors is None:
+            from memgas.pipeline.spilled_vectors import SpilledVectors
+
+            nodes = self.bank.read("nodes", ["granularity", "text_hash"], batch_rows=READ_BATCH_ROWS,
+                                   filter=pc.field("history_id") == self.history)
+            gran = nodes["granularity"]
+            sessions = nodes.filter(pc.equal(gran, "session"))["text_hash"]
+            pairs = self.bank.read("pairs", ["session_hash", "text_hash"], batch_rows=READ_BATCH_ROWS,
+                                   filter=pc.field("session_hash").isin(pc.unique(sessions)))
+            by_role = {"main": nodes.filter(pc.invert(pc.is_in(gran, pa.array(["session", "turn"]))))["text_hash"],
+                       "session": sessions, "pair": pairs["text_hash"]}
+            need: dict[str, list] = {}
+            for role, hashes in by_role.items():  # one list per encoder key (roles may share one)
+                need.setdefault(self.keys[role], []).extend(hashes.chunks)
+            self._vectors = SpilledVectors(self.bank, {k: pa.chunked_array(c, pa.string()) for k, c in need.items()})
+        return self._vectors
 
     @property
     def n_sessions(self) -> int:
@@ -61,7 +87,8 @@ class HistoryBlockReader:
         nodes = self.bank.read("nodes", batch_rows=READ_BATCH_ROWS, filter=(pc.field("history_id") == self.history)
                                & (pc.field("position") >= lo) & (pc.field("position") <= hi))
         loader = MatrixLoader(self.bank, self.keys["main"], nodes=nodes, pair_encoder=self.keys["pair"],
-                              session_encoder=self.keys["session"], batch_rows=READ_BATCH_ROWS)
+                              session_encoder=self.keys["session"], batch_rows=READ_BATCH_ROWS,
+                              vectors=self._gathered())
         m = node_matrix(loader.get(self.history))
         if m.shape[0] != N_GRAN * (s1 - s0):
             raise BankError(f"{self.bank.path}: history {self.history!r}: block {i} has {m.shape[0]} nodes, "

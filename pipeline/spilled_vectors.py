@@ -1,0 +1,154 @@
+"""The vectors of one long history, gathered from ``embeddings`` in ONE pass and spilled to a file.
+
+A history longer than one node block (:mod:`memgas.jobs.stages.node_blocks`) is read a block of sessions at
+a time. Each block needs a few vectors out of the whole ``embeddings`` table, whose rows are in encode order,
+not in the history's order, so a block's vectors can be anywhere in it: reading them per block scanned the
+whole table once per block (a 10^5-session history: 7 scans of 0.9 GB, 40 s of an append's 80 s; 10^6
+sessions: 61 scans of ~9 GB). :class:`SpilledVectors` scans the table once, keeps the rows the history
+needs and writes each at its own slot of a float32 file (slots: the needed hashes per encoder key, sorted),
+so a block's vectors are then read from that file, at the rows it asks for.
+
+Memory: one batch of the table, the sorted needed hashes (fixed-width bytes, 32 a text hash) and a flag per
+slot, never the history's matrix: the file is written and read with ``pwrite`` / ``pread``, not through a
+mapping (a mapping's pages count in the process's RSS, and the kernel maps pages around each one touched,
+so scattered rows would have mapped most of the file). Disk: the needed vectors once (``4 * d`` bytes
+each), in a temporary directory that lives as long as the object (the caller's).
+
+The rows kept are those :meth:`memgas.pipeline.bank.Bank.read` would return: every completed part in part
+order, a later row of a (text hash, encoder) winning over an earlier one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.errors import BankError
+
+#: rows per batch of the one pass over ``embeddings`` (12 MiB of vectors at d = 384)
+SCAN_BATCH_ROWS = 8192
+
+
+def _fixed(hashes: pa.Array | pa.ChunkedArray, width: int) -> np.ndarray:
+    """``hashes`` (strings of at most ``width`` bytes) as a NumPy ``S<width>`` array. When every one has
+    ``width`` bytes (text hashes do: 32 hex digits), through Arrow without a Python string per row."""
+    arr = hashes.combine_chunks() if isinstance(hashes, pa.ChunkedArray) else hashes
+    if len(arr) == 0:
+        return np.zeros(0, f"S{width}")
+    if pc.all(pc.equal(pc.binary_length(arr), width)).as_py():
+        fixed = arr.cast(pa.binary(width))
+        return np.frombuffer(fixed.buffers()[1], f"S{width}", count=len(fixed), offset=fixed.offset * width).copy()
+    # other ids (tests' banks name texts freely): NumPy pads with NULs, which no text hash holds
+    return np.array([h.encode("utf-8") for h in arr.to_pylist()], f"S{width}")
+
+
+class SpilledVectors:
+    """The vectors of ``need`` (text hashes per encoder key), read from ``bank``'s ``embeddings`` in one pass."""
+
+    def __init__(self, bank: Bank, need: Mapping[str, Iterable[str] | pa.Array | pa.ChunkedArray],
+                 directory: str | Path | None = None) -> None:
+        self.bank = bank
+        self._dir = tempfile.TemporaryDirectory(prefix="memgas-vectors-", dir=directory)
+        self.path = Path(self._dir.name) / "vectors.f32"
+        self._keys: dict[str, tuple[np.ndarray, int]] = {}  # key -> (its sorted hashes, its first slot)
+        self.width = 0
+        arrays = {k: v if isinstance(v, (pa.Array, pa.ChunkedArray)) else pa.array(sorted(set(v)), pa.string())
+                  for k, v in need.items()}
+        self.width = max([int(pc.max(pc.binary_length(a)).as_py()) for a in arrays.values() if len(a)], default=1)
+        slots = 0
+        for key in sorted(arrays):
+            hashes = np.unique(_fixed(arrays[key], self.width))
+            self._keys[key] = (hashes, slots)
+            slots += hashes.size
+        self.slots = slots
+        self.dim = 0
+        self._fd: int | None = None
+        self._filled = np.zeros(slots, bool)
+        if slots:
+            self._scan()
+
+    def _scan(self) -> None:
+        for t in self.bank.iter_read("embeddings", ["text_hash", "encoder", "vector"], batch_rows=SCAN_BATCH_ROWS):
+            t = t.filter(pc.less_equal(pc.binary_length(t["text_hash"]), self.width))  # longer: never needed
+            for key, (hashes, first) in self._keys.items():
+                mine = t.filter(pc.equal(t["encoder"], key))
+                if mine.num_rows == 0 or hashes.size == 0:
+                    continue
+                got = _fixed(mine["text_hash"], self.width)
+                pos = np.minimum(np.searchsorted(hashes, got), hashes.size - 1)
+                hit = hashes[pos] == got
+                if not hit.any():
+                    continue
+                vectors = mine.filter(pa.array(hit))["vector"].combine_chunks()
+                self._write(first + pos[hit], vectors)
+
+    def _write(self, slots: np.ndarray, vectors: pa.FixedSizeListArray) -> None:
+        d = vectors.type.list_size
+        if not self.dim:
+            self.dim = d
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        elif d != self.dim:
+            raise BankError(f"{self.bank.path}: embeddings of {d} and {self.dim} dimensions under one history")
+        rows = vectors.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, d)
+        # in table order, so that a later row of the same slot wins (as in Bank.read); runs of consecutive
+        # slots in one call each
+        for a, b in _runs(slots):
+            os.pwrite(self._fd, rows[a:b].tobytes(), int(slots[a]) * 4 * d)
+        self._filled[slots] = True
+
+    def read(self, key: str, hashes: Iterable[str]) -> tuple[np.ndarray, dict[str, int]]:
+        """float32 ``[n, d]`` vectors of ``hashes`` (distinct) under ``key`` and the row of each hash: what
+        :meth:`memgas.pipeline.granularity.MatrixLoader._read` returns; every one must have been needed and
+        found."""
+        order = sorted(set(hashes))
+        if key not in self._keys:
+            raise BankError(f"{self.bank.path}: no '{key}' embeddings were gathered for this history")
+        table, first = self._keys[key]
+        if any(len(h.encode("utf-8")) > self.width for h in order):
+            absent = next(h for h in order if len(h.encode("utf-8")) > self.width)
+            raise BankError(f"{self.bank.path}: no '{key}' embedding of text_hash {absent} was gathered")
+        want = np.array([h.encode("utf-8") for h in order], dtype=f"S{self.width}")
+        pos = np.minimum(np.searchsorted(table, want), max(table.size - 1, 0))
+        known = (table[pos] == want) if table.size else np.zeros(len(order), bool)
+        ok = known.copy()
+        ok[known] = self._filled[first + pos[known]]
+        if not ok.all():
+            absent = order[int(np.flatnonzero(~ok)[0])]
+            raise BankError(f"{self.bank.path}: {int((~ok).sum())} texts have no '{key}' embedding (first "
+                            f"text_hash {absent}); run `memgas index` with this config (its encode stage)")
+        if not order:
+            return np.zeros((0, self.dim), np.float32), {}
+        slots = first + pos  # increasing: the hashes and their slots are in the same (sorted) order
+        vectors = np.empty((len(order), self.dim), np.float32)
+        row_bytes = 4 * self.dim
+        for a, b in _runs(slots):
+            got = os.pread(self._fd, (b - a) * row_bytes, int(slots[a]) * row_bytes)
+            vectors[a:b] = np.frombuffer(got, np.float32).reshape(b - a, self.dim)
+        return vectors, {h: i for i, h in enumerate(order)}
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self._dir.cleanup()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _runs(slots: np.ndarray) -> list[tuple[int, int]]:
+    """``[a, b)`` position ranges of ``slots`` whose slots follow one another (``slots[i+1] == slots[i]+1``)."""
+    if slots.size == 0:
+        return []
+    cut = np.flatnonzero(np.diff(slots) != 1) + 1
+    starts = np.concatenate([[0], cut]).tolist()
+    return list(zip(starts, [*cut.tolist(), int(slots.size)]))

@@ -1,0 +1,85 @@
+"""SpilledVectors: one pass over ``embeddings`` gives the vectors that Bank.read (its de-duplication included)
+gives, read back from the spill file bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+from memgas.pipeline import spilled_vectors
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.errors import BankError
+from memgas.pipeline.hashing import text_hash
+from memgas.pipeline.schema import embeddings_schema
+from memgas.pipeline.spilled_vectors import SpilledVectors
+
+DIM = 8
+
+
+def _part(rows: list[tuple[str, str]], rng: np.random.Generator) -> pa.Table:
+    vec = rng.standard_normal((len(rows), DIM)).astype(np.float32)
+    return pa.table({"text_hash": [h for h, _ in rows], "encoder": [k for _, k in rows],
+                     "vector": pa.FixedSizeListArray.from_arrays(pa.array(vec.ravel(), pa.float32()), DIM),
+                     "truncated": [False] * len(rows), "tokens": [1] * len(rows), "tokens_dropped": [0] * len(rows)},
+                    schema=embeddings_schema(DIM))
+
+
+@pytest.fixture()
+def bank(tmp_path: Path) -> Bank:
+    """Three parts: real text hashes under two keys, ids of other lengths (as tests' banks name texts), and
+    a later part that re-writes some rows with other vectors (the later row wins in Bank.read)."""
+    rng = np.random.default_rng(0)
+    b = Bank.create(tmp_path / "bank")
+    hashes = [text_hash(f"text {i}") for i in range(300)]
+    b.write_part("embeddings", "a", _part([(h, "k1") for h in hashes] + [(h, "k2") for h in hashes[:100]], rng))
+    b.write_part("embeddings", "b", _part([("h/s1", "k1"), ("h/s10", "k1"), ("x", "k2"), ("ü/7", "k1")], rng))
+    b.write_part("embeddings", "c", _part([(h, "k1") for h in hashes[::7]] + [("h/s1", "k1")], rng))
+    return b
+
+
+def _oracle(bank: Bank, key: str, hashes: list[str]) -> np.ndarray:
+    """The vectors as Bank.read returns them (one read, de-duplicated: the last part's row wins)."""
+    t = bank.read("embeddings", ["text_hash", "encoder", "vector"])
+    t = t.filter(pc.equal(t["encoder"], key))
+    row = {h: i for i, h in enumerate(t["text_hash"].to_pylist())}
+    vec = t["vector"].combine_chunks().flatten().to_numpy().reshape(-1, DIM)
+    return vec[[row[h] for h in sorted(hashes)]]
+
+
+def test_one_pass_gives_the_vectors_bank_read_gives(bank: Bank, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spilled_vectors, "SCAN_BATCH_ROWS", 16)  # many batches per part
+    hashes = [text_hash(f"text {i}") for i in range(300)]
+    need = {"k1": hashes[:250] + ["h/s1", "h/s10", "ü/7"], "k2": hashes[50:100] + ["x"]}
+    sv = SpilledVectors(bank, need)
+    for key, want in need.items():
+        for ask in (want, want[::3], want[-1:], []):
+            got, row = sv.read(key, ask)
+            assert row == {h: i for i, h in enumerate(sorted(set(ask)))}
+            if ask:
+                assert np.array_equal(got, _oracle(bank, key, ask))  # exact: the bytes of the part
+            else:
+                assert got.shape == (0, DIM)
+    # the re-written rows hold the last part's vectors, not the first's
+    first = pa.table(bank._read_part("embeddings", "a")).filter(pc.field("text_hash") == hashes[7])
+    got, _ = sv.read("k1", [hashes[7]])
+    assert not np.array_equal(got[0], np.asarray(first["vector"][0].as_py(), np.float32))
+    sv.close()
+    assert not sv.path.exists()
+
+
+def test_a_text_without_a_vector_or_not_gathered_is_a_clear_error(bank: Bank) -> None:
+    hashes = [text_hash(f"text {i}") for i in range(300)]
+    sv = SpilledVectors(bank, {"k1": hashes[:10] + [text_hash("never encoded")], "k2": hashes[:3]})
+    with pytest.raises(BankError, match=r"1 texts have no 'k1' embedding .*"
+                                        + text_hash("never encoded") + r".*memgas index"):
+        sv.read("k1", hashes[:10] + [text_hash("never encoded")])
+    with pytest.raises(BankError, match="have no 'k1' embedding"):
+        sv.read("k1", [hashes[20]])  # in the bank, but not asked for when gathering
+    with pytest.raises(BankError, match="no 'k3' embeddings were gathered"):
+        sv.read("k3", hashes[:1])
+    got, _ = sv.read("k1", hashes[:10])
+    assert np.array_equal(got, _oracle(bank, "k1", hashes[:10]))
