@@ -36,6 +36,8 @@ COL_CHUNK = 1 << 16
 COL_PAD = 64
 #: query tiles held at once by the causal search (each column chunk is read once per group)
 GROUP_TILES = 64
+#: a tile with fewer than ``1/PACK_BELOW`` of its rows asked is sparse: its rows may share query blocks
+PACK_BELOW = 4
 
 
 def _dense_candidates(E: np.ndarray, rows: np.ndarray, k: int, device: str) -> tuple[np.ndarray, np.ndarray]:
@@ -102,9 +104,51 @@ def _pad(n: int) -> int:
     return max(COL_PAD, -(-n // COL_PAD) * COL_PAD)
 
 
+def _query_blocks(rows: np.ndarray, T: int, pack: bool) -> list[np.ndarray]:
+    """Positions in ``rows`` (sorted node ids) of each query block of :func:`_causal_candidates`.
+
+    A block holds rows with distinct slots ``row % T``; each row sits at its slot of a ``[T, d]`` query
+    block, so every row's product is the canonical one whatever block it is in. Blocks are the tiles
+    (the rows of one tile of ``T`` rows) and, with ``pack``, *packs* of the sparse tiles' rows.
+
+    Why packs: a tile's product costs ``T x prefix`` however few of its rows are asked, so a sparse row
+    set (the IVF stage's candidate-recall sample: ~256 rows spread over thousands of tiles) pays a full
+    product per row. Rows of different tiles whose slots differ fit in one block. Greedy in row order,
+    a row goes into the first pack whose slot is free, i.e. pack ``j`` of a row is the number of earlier
+    sparse rows at its slot. A pack sees the prefix of its last row, so packing is applied only where it
+    saves columns: only tiles with fewer than ``T // PACK_BELOW`` asked rows take part (a dense row set,
+    a full build, keeps its per-tile blocks and their lower triangle: packing whole tiles would multiply
+    early rows against the longest prefix), and only if the packs' summed prefix is below the sparse
+    tiles' own. Rows of session 0 see no node and are left out (their lists stay empty either way).
+    """
+    if rows.size == 0:
+        return []
+    tile = rows // T
+    lim = (rows // N_GRAN) * N_GRAN
+    cuts = np.flatnonzero(np.diff(tile)) + 1  # rows are sorted (node order): cut where the tile changes
+    tiles = np.split(np.arange(rows.size), cuts)
+    if not pack:
+        return tiles
+    sparse = [t for t in tiles if t.size < T // PACK_BELOW]
+    if len(sparse) < 2:
+        return tiles
+    pos = np.concatenate(sparse)
+    pos = pos[lim[pos] > 0]
+    slot = rows[pos] % T
+    o = np.argsort(slot, kind="stable")  # row order within a slot
+    first = np.searchsorted(slot[o], slot[o], side="left")
+    pack_of = np.empty(pos.size, np.int64)
+    pack_of[o] = np.arange(pos.size) - first  # rank among the earlier rows at the same slot
+    packs = [pos[pack_of == j] for j in range(int(pack_of.max(initial=-1)) + 1)]
+    # a block's products run over its last row's prefix (rows are sorted, so positions are too)
+    if sum(int(lim[p[-1]]) for p in packs) >= sum(int(lim[t[-1]]) for t in sparse):
+        return tiles
+    return [t for t in tiles if t.size >= T // PACK_BELOW] + packs
+
+
 def _causal_candidates(
     E: Any, rows: np.ndarray, k: int, device: str, block_sessions: int = CAUSAL_BLOCK_SESSIONS,
-    col_chunk: int = COL_CHUNK, group_tiles: int = GROUP_TILES,
+    col_chunk: int = COL_CHUNK, group_tiles: int = GROUP_TILES, pack: bool = True,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Blocked causal top-k: the same candidates as :func:`_dense_candidates` at about half the work.
 
@@ -114,17 +158,25 @@ def _causal_candidates(
     upper one), masks the small in-tile triangle, and takes one top-k per column chunk, merged chunk by
     chunk (earlier chunks first, so equal scores keep the lower node id).
 
-    Every product has a canonical shape: the query block is the whole tile (``4*block_sessions`` rows,
-    zero rows where a row is not asked for, each row at its own place in the tile) and the column count
-    is padded to a multiple of :data:`COL_PAD`. BLAS gives an entry different low bits depending on the
-    product's shape (small products take other kernels), so without this a row's float32 scores, and at
-    near-ties its candidates, would depend on which other rows were asked for in the same call. With it a
-    row's candidates are the same whatever the row set: one call over a history, its row blocks
-    (:func:`causal_rows`, one Ray task each) and the rows of appended sessions agree byte for byte.
+    Every product has a canonical shape: the query block is a whole tile (``4*block_sessions`` rows,
+    zero rows where a row is not asked for, each row at its own place ``row % (4*block_sessions)`` in
+    the tile) and the column count is padded to a multiple of :data:`COL_PAD`. BLAS gives an entry
+    different low bits depending on the product's shape (small products take other kernels), so without
+    this a row's float32 scores, and at near-ties its candidates, would depend on which other rows were
+    asked for in the same call. With it a row's candidates are the same whatever the row set: one call
+    over a history, its row blocks (:func:`causal_rows`, one Ray task each) and the rows of appended
+    sessions agree byte for byte.
+
+    Sparse row sets (``pack``, see :func:`_query_blocks`) put rows of different tiles, each still at its
+    own place, into one query block: the same shapes, column grid and padding, and each row masked to
+    its own prefix. A block runs over the prefix of its longest row, so the width of a row's last column
+    chunk follows the other rows of its block: the result relies on a row's scores not depending on the
+    product's column count beyond the :data:`COL_PAD` padding, the assumption the tiles made already
+    (a tile's prefix is that of its last *asked* row). ``pack=False`` gives the per-tile blocks only.
 
     ``E`` may be an array, a ``np.memmap``, a :class:`NodeFile` or a
     :class:`~memgas.pipeline.association.blocks.NodeBlocks` (read in blocks: only one column chunk and
-    ``group_tiles`` query tiles are in memory at a time). Written against ``xp``: NumPy on CPU, CuPy
+    ``group_tiles`` query blocks are in memory at a time). Written against ``xp``: NumPy on CPU, CuPy
     on GPU (the GPU candidate search; there is no GPU faiss path).
     """
     xp, _ = get_xp(device)
@@ -134,28 +186,24 @@ def _causal_candidates(
     if R == 0:
         return cand, valid
     T = block_sessions * N_GRAN  # rows of a full tile
-    row_sess = rows // N_GRAN
-    tile = row_sess // block_sessions
-    # rows are sorted (node order): cut them where the tile changes
-    cuts = np.flatnonzero(np.diff(tile)) + 1
-    starts = np.concatenate([[0], cuts]).tolist()
-    ends = np.concatenate([cuts, [R]]).tolist()
-    for g in range(0, len(starts), group_tiles):
+    lim_all = (rows // N_GRAN) * N_GRAN  # nodes before each row's session
+    blocks = _query_blocks(rows, T, pack)
+    for g in range(0, len(blocks), group_tiles):
         tiles = []
-        for a, b in zip(starts[g : g + group_tiles], ends[g : g + group_tiles]):
-            lim_h = row_sess[a:b] * N_GRAN  # nodes before each row's session
+        for pos in blocks[g : g + group_tiles]:
+            lim_h = lim_all[pos]
             ncol = int(lim_h.max())
             if ncol == 0:
                 continue
             q = np.zeros((T, E.shape[1]), np.float32)
-            slot = rows[a:b] - int(tile[a]) * T  # each row at its own place in the tile
-            q[slot] = _read_rows(E, rows[a:b])
-            tiles.append({"a": a, "b": b, "q": xp.asarray(q), "slot": xp.asarray(slot), "ncol": ncol,
+            slot = rows[pos] % T  # each row at its own place in the tile
+            q[slot] = _read_rows(E, rows[pos])
+            tiles.append({"pos": pos, "q": xp.asarray(q), "slot": xp.asarray(slot), "ncol": ncol,
                           "lo": int(lim_h.min()), "lim": xp.asarray(lim_h)[:, None], "i": None, "v": None})
         if not tiles:
             continue
         top = max(t["ncol"] for t in tiles)
-        # column chunks outside, tiles inside: each chunk of the prefix is read once per group of tiles
+        # column chunks outside, blocks inside: each chunk of the prefix is read once per group of blocks
         for c0 in range(0, top, col_chunk):
             c1g = min(top, c0 + col_chunk)
             chunk = xp.asarray(_read_cols(E, c0, c0 + _pad(c1g - c0)))
@@ -164,7 +212,7 @@ def _causal_candidates(
                     continue
                 c1 = min(t["ncol"], c0 + col_chunk)
                 w = _pad(c1 - c0)
-                sims = (t["q"] @ chunk[:w].T)[t["slot"]]  # float32 [tile rows, w]: canonical product shape
+                sims = (t["q"] @ chunk[:w].T)[t["slot"]]  # float32 [block rows, w]: canonical product shape
                 if c0 + w > min(t["lo"], c1):  # the in-tile triangle and the padding: columns not to see
                     m0 = max(min(t["lo"], c1), c0)
                     cols = xp.arange(m0, c0 + w)[None, :]
@@ -180,10 +228,10 @@ def _causal_candidates(
             del chunk
         for t in tiles:
             idx, val = to_host(t["i"]), to_host(t["v"])
-            a, b, kk = t["a"], t["b"], idx.shape[1]
+            pos, kk = t["pos"], idx.shape[1]
             ok = np.isfinite(val)
-            cand[a:b, :kk] = np.where(ok, idx, -1)
-            valid[a:b, :kk] = ok
+            cand[pos, :kk] = np.where(ok, idx, -1)
+            valid[pos, :kk] = ok
     return cand, valid
 
 
