@@ -244,7 +244,7 @@ def write_marker(stage: Stage, ctx: StageContext, store: Bank, fp: str, units_to
                  parts: dict[str, str]) -> None:
     atomic_write_json(_marker_path(store, stage), {
         "fingerprint": fp, "units_total": units_total, "parts": parts, "output": ctx.outputs[stage.name],
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        "content_parts": T.content_parts(stage, ctx), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 
 def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> str | None:
@@ -262,12 +262,22 @@ def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[s
     if T.has_content(stage):
         if T.damaged_content(stage, ctx) is not None:
             return None
+        # the content tables' parts are those the output was digested from, and their bytes verified above;
+        # the fingerprint (compared by every caller) fixes which of their rows are the stage's: same digest
+        content = T.content_parts(stage, ctx)
+        if marker.get("content_parts") == content:
+            return output
         try:
             if T.output_digest(stage, ctx, parts) != output:
                 return None
         except Exception as exc:  # unreadable rows: damaged
             log.debug("stage %s: rows unreadable: %s", stage.name, exc)
             return None
+        # the same rows in other parts (another config's rows added, a compaction): remembered for next time
+        try:
+            atomic_write_json(_marker_path(store, stage), {**marker, "content_parts": content})
+        except OSError as exc:  # a bank this process may read but not write: digested again next time
+            log.debug("stage %s: marker not updated: %s", stage.name, exc)
     return output
 
 

@@ -1,7 +1,7 @@
 """The vectors of one long history, gathered from ``embeddings`` in ONE pass and spilled to a file.
 
-A history longer than one node block (:mod:`memgas.jobs.stages.node_blocks`) is read a block of sessions at
-a time. Each block needs a few vectors out of the whole ``embeddings`` table, whose rows are in encode order,
+A history longer than one node block (the job's block reader, jobs/stages/node_blocks.py) is read a block
+of sessions at a time. Each block needs a few vectors out of the whole ``embeddings`` table, whose rows are in encode order,
 not in the history's order, so a block's vectors can be anywhere in it: reading them per block scanned the
 whole table once per block (a 10^5-session history: 7 scans of 0.9 GB, 40 s of an append's 80 s; 10^6
 sessions: 61 scans of ~9 GB). :class:`SpilledVectors` scans the table once, keeps the rows the history

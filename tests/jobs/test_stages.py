@@ -621,6 +621,48 @@ def test_missing_or_altered_parts_are_rebuilt_never_used(tmp_path_factory, refer
 
 
 @pytest.mark.slow
+def test_a_skipped_stage_digests_its_content_rows_again_only_when_the_tables_parts_changed(
+        tmp_path_factory, reference_run, monkeypatch) -> None:
+    """The marker records the content tables' parts (and digests) its output was digested from: a re-run
+    with the same fingerprint and the same parts takes the recorded output without reading the rows again;
+    another part in the table (another config's vectors) digests them again, and the stage is still skipped."""
+    import shutil
+
+    import pyarrow as pa
+
+    from memgas.jobs import tables as T
+    from memgas.pipeline.schema import embeddings_schema
+
+    work = tmp_path_factory.mktemp("memo")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    marker = json.loads((work / "bank" / "_stages" / "encode.json").read_text())
+    assert set(marker["content_parts"]) == {"embeddings"} and marker["content_parts"]["embeddings"]
+    digested: list[str] = []
+    real = T.output_digest
+
+    def counted(stage, ctx, parts):
+        digested.append(stage.name)
+        return real(stage, ctx, parts)
+
+    monkeypatch.setattr(T, "output_digest", counted)
+    _run(_base(work))
+    rec = _record(work)
+    assert rec["generate"]["status"] == rec["encode"]["status"] == "skipped"
+    assert "encode" not in digested and "generate" not in digested, digested
+    # another encoder key's vectors in a part of their own: the parts changed, the stage's rows did not
+    dim = len(Bank(work / "bank").read("embeddings", ["vector"])["vector"][0])
+    other = pa.table({"text_hash": ["f" * 32], "encoder": ["another-encoder"],
+                      "vector": pa.FixedSizeListArray.from_arrays(pa.array([0.5] * dim, pa.float32()), dim),
+                      "truncated": [False], "tokens": [1], "tokens_dropped": [0]}, schema=embeddings_schema(dim))
+    Bank(work / "bank").write_part("embeddings", "another-config", other)
+    digested.clear()
+    _run(_base(work))
+    rec = _record(work)
+    assert rec["encode"]["status"] == "skipped" and digested.count("encode") == 1, (rec["encode"], digested)
+    assert _outputs(work) == _outputs(reference_run)
+
+
+@pytest.mark.slow
 def test_answer_refuses_an_index_whose_parts_are_gone(tmp_path_factory, reference_run) -> None:
     """`answer` does not rebuild index stages: a deleted edges part is one line naming it and `memgas index`
     (it used to rank on no edges and report lower metrics)."""
