@@ -378,7 +378,8 @@ class AssociateStage(HistoryShardStage):
         c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
                               min_prior_nodes=a["min_prior_nodes"], params=params)
         approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
-        sample, keys = I.recall_sample(h, approx, I.RECALL_ROWS if recall_rows is None else recall_rows)
+        sample, keys = I.recall_sample(h, approx, I.RECALL_ROWS if recall_rows is None else recall_rows,
+                                       first_row=I.first_ivf_row(a["ivf_exact_nodes"], a["min_prior_nodes"]))
         hits, total = I.candidate_hits(E, c, sample, a["mem_threshold"])
         n = sample.size
         out["recall"].append(pa.table([[h] * n, [s0] * n, [s1] * n, sample, keys, hits, total], schema=IVF_RECALL))

@@ -392,6 +392,7 @@ def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monke
         GRID,
         IVF_SMALL,
         _history_sample,
+        _stored_recall_rows,
         associate_ctx,
         associate_rows,
         copy_parts,
@@ -422,8 +423,10 @@ def test_one_history_cut_into_tasks_on_two_nodes_equals_one_task(tmp_path, monke
             got = associate_rows(bank)
             assert got["edges"] == want[mode]["edges"], mode
             assert got["ivf_index"] == want[mode]["ivf_index"] and bool(got["ivf_index"]) == (mode == "ivf")
-            # IVF units [96, 192), [192, 288), [288, 360): 368, 384 and 288 rows past node 400, 100 stored each
-            assert len(got["ivf_recall"]) == (300 if mode == "ivf" else 0)
+            # IVF units [96, 192), [192, 288), [288, 360): 368, 384 and 288 rows past node 400, each stores
+            # its 100 smallest keys that 100 earlier rows do not beat
+            stored = _stored_recall_rows("h", [(96, 192), (192, 288), (288, 360)], 400, 100)
+            assert len(got["ivf_recall"]) == (sum(stored.values()) if mode == "ivf" else 0)
             assert _history_sample(got["ivf_recall"]) == _history_sample(want[mode]["ivf_recall"])
         # an append over the saved index: 250 sessions, then 110 more in two units, both starting from the
         # saved index (put once into the object store, shared by reference)

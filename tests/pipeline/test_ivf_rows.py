@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from itertools import product
+
 import numpy as np
 import pytest
 
@@ -87,13 +89,19 @@ def test_the_union_of_the_units_bottom_k_holds_the_historys_bottom_k(k: int) -> 
     rows = {"h0": np.arange(400, 1500, dtype=np.int64), "h1": np.arange(80, 300, dtype=np.int64)}
     oracle = {h: sorted(r.tolist(), key=lambda x, h=h: int(I.row_keys(h, np.array([x]))[0]))[:k]
               for h, r in rows.items()}
-    for cuts in ([], [500], [410, 411, 900, 1499], list(range(400, 1500, 96)), list(range(100, 300, 7))):
+    for cuts, first in product(([], [500], [410, 411, 900, 1499], list(range(400, 1500, 96)),
+                                list(range(100, 300, 7))), (False, True)):
         hist, got_rows, got_keys = [], [], []
         for h, r in rows.items():
             for unit in np.split(r, np.searchsorted(r, cuts)):
-                s, keys = I.recall_sample(h, unit, k)
-                assert s.size == min(k, unit.size) and np.array_equal(s, np.sort(s))
-                assert np.array_equal(keys, I.row_keys(h, s))
+                # first: a unit also leaves out the rows that k earlier units' rows beat (recall_sample)
+                s, keys = I.recall_sample(h, unit, k, first_row=int(r[0]) if first else None)
+                alone, _ = I.recall_sample(h, unit, k)
+                assert alone.size == min(k, unit.size) and np.array_equal(s, np.sort(s))
+                assert np.isin(s, alone).all() and np.array_equal(keys, I.row_keys(h, s))
+                if first and unit.size and unit[0] - r[0] >= k:
+                    earlier = np.sort(I.row_keys(h, np.arange(r[0], unit[0])))[k - 1]
+                    assert np.array_equal(s, alone[I.row_keys(h, alone) < earlier])  # oracle: a full sort
                 hist += [h] * s.size
                 got_rows.append(s)
                 got_keys.append(keys)
