@@ -11,8 +11,9 @@ depend on which other rows one call computes (canonical shapes), so the edges of
 
 Node vectors: a history whose prefix is longer than one block
 (:data:`memgas.pipeline.association.blocks.BLOCK_ROWS` rows) reaches the task as
-:class:`~memgas.pipeline.association.blocks.NodeBlocks`, read from the bank block by block and put into
-Ray's object store once per block (spilled to files in-process, :mod:`memgas.jobs.stages.node_blocks`);
+:class:`~memgas.pipeline.association.blocks.NodeBlocks`, read from the bank block by block (its vectors
+gathered in one pass over ``embeddings``, :mod:`memgas.pipeline.spilled_vectors`) and put into Ray's object
+store once per block (spilled to files in-process, :mod:`memgas.jobs.stages.node_blocks`);
 the task fetches one block at a time. Neither the driver nor a task holds the history's matrix, and the
 edges are those of the whole matrix byte for byte (the searches' tiles, chunks and grid blocks are fixed by
 node ids). Both searches: a long history's new rows are cut into several units, one Ray task each.
