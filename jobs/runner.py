@@ -244,7 +244,8 @@ def write_marker(stage: Stage, ctx: StageContext, store: Bank, fp: str, units_to
                  parts: dict[str, str]) -> None:
     atomic_write_json(_marker_path(store, stage), {
         "fingerprint": fp, "units_total": units_total, "parts": parts, "output": ctx.outputs[stage.name],
-        "content_parts": T.content_parts(stage, ctx), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+        "content_parts": T.content_parts(stage, ctx), "rows_digest": T.STREAMED_DIGEST,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 
 def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> str | None:
@@ -268,7 +269,7 @@ def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[s
         if marker.get("content_parts") == content:
             return output
         try:
-            if T.output_digest(stage, ctx, parts) != output:
+            if T.output_digest(stage, ctx, parts, method=marker.get("rows_digest")) != output:
                 return None
         except Exception as exc:  # unreadable rows: damaged
             log.debug("stage %s: rows unreadable: %s", stage.name, exc)

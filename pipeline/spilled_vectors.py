@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -53,8 +53,11 @@ class SpilledVectors:
     """The vectors of ``need`` (text hashes per encoder key), read from ``bank``'s ``embeddings`` in one pass."""
 
     def __init__(self, bank: Bank, need: Mapping[str, Iterable[str] | pa.Array | pa.ChunkedArray],
-                 directory: str | Path | None = None) -> None:
+                 directory: str | Path | None = None, extra: Sequence[str] = ()) -> None:
+        """``extra``: other (scalar) columns of ``embeddings`` to keep per slot, for :meth:`sorted_tables`."""
         self.bank = bank
+        self.extra = tuple(extra)
+        self._extra: dict[str, list] = {}  # column -> [values, valid] per slot, and its Arrow type
         self._dir = tempfile.TemporaryDirectory(prefix="memgas-vectors-", dir=directory)
         self.path = Path(self._dir.name) / "vectors.f32"
         self._keys: dict[str, tuple[np.ndarray, int]] = {}  # key -> (its sorted hashes, its first slot)
@@ -74,8 +77,43 @@ class SpilledVectors:
         if slots:
             self._scan()
 
+    def _keep_extra(self, slots: np.ndarray, rows: pa.Table) -> None:
+        for c in self.extra:
+            col = rows[c].combine_chunks()
+            if c not in self._extra:
+                dtype = np.bool_ if pa.types.is_boolean(col.type) else col.type.to_pandas_dtype()
+                self._extra[c] = [np.zeros(self.slots, dtype), np.zeros(self.slots, bool), col.type]
+            values, valid, _ = self._extra[c]
+            ok = col.is_valid().to_numpy(zero_copy_only=False)
+            values[slots[ok]] = col.filter(col.is_valid()).to_numpy(zero_copy_only=False)
+            valid[slots] = ok
+
+    def sorted_tables(self, chunk_rows: int) -> Iterator[pa.Table]:
+        """The gathered rows in (encoder key, text hash) order, ``chunk_rows`` at a time: columns
+        ``text_hash``, ``encoder``, ``vector`` and the ``extra`` ones (what :meth:`Bank.read` gives for them,
+        sorted), one chunk in memory at a time."""
+        row_bytes = 4 * self.dim
+        for key in sorted(self._keys):
+            hashes, first = self._keys[key]
+            filled = np.flatnonzero(self._filled[first:first + hashes.size])
+            for a in range(0, filled.size, chunk_rows):
+                pos = filled[a:a + chunk_rows]
+                slots = first + pos
+                vectors = np.empty((pos.size, self.dim), np.float32)
+                for i, j in _runs(slots):
+                    got = os.pread(self._fd, (j - i) * row_bytes, int(slots[i]) * row_bytes)
+                    vectors[i:j] = np.frombuffer(got, np.float32).reshape(j - i, self.dim)
+                cols = {"text_hash": pa.array(np.char.decode(hashes[pos], "utf-8").tolist(), pa.string()),
+                        "encoder": pa.array([key] * pos.size, pa.string()),
+                        "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel(), pa.float32()), self.dim)}
+                for c in self.extra:
+                    values, valid, typ = self._extra[c]
+                    cols[c] = pa.array(values[slots], typ, mask=~valid[slots])
+                yield pa.table(cols)
+
     def _scan(self) -> None:
-        for t in self.bank.iter_read("embeddings", ["text_hash", "encoder", "vector"], batch_rows=SCAN_BATCH_ROWS):
+        columns = ["text_hash", "encoder", "vector", *self.extra]
+        for t in self.bank.iter_read("embeddings", columns, batch_rows=SCAN_BATCH_ROWS):
             t = t.filter(pc.less_equal(pc.binary_length(t["text_hash"]), self.width))  # longer: never needed
             for key, (hashes, first) in self._keys.items():
                 mine = t.filter(pc.equal(t["encoder"], key))
@@ -86,8 +124,10 @@ class SpilledVectors:
                 hit = hashes[pos] == got
                 if not hit.any():
                     continue
-                vectors = mine.filter(pa.array(hit))["vector"].combine_chunks()
-                self._write(first + pos[hit], vectors)
+                rows = mine.filter(pa.array(hit))
+                self._write(first + pos[hit], rows["vector"].combine_chunks())
+                if self.extra:
+                    self._keep_extra(first + pos[hit], rows)
 
     def _write(self, slots: np.ndarray, vectors: pa.FixedSizeListArray) -> None:
         d = vectors.type.list_size

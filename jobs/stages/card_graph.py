@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import keys, tables
 from memgas.jobs.stage import Active, StageContext
-from memgas.jobs.stages.encode import EncodeStage, vector_rows
+from memgas.jobs.stages.encode import EncodeStage, vector_rows, vector_rows_digest
 from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.rank import family_methods, family_ranker_active, query_vectors, ranking_rows
 from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix
@@ -55,7 +55,8 @@ def _card_graph_vector_rows(ctx: StageContext) -> pa.Table:
 
 
 CARD_GRAPH_VECTORS = tables.Table("card_graph_vectors", "content", stored_in="embeddings",
-                                  rows=_card_graph_vector_rows)
+                                  rows=_card_graph_vector_rows,
+                                  digest=lambda ctx: vector_rows_digest(ctx, CardGraphEncodeStage.needed(ctx)[0]))
 
 
 class CardGraphEncodeStage(EncodeStage):

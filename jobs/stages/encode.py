@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -24,12 +25,69 @@ def vector_rows(ctx: StageContext, need: dict[str, list[str]]) -> pa.Table:
     return mine.filter(pc.is_in(key, value_set=wanted)).sort_by([("encoder", "ascending"), ("text_hash", "ascending")])
 
 
+#: rows per chunk of :func:`vector_rows_digest` (part of its definition: the digest hashes each chunk)
+DIGEST_CHUNK_ROWS = 8192
+
+
+def rows_bytes(t: pa.Table) -> Iterator[bytes]:
+    """The values of ``t``'s rows, column by column, as bytes that depend on the values alone (not on how
+    Arrow laid them out: Arrow IPC of the same rows differed between a table built afresh and one taken from
+    a read, by a validity buffer with no nulls): strings NUL-separated (text hashes and keys hold none),
+    fixed-size lists as their little-endian values, other columns as a null mask and their values (0 where
+    null)."""
+    for name in t.column_names:
+        col = t[name].combine_chunks()
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            yield "\0".join(col.to_pylist()).encode("utf-8", "surrogatepass") + b"\1"
+        elif pa.types.is_fixed_size_list(col.type):
+            yield _le(col.flatten().to_numpy(zero_copy_only=False), col.type.value_type)
+        else:
+            null = col.is_null().to_numpy(zero_copy_only=False)
+            filled = pc.fill_null(col, False if pa.types.is_boolean(col.type) else 0)
+            yield null.tobytes() + _le(filled.to_numpy(zero_copy_only=False), filled.type)
+
+
+def _le(values: Any, arrow_type: pa.DataType) -> bytes:
+    import numpy as np
+
+    return np.asarray(values).astype(np.dtype(arrow_type.to_pandas_dtype()).newbyteorder("<")).tobytes()
+
+
+def vector_rows_digest(ctx: StageContext, need: dict[str, list[str]]) -> str:
+    """The digest of :func:`vector_rows` (the same rows, in the same order) without holding them: one pass
+    over ``embeddings`` gathers the rows into a spill file (:class:`~memgas.pipeline.spilled_vectors.
+    SpilledVectors`), then blake2b over :func:`rows_bytes` of each chunk of :data:`DIGEST_CHUNK_ROWS` rows
+    in (encoder, text hash) order. Memory: one chunk and the needed hashes."""
+    import hashlib
+
+    from memgas.pipeline.spilled_vectors import SpilledVectors
+
+    h = hashlib.blake2b(digest_size=8)
+    sv = SpilledVectors(ctx.bank, need, extra=("truncated", "tokens", "tokens_dropped"))
+    try:
+        for t in sv.sorted_tables(DIGEST_CHUNK_ROWS):
+            for b in rows_bytes(t.select(VECTOR_COLUMNS)):
+                h.update(b)
+    finally:
+        sv.close()
+    return h.hexdigest()
+
+
+#: the columns of ``embeddings`` in the digest, in this order
+VECTOR_COLUMNS = ["text_hash", "encoder", "vector", "truncated", "tokens", "tokens_dropped"]
+
+
 def _node_vector_rows(ctx: StageContext) -> pa.Table:
     return vector_rows(ctx, EncodeStage.needed(ctx)[0])
 
 
+def _node_vector_digest(ctx: StageContext) -> str:
+    return vector_rows_digest(ctx, EncodeStage.needed(ctx)[0])
+
+
 #: the vectors of MemGAS's node texts, turn pairs and questions (rows of ``embeddings``)
-NODE_VECTORS = Table("node_vectors", "content", stored_in="embeddings", rows=_node_vector_rows)
+NODE_VECTORS = Table("node_vectors", "content", stored_in="embeddings", rows=_node_vector_rows,
+                     digest=_node_vector_digest)
 
 
 class EncodeStage(Stage):

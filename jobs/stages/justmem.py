@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import keys, tables
 from memgas.jobs.stage import Active, StageContext
-from memgas.jobs.stages.encode import EncodeStage, vector_rows
+from memgas.jobs.stages.encode import EncodeStage, vector_rows, vector_rows_digest
 from memgas.jobs.stages.rank import family_methods, query_vectors, ranking_rows
 from memgas.jobs.stages.ranked import RankedShardStage, kept_parts, ranked_table, with_history
 from memgas.jobs.stages.read import READ_FIELDS, ReadStage
@@ -91,7 +91,8 @@ def _card_vector_rows(ctx: StageContext) -> pa.Table:
 
 
 #: the vectors of the cards, the plans' rewrites and the questions (rows of ``embeddings``)
-CARD_VECTORS = tables.Table("card_vectors", "content", stored_in="embeddings", rows=_card_vector_rows)
+CARD_VECTORS = tables.Table("card_vectors", "content", stored_in="embeddings", rows=_card_vector_rows,
+                            digest=lambda ctx: vector_rows_digest(ctx, CardEncodeStage.needed(ctx)[0]))
 
 
 class CardEncodeStage(EncodeStage):

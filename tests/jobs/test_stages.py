@@ -640,9 +640,9 @@ def test_a_skipped_stage_digests_its_content_rows_again_only_when_the_tables_par
     digested: list[str] = []
     real = T.output_digest
 
-    def counted(stage, ctx, parts):
+    def counted(stage, ctx, parts, **kw):
         digested.append(stage.name)
-        return real(stage, ctx, parts)
+        return real(stage, ctx, parts, **kw)
 
     monkeypatch.setattr(T, "output_digest", counted)
     _run(_base(work))
@@ -660,6 +660,88 @@ def test_a_skipped_stage_digests_its_content_rows_again_only_when_the_tables_par
     rec = _record(work)
     assert rec["encode"]["status"] == "skipped" and digested.count("encode") == 1, (rec["encode"], digested)
     assert _outputs(work) == _outputs(reference_run)
+
+
+@pytest.mark.slow
+def test_a_marker_written_before_streamed_digests_is_verified_as_it_was_written(tmp_path_factory, reference_run) -> None:
+    """An encode marker of before (no rows_digest: its rows digested at once, table_digest) is verified that
+    way: the stage is skipped, not rebuilt, and keeps its output digest (downstream keys stay as they were)."""
+    import shutil
+
+    from memgas.jobs import tables as T
+
+    work = tmp_path_factory.mktemp("oldmarker")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    path = work / "bank" / "_stages" / "encode.json"
+    marker = json.loads(path.read_text())
+    ctx = StageContext(_base(work), Bank(work / "bank"), None, use_ray=False)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
+    old = T.output_digest(_encode_stage(), ctx, marker["parts"], method=None)
+    assert old != marker["output"]  # the two methods digest differently: the test tells them apart
+    path.write_text(json.dumps({k: v for k, v in {**marker, "output": old}.items()
+                                if k not in ("rows_digest", "content_parts")}))
+    _run(_base(work))
+    rec = _record(work)
+    assert rec["encode"]["status"] == "skipped" and "rebuilt" not in rec["encode"], rec["encode"]
+    after = json.loads(path.read_text())
+    assert after["output"] == old and "rows_digest" not in after and after["content_parts"]
+
+
+def _encode_stage():
+    from memgas.jobs.stages.encode import EncodeStage
+
+    return EncodeStage()
+
+
+def _chunked_digest(rows, chunk: int) -> str:
+    """The streamed digest's definition over rows held in memory: blake2b of each chunk's rows_bytes."""
+    import hashlib
+
+    from memgas.jobs.stages.encode import VECTOR_COLUMNS, rows_bytes
+
+    h = hashlib.blake2b(digest_size=8)
+    for a in range(0, rows.num_rows, chunk):
+        for b in rows_bytes(rows.slice(a, chunk).select(VECTOR_COLUMNS)):
+            h.update(b)
+    return h.hexdigest()
+
+
+@pytest.mark.slow
+def test_the_streamed_vector_digest_is_that_of_the_rows_in_memory(tmp_path_factory, reference_run, monkeypatch) -> None:
+    """vector_rows_digest (one pass, spilled, one chunk in memory) equals the chunked digest of vector_rows'
+    table, also when a later part re-writes rows (the last wins), rows lack their token counts (nulls) and
+    the chunks are small; and a changed vector changes it."""
+    import shutil
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from memgas.jobs.stages import encode
+    from memgas.pipeline import spilled_vectors
+
+    work = tmp_path_factory.mktemp("digest")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    bank = Bank(work / "bank")
+    ctx = StageContext(_base(work), bank, None, use_ray=False)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
+    need = encode.EncodeStage.needed(ctx)[0]
+    monkeypatch.setattr(encode, "DIGEST_CHUNK_ROWS", 7)
+    monkeypatch.setattr(spilled_vectors, "SCAN_BATCH_ROWS", 50)
+    assert encode.vector_rows_digest(ctx, need) == _chunked_digest(encode.vector_rows(ctx, need), 7)
+    before = encode.vector_rows_digest(ctx, need)
+    # a later part re-writes five of the rows: another vector, no token counts
+    rows = encode.vector_rows(ctx, need).slice(3, 5)
+    vec = rows["vector"].combine_chunks().flatten().to_numpy().reshape(5, -1) * np.float32(0.5)
+    later = rows.set_column(rows.schema.get_field_index("vector"), "vector",
+                            pa.FixedSizeListArray.from_arrays(pa.array(vec.ravel(), pa.float32()), vec.shape[1]))
+    later = later.set_column(later.schema.get_field_index("tokens"), "tokens", pa.nulls(5, pa.int32()))
+    bank.write_part("embeddings", "zz-later", later)
+    got = encode.vector_rows(ctx, need)
+    assert pc.sum(pc.is_null(got["tokens"])).as_py() == 5
+    assert encode.vector_rows_digest(ctx, need) == _chunked_digest(got, 7) != before
 
 
 @pytest.mark.slow
