@@ -174,7 +174,7 @@ def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: 
     entry: dict[str, Any] = {"stage": stage.name, "fingerprint": fp, "where": stage.where}
     prev = _marker(store, stage)
     if prev.get("fingerprint") == fp:
-        output = verified_output(stage, ctx, store, prev)
+        output = verified_output(stage, ctx, store, prev, remember=True)
         if output is not None:
             ctx.outputs[stage.name] = output
             entry.update(status="skipped", units_total=prev.get("units_total", 0), units_done=0,
@@ -248,11 +248,13 @@ def write_marker(stage: Stage, ctx: StageContext, store: Bank, fp: str, units_to
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 
-def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> str | None:
+def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any],
+                    remember: bool = False) -> str | None:
     """The stage's committed output digest when every part its marker records is there with the bytes it
     had and, for content tables, every part verifies and this config's rows digest as recorded (a marker
     from before digests were recorded verifies nothing: the stage runs again, skipping the units whose
-    parts exist)."""
+    parts exist). ``remember``: the caller holds the store's lock (index, run), so the marker may record
+    content parts that changed since (``memgas answer`` reads the bank without its lock: it never writes it)."""
     parts, output = marker.get("parts"), marker.get("output")
     if not isinstance(parts, dict) or not isinstance(output, str):
         return None
@@ -275,6 +277,8 @@ def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[s
             log.debug("stage %s: rows unreadable: %s", stage.name, exc)
             return None
         # the same rows in other parts (another config's rows added, a compaction): remembered for next time
+        if not remember:
+            return output
         try:
             atomic_write_json(_marker_path(store, stage), {**marker, "content_parts": content})
         except OSError as exc:  # a bank this process may read but not write: digested again next time

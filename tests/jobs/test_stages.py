@@ -655,6 +655,10 @@ def test_a_skipped_stage_digests_its_content_rows_again_only_when_the_tables_par
                       "vector": pa.FixedSizeListArray.from_arrays(pa.array([0.5] * dim, pa.float32()), dim),
                       "truncated": [False], "tokens": [1], "tokens_dropped": [0]}, schema=embeddings_schema(dim))
     Bank(work / "bank").write_part("embeddings", "another-config", other)
+    # `answer` reads the bank without its lock: it digests the rows again and writes no marker
+    marker_bytes = (work / "bank" / "_stages" / "encode.json").read_bytes()
+    main_job.answer(_base(work), work / "bank", run_dir=work / "answer", use_ray=False)
+    assert (work / "bank" / "_stages" / "encode.json").read_bytes() == marker_bytes and "encode" in digested
     digested.clear()
     _run(_base(work))
     rec = _record(work)
