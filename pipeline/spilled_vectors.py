@@ -61,7 +61,6 @@ class SpilledVectors:
         self._dir = tempfile.TemporaryDirectory(prefix="memgas-vectors-", dir=directory)
         self.path = Path(self._dir.name) / "vectors.f32"
         self._keys: dict[str, tuple[np.ndarray, int]] = {}  # key -> (its sorted hashes, its first slot)
-        self.width = 0
         arrays = {k: v if isinstance(v, (pa.Array, pa.ChunkedArray)) else pa.array(sorted(set(v)), pa.string())
                   for k, v in need.items()}
         self.width = max([int(pc.max(pc.binary_length(a)).as_py()) for a in arrays.values() if len(a)], default=1)
@@ -92,17 +91,13 @@ class SpilledVectors:
         """The gathered rows in (encoder key, text hash) order, ``chunk_rows`` at a time: columns
         ``text_hash``, ``encoder``, ``vector`` and the ``extra`` ones (what :meth:`Bank.read` gives for them,
         sorted), one chunk in memory at a time."""
-        row_bytes = 4 * self.dim
         for key in sorted(self._keys):
             hashes, first = self._keys[key]
             filled = np.flatnonzero(self._filled[first:first + hashes.size])
             for a in range(0, filled.size, chunk_rows):
                 pos = filled[a:a + chunk_rows]
                 slots = first + pos
-                vectors = np.empty((pos.size, self.dim), np.float32)
-                for i, j in _runs(slots):
-                    got = os.pread(self._fd, (j - i) * row_bytes, int(slots[i]) * row_bytes)
-                    vectors[i:j] = np.frombuffer(got, np.float32).reshape(j - i, self.dim)
+                vectors = self._gather(slots)
                 cols = {"text_hash": pa.array(np.char.decode(hashes[pos], "utf-8").tolist(), pa.string()),
                         "encoder": pa.array([key] * pos.size, pa.string()),
                         "vector": pa.FixedSizeListArray.from_arrays(pa.array(vectors.ravel(), pa.float32()), self.dim)}
@@ -165,13 +160,16 @@ class SpilledVectors:
                             f"text_hash {absent}); run `memgas index` with this config (its encode stage)")
         if not order:
             return np.zeros((0, self.dim), np.float32), {}
-        slots = first + pos  # increasing: the hashes and their slots are in the same (sorted) order
-        vectors = np.empty((len(order), self.dim), np.float32)
+        return self._gather(first + pos), {h: i for i, h in enumerate(order)}
+
+    def _gather(self, slots: np.ndarray) -> np.ndarray:
+        """float32 ``[len(slots), d]``: the vectors at ``slots``, one ``pread`` per run of consecutive slots."""
+        vectors = np.empty((slots.size, self.dim), np.float32)
         row_bytes = 4 * self.dim
         for a, b in _runs(slots):
             got = os.pread(self._fd, (b - a) * row_bytes, int(slots[a]) * row_bytes)
             vectors[a:b] = np.frombuffer(got, np.float32).reshape(b - a, self.dim)
-        return vectors, {h: i for i, h in enumerate(order)}
+        return vectors
 
     def close(self) -> None:
         if self._fd is not None:
