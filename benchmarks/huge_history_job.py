@@ -49,6 +49,7 @@ for _k, _v in (("RAY_AUTH_MODE", "disabled"), ("HF_HUB_OFFLINE", "1"), ("TRANSFO
 HISTORY = "h0"
 DIM = 384  # MiniLM's: the config's encoder key names it, and the rank stage reads vectors of this size
 QUERY_NOISE = 0.05  # as bench_huge_history.query_latency: a question sits near one node of its evidence
+VECTOR_ROWS = 200_000  # vectors per embeddings part the fill writes (and per slice it computes)
 
 
 # -- the dataset files ------------------------------------------------------------------------------------
@@ -168,36 +169,40 @@ def fill(cfg: Any, n_topics: int, seed: int) -> dict[str, Any]:
     q_of = {query_hash(r["question"]): (int(r["query_id"][1:]), pos_of_id[r["evidence_session_ids"][0]]) for r in q}
     if not need:
         return {"sessions_filled": 0, "vectors": 0, "generate_nodes_s": t_gen, "vectors_s": 0.0}
-    lo = min((row_of[h][0] for h in need if h in row_of), default=0)
-    hi = max((row_of[h][0] for h in need if h in row_of), default=-1) + 1
-    qpos = [q_of[h][1] for h in need if h in q_of]
-    if qpos:  # questions point anywhere in the history
-        lo, hi = min(lo, min(qpos)), max(hi, max(qpos) + 1)
-    base = clustered_nodes(lo, hi, dim=DIM, n_topics=n_topics, seed=seed).reshape(hi - lo, 4, DIM)
-    vec = np.empty((len(need), DIM), np.float32)
-    for i, h in enumerate(need):
-        if h in row_of:
-            p, g = row_of[h]
-            v = base[p - lo, g] if g < 4 else base[p - lo, 0] + base[p - lo, 2]  # hybrid: only its baseline reads it
-        elif h in q_of:
-            qi, p = q_of[h]
-            rng = np.random.default_rng([seed, 11, qi])
-            v = base[p - lo, int(rng.integers(4))] + QUERY_NOISE * rng.standard_normal(DIM).astype(np.float32)
-        else:
+    for h in need:
+        if h not in row_of and h not in q_of:
             what = questions.get(h, "not a question")
             raise SystemExit(f"huge_history_job: no synthetic vector for text {h} ({what!r})")
-        vec[i] = v / np.linalg.norm(v)
+    # the vectors in position order, VECTOR_SESSIONS sessions at a time: at 10^6 sessions the whole matrix and
+    # its copy would be ~14 GB in this process (clustered_nodes is the same whatever its slice)
+    pos = [row_of[h][0] if h in row_of else q_of[h][1] for h in need]
+    order = sorted(range(len(need)), key=pos.__getitem__)
     schema = embeddings_schema(DIM)
-    step = 200_000
-    for j, a in enumerate(range(0, len(need), step)):
-        keys = need[a : a + step]
+    j = 0
+    for a in range(0, len(order), VECTOR_ROWS):
+        chunk = order[a : a + VECTOR_ROWS]
+        lo, hi = pos[chunk[0]], pos[chunk[-1]] + 1
+        base = clustered_nodes(lo, hi, dim=DIM, n_topics=n_topics, seed=seed).reshape(hi - lo, 4, DIM)
+        vec = np.empty((len(chunk), DIM), np.float32)
+        for i, k in enumerate(chunk):
+            h = need[k]
+            if h in row_of:
+                p, g = row_of[h]
+                v = base[p - lo, g] if g < 4 else base[p - lo, 0] + base[p - lo, 2]  # hybrid: only its baseline reads it
+            else:
+                qi, p = q_of[h]
+                rng = np.random.default_rng([seed, 11, qi])
+                v = base[p - lo, int(rng.integers(4))] + QUERY_NOISE * rng.standard_normal(DIM).astype(np.float32)
+            vec[i] = v / np.linalg.norm(v)
+        keys = [need[k] for k in chunk]
         table = pa.Table.from_arrays([
             pa.array(keys, pa.string()), pa.array([enc] * len(keys), pa.string()),
-            pa.FixedSizeListArray.from_arrays(pa.array(vec[a : a + step].reshape(-1), pa.float32()), DIM),
+            pa.FixedSizeListArray.from_arrays(pa.array(vec.reshape(-1), pa.float32()), DIM),
             pa.array([False] * len(keys), pa.bool_()),
             pa.nulls(len(keys), pa.int32()), pa.nulls(len(keys), pa.int32()),  # no tokens were encoded
         ], schema=schema)
         bank.write_part("embeddings", f"emb-bench-{tag}-{j:05d}", table, dim=DIM)
+        j += 1
     for name in ("nodes", "encode"):  # filled above: the runner takes them as done (generate: before the nodes)
         runner.mark_done(ctx, name)
     return {"sessions_filled": len(new), "vectors": len(need), "node_rows": nodes.num_rows,
@@ -326,7 +331,7 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                                            "ivf_recall_rows", "ivf_index_reused", "search")}}
     save()
     runs = {}
-    for ppr in ("push", "exact"):
+    for ppr in args.answers:
         run = work / f"run-{ppr}"
         cmd(f"answer_{ppr}", ["answer", bank, *common, *ivf, "--set", f"retrieval.ppr={ppr}", "--out", str(run)])
         m = json.loads((run / "metrics.json").read_text())
@@ -337,8 +342,9 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out[f"latency_{ppr}"] = latency(cfg, ppr, n_lat)
         save()
         runs[ppr] = run
-    out["push_agreement"] = agreement(runs["push"], runs["exact"])
-    save()
+    if len(runs) == 2:
+        out["push_agreement"] = agreement(runs["push"], runs["exact"])
+        save()
 
     cmd("append_ingest", ["ingest", str(work / "b.jsonl"), "--format", "jsonl", "--out", bank, "--append"])
     out["append_fill"] = fill(cfg, args.topics, args.seed)
@@ -352,6 +358,8 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
                                   for k in ("ivf_recall", "ivf_index_reused", "ivf_index_rebuilt")}}
     out["append_s"] = out["append_ingest"]["wall_s"] + out["append_index"]["wall_s"]
     save()
+    if "push" not in runs:
+        return out
     cmd("append_answer_push",
         ["answer", bank, *common, *ivf, "--set", "retrieval.ppr=push", "--out", str(runs["push"])])
     m = json.loads((runs["push"] / "metrics.json").read_text())
@@ -374,6 +382,9 @@ def table(results: list[dict[str, Any]]) -> str:
              "push / answer exact / append index | recall@30 | push top-10 agreement |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        none: dict[str, Any] = {"rank_s": None, "maxrss_gb": None}
+        r = {"latency_push": {}, "latency_exact": {}, "push_agreement": {"top10_equal": "-", "queries": "-"},
+             "answer_push": none, "answer_exact": none, **r}
         lp, le, ag = r["latency_push"], r["latency_exact"], r["push_agreement"]
         rss = " / ".join("-" if r[k]["maxrss_gb"] is None else f"{r[k]['maxrss_gb']:.2f}"
                          for k in ("index", "answer_push", "answer_exact", "append_index"))
@@ -391,6 +402,8 @@ def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     import shutil
     import tempfile
 
+    if set(args.answers) - {"push", "exact"}:
+        raise SystemExit(f"--answers: push and/or exact, not {','.join(args.answers)!r}")
     base = Path(args.tmp or tempfile.mkdtemp(prefix="memgas-huge-job-"))
     results = []
     try:
@@ -420,6 +433,9 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--exact-latency-queries", type=int, default=None,
                    help="--through-job: questions in the exact PPR's latency probe (default: all; each one "
                         "builds the graph and runs PPR over all of it: seconds at 10^5 sessions)")
+    g.add_argument("--answers", type=lambda v: [x for x in v.split(",") if x], default=["push", "exact"],
+                   help="--through-job: the `memgas answer` runs, comma-separated among push,exact (agreement "
+                        "needs both; '' = none: association and append only)")
     g.add_argument("--seed", type=int, default=0, help="--through-job: questions' sessions and vectors")
     g.add_argument("--in-process", action="store_true",
                    help="--through-job: run the commands in this process (quick; no per-command RSS)")
