@@ -25,6 +25,17 @@ single-granularity baselines (float32 ``sgemm``/``sgemv``) are blocked the same 
 one block (cuBLAS picks its algorithm per shape, and no device run has checked blocks against the whole
 product; the device holds the float64 copy).
 
+Query chunks. A batch's arrays are ``[Q, 4S]`` float64 (below), 6.4 GB each for 200 questions at 10^6 sessions.
+:meth:`PreparedGraph.rank_top` (the rank stage's call) ranks the questions :data:`RANK_QUERY_CHUNK` at a time,
+and keeps each method's top sessions, where that leaves every question's bits as the whole batch gives them:
+- no method runs the exact PPR, whose iterations stop when the whole batch has converged (push PPR runs each
+  question alone, and the other steps are row by row: the router's entropies, the seeds, the segment sums);
+- the kernels run on the host (cuBLAS picks its algorithm per shape; no device run has checked chunks);
+- the history has at least :data:`SIM_BLOCK_ROWS` node rows, so that a chunk of 2 questions still takes BLAS's
+  large-matrix kernel for every block (the argument above), and no chunk is a single question (a lone last
+  question joins the chunk before it: one query would be ``gemv``).
+Otherwise the batch is one chunk. ``tests/pipeline/test_prepared.py`` checks chunks against the whole batch.
+
 Not per query: a batch's arrays are ``[Q, 4S]`` float64 (similarities, node scores, reset rows, the exact
 PPR's iterates), so a history's ranking needs about ten times ``Q * 4S * 8`` bytes at its peak (exact PPR),
 plus one node-row block and its float64 copy (``SIM_BLOCK_ROWS`` to ``2 * SIM_BLOCK_ROWS`` rows), plus the
@@ -49,6 +60,11 @@ from memgas.pipeline.schema import GRANULARITIES, N_GRAN
 #: d = 384). A module constant, never a setting: the block must be large enough that BLAS takes the kernel of
 #: the whole matrix for it (see the module docstring); a multiple of 4, so a block is whole sessions.
 SIM_BLOCK_ROWS = 8192
+
+#: questions ranked together by :meth:`PreparedGraph.rank_top` where a question's bits do not depend on the
+#: others of its batch (module docstring, "Query chunks"). A module constant, never a setting: it bounds the
+#: ``[Q, 4S]`` arrays (16 questions at 10^6 sessions: 0.5 GB each) and nothing else.
+RANK_QUERY_CHUNK = 16
 
 
 def row_spans(n_rows: int, block_rows: int = SIM_BLOCK_ROWS) -> list[tuple[int, int]]:
@@ -214,6 +230,34 @@ class PreparedGraph:
         return out
 
     # -- ranking ----------------------------------------------------------------------------------------------
+    def query_chunks(self, n_queries: int, methods: list[str], ppr: str | None) -> list[tuple[int, int]]:
+        """``[lo, hi)`` spans of the questions that :meth:`rank_top` ranks together (module docstring, "Query
+        chunks"): :data:`RANK_QUERY_CHUNK` each, the last one taking a lone remainder; one span where a
+        question's bits could depend on the batch."""
+        kind, _ = ppr_settings(ppr, 1.0)
+        exact_ppr = kind == "exact" and any(get_method(m).is_graph and get_method(m).ppr for m in methods)
+        if exact_ppr or self.xp is not np or self.n_nodes < SIM_BLOCK_ROWS or n_queries <= RANK_QUERY_CHUNK:
+            return [(0, n_queries)]
+        cuts = list(range(0, n_queries, RANK_QUERY_CHUNK)) + [n_queries]
+        if cuts[-1] - cuts[-2] == 1:
+            del cuts[-2]
+        return list(zip(cuts[:-1], cuts[1:]))
+
+    def rank_top(self, queries: Any, methods: list[str], top: int, **settings: Any
+                 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Each method's top ``top`` sessions per query: (order int64 [Q, top'], scores float64 [Q, top'], the
+        score of each listed session), ``top' = min(top, S)``; the bits of :meth:`rank`'s first ``top`` columns.
+        The queries go in :meth:`query_chunks`; ``settings`` are :meth:`rank`'s."""
+        q = np.asarray(queries, np.float32) if not type(queries).__module__.startswith("cupy") else queries
+        k = min(top, self.n_sessions)
+        parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {m: [] for m in methods}
+        for lo, hi in self.query_chunks(int(q.shape[0]), methods, settings.get("ppr")):
+            for m, (order, scores) in self.rank(q[lo:hi], methods, **settings).items():
+                head = order[:, :k]
+                parts[m].append((head, np.take_along_axis(scores, head, axis=1)))
+        return {m: (np.concatenate([o for o, _ in v]), np.concatenate([s for _, s in v])) if v else
+                (np.zeros((0, k), np.int64), np.zeros((0, k), np.float64)) for m, v in parts.items()}
+
     def rank(
         self,
         queries: Any,

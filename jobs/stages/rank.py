@@ -16,7 +16,9 @@ Peak memory per history, Q its questions, S its sessions, d the vectors' size, E
   (CSR: about 24 bytes per stored edge; push adds 32), and the batch's ``[Q, 4S]`` float64 arrays: about ten
   at the exact PPR's peak (similarities, node scores, reset, PPR iterates), so ``~10 * Q * 4S * 8`` bytes. The
   batch is a history's questions together (the exact PPR's iterations, and so its bits, depend on the batch):
-  that term grows with Q * S and bounds the history that fits (200 questions at 10^6 sessions: ~64 GB).
+  that term grows with Q * S and bounds the history that fits (200 questions at 10^6 sessions: ~64 GB). Under
+  push PPR (and on the host) the questions go 16 at a time (``PreparedGraph.rank_top``, the same bits), so
+  that term is a few arrays of ``16 * 4S * 8`` bytes (0.5 GB each at 10^6 sessions), whatever Q.
 """
 
 from __future__ import annotations
@@ -184,14 +186,15 @@ class RankStage(RankedShardStage):
         cols: dict[str, list] = {"method": [], "query_id": [], "rank": [], "session_id": [], "score": []}
         with one_blas_thread():
             for h in payload["histories"]:
-                sids, ranked = RankStage.rank_one(h, r, params["device"])
-                ranking_rows(cols, sids, h["query_ids"], ranked, r["store_top"])
+                sids, tops = RankStage.rank_one(h, r, params["device"])
+                top_rows(cols, sids, h["query_ids"], tops)
         return {"rankings": pa.table(cols, schema=SCHEMA), "ranked_histories": ranked_table(payload)}
 
     @staticmethod
     def rank_one(h: dict[str, Any], r: dict[str, Any], device: str) -> tuple[list[str], dict]:
-        """(session ids, {method: (order, scores)}) of the MemGAS methods ``r["methods"]``, from the history's
-        node matrices or its node blocks."""
+        """(session ids, {method: (order [Q, top], scores [Q, top])}): the top ``r["store_top"]`` sessions of
+        the MemGAS methods ``r["methods"]`` (:meth:`PreparedGraph.rank_top`: in query chunks where the bits
+        allow), from the history's node matrices or its node blocks."""
         from memgas.pipeline.prepared import PreparedGraph
 
         if "nodes" in h:  # NodeBlocks: every read is an owned copy
@@ -202,22 +205,31 @@ class RankStage(RankedShardStage):
             nodes, sids, hybrid = node_matrix(m), m["session_ids"], m.get("hybrid")
         edges = {mode: (owned(src, np.int64), owned(dst, np.int64)) for mode, (src, dst) in h["edges"].items()}
         graph = PreparedGraph(nodes, edges, hybrid=hybrid, device=device)
-        ranked = graph.rank(owned(h["queries"], np.float32), r["methods"], num_seeds=r["num_seeds"],
-                            damping=r["damping"], temp=r["temp"], router=r["router"], ppr=r["ppr"],
-                            ppr_epsilon=r["ppr_epsilon"])
+        ranked = graph.rank_top(owned(h["queries"], np.float32), r["methods"], r["store_top"],
+                                num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"], router=r["router"],
+                                ppr=r["ppr"], ppr_epsilon=r["ppr_epsilon"])
         return sids, {x: ranked[x] for x in r["methods"]}
 
 
 def ranking_rows(cols: dict[str, list], session_ids: list[str], query_ids: list[str], ranked: dict[str, tuple],
                  store_top: int) -> None:
     """Append the top ``store_top`` of each method's ranking of each query to ``cols`` (``rankings`` columns)."""
+    top = min(store_top, len(session_ids))
+    top_rows(cols, session_ids, query_ids,
+             {m: (order[:, :top], np.take_along_axis(scores, order[:, :top], axis=1)) for m, (order, scores) in
+              ranked.items()})
+
+
+def top_rows(cols: dict[str, list], session_ids: list[str], query_ids: list[str],
+             tops: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+    """Append each method's top sessions of each query to ``cols`` (``rankings`` columns): ``tops[method]`` =
+    (session indices [Q, top], their scores [Q, top]), best first."""
     sids = np.asarray(session_ids, dtype=object)
-    top = min(store_top, len(sids))
-    for method, (order, scores) in ranked.items():
+    for method, (order, scores) in tops.items():
+        top = order.shape[1]
         for qi, qid in enumerate(query_ids):
-            o = order[qi, :top]
             cols["method"] += [method] * top
             cols["query_id"] += [qid] * top
             cols["rank"] += list(range(1, top + 1))
-            cols["session_id"] += sids[o].tolist()
-            cols["score"] += scores[qi, o].astype(float).tolist()
+            cols["session_id"] += sids[order[qi]].tolist()
+            cols["score"] += scores[qi].astype(float).tolist()

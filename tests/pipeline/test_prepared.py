@@ -20,6 +20,7 @@ from memgas.kernels.segment import segment_sum_contiguous
 from memgas.kernels.topk import stable_argsort_desc
 from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.methods import get_method
+from memgas.pipeline import prepared
 from memgas.pipeline.prepared import SIM_BLOCK_ROWS, PreparedGraph, row_spans, seed_reset
 from tests.fixtures.locomo_minilm import locomo_minilm_histories
 
@@ -125,3 +126,42 @@ def test_one_question_at_a_time_gives_the_batch_top10(histories: list, ppr: str)
                 order, scores = g.rank(qs[i : i + 1], ["memgas"], ppr=ppr, **SETTINGS)["memgas"]
                 assert (order[0, :10] == batch[0][i, :10]).all(), i
                 np.testing.assert_allclose(scores[0], batch[1][i], rtol=0, atol=1e-9)
+
+
+def test_query_chunks() -> None:
+    """Chunks only where no exact PPR runs, on the host, over a history of at least SIM_BLOCK_ROWS rows; never a
+    lone question."""
+    C = prepared.RANK_QUERY_CHUNK
+    long = PreparedGraph(np.zeros((SIM_BLOCK_ROWS, 4), np.float32))
+    short = PreparedGraph(np.zeros((SIM_BLOCK_ROWS - 4, 4), np.float32))
+    assert long.query_chunks(2 * C + 3, ["memgas"], "push") == [(0, C), (C, 2 * C), (2 * C, 2 * C + 3)]
+    assert long.query_chunks(2 * C + 1, ["memgas"], "push") == [(0, C), (C, 2 * C + 1)]  # the lone one joins
+    assert long.query_chunks(C, ["memgas"], "push") == [(0, C)]
+    assert long.query_chunks(2 * C + 3, ["memgas"], "exact") == [(0, 2 * C + 3)]  # the batch's iterations
+    assert long.query_chunks(2 * C + 3, ["session", "memgas-no-ppr"], "exact") == [(0, C), (C, 2 * C), (2 * C, 2 * C + 3)]
+    assert short.query_chunks(2 * C + 3, ["memgas"], "push") == [(0, 2 * C + 3)]
+
+
+@pytest.mark.parametrize("n_queries", [35, 33])
+def test_rank_top_in_chunks_equals_the_whole_batch(n_queries: int) -> None:
+    """Every method under push PPR (and the methods without PPR under exact), ranked in query chunks, has the
+    bits of the whole batch's ranking in its top rows; with three blocks of real-size rows and a lone last
+    question (33 = 16 + 17)."""
+    rng = np.random.default_rng(n_queries)
+    n, d = 2 * SIM_BLOCK_ROWS + 4 * 37, 384
+    E = rng.standard_normal((n, d)).astype(np.float32)
+    E /= np.linalg.norm(E, axis=1, keepdims=True)
+    q = E[rng.integers(0, n, n_queries)] + 0.1 * rng.standard_normal((n_queries, d)).astype(np.float32)
+    src = rng.integers(1, n, 20 * n)
+    edges = {mode: (src, rng.integers(0, src)) for mode in ("gmm", "topk")}  # each edge to an earlier node
+    hybrid = np.ascontiguousarray(E[0::4] + E[2::4])
+    with one_blas_thread():
+        g = PreparedGraph(E, edges, hybrid=hybrid)
+        for ppr, methods in (("push", GRAPH_METHODS + BASELINES), ("exact", ["memgas-no-ppr"] + BASELINES)):
+            assert len(g.query_chunks(n_queries, methods, ppr)) == 2 + (n_queries == 35)
+            whole = g.rank(q, methods, ppr=ppr, ppr_epsilon=1e-4, **SETTINGS)
+            tops = g.rank_top(q, methods, 50, ppr=ppr, ppr_epsilon=1e-4, **SETTINGS)
+            for m in methods:
+                order, scores = whole[m]
+                assert _bits(tops[m][0]) == _bits(order[:, :50]), (ppr, m)
+                assert _bits(tops[m][1]) == _bits(np.take_along_axis(scores, order[:, :50], axis=1)), (ppr, m)
