@@ -74,11 +74,25 @@ def edges_of(bank: Bank, history_ids: list[str], parts: list[str]) -> dict[tuple
     out: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
     if not parts:
         return out
-    t = bank.read("edges", parts=parts, filter=pc.field("history_id").isin(history_ids))
-    if t.num_rows:
-        df = t.to_pandas()
-        for (h, mode), g in df.groupby(["history_id", "mode"], sort=False):
-            out[(h, mode)] = (g["src"].to_numpy(np.int64), g["dst"].to_numpy(np.int64))
+    t = bank.read("edges", ["history_id", "mode", "src", "dst"], parts=parts,
+                  filter=pc.field("history_id").isin(history_ids))
+    if not t.num_rows:
+        return out
+    # groups by dictionary codes and a stable sort, each group in the rows' order (not pandas: at 10^6 sessions
+    # its object columns held a Python string per stored edge, tens of millions)
+    hist = t["history_id"].combine_chunks().dictionary_encode()
+    mode = t["mode"].combine_chunks().dictionary_encode()
+    h_names, m_names = hist.dictionary.to_pylist(), mode.dictionary.to_pylist()
+    key = hist.indices.to_numpy().astype(np.int64) * len(m_names) + mode.indices.to_numpy()
+    del hist, mode
+    order = np.argsort(key, kind="stable")
+    key = key[order]
+    cuts = np.flatnonzero(np.r_[True, key[1:] != key[:-1], True])
+    src = t["src"].to_numpy().astype(np.int64, copy=False)[order]
+    dst = t["dst"].to_numpy().astype(np.int64, copy=False)[order]
+    for lo, hi in zip(cuts[:-1], cuts[1:]):  # views of the sorted arrays, one group each
+        h, m = divmod(int(key[lo]), len(m_names))
+        out[(h_names[h], m_names[m])] = (src[lo:hi], dst[lo:hi])
     return out
 
 

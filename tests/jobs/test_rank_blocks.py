@@ -93,3 +93,28 @@ def test_blocked_rankings_equal_the_whole_matrix_byte_for_byte(bank: tuple[Bank,
     assert got["rankings"].num_rows > 0
     assert {k: _ipc(t) for k, t in got.items()} == {k: _ipc(t) for k, t in want.items()}
     ctx.scratch.clear()
+
+
+def test_edges_of_groups_as_pandas_did(tmp_path: Any) -> None:
+    """edges_of (dictionary codes and a stable sort) against pandas' groupby, its old implementation: the same
+    groups, each in the rows' order, over two parts, three histories and both modes; a history not asked for
+    is left out."""
+    from memgas.pipeline.schema import EDGES
+
+    b = Bank.create(tmp_path / "bank")
+    rng = np.random.default_rng(7)
+    for part in ("p1", "p2"):
+        n = 500
+        b.write_part("edges", part, pa.table({
+            "history_id": rng.choice(["a", "b", "c"], n).tolist(), "src": rng.integers(0, 99, n).astype(np.int32),
+            "dst": rng.integers(0, 99, n).astype(np.int32), "similarity": rng.random(n).astype(np.float32),
+            "mode": rng.choice(["gmm", "topk"], n).tolist()}, schema=EDGES))
+    got = rank.edges_of(b, ["a", "c"], ["p1", "p2"])
+    df = b.read("edges", parts=["p1", "p2"]).to_pandas()
+    df = df[df["history_id"].isin(["a", "c"])]
+    want = {k: (g["src"].to_numpy(np.int64), g["dst"].to_numpy(np.int64))
+            for k, g in df.groupby(["history_id", "mode"], sort=False)}
+    assert sorted(got) == sorted(want) == [("a", "gmm"), ("a", "topk"), ("c", "gmm"), ("c", "topk")]
+    for k, (src, dst) in want.items():
+        assert got[k][0].dtype == np.int64 and got[k][0].tolist() == src.tolist() and got[k][1].tolist() == dst.tolist()
+    assert rank.edges_of(b, ["a"], []) == {}
