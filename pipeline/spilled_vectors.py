@@ -8,11 +8,15 @@ sessions: 61 scans of ~9 GB). :class:`SpilledVectors` scans the table once, keep
 needs and writes each at its own slot of a float32 file (slots: the needed hashes per encoder key, sorted),
 so a block's vectors are then read from that file, at the rows it asks for.
 
+The file is unlinked as soon as it is open (its descriptor keeps it): nothing is left on disk when the process
+ends, closed or killed (a SIGKILL used to leave ``memgas-vectors-*`` directories of gigabytes behind). A write
+that finds the disk full says which directory and how much it needs (``TMPDIR`` picks it).
+
 Memory: one batch of the table, the sorted needed hashes (fixed-width bytes, 32 a text hash) and a flag per
 slot, never the history's matrix: the file is written and read with ``pwrite`` / ``pread``, not through a
 mapping (a mapping's pages count in the process's RSS, and the kernel maps pages around each one touched,
 so scattered rows would have mapped most of the file). Disk: the needed vectors once (``4 * d`` bytes
-each), in a temporary directory that lives as long as the object (the caller's).
+each), in a file that lives as long as the object (the caller's) and its process.
 
 The rows kept are those :meth:`memgas.pipeline.bank.Bank.read` would return: every completed part in part
 order, a later row of a (text hash, encoder) winning over an earlier one.
@@ -58,8 +62,8 @@ class SpilledVectors:
         self.bank = bank
         self.extra = tuple(extra)
         self._extra: dict[str, list] = {}  # column -> [values, valid] per slot, and its Arrow type
-        self._dir = tempfile.TemporaryDirectory(prefix="memgas-vectors-", dir=directory)
-        self.path = Path(self._dir.name) / "vectors.f32"
+        self.directory = directory
+        self.path: Path | None = None  # the spill file's name while it was being opened (unlinked since)
         self._keys: dict[str, tuple[np.ndarray, int]] = {}  # key -> (its sorted hashes, its first slot)
         arrays = {k: v if isinstance(v, (pa.Array, pa.ChunkedArray)) else pa.array(sorted(set(v)), pa.string())
                   for k, v in need.items()}
@@ -128,14 +132,22 @@ class SpilledVectors:
         d = vectors.type.list_size
         if not self.dim:
             self.dim = d
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd, name = tempfile.mkstemp(prefix="memgas-vectors-", suffix=".f32", dir=self.directory)
+            os.unlink(name)  # the descriptor keeps the file until it is closed, or the process ends
+            self._fd, self.path = fd, Path(name)
         elif d != self.dim:
             raise BankError(f"{self.bank.path}: embeddings of {d} and {self.dim} dimensions under one history")
         rows = vectors.flatten().to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, d)
         # in table order, so that a later row of the same slot wins (as in Bank.read); runs of consecutive
         # slots in one call each
         for a, b in _runs(slots):
-            os.pwrite(self._fd, rows[a:b].tobytes(), int(slots[a]) * 4 * d)
+            try:
+                os.pwrite(self._fd, rows[a:b].tobytes(), int(slots[a]) * 4 * d)
+            except OSError as e:
+                where = self.path.parent if self.path else tempfile.gettempdir()
+                raise OSError(e.errno, f"spilling a long history's vectors to {where}: {e.strerror}; it needs "
+                                       f"{self.slots * 4 * d / 2**30:.2f} GiB there (set TMPDIR to a larger "
+                                       f"disk)") from e
         self._filled[slots] = True
 
     def read(self, key: str, hashes: Iterable[str]) -> tuple[np.ndarray, dict[str, int]]:
@@ -175,7 +187,6 @@ class SpilledVectors:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
-        self._dir.cleanup()
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:

@@ -83,3 +83,42 @@ def test_a_text_without_a_vector_or_not_gathered_is_a_clear_error(bank: Bank) ->
         sv.read("k3", hashes[:1])
     got, _ = sv.read("k1", hashes[:10])
     assert np.array_equal(got, _oracle(bank, "k1", hashes[:10]))
+
+
+def test_a_killed_process_leaves_no_spill_file(bank: Bank, tmp_path: Path) -> None:
+    """The spill file is unlinked once open: a process SIGKILLed while it holds the vectors leaves nothing in
+    the spill directory (it used to leave a memgas-vectors-* directory with the whole file)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    code = ("import os, signal, sys\n"
+            "from memgas.pipeline.bank import Bank\n"
+            "from memgas.pipeline.spilled_vectors import SpilledVectors\n"
+            "from memgas.pipeline.hashing import text_hash\n"
+            "sv = SpilledVectors(Bank(sys.argv[1]), {'k1': [text_hash(f'text {i}') for i in range(300)]}, sys.argv[2])\n"
+            "assert sv.read('k1', [text_hash('text 3')])[0].shape == (1, 8)\n"
+            "print(os.fstat(sv._fd).st_size, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    p = subprocess.run([sys.executable, "-c", code, str(bank.path), str(spill)], capture_output=True, text=True)
+    assert p.returncode == -signal.SIGKILL, p.stderr
+    assert int(p.stdout.strip()) == 300 * 4 * DIM  # the file was written, then the process killed
+    assert list(spill.iterdir()) == []
+
+
+def test_a_full_disk_names_the_spill_directory_and_the_size(bank: Bank, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    def full(fd: int, data: bytes, offset: int) -> int:  # a full disk cannot be made here: ENOSPC as the kernel says it
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(spilled_vectors.os, "pwrite", full)
+    with pytest.raises(OSError, match=rf"spilling a long history's vectors to {tmp_path}: No space left on device; "
+                                      r"it needs 0\.00 GiB there \(set TMPDIR") as e:
+        SpilledVectors(bank, {"k1": [text_hash(f"text {i}") for i in range(300)]}, tmp_path)
+    assert e.value.errno == errno.ENOSPC and list(tmp_path.glob("memgas-vectors-*")) == []
