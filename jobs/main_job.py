@@ -256,11 +256,15 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     """Latency of ranking one query at a time (similarities, router, seeds, PPR on its history's stored graph,
     session order). Each history is prepared once before the timer, as a query server holds it
     (:class:`~memgas.pipeline.prepared.PreparedGraph`: its node matrix and the graph of the method's edges,
-    built for the configured PPR kernel); only the per-question ranking is timed."""
+    built for the configured PPR kernel); only the per-question ranking is timed. A history longer than one
+    node block is read in blocks spilled to files, as the rank stage reads it in-process, never whole."""
     import numpy as np
-    from memgas.jobs.stages.rank import edges_of, query_vectors
+    from memgas.jobs.stages.node_blocks import HistoryBlocks
+    from memgas.jobs.stages.rank import edges_of, query_vectors, session_ids
     from memgas.jobs.stages.shards import matrix_loader, node_matrix
+    from memgas.pipeline.association import blocks
     from memgas.pipeline.prepared import PreparedGraph
+    from memgas.pipeline.schema import N_GRAN
 
     if method not in ctx.cfg.retrieval.methods:
         return {}
@@ -270,16 +274,24 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
         return {}
     hids = sorted(set(queries["history_id"]))
     key = keys.encoder_key(ctx)
-    loader = matrix_loader(ctx, hids)
+    rows = {h: N_GRAN * len(s) for h, s in session_ids(bank, hids).items()}
+    long = {h for h, n in rows.items() if n > blocks.BLOCK_ROWS}
+    short = [h for h in hids if h in rows and h not in long]
+    loader = matrix_loader(ctx, short) if short else None
     edges = edges_of(bank, hids, tables.current_parts(ctx, "edges"))
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     r = ctx.cfg.retrieval
     device = kernel_device(ctx, r.device)
     graphs = {}
     for h in hids:
-        if h in loader.history_ids:
-            e = {mode: edges.get((h, mode), empty) for mode in ("gmm", "topk")}
-            graphs[h] = PreparedGraph(node_matrix(loader.get(h)), e, device=device).prepare([method], ppr=r.ppr)
+        if h in long:  # row blocks spilled to files (they live as long as the graph's NodeBlocks)
+            nodes = HistoryBlocks(ctx, h, blocks.BLOCK_ROWS, use_ray=False).nodes(rows[h])
+        elif loader is not None and h in loader.history_ids:
+            nodes = node_matrix(loader.get(h))
+        else:
+            continue
+        e = {mode: edges.get((h, mode), empty) for mode in ("gmm", "topk")}
+        graphs[h] = PreparedGraph(nodes, e, device=device).prepare([method], ppr=r.ppr)
     del loader, edges  # the loader's vectors: the prepared graphs hold the node matrices
     qv = query_vectors(bank, queries["question"].tolist(), key)
     samples = []

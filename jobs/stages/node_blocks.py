@@ -100,10 +100,12 @@ class HistoryBlocks:
     """The blocks of one history read so far in this stage run, as handles: ``ObjectRef``s (Ray) or
     spilled files (in-process, deleted with this object)."""
 
-    def __init__(self, ctx: StageContext, history: str, block_rows: int) -> None:
+    def __init__(self, ctx: StageContext, history: str, block_rows: int, use_ray: bool | None = None) -> None:
+        """``use_ray``: hand the blocks over through Ray's object store (default: as the stage runs,
+        ``ctx.use_ray``); ``False`` spills them to files, for a reader in this process."""
         self.reader = HistoryBlockReader(ctx.bank, encoder_keys(ctx), history, block_rows)
         self.block_rows = block_rows
-        self.use_ray = ctx.use_ray
+        self.use_ray = ctx.use_ray if use_ray is None else use_ray
         self.handles: list[Any] = []
         self.dim = 0
         self._spill = None if self.use_ray else tempfile.TemporaryDirectory(prefix="memgas-blocks-")

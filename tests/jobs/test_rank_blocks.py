@@ -118,3 +118,34 @@ def test_edges_of_groups_as_pandas_did(tmp_path: Any) -> None:
     for k, (src, dst) in want.items():
         assert got[k][0].dtype == np.int64 and got[k][0].tolist() == src.tolist() and got[k][1].tolist() == dst.tolist()
     assert rank.edges_of(b, ["a"], []) == {}
+
+
+def test_the_latency_probe_reads_a_long_history_in_blocks(bank: tuple[Bank, StageContext],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`memgas answer`'s probe (main_job.ranking_latency) prepares a long history from row blocks spilled to
+    files, as the rank stage does in-process: the matrix loader is asked for the short history only (it held
+    the whole matrix of a 10^6-session history, ~6 GB and its copies), and every question is timed."""
+    from memgas.jobs import main_job
+    from memgas.jobs.stages import node_blocks, shards
+
+    _, ctx = bank
+    monkeypatch.setattr(rank, "edges_of", _edges)
+    monkeypatch.setattr(rank.tables, "current_parts", lambda ctx, name: [])
+    monkeypatch.setattr(blocks, "BLOCK_ROWS", 64)  # h (150 sessions) is long, g (12) is not
+    asked, spilled = [], []
+    real_loader, real_blocks = shards.matrix_loader, node_blocks.HistoryBlocks
+
+    def loader(ctx: StageContext, hids: list[str]) -> Any:
+        asked.append(list(hids))
+        return real_loader(ctx, hids)
+
+    class Blocks(real_blocks):  # type: ignore[misc, valid-type]
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            spilled.append((a[1], self.use_ray))
+
+    monkeypatch.setattr(shards, "matrix_loader", loader)
+    monkeypatch.setattr(node_blocks, "HistoryBlocks", Blocks)
+    out = main_job.ranking_latency(ctx, n_queries=10)
+    assert asked == [["g"]] and spilled == [("h", False)]
+    assert out["n"] == 10 and out["p50_ms"] > 0
