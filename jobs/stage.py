@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import pyarrow as pa
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
+from memgas.pipeline.hashing import DigestSink
 
 if TYPE_CHECKING:
     from memgas.jobs.tables import Table
@@ -56,7 +57,6 @@ def short_hash(obj: Any, size: int = 6) -> str:
 def table_digest(table: pa.Table) -> str:
     """Digest of a table's rows in their order (Arrow IPC of one record batch: the same rows give the same
     bytes whatever parts they were read from)."""
-    sink = pa.BufferOutputStream()
     table = table.combine_chunks()
     if any(col.num_chunks and col.chunk(0).offset for col in table.columns):
         # a slice keeps its offset into the parent's buffers, and Arrow IPC then writes a validity bitmap
@@ -64,10 +64,11 @@ def table_digest(table: pa.Table) -> str:
         # i.e. a spurious "rows changed" and a rebuild. take() copies them to offset 0 (the digests of
         # unsliced tables are unchanged by it)
         table = table.take(pa.array(range(table.num_rows), pa.int64()))
-    with pa.ipc.new_stream(sink, table.schema) as writer:
+    sink = DigestSink()
+    with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), table.schema) as writer:
         for batch in table.to_batches():
             writer.write_batch(batch)
-    return hashlib.blake2b(sink.getvalue().to_pybytes(), digest_size=8).hexdigest()
+    return sink.hexdigest()
 
 
 def config_value(cfg: MemgasConfig, path: str) -> Any:

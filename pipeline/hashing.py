@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import hashlib
 import os
 import stat
@@ -122,3 +123,29 @@ def model_files_digest(path: str | Path) -> str | None:
     for f in files:
         h.update(f"{f.name if p.is_file() else f.relative_to(p)}|{file_digest(f)}\n".encode())
     return h.hexdigest()
+
+
+class DigestSink(io.RawIOBase):
+    """A write-only file whose bytes go into a blake2b digest instead of memory. A table serialised into it
+    (``pa.PythonFile(sink, mode="w")``: Arrow IPC, Parquet) is digested as it is written, the digest of the bytes
+    a ``pa.BufferOutputStream`` would have held, without holding them (and their ``to_pybytes`` copy): two
+    copies of the table's size fewer at 10^6 sessions."""
+
+    def __init__(self, digest_size: int = 8) -> None:
+        super().__init__()
+        self._hash = hashlib.blake2b(digest_size=digest_size)
+        self._written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        self._hash.update(data)
+        self._written += len(data)
+        return len(data)
+
+    def tell(self) -> int:
+        return self._written
+
+    def hexdigest(self) -> str:
+        return self._hash.hexdigest()

@@ -17,7 +17,6 @@ digest of ``nodes`` or ``edges`` changes with any history; the rows of one histo
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -28,6 +27,7 @@ from memgas.jobs import tables
 from memgas.jobs.stage import StageContext, short_hash
 from memgas.jobs.stages.shards import HistoryShardStage
 from memgas.jobs.units import chunk
+from memgas.pipeline.hashing import DigestSink
 from memgas.pipeline.schema import KEYS, RANKED_HISTORIES
 
 
@@ -56,9 +56,9 @@ def rows_digest(t: pa.Table) -> str:
     (:func:`memgas.jobs.stage.table_digest`): a slice of a column that has nulls elsewhere carries a validity
     buffer that the same rows read alone do not, and IPC writes it, so the same rows of one history digested
     differently once another history's row had a null; Parquet writes definition levels from the values."""
-    sink = pa.BufferOutputStream()
-    pq.write_table(t, sink, compression="none", write_statistics=False, use_dictionary=False)
-    return hashlib.blake2b(sink.getvalue().to_pybytes(), digest_size=8).hexdigest()
+    sink = DigestSink()
+    pq.write_table(t, pa.PythonFile(sink, mode="w"), compression="none", write_statistics=False, use_dictionary=False)
+    return sink.hexdigest()
 
 
 def with_history(t: pa.Table, column: str, owners: pa.Table, owner_column: str) -> pa.Table:
