@@ -4,6 +4,7 @@ from __future__ import annotations
 import igraph as ig
 import networkx as nx
 import numpy as np
+import scipy.sparse as sp
 import pytest
 
 from memgas.kernels.ppr import build_csr, personalized_pagerank
@@ -70,6 +71,33 @@ def test_build_csr_dedup_and_selfloops() -> None:
     assert A.nnz == 4 and A[0, 1] == 1 and A[1, 1] == 0 and (A != A.T).nnz == 0
     with pytest.raises(ValueError):
         build_csr([0], [3], 3)
+
+
+def _scipy_csr(src: np.ndarray, dst: np.ndarray, n: int, index_dtype: type) -> sp.csr_matrix:
+    """The old construction, the oracle: scipy's COO -> CSR and sum_duplicates over both directions."""
+    keep = src != dst
+    a, b = np.minimum(src[keep], dst[keep]), np.maximum(src[keep], dst[keep])
+    key = np.unique(a * n + b)
+    a, b = key // n, key % n
+    m = sp.csr_matrix((np.ones(2 * a.size), (np.concatenate([a, b]), np.concatenate([b, a]))), shape=(n, n))
+    m.sum_duplicates()
+    m.indices, m.indptr = m.indices.astype(index_dtype, copy=False), m.indptr.astype(index_dtype, copy=False)
+    return m
+
+
+@pytest.mark.parametrize("index_dtype", [np.int32, np.int64])
+def test_build_csr_equals_scipys_construction_array_for_array(index_dtype: type) -> None:
+    """The direct construction gives scipy's arrays exactly (data, indices, indptr and their dtypes): repeated
+    pairs in both directions, self-loops, isolated and last nodes, an empty graph."""
+    rng = np.random.default_rng(1)
+    for n, m in ((1, 0), (5, 0), (50, 400), (1000, 20_000), (3000, 500)):
+        s, t = rng.integers(0, n, m), rng.integers(0, n, m)
+        s, t = np.r_[s, t[: m // 3]], np.r_[t, s[: m // 3]]  # some pairs again, reversed
+        got, want = build_csr(s, t, n, index_dtype=index_dtype), _scipy_csr(s, t, n, index_dtype)
+        for attr in ("data", "indices", "indptr"):
+            g, w = getattr(got, attr), getattr(want, attr)
+            assert g.dtype == w.dtype and np.array_equal(g, w), (n, m, attr)
+        assert got.has_sorted_indices and got.shape == (n, n)
 
 
 @pytest.mark.parametrize("check_every", [2, 7, 16])
