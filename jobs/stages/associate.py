@@ -396,7 +396,8 @@ class AssociateStage(HistoryShardStage):
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         """Count the current edges (the segmented table's kind dropped every part that is not current)."""
         current = sorted(tables.current_parts(ctx, "edges"))
-        edges = ctx.bank.read("edges", ["mode"], parts=current) if current else None
+        # dedupe=False: current segments never share an edge (jobs/stages/rank.py: edges_of)
+        edges = ctx.bank.read("edges", ["mode"], parts=current, dedupe=False) if current else None
         count = {m: int(pc.sum(pc.equal(edges["mode"], m)).as_py() or 0) if edges is not None else 0 for m in MODES}
         out = {"edges_gmm": count["gmm"], "edges_topk": count["topk"], "topk_edges": ctx.cfg.association.topk_edges,
                "search": ctx.cfg.association.search}

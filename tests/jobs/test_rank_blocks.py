@@ -96,19 +96,21 @@ def test_blocked_rankings_equal_the_whole_matrix_byte_for_byte(bank: tuple[Bank,
 
 
 def test_edges_of_groups_as_pandas_did(tmp_path: Any) -> None:
-    """edges_of (dictionary codes and a stable sort) against pandas' groupby, its old implementation: the same
-    groups, each in the rows' order, over two parts, three histories and both modes; a history not asked for
-    is left out."""
+    """edges_of (dictionary codes and a stable sort, no de-duplication) against pandas' groupby over Bank.read
+    (de-duplicated), its old implementation: the same groups, each in the rows' order, over two segment parts,
+    three histories and both modes; a history not asked for is left out."""
     from memgas.pipeline.schema import EDGES
 
     b = Bank.create(tmp_path / "bank")
     rng = np.random.default_rng(7)
-    for part in ("p1", "p2"):
+    for part, lo in (("p1", 0), ("p2", 50)):  # as the associate stage's segments: disjoint rows (src), no edge twice
         n = 500
+        key = rng.choice(3 * 2 * 50 * 99, n, replace=False)  # (history, mode, src - lo, dst), in random order
+        h, m, src, dst = np.unravel_index(key, (3, 2, 50, 99))
         b.write_part("edges", part, pa.table({
-            "history_id": rng.choice(["a", "b", "c"], n).tolist(), "src": rng.integers(0, 99, n).astype(np.int32),
-            "dst": rng.integers(0, 99, n).astype(np.int32), "similarity": rng.random(n).astype(np.float32),
-            "mode": rng.choice(["gmm", "topk"], n).tolist()}, schema=EDGES))
+            "history_id": np.array(["a", "b", "c"])[h].tolist(), "src": (lo + src).astype(np.int32),
+            "dst": dst.astype(np.int32), "similarity": rng.random(n).astype(np.float32),
+            "mode": np.array(["gmm", "topk"])[m].tolist()}, schema=EDGES))
     got = rank.edges_of(b, ["a", "c"], ["p1", "p2"])
     df = b.read("edges", parts=["p1", "p2"]).to_pandas()
     df = df[df["history_id"].isin(["a", "c"])]
