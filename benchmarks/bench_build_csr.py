@@ -1,5 +1,5 @@
 """The graph's CSR (`kernels/ppr.py: build_csr`): the direct construction against scipy's COO -> CSR with
-sum_duplicates (the construction it replaced, kept here as the baseline), in the same run, on the same edges.
+sum_duplicates (the construction it replaced, the tests' oracle, as the baseline), in the same run, on the same edges.
 
 Random undirected edges among ``--nodes`` nodes (``--edges`` of them, a tenth repeated reversed, some
 self-loops), as the associate stage stores them for one history: at 10^6 sessions, 4 x 10^6 nodes and ~35 M
@@ -17,8 +17,12 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "kernels"))
+from test_ppr import scipy_csr  # noqa: E402  (the construction build_csr replaced: the tests' oracle)
 
 
 def edges(n: int, m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -26,19 +30,6 @@ def edges(n: int, m: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     s, t = rng.integers(0, n, m), rng.integers(0, n, m)
     k = m // 10
     return np.r_[s, t[:k]], np.r_[t, s[:k]]
-
-
-def scipy_csr(src: np.ndarray, dst: np.ndarray, n: int) -> object:
-    import scipy.sparse as sp
-
-    keep = src != dst
-    a, b = np.minimum(src[keep], dst[keep]), np.maximum(src[keep], dst[keep])
-    key = np.unique(a * n + b)
-    a, b = key // n, key % n
-    m = sp.csr_matrix((np.ones(2 * a.size), (np.concatenate([a, b]), np.concatenate([b, a]))), shape=(n, n))
-    m.sum_duplicates()
-    m.indices, m.indptr = m.indices.astype(np.int32, copy=False), m.indptr.astype(np.int32, copy=False)
-    return m
 
 
 def child(which: str, n: int, m: int, seed: int) -> dict:

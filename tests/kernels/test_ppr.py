@@ -73,8 +73,9 @@ def test_build_csr_dedup_and_selfloops() -> None:
         build_csr([0], [3], 3)
 
 
-def _scipy_csr(src: np.ndarray, dst: np.ndarray, n: int, index_dtype: type) -> sp.csr_matrix:
-    """The old construction, the oracle: scipy's COO -> CSR and sum_duplicates over both directions."""
+def scipy_csr(src: np.ndarray, dst: np.ndarray, n: int, index_dtype: type = np.int32) -> sp.csr_matrix:
+    """The old construction, the oracle: scipy's COO -> CSR and sum_duplicates over both directions (also the
+    baseline of benchmarks/bench_build_csr.py)."""
     keep = src != dst
     a, b = np.minimum(src[keep], dst[keep]), np.maximum(src[keep], dst[keep])
     key = np.unique(a * n + b)
@@ -93,7 +94,7 @@ def test_build_csr_equals_scipys_construction_array_for_array(index_dtype: type)
     for n, m in ((1, 0), (5, 0), (50, 400), (1000, 20_000), (3000, 500)):
         s, t = rng.integers(0, n, m), rng.integers(0, n, m)
         s, t = np.r_[s, t[: m // 3]], np.r_[t, s[: m // 3]]  # some pairs again, reversed
-        got, want = build_csr(s, t, n, index_dtype=index_dtype), _scipy_csr(s, t, n, index_dtype)
+        got, want = build_csr(s, t, n, index_dtype=index_dtype), scipy_csr(s, t, n, index_dtype)
         for attr in ("data", "indices", "indptr"):
             g, w = getattr(got, attr), getattr(want, attr)
             assert g.dtype == w.dtype and np.array_equal(g, w), (n, m, attr)
