@@ -119,6 +119,30 @@ def worker_env() -> dict[str, str]:
     return {**quiet, **forwarded_env()}
 
 
+def installed_packages_first() -> None:
+    """Move the directories before the installed packages on ``sys.path`` behind them when they hold a folder
+    named like an installed top-level package (called by :func:`memgas.jobs.models.make_model`, before any
+    model library is imported in a Ray worker: Ray puts the driver's working directory first on its workers'
+    path). Run from this repository, the driver's working directory holds
+    ``kernels/`` (``memgas.kernels``), and transformers (5.2x) imports the installed ``kernels`` package at
+    import time: the actors died with ``cannot import name 'CUDAProperties' from 'kernels'``. Entries are moved,
+    not dropped: what else they hold (the tests' modules, a user's) stays importable."""
+    import importlib.metadata
+    import sys
+
+    site = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    if not site:
+        return
+    installed = {n for d in importlib.metadata.distributions()
+                 for n in (d.read_text("top_level.txt") or d.metadata.get("Name", "")).split()}
+    first = sys.path.index(site[0])
+    shadowing = [p for p in sys.path[:first] if p and any(os.path.isdir(os.path.join(p, n)) for n in installed
+                                                            if n and os.path.isfile(os.path.join(p, n, "__init__.py")))]
+    for p in shadowing:
+        sys.path.remove(p)
+        sys.path.append(p)
+
+
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Connect to a cluster (``address`` or RAY_ADDRESS) or start a local embedded Ray.
 

@@ -38,9 +38,11 @@ class JustMemModel:
 
 def make_model(kind: str, config: dict[str, Any]) -> Any:
     """The model an actor (or the in-process host) holds for stages of ``model = kind``."""
+    from memgas.jobs.executor import installed_packages_first
     from memgas.pipeline.config import EncoderConfig, LLMConfig
     from memgas.pipeline.models.factory import make_encoder, make_llm
 
+    installed_packages_first()  # before transformers: see its docstring
     set_torch_threads(config.get("threads"))
     if kind == "encoder":
         return make_encoder(EncoderConfig(**config["encoder"]))
