@@ -14,6 +14,7 @@ dies (Ray's OOM killer, a segfault in a native library) is replaced and its unit
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -120,27 +121,35 @@ def worker_env() -> dict[str, str]:
 
 
 def installed_packages_first() -> None:
-    """Move the directories before the installed packages on ``sys.path`` behind them when they hold a folder
-    named like an installed top-level package (called by :func:`memgas.jobs.models.make_model`, before any
-    model library is imported in a Ray worker: Ray puts the driver's working directory first on its workers'
-    path). Run from this repository, the driver's working directory holds
-    ``kernels/`` (``memgas.kernels``), and transformers (5.2x) imports the installed ``kernels`` package at
-    import time: the actors died with ``cannot import name 'CUDAProperties' from 'kernels'``. Entries are moved,
-    not dropped: what else they hold (the tests' modules, a user's) stays importable."""
-    import importlib.metadata
+    """Move the ``sys.path`` entries ahead of site-packages that hold a package named like an installed
+    top-level package behind it; entries are moved, not dropped (the tests' modules stay importable).
+
+    Why: Ray puts the driver's working directory first on its workers' path. Run from this repository, that
+    directory holds ``kernels/`` (``memgas.kernels``), and transformers 5.25 imports the installed ``kernels``
+    package at import time, so the encoder actors died with an ImportError. Called by
+    :func:`memgas.jobs.models.make_model` before any model library is imported (a Ray setup hook did not run
+    early enough for the actors)."""
     import sys
 
-    site = [p for p in sys.path if p.endswith(("site-packages", "dist-packages"))]
+    site = [i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))]
     if not site:
         return
-    installed = {n for d in importlib.metadata.distributions()
-                 for n in (d.read_text("top_level.txt") or d.metadata.get("Name", "")).split()}
-    first = sys.path.index(site[0])
-    shadowing = [p for p in sys.path[:first] if p and any(os.path.isdir(os.path.join(p, n)) for n in installed
-                                                            if n and os.path.isfile(os.path.join(p, n, "__init__.py")))]
+    names = _installed_top_level()
+    shadowing = [p for p in sys.path[: site[0]] if p and any(os.path.isfile(os.path.join(p, n, "__init__.py"))
+                                                              for n in names)]
     for p in shadowing:
         sys.path.remove(p)
         sys.path.append(p)
+
+
+@functools.cache
+def _installed_top_level() -> frozenset[str]:
+    """Top-level names of the installed distributions (``top_level.txt``, else the distribution's name): read
+    once per process, not per model loaded."""
+    import importlib.metadata
+
+    return frozenset(n for d in importlib.metadata.distributions()
+                     for n in (d.read_text("top_level.txt") or d.metadata.get("Name", "")).split() if n)
 
 
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
