@@ -238,14 +238,14 @@ print(json.dumps({"rss_kib": hwm, "edges": out["edges"].num_rows}))
 """
 
 
-@pytest.mark.slow  # two 4,096- and 16,384-session banks of 384-d vectors and two processes: ~30 s on 2 cores
+@pytest.mark.slow  # two 4,096- and 32,768-session banks of 384-d vectors and two processes: ~21 s on 2 cores
 def test_peak_rss_of_an_append_does_not_grow_with_the_history(tmp_path: Path) -> None:
     """Real processes, d = 384: a history of 4,096 sessions (a 24 MiB node matrix, 4 blocks) and one of
-    16,384 (96 MiB, 16 blocks). Appending 16 sessions to the longer one costs the process less than 48 MiB
-    more peak RSS than to the shorter one, though its matrix is 72 MiB larger (the unblocked inputs, which
-    held the matrix and the vectors it was gathered from, took 410 MiB more when measured)."""
+    32,768 (192 MiB, 32 blocks). Appending 16 sessions to the longer one costs the process less than 128 MiB
+    more peak RSS than to the shorter one, though its matrix is 168 MiB larger (the unblocked inputs, which
+    held the matrix and the vectors it was gathered from, took 410 MiB more at 16,384 sessions)."""
     rss = {}
-    for n in (4096, 16384):
+    for n in (4096, 32768):
         seeded_bank(tmp_path / f"b{n}", {"h": n}, dim=384)
         p = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / f"b{n}"), str(n)], capture_output=True,
                            text=True, timeout=300, cwd=REPO)
@@ -253,9 +253,11 @@ def test_peak_rss_of_an_append_does_not_grow_with_the_history(tmp_path: Path) ->
         out = json.loads(p.stdout.strip().splitlines()[-1])
         assert out["edges"] > 0
         rss[n] = out["rss_kib"]
-    # 48 MiB: below the 72 MiB the longer matrix alone would add (measured spread of the difference: 9-10 MiB
-    # in quiet runs, once over 24 MiB on a loaded machine: allocator arenas)
-    assert rss[16384] - rss[4096] < 48 * 1024, rss
+    # 128 MiB: below the 168 MiB the longer matrix alone would add. 16,384 sessions against a 48 MiB bound no
+    # longer separated the two: with the libraries of a fresh setup on 2026-12-03 the difference there ran
+    # 34-65 MiB (at the previous commit's code too; allocator retention), against 9-10 MiB before; at 32,768
+    # it measured 15 and 51 MiB
+    assert rss[32768] - rss[4096] < 128 * 1024, rss
 
 
 # -- one history cut into several units, exact and IVF ---------------------------------------------------------
