@@ -455,3 +455,46 @@ def test_peak_rss_of_an_ivf_append_grows_with_the_index_not_the_matrix(tmp_path:
     matrix_growth = 4 * (16384 - 2048) * 384 * 4
     assert index[16384] - index[2048] < matrix_growth / 3, index
     assert (rss[16384] - rss[2048]) * 1024 < matrix_growth, (rss, index)
+
+
+_SPILL_SCRIPT = """
+import sys, time
+from pathlib import Path
+from memgas.jobs.stages.node_blocks import spill_directory
+d = spill_directory(sys.argv[1])
+(Path(d.name) / "0.npy").write_bytes(b"block")
+print(d.name, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_process_spill_directory_is_deleted_by_the_next_one(tmp_path: Path) -> None:
+    """A process killed by SIGKILL leaves its spill directory (it holds the blocks of an in-process stage
+    run: ~6 GB at 10^6 sessions); the next spill directory made on the host deletes it. A live process's
+    directory, another host's and a directory of another name are kept."""
+    import os
+    import signal
+    import socket
+
+    from memgas.jobs.stages.node_blocks import SPILL_PREFIX, spill_directory
+
+    procs = [subprocess.Popen([sys.executable, "-c", _SPILL_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
+                              text=True, cwd=REPO) for _ in range(2)]
+    killed, live = (Path(p.stdout.readline().strip()) for p in procs)
+    try:
+        assert (killed / "0.npy").exists() and (live / "0.npy").exists()
+        os.kill(procs[0].pid, signal.SIGKILL)
+        assert procs[0].wait(timeout=30) == -signal.SIGKILL
+        other_host = tmp_path / f"{SPILL_PREFIX}not-{socket.gethostname()}-{procs[0].pid}-abc"
+        other_name = tmp_path / f"{SPILL_PREFIX}old_layout"
+        for d in (other_host, other_name):
+            d.mkdir()
+        assert killed.exists()  # nothing deleted it at the kill
+        mine = spill_directory(str(tmp_path))
+        assert not killed.exists()
+        assert (live / "0.npy").exists() and other_host.exists() and other_name.exists()
+        assert Path(mine.name).exists() and Path(mine.name).name.startswith(SPILL_PREFIX)
+        mine.cleanup()
+    finally:
+        procs[1].kill()
+        procs[1].wait(timeout=30)
