@@ -40,7 +40,7 @@ from memgas.pipeline.errors import BankError
 SCAN_BATCH_ROWS = 8192
 
 
-def _fixed(hashes: pa.Array | pa.ChunkedArray, width: int) -> np.ndarray:
+def fixed_hashes(hashes: pa.Array | pa.ChunkedArray, width: int) -> np.ndarray:
     """``hashes`` (strings of at most ``width`` bytes) as a NumPy ``S<width>`` array. When every one has
     ``width`` bytes (text hashes do: 32 hex digits), through Arrow without a Python string per row."""
     arr = hashes.combine_chunks() if isinstance(hashes, pa.ChunkedArray) else hashes
@@ -49,8 +49,12 @@ def _fixed(hashes: pa.Array | pa.ChunkedArray, width: int) -> np.ndarray:
     if pc.all(pc.equal(pc.binary_length(arr), width)).as_py():
         fixed = arr.cast(pa.binary(width))
         return np.frombuffer(fixed.buffers()[1], f"S{width}", count=len(fixed), offset=fixed.offset * width).copy()
-    # other ids (tests' banks name texts freely): NumPy pads with NULs, which no text hash holds
-    return np.array([h.encode("utf-8") for h in arr.to_pylist()], f"S{width}")
+    # other ids (tests' banks name texts freely): NumPy pads with NULs, which no text hash holds. A chunk of
+    # Python strings at a time (a history's millions of ids at once would be ~60 bytes each)
+    out = np.empty(len(arr), f"S{width}")
+    for a in range(0, len(arr), 65536):
+        out[a : a + 65536] = [h.encode("utf-8") for h in arr.slice(a, 65536).to_pylist()]
+    return out
 
 
 class SpilledVectors:
@@ -70,7 +74,7 @@ class SpilledVectors:
         self.width = max([int(pc.max(pc.binary_length(a)).as_py()) for a in arrays.values() if len(a)], default=1)
         slots = 0
         for key in sorted(arrays):
-            hashes = np.unique(_fixed(arrays[key], self.width))
+            hashes = np.unique(fixed_hashes(arrays[key], self.width))
             self._keys[key] = (hashes, slots)
             slots += hashes.size
         self.slots = slots
@@ -118,7 +122,7 @@ class SpilledVectors:
                 mine = t.filter(pc.equal(t["encoder"], key))
                 if mine.num_rows == 0 or hashes.size == 0:
                     continue
-                got = _fixed(mine["text_hash"], self.width)
+                got = fixed_hashes(mine["text_hash"], self.width)
                 pos = np.minimum(np.searchsorted(hashes, got), hashes.size - 1)
                 hit = hashes[pos] == got
                 if not hit.any():
@@ -155,24 +159,34 @@ class SpilledVectors:
         :meth:`memgas.pipeline.granularity.MatrixLoader._read` returns; every one must have been needed and
         found."""
         order = sorted(set(hashes))
+        slots = self.slots_of(key, np.array([h.encode("utf-8") for h in order], dtype=object))
+        if not order:
+            return np.zeros((0, self.dim), np.float32), {}
+        return self._gather(slots), {h: i for i, h in enumerate(order)}
+
+    def slots_of(self, key: str, hashes: np.ndarray) -> np.ndarray:
+        """The slot (row of the spill file) of each of ``hashes`` (UTF-8 bytes: a fixed-width ``S`` array or
+        objects; any order, repeats allowed) under ``key``; every one must have been needed and found."""
         if key not in self._keys:
             raise BankError(f"{self.bank.path}: no '{key}' embeddings were gathered for this history")
         table, first = self._keys[key]
-        if any(len(h.encode("utf-8")) > self.width for h in order):
-            absent = next(h for h in order if len(h.encode("utf-8")) > self.width)
-            raise BankError(f"{self.bank.path}: no '{key}' embedding of text_hash {absent} was gathered")
-        want = np.array([h.encode("utf-8") for h in order], dtype=f"S{self.width}")
+        too_long = [h for h in hashes.tolist() if len(h) > self.width] if hashes.dtype == object else []
+        if too_long:
+            raise BankError(f"{self.bank.path}: no '{key}' embedding of text_hash {too_long[0].decode()} was gathered")
+        want = hashes.astype(f"S{self.width}")
         pos = np.minimum(np.searchsorted(table, want), max(table.size - 1, 0))
-        known = (table[pos] == want) if table.size else np.zeros(len(order), bool)
+        known = (table[pos] == want) if table.size else np.zeros(len(want), bool)
         ok = known.copy()
         ok[known] = self._filled[first + pos[known]]
         if not ok.all():
-            absent = order[int(np.flatnonzero(~ok)[0])]
+            absent = want[int(np.flatnonzero(~ok)[0])].decode("utf-8")
             raise BankError(f"{self.bank.path}: {int((~ok).sum())} texts have no '{key}' embedding (first "
                             f"text_hash {absent}); run `memgas index` with this config (its encode stage)")
-        if not order:
-            return np.zeros((0, self.dim), np.float32), {}
-        return self._gather(first + pos), {h: i for i, h in enumerate(order)}
+        return first + pos
+
+    def vectors_at(self, slots: np.ndarray) -> np.ndarray:
+        """float32 ``[len(slots), d]``: the vectors at ``slots`` (from :meth:`slots_of`)."""
+        return self._gather(np.asarray(slots, np.int64))
 
     def _gather(self, slots: np.ndarray) -> np.ndarray:
         """float32 ``[len(slots), d]``: the vectors at ``slots``, one ``pread`` per run of consecutive slots."""

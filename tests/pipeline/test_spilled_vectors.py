@@ -122,3 +122,18 @@ def test_a_full_disk_names_the_spill_directory_and_the_size(bank: Bank, tmp_path
                                       r"it needs 0\.00 GiB there \(set TMPDIR") as e:
         SpilledVectors(bank, {"k1": [text_hash(f"text {i}") for i in range(300)]}, tmp_path)
     assert e.value.errno == errno.ENOSPC and list(tmp_path.glob("memgas-vectors-*")) == []
+
+
+def test_a_hash_twice_in_one_batch_keeps_its_later_row(tmp_path: Path) -> None:
+    """Bank.read keeps the later of two rows of one (text hash, encoder) in one part; so does the spill (its
+    writes follow the table's order within a batch too)."""
+    rng = np.random.default_rng(1)
+    b = Bank.create(tmp_path / "bank")
+    hashes = [text_hash(f"text {i}") for i in range(40)]
+    b.write_part("embeddings", "a", _part([(h, "k1") for h in hashes + hashes[::3] + hashes[5:9]], rng))
+    sv = SpilledVectors(b, {"k1": hashes})
+    got, _ = sv.read("k1", hashes)
+    assert np.array_equal(got, _oracle(b, "k1", hashes))
+    t = b.read("embeddings", ["text_hash", "vector"], dedupe=False)
+    last = {h: np.asarray(v, np.float32) for h, v in zip(t["text_hash"].to_pylist(), t["vector"].to_pylist())}
+    assert all(np.array_equal(got[i], last[h]) for i, h in enumerate(sorted(hashes)))
