@@ -106,8 +106,11 @@ def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = True, point: st
 
 #: rows per Parquet row group of a table's parts where the writer's default (1 Mi rows) is too many: a
 #: reader decodes a whole row group (nested columns too) even to keep a few rows of it, so a 1 Mi-row group
-#: of 384-d vectors would be 1.5 GB in memory. 8,192 vectors are 12 MiB. Other tables keep the default.
-ROW_GROUP_ROWS = {"embeddings": 8192}
+#: of 384-d vectors would be 1.5 GB in memory. 8,192 vectors are 12 MiB. ``ivf_index``: one row (one chunk
+#: of a saved index, jobs/stages/associate.py) a group: Parquet buffers a whole column chunk while it writes
+#: and reads one, several times over (a 1.5 GB index in one group took ~5 GB more to write and ~7 GB to
+#: read; in groups of 64 MiB, 0.5 and 2 GB). Other tables keep the default.
+ROW_GROUP_ROWS = {"embeddings": 8192, "ivf_index": 1}
 
 
 def _parquet_opts(name: str | None) -> dict[str, Any]:
@@ -592,12 +595,14 @@ class Bank:
             advice = "delete it and re-run the stage that wrote it"
         return BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); {advice}")
 
-    def iter_read(self, name: str, columns: list[str], *, batch_rows: int) -> Iterator[pa.Table]:
-        """Every completed part of ``name``, in part order, ``batch_rows`` rows at a time (buffered page
-        reads, as :meth:`read` with ``batch_rows``), without de-duplication: a caller that keeps the last row
-        of a key, as :meth:`read` does, lets later batches win. Memory: about one row group."""
+    def iter_read(self, name: str, columns: list[str], *, batch_rows: int,
+                  parts: list[str] | None = None) -> Iterator[pa.Table]:
+        """Every completed part of ``name`` (or ``parts``), in part order, ``batch_rows`` rows at a time
+        (buffered page reads, as :meth:`read` with ``batch_rows``), without de-duplication: a caller that
+        keeps the last row of a key, as :meth:`read` does, lets later batches win. Memory: about one row
+        group."""
         self._check_ingest(name)
-        for part in self.parts(name):
+        for part in self.parts(name) if parts is None else parts:
             path = self._dir(name) / f"{part}.parquet"
             try:
                 regular_file_size(path)

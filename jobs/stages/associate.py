@@ -57,6 +57,7 @@ history and run, and every unit of that history shares it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -79,6 +80,7 @@ from memgas.pipeline.association.segments import (
     split_every,
     split_segment,
 )
+from memgas.pipeline.errors import BankError
 from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, IVF_INDEX, IVF_RECALL, N_GRAN
 
 log = logging.getLogger(__name__)
@@ -305,17 +307,18 @@ class AssociateStage(HistoryShardStage):
                         history, part)
             ctx.scratch["ivf_rebuilt"] = ctx.scratch.get("ivf_rebuilt", 0) + 1
             return None
-        t = ctx.bank.read("ivf_index", parts=[part]).filter(pc.equal(pc.field("history_id"), history))
-        last = t.num_rows - 1
-        if t["sessions"][last].as_py() != sessions or t["prefix_digest"][last].as_py() != digest:
+        meta = ctx.bank.read("ivf_index", ["history_id", "sessions", "prefix_digest", "dim"], parts=[part])
+        meta = meta.filter(pc.equal(meta["history_id"], history))
+        if meta.num_rows == 0 or {(s, d) for s, d in zip(meta["sessions"].to_pylist(), meta["prefix_digest"].to_pylist())} \
+                != {(sessions, digest)}:
             return None
-        data: Any = np.frombuffer(t["index"][last].as_buffer(), np.uint8)  # a view of the Arrow buffer, no copy
+        data: Any = saved_index_bytes(ctx.bank, part, history)
         if ctx.use_ray:
             import ray
 
             data = ray.put(data)
         ctx.scratch["ivf_reused"] = ctx.scratch.get("ivf_reused", 0) + 1
-        ctx.scratch["ivf_loaded"] = (history, {"sessions": sessions, "dim": t["dim"][last].as_py(), "bytes": data})
+        ctx.scratch["ivf_loaded"] = (history, {"sessions": sessions, "dim": meta["dim"][0].as_py(), "bytes": data})
         return ctx.scratch["ivf_loaded"][1]
 
     @staticmethod
@@ -407,13 +410,44 @@ class AssociateStage(HistoryShardStage):
         return out
 
 
+#: bytes of a saved index per ``ivf_index`` row: an index is stored as its chunks, in order, one row (and one
+#: Parquet row group, bank.ROW_GROUP_ROWS) each, so that writing and reading it hold one chunk beside it
+IVF_INDEX_CHUNK_BYTES = 64 << 20
+
+
 def _index_table(rows: list[dict[str, Any]]) -> pa.Table:
-    """The ``ivf_index`` rows, their index bytes (uint8 arrays) wrapped by Arrow without a copy when there is
-    one (a long history's unit saves one index: ``Table.from_pylist`` would copy it twice, via bytes)."""
+    """The ``ivf_index`` rows: per saved index, its bytes (a uint8 array) in chunks of at most
+    :data:`IVF_INDEX_CHUNK_BYTES`, one row each (the other columns repeated), wrapped by Arrow without a copy
+    when there is one index (a long history's unit saves one: ``Table.from_pylist`` would copy it twice)."""
     blobs = [r["index"] for r in rows]
     data = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
-    offsets = np.cumsum([0, *(b.size for b in blobs)], dtype=np.int64)
-    index = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(blobs),
+    cuts, owner = [0], []
+    for i, b in enumerate(blobs):
+        n = max(1, -(-b.size // IVF_INDEX_CHUNK_BYTES))
+        cuts += [cuts[-1] + min(b.size, (j + 1) * IVF_INDEX_CHUNK_BYTES) for j in range(n)]
+        owner += [i] * n
+    offsets = np.asarray(cuts, np.int64)
+    index = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(owner),
                                              [None, pa.py_buffer(offsets), pa.py_buffer(data)])
-    cols = [pa.array([r[f.name] for r in rows], f.type) for f in IVF_INDEX if f.name != "index"]
+    cols = [pa.array([rows[i][f.name] for i in owner], f.type) for f in IVF_INDEX if f.name != "index"]
     return pa.Table.from_arrays([*cols, index], schema=IVF_INDEX)
+
+
+def saved_index_bytes(bank: Any, part: str, history: str) -> np.ndarray:
+    """The saved index of ``history`` in ``part``: its rows' bytes in row order (one row in parts written
+    before the chunks), read a row at a time into one buffer: a first pass sums their lengths, a second
+    copies them, so no more than one chunk is held beside the buffer."""
+    def chunks() -> Iterator[pa.Array]:
+        for t in bank.iter_read("ivf_index", ["history_id", "index"], batch_rows=1, parts=[part]):
+            yield t.filter(pc.equal(t["history_id"], history))["index"]
+
+    total = sum(int(pc.sum(pc.binary_length(c)).as_py() or 0) for c in chunks())
+    out, at = np.empty(total, np.uint8), 0
+    for c in chunks():
+        for v in c:
+            b = np.frombuffer(v.as_buffer(), np.uint8)
+            out[at : at + b.size] = b
+            at += b.size
+    if at != total:
+        raise BankError(f"{bank.path}: ivf_index/{part} changed while it was read")
+    return out

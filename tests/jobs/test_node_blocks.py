@@ -561,3 +561,39 @@ def test_block_reader_equals_the_matrix_loader_on_uneven_sessions(tmp_path: Path
     assert got[4 * 5 + 1].tobytes() == got[4 * 5].tobytes()  # 0 pairs: the turn is the session vector
     with pytest.raises(Exception, match="no node block 5"):
         reader.read(5)
+
+
+def test_a_saved_index_in_chunks_is_reused_and_equals_one_build(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A saved IVF index is stored in chunks, one row and one Parquet row group each (so that Parquet never
+    holds a whole index of gigabytes several times over). With chunks of 1,000 bytes: the index after 250
+    sessions is many rows, in order; the append of 110 sessions reads it back and makes the edges and the
+    index bytes of one build over 360 sessions with one chunk, byte for byte."""
+    import pyarrow.parquet as pq
+
+    from memgas.jobs.stages import associate
+    from memgas.pipeline.association import ivf_search
+
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    one, _ = seeded_bank(tmp_path / "one", {"h": 360})
+    run_associate(associate_ctx(one, IVF_SMALL))
+    [one_part] = one.parts("ivf_index")
+    want = associate.saved_index_bytes(one, one_part, "h")
+    assert one.read("ivf_index", parts=[one_part]).num_rows == 1  # the default chunk holds this small index
+
+    monkeypatch.setattr(associate, "IVF_INDEX_CHUNK_BYTES", 1000)
+    first, _ = seeded_bank(tmp_path / "first", {"h": 250})
+    run_associate(associate_ctx(first, IVF_SMALL))
+    [part] = first.parts("ivf_index")
+    t = first.read("ivf_index", parts=[part])
+    sizes = [len(v) for v in t["index"].to_pylist()]
+    assert len(sizes) > 10 and set(sizes[:-1]) == {1000} and 0 < sizes[-1] <= 1000
+    assert set(t["sessions"].to_pylist()) == {240}
+    assert pq.ParquetFile(first.path / "ivf_index" / f"{part}.parquet").metadata.num_row_groups == len(sizes)
+    grown, _ = seeded_bank(tmp_path / "grown", {"h": 360})
+    copy_parts(first, grown)
+    _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
+    assert stats["ivf_index_reused"] == 1 and stats["ivf_index_rebuilt"] == 0
+    assert associate_rows(grown)["edges"] == associate_rows(one)["edges"]
+    [grown_part] = grown.parts("ivf_index")
+    assert associate.saved_index_bytes(grown, grown_part, "h").tobytes() == want.tobytes()
