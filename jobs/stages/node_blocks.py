@@ -31,7 +31,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs.keys import encoder_keys
 from memgas.jobs.stage import StageContext
-from memgas.jobs.stages.shards import node_matrix
 from memgas.pipeline.association import blocks
 from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.association.nodes import NodeFile
