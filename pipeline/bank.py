@@ -46,7 +46,9 @@ import pyarrow.parquet as pq
 
 from memgas import __version__
 from memgas.pipeline import faults
+from memgas.pipeline.compaction import PartUnreadable, merge_parts
 from memgas.pipeline.errors import BankError
+from memgas.pipeline.process_dirs import process_directory
 from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, read_regular_bytes, regular_file_size
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, schema_for
 
@@ -60,6 +62,8 @@ INGEST_TABLES: tuple[str, ...] = ("histories", "sessions", "texts", "turns", "pa
 INGEST_PREFIX = "ingest-"
 #: Compacted parts are named ``all-<16 hex digits of a digest of their bytes>``.
 COMPACT_PREFIX = "all-"
+#: scratch directories of a compaction (sorted copies of parts not in key order), beside the table's parts
+COMPACT_SCRATCH_PREFIX = ".compact-runs-"
 
 
 def _file_mode() -> int:
@@ -113,9 +117,31 @@ def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = True, point: st
 ROW_GROUP_ROWS = {"embeddings": 8192, "ivf_index": 1}
 
 
-def _parquet_opts(name: str | None) -> dict[str, Any]:
-    rows = ROW_GROUP_ROWS.get(name) if name else None
-    return {**_PARQUET_OPTS, **({"row_group_size": rows} if rows else {})}
+#: Parquet's own default (at most 1 Mi rows a row group), stated so that a table written a group at a time
+#: gets the groups a whole-table write would
+DEFAULT_ROW_GROUP_ROWS = 1 << 20
+
+
+def row_group_rows(name: str | None) -> int:
+    """Rows per row group of a part of table ``name``."""
+    return (ROW_GROUP_ROWS.get(name) if name else None) or DEFAULT_ROW_GROUP_ROWS
+
+
+def write_groups(writer: pq.ParquetWriter, table: pa.Table, rows: int) -> None:
+    """Write ``table`` in row groups of ``rows`` rows, each column of a group as one contiguous array.
+
+    Parquet's page boundaries follow how the arrays are chunked, so the same rows in other chunks (a
+    concatenation, a sort's ``take``, a merge's batches) would give other bytes; combined per group, the
+    bytes depend on the rows only (and equal ``pq.write_table`` of a one-chunk table)."""
+    if table.num_rows == 0:
+        writer.write_table(table)
+    for start in range(0, table.num_rows, rows):
+        writer.write_table(table.slice(start, rows).combine_chunks(), row_group_size=rows)
+
+
+def _write_parquet(path: str | Path, table: pa.Table, name: str | None) -> None:
+    with pq.ParquetWriter(path, table.schema, **_PARQUET_OPTS) as writer:
+        write_groups(writer, table, row_group_rows(name))
 
 
 def atomic_write_parquet(path: Path, table: pa.Table, *, point: str = "bank:write-parquet",
@@ -125,7 +151,7 @@ def atomic_write_parquet(path: Path, table: pa.Table, *, point: str = "bank:writ
     fd, tmp = _mkstemp(path)
     os.close(fd)
     try:
-        pq.write_table(table, tmp, **_parquet_opts(table_name))
+        _write_parquet(tmp, table, table_name)
         faults.hit(f"{point}:before-rename")
         os.replace(tmp, path)
     except BaseException:
@@ -437,9 +463,56 @@ class Bank:
             return 0
         if len(own) == 1 and own[0].startswith(COMPACT_PREFIX):
             return self._rows(name, own[0])
-        table = key_order(name, self.read(name, parts=own))
-        self.write(name, table, dim=dim)
-        return table.num_rows
+        if name not in KEYS:  # no key to merge by: the rows in part order, as read
+            table = self.read(name, parts=own)
+            self.write(name, table, dim=dim)
+            return table.num_rows
+        return self._compact_streamed(name, own, dim)
+
+    def _compact_streamed(self, name: str, own: list[str], dim: int | None) -> int:
+        """:meth:`compact` of a keyed table, merged in bounded memory (:mod:`memgas.pipeline.compaction`):
+        the same rows, in the same order, as ``key_order`` of :meth:`read` written by :meth:`write`."""
+        d = self._dir(name)
+        paths = [d / f"{p}.parquet" for p in own]
+        for part, path in zip(own, paths):
+            try:
+                regular_file_size(path)  # a FIFO would block the reader for ever
+            except OSError as exc:
+                raise self._unreadable(name, part, path, exc) from None
+        if name == "embeddings" and dim is None:  # the vectors' fixed size is the dimension
+            dim = self._embeddings_dim(own[0], paths[0])
+        schema = schema_for(name, dim)
+        pinned = self._pinned(name)
+        held = None
+        if pinned and len(KEYS[name]) == 1:  # rows ingest's own parts hold are not written twice (as write)
+            key = KEYS[name][0]
+            held = pc.unique(pa.concat_tables([self._read_part(name, p, [key]) for p in pinned],
+                                              promote_options="permissive").column(key))
+        fd, tmp = _mkstemp(d / "compact.parquet")
+        os.close(fd)
+        try:
+            with process_directory(COMPACT_SCRATCH_PREFIX, str(d)) as scratch, \
+                    pq.ParquetWriter(tmp, schema, **_PARQUET_OPTS) as writer:
+                rows = merge_parts(paths, KEYS[name],
+                                   lambda group: writer.write_table(conform(group, schema, name),
+                                                                    row_group_size=group.num_rows),
+                                   group_rows=row_group_rows(name), scratch=Path(scratch), drop_keys=held)
+                if rows == 0:
+                    writer.write_table(schema.empty_table())
+        except PartUnreadable as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise self._unreadable(name, own[exc.index], paths[exc.index], exc.exc) from None
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        self._commit_file(name, Path(tmp), rows, own, None)
+        return rows
+
+    def _embeddings_dim(self, part: str, path: Path) -> int | None:
+        try:
+            return getattr(pq.read_schema(path).field("vector").type, "list_size", None)
+        except (OSError, pa.ArrowException, KeyError) as exc:
+            raise self._unreadable("embeddings", part, path, exc) from None
 
     def _pinned(self, name: str) -> list[str]:
         """Parts of ``name`` that compaction must keep: ingest's own (ingest tables only)."""
@@ -451,11 +524,19 @@ class Bank:
         """Write ``table`` as a new marked part, then drop ``replace``. Fault points (in order):
         ``bank:compact:before-rename``, ``bank:compact:before-marker``, ``bank:compact:after-new`` (new
         part committed, old parts still there), ``bank:compact:dropped`` (after each old part dropped)."""
-        d = self._dir(name)
-        fd, tmp = _mkstemp(d / "compact.parquet")
+        fd, tmp = _mkstemp(self._dir(name) / "compact.parquet")
         os.close(fd)
         try:
-            pq.write_table(table, tmp, **_parquet_opts(name))
+            _write_parquet(tmp, table, name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return self._commit_file(name, Path(tmp), table.num_rows, replace, info)
+
+    def _commit_file(self, name: str, tmp: Path, rows: int, replace: list[str], info: dict | None) -> str:
+        """Commit the written temp file ``tmp`` (``rows`` rows) as the part that replaces ``replace``."""
+        d = self._dir(name)
+        try:
             part = f"{COMPACT_PREFIX}{_file_digest(tmp)}"
             faults.hit("bank:compact:before-rename")
             if self.has_part(name, part):  # the same bytes are committed already (a re-run, or a resumed one)
@@ -465,7 +546,7 @@ class Bank:
                 os.replace(tmp, d / f"{part}.parquet")
                 faults.hit("bank:compact:before-marker")
                 atomic_write_json(d / "_done" / f"{part}.json",
-                                  {"rows": table.num_rows, "digest": part[len(COMPACT_PREFIX):],
+                                  {"rows": rows, "digest": part[len(COMPACT_PREFIX):],
                                    "bytes": (d / f"{part}.parquet").stat().st_size,
                                    "replaces": sorted(p for p in replace if p != part), **(info or {})},
                                   point="bank:compact-marker")

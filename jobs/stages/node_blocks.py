@@ -18,10 +18,6 @@ made on the host deletes those whose process is gone (:func:`spill_directory`).
 from __future__ import annotations
 
 import logging
-import os
-import re
-import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +32,7 @@ from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.association.nodes import NodeFile
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import BankError
+from memgas.pipeline.process_dirs import process_directory, sweep_dead
 from memgas.pipeline.schema import N_GRAN
 
 if TYPE_CHECKING:
@@ -236,40 +233,15 @@ class HistoryBlocks:
         return NodeBlocks(self.handles, self.block_rows, n_rows, self.dim, keep=self)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 def sweep_dead_spills(root: str | None = None) -> list[str]:
     """Delete the spill directories under ``root`` (default: the temporary directory) that this host's
-    processes made and that outlived them (killed). A directory of a live process, of another host (a
-    shared ``/tmp``) or of another name is left alone. Returns the paths deleted."""
-    root = root or tempfile.gettempdir()
-    pattern = re.compile(rf"{re.escape(SPILL_PREFIX)}(?P<host>.+)-(?P<pid>\d+)-[^-]+")
-    host, gone = socket.gethostname(), []
-    for name in os.listdir(root):
-        m = pattern.fullmatch(name)
-        if m is None or m["host"] != host or _alive(int(m["pid"])):
-            continue
-        path = os.path.join(root, name)
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.exists(path):
-            gone.append(path)
-    if gone:
-        log.info("deleted %d spill directories of killed processes: %s", len(gone), ", ".join(gone))
-    return gone
+    processes made and that outlived them (killed): :func:`memgas.pipeline.process_dirs.sweep_dead`."""
+    return sweep_dead(SPILL_PREFIX, root)
 
 
 def spill_directory(root: str | None = None) -> tempfile.TemporaryDirectory:
     """A new spill directory named after this host and process, after sweeping those of dead processes."""
-    sweep_dead_spills(root)
-    return tempfile.TemporaryDirectory(prefix=f"{SPILL_PREFIX}{socket.gethostname()}-{os.getpid()}-", dir=root)
+    return process_directory(SPILL_PREFIX, root)
 
 
 def keep_blocks(ctx: StageContext, histories: set[str]) -> None:
