@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import pyarrow as pa
@@ -52,6 +53,35 @@ if TYPE_CHECKING:
 def short_hash(obj: Any, size: int = 6) -> str:
     """Stable short hex digest of a JSON-able object (sorted keys)."""
     return hashlib.blake2b(json.dumps(obj, sort_keys=True, default=str).encode(), digest_size=size).hexdigest()
+
+
+def values_digest(chunks: Iterable[pa.Table]) -> str:
+    """Digest of rows handed over in chunks, by their values alone (the caller fixes the chunks' sizes: the
+    cut is part of the digest). Per chunk and column: the null mask, then strings as their UTF-8 lengths and
+    bytes, fixed-size lists by their values, other values little-endian (nulls as zero). Unlike Arrow IPC
+    (:func:`table_digest`), the same values give the same bytes however Arrow laid them out, so the rows can
+    come from a merge a batch at a time."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    h = hashlib.blake2b(digest_size=8)
+    for t in chunks:
+        for col in t.columns:
+            col = col.combine_chunks()
+            h.update(col.is_null().to_numpy(zero_copy_only=False).tobytes())
+            kind = col.type
+            if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+                filled = pc.fill_null(col, "")
+                h.update(pc.binary_length(filled).to_numpy(zero_copy_only=False).astype("<i8").tobytes())
+                h.update("".join(filled.to_pylist()).encode("utf-8", "surrogatepass"))
+            elif pa.types.is_fixed_size_list(kind):
+                values = col.flatten().to_numpy(zero_copy_only=False)
+                h.update(np.asarray(values).astype(np.dtype(kind.value_type.to_pandas_dtype()).newbyteorder("<")).tobytes())
+            else:
+                filled = pc.fill_null(col, False if pa.types.is_boolean(kind) else 0)
+                values = np.asarray(filled.to_numpy(zero_copy_only=False))
+                h.update(values.astype(values.dtype.newbyteorder("<")).tobytes())
+    return h.hexdigest()
 
 
 def table_digest(table: pa.Table) -> str:

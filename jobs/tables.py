@@ -49,6 +49,9 @@ class Table:
     #: content tables too large to hold: the digest of ``rows`` streamed (:data:`STREAMED_DIGEST`), without
     #: the rows in memory at once; None: ``table_digest(rows(ctx))``
     digest: Callable[[StageContext], str] | None = None
+    #: the first digest method (:data:`DIGEST_METHODS`) that streams ``digest``: a marker of an earlier method
+    #: digested the rows at once, and is verified that way
+    digest_since: str = "streamed-1"
     #: segmented tables: the current parts, given the writer's part prefix
     current: Callable[[StageContext, str], list[str]] | None = None
 
@@ -200,13 +203,22 @@ def output_parts(stage: Stage, ctx: StageContext) -> list[tuple[str, str]]:
 #: chunks. Markers without it (written before) digested every table's rows at once (``table_digest``), which
 #: held the rows and their Arrow IPC bytes in memory: 6.4 GB for the vectors of 108,000 sessions, so ~60 GB
 #: at 10^6. Such a marker is still verified the old way (a bank indexed before is read as it was written).
-STREAMED_DIGEST = "streamed-1"
+#: ``streamed-2`` streams ``generations`` too (its rows at 10^6 sessions: ~2M generated texts).
+DIGEST_METHODS = ("streamed-1", "streamed-2")
+STREAMED_DIGEST = DIGEST_METHODS[-1]
+
+
+def _streamed(t: Table, method: str | None) -> bool:
+    """Whether a marker of digest ``method`` digested ``t``'s rows streamed."""
+    return t.digest is not None and method in DIGEST_METHODS and \
+        DIGEST_METHODS.index(method) >= DIGEST_METHODS.index(t.digest_since)
 
 
 def output_digest(stage: Stage, ctx: StageContext, parts: dict[str, str], method: str | None = STREAMED_DIGEST) -> str:
     """Digest of what the stage committed: its parts' digests and its content tables' rows under this config
-    (``method``: :data:`STREAMED_DIGEST`, or None for the digest of markers written before it)."""
-    rows = [t.digest(ctx) if method == STREAMED_DIGEST and t.digest is not None else table_digest(t.rows(ctx))
+    (``method``: one of :data:`DIGEST_METHODS`, the marker's; None for the digest of markers written before
+    them)."""
+    rows = [t.digest(ctx) if _streamed(t, method) else table_digest(t.rows(ctx))
             for t in stage.writes if t.kind == "content" and t.rows is not None]
     return short_hash([sorted(parts.items()), rows], 12)
 

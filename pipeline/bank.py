@@ -46,7 +46,7 @@ import pyarrow.parquet as pq
 
 from memgas import __version__
 from memgas.pipeline import faults
-from memgas.pipeline.compaction import PartUnreadable, merge_parts
+from memgas.pipeline.compaction import PartUnreadable, merged, regroup, without_keys
 from memgas.pipeline.errors import BankError
 from memgas.pipeline.process_dirs import process_directory
 from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, read_regular_bytes, regular_file_size
@@ -473,14 +473,8 @@ class Bank:
         """:meth:`compact` of a keyed table, merged in bounded memory (:mod:`memgas.pipeline.compaction`):
         the same rows, in the same order, as ``key_order`` of :meth:`read` written by :meth:`write`."""
         d = self._dir(name)
-        paths = [d / f"{p}.parquet" for p in own]
-        for part, path in zip(own, paths):
-            try:
-                regular_file_size(path)  # a FIFO would block the reader for ever
-            except OSError as exc:
-                raise self._unreadable(name, part, path, exc) from None
         if name == "embeddings" and dim is None:  # the vectors' fixed size is the dimension
-            dim = self._embeddings_dim(own[0], paths[0])
+            dim = self._embeddings_dim(own[0], d / f"{own[0]}.parquet")
         schema = schema_for(name, dim)
         pinned = self._pinned(name)
         held = None
@@ -491,25 +485,44 @@ class Bank:
         fd, tmp = _mkstemp(d / "compact.parquet")
         os.close(fd)
         try:
-            with process_directory(COMPACT_SCRATCH_PREFIX, str(d)) as scratch, \
-                    pq.ParquetWriter(tmp, schema, **_PARQUET_OPTS) as writer:
-                rows = merge_parts(paths, KEYS[name],
-                                   lambda group: writer.write_table(conform(group, schema, name),
-                                                                    row_group_size=group.num_rows),
-                                   group_rows=row_group_rows(name), scratch=Path(scratch), drop_keys=held)
+            with pq.ParquetWriter(tmp, schema, **_PARQUET_OPTS) as writer:
+                rows = 0
+                for group in regroup(without_keys(self.iter_merged(name, own), KEYS[name][0], held),
+                                     row_group_rows(name)):
+                    writer.write_table(conform(group, schema, name), row_group_size=group.num_rows)
+                    rows += group.num_rows
+                    faults.hit("bank:compact:merging")  # scratch and temp file in place, nothing committed
                 if rows == 0:
                     writer.write_table(schema.empty_table())
-        except PartUnreadable as exc:
-            Path(tmp).unlink(missing_ok=True)
-            raise self._unreadable(name, own[exc.index], paths[exc.index], exc.exc) from None
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
         self._commit_file(name, Path(tmp), rows, own, None)
         return rows
 
+    def iter_merged(self, name: str, parts: list[str] | None = None) -> Iterator[pa.Table]:
+        """The rows of ``parts`` (default: every completed part) of keyed table ``name`` as :meth:`read` gives
+        them (one row per key, the last written), in key order, in batches of any size, without holding the
+        table (:func:`memgas.pipeline.compaction.merged`)."""
+        own = self.parts(name) if parts is None else parts
+        d = self._dir(name)
+        paths = [d / f"{p}.parquet" for p in own]
+        for part, path in zip(own, paths):
+            try:
+                regular_file_size(path)  # a FIFO would block the reader for ever
+            except OSError as exc:
+                raise self._unreadable(name, part, path, exc) from None
+        if not paths:
+            return
+        with process_directory(COMPACT_SCRATCH_PREFIX, str(d)) as scratch:
+            try:
+                yield from merged(paths, KEYS[name], scratch=Path(scratch))
+            except PartUnreadable as exc:
+                raise self._unreadable(name, own[exc.index], paths[exc.index], exc.exc) from None
+
     def _embeddings_dim(self, part: str, path: Path) -> int | None:
         try:
+            regular_file_size(path)  # a FIFO would block the reader for ever
             return getattr(pq.read_schema(path).field("vector").type, "list_size", None)
         except (OSError, pa.ArrowException, KeyError) as exc:
             raise self._unreadable("embeddings", part, path, exc) from None

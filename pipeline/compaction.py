@@ -24,10 +24,8 @@ order while it is sorted.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -38,9 +36,11 @@ MERGE_BUDGET_BYTES = 256 << 20
 #: rows of one batch, at least and at most, whatever the budget
 MIN_BATCH_ROWS, MAX_BATCH_ROWS = 256, 65536
 #: runs merged at once, at most: each run holds a decoded row group of its file (a nested column, such as
-#: ``embeddings``' vectors, is decoded a row group at a time), so more parts than this are merged in levels,
-#: FAN_IN consecutive runs into one scratch file each, whose rows then follow in the same write order
-FAN_IN = 32
+#: ``embeddings``' vectors, is decoded a row group at a time: 8192 rows, ~13 MB at 384 dimensions) and a
+#: batch of at least MIN_BATCH_ROWS rows within the budget, so more parts than this are merged in levels,
+#: that many consecutive runs into one scratch file each, whose rows then follow in the same write order.
+#: (The encode stage writes a part per 512 texts: ~12,000 parts for a 10^6-session history, three levels.)
+FAN_IN = 64
 #: rows per batch when a part's key columns are checked for key order
 CHECK_BATCH_ROWS = 1 << 16
 
@@ -181,22 +181,18 @@ def _last_of_each_key(t: pa.Table, keys: Sequence[str]) -> pa.Table:
     return t if keep.all() else t.filter(pa.array(keep))
 
 
-def merge_parts(
+def merged(
     paths: Sequence[Path],
     keys: Sequence[str],
-    write_group: Callable[[pa.Table], Any],
     *,
-    group_rows: int,
     scratch: Path,
-    drop_keys: pa.Array | None = None,
     budget_bytes: int | None = None,
-) -> int:
-    """Merge the Parquet files ``paths`` (in write order: a later file's row wins over an earlier one's of the
-    same key) and hand the result to ``write_group``, ``group_rows`` rows at a time (the last group fewer),
-    each column one contiguous array. ``budget_bytes``: of all the runs' buffers (default
-    :data:`MERGE_BUDGET_BYTES`). ``drop_keys``: rows whose (single) key is among these are left out.
-    ``scratch``: an empty directory for sorted copies of parts that are not in key order. Returns the rows
-    written. Raises :class:`PartUnreadable` for a file that cannot be read."""
+) -> Iterator[pa.Table]:
+    """The rows of the Parquet files ``paths`` (in write order: a later file's row wins over an earlier one's
+    of the same key), one per key, in key order, in batches of any size (columns: the files' schemas
+    unified). ``budget_bytes``: of all the runs' buffers (default :data:`MERGE_BUDGET_BYTES`).
+    ``scratch``: an empty directory for sorted copies of parts that are not in key order and for levels.
+    Raises :class:`PartUnreadable` for a file that cannot be read."""
     keys = list(keys)
     budget_bytes = MERGE_BUDGET_BYTES if budget_bytes is None else budget_bytes
     schemas, row_bytes = [], 1
@@ -210,7 +206,8 @@ def merge_parts(
         except (OSError, pa.ArrowException) as exc:
             raise PartUnreadable(i, exc) from None
     schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else pa.schema([])
-    runs_at_once = min(max(len(paths), 1), FAN_IN)
+    fan_in = max(2, min(FAN_IN, budget_bytes // (2 * MIN_BATCH_ROWS * row_bytes)))
+    runs_at_once = min(max(len(paths), 1), fan_in)
     batch_rows = int(np.clip(budget_bytes // (2 * runs_at_once * row_bytes), MIN_BATCH_ROWS, MAX_BATCH_ROWS))
 
     sources = []
@@ -226,33 +223,34 @@ def merge_parts(
             raise PartUnreadable(i, exc) from None
     parts: list[int | None] = list(range(len(sources)))
     level = 0
-    while len(sources) > FAN_IN:  # merge FAN_IN consecutive runs at a time (write order kept) into one
-        merged = []
-        for g in range(0, len(sources), FAN_IN):
-            path = scratch / f"merged-{level}-{g // FAN_IN:05d}.parquet"
+    while len(sources) > fan_in:  # merge fan_in consecutive runs at a time (write order kept) into one
+        level_files = []
+        for g in range(0, len(sources), fan_in):
+            path = scratch / f"merged-{level}-{g // fan_in:05d}.parquet"
             with pq.ParquetWriter(path, schema, compression="none") as w:
-                _merge(sources[g:g + FAN_IN], parts[g:g + FAN_IN], keys, schema, batch_rows,
-                       _GroupWriter(w.write_table, batch_rows, schema.names), None)
-            merged.append(path)
+                for t in regroup(_merge(sources[g:g + fan_in], parts[g:g + fan_in], keys, schema, batch_rows),
+                                 batch_rows):
+                    w.write_table(t)
+            level_files.append(path)
         for p in sources:
             if p.parent == scratch:
                 p.unlink()
-        sources, parts, level = merged, [None] * len(merged), level + 1
-    return _merge(sources, parts, keys, schema, batch_rows, _GroupWriter(write_group, group_rows, schema.names),
-                  drop_keys)
+        sources, parts, level = level_files, [None] * len(level_files), level + 1
+    yield from _merge(sources, parts, keys, schema, batch_rows)
 
 
 def _merge(sources: Sequence[Path], parts: Sequence[int | None], keys: list[str], schema: pa.Schema,
-           batch_rows: int, out: _GroupWriter, drop_keys: pa.Array | None) -> int:
-    """Merge the sorted runs ``sources`` (in write order) into ``out``; returns the rows written."""
+           batch_rows: int) -> Iterator[pa.Table]:
+    """The merged rows of the sorted runs ``sources`` (in write order)."""
     runs = [_Run(i, p, schema, batch_rows, part) for i, (p, part) in enumerate(zip(sources, parts))]
+    columns = schema.names
     while True:
         for r in runs:
             while r.pending == 0 and r.more:
                 r.refill(keys)
         live = [r for r in runs if r.pending]
         if not live:
-            break
+            return
         waiting = [r for r in runs if r.more]
         bound = min(r.keys[-1] for r in waiting) if waiting else None
         pieces = [t for t in (r.take_below(bound) for r in live) if t is not None]
@@ -262,38 +260,28 @@ def _merge(sources: Sequence[Path], parts: Sequence[int | None], keys: list[str]
                     r.refill(keys)
             continue
         t = pa.concat_tables(pieces)
-        t = _last_of_each_key(t.take(pc.sort_indices(t, sort_keys=_sort_keys(keys))), keys)
-        if drop_keys is not None and len(drop_keys):
-            t = t.filter(pc.invert(pc.is_in(t.column(keys[0]), value_set=drop_keys)))
-        out.add(t)
-    return out.close()
+        yield _last_of_each_key(t.take(pc.sort_indices(t, sort_keys=_sort_keys(keys))), keys).select(columns)
 
 
-class _GroupWriter:
-    """Collects merged rows and hands them on in groups of exactly ``group_rows`` rows."""
-
-    def __init__(self, write_group: Callable[[pa.Table], Any], group_rows: int, columns: list[str]) -> None:
-        self.write_group, self.group_rows = write_group, group_rows
-        self.columns = [c for c in columns if c not in (_RUN, _ROW)]
-        self.pieces: list[pa.Table] = []
-        self.buffered = self.written = 0
-
-    def add(self, t: pa.Table) -> None:
+def regroup(tables: Iterable[pa.Table], rows: int) -> Iterator[pa.Table]:
+    """The rows of ``tables`` in groups of exactly ``rows`` rows (the last fewer, none if empty), each
+    column of a group one contiguous array."""
+    pieces: list[pa.Table] = []
+    buffered = 0
+    for t in tables:
         if t.num_rows:
-            self.pieces.append(t.select(self.columns))
-            self.buffered += t.num_rows
-        while self.buffered >= self.group_rows:
-            self._flush(self.group_rows)
+            pieces.append(t)
+            buffered += t.num_rows
+        while buffered >= rows:
+            whole = pa.concat_tables(pieces)
+            yield whole.slice(0, rows).combine_chunks()
+            rest = whole.slice(rows)
+            pieces, buffered = ([rest] if rest.num_rows else []), buffered - rows
+    if buffered:
+        yield pa.concat_tables(pieces).combine_chunks()
 
-    def _flush(self, rows: int) -> None:
-        t = pa.concat_tables(self.pieces)
-        self.write_group(t.slice(0, rows).combine_chunks())
-        rest = t.slice(rows)
-        self.pieces = [rest] if rest.num_rows else []
-        self.buffered -= rows
-        self.written += rows
 
-    def close(self) -> int:
-        if self.buffered:
-            self._flush(self.buffered)
-        return self.written
+def without_keys(tables: Iterable[pa.Table], key: str, drop: pa.Array | None) -> Iterator[pa.Table]:
+    """``tables`` without the rows whose ``key`` is in ``drop``."""
+    for t in tables:
+        yield t if drop is None or not len(drop) else t.filter(pc.invert(pc.is_in(t.column(key), value_set=drop)))

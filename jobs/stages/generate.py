@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import keys
 from memgas.jobs.models import Generator
-from memgas.jobs.stage import Active, Stage, StageContext
+from memgas.jobs.stage import Active, Stage, StageContext, values_digest
 from memgas.jobs.stages.texts import TextBlocks, unit_texts
 from memgas.jobs.tables import Table
 from memgas.jobs.units import even_chunks
@@ -25,7 +25,32 @@ def _this_config(ctx: StageContext) -> pa.Table:
     return rows.sort_by([("text_hash", "ascending"), ("kind", "ascending")])
 
 
-GENERATIONS = Table("generations", "content", retried=True, rows=_this_config)
+#: rows per chunk of :func:`_this_config_digest` (part of its definition)
+DIGEST_CHUNK_ROWS = 8192
+
+
+def _this_config_digest(ctx: StageContext) -> str:
+    """The digest of :func:`_this_config`'s rows (the same rows, in the same order) without holding them:
+    ``generations`` merged in its key order (text_hash, kind, model, prompt_version), which for one model and
+    prompt version is the (text_hash, kind) order that :func:`_this_config` sorts by, filtered a batch at a
+    time and digested in chunks of :data:`DIGEST_CHUNK_ROWS` rows (:func:`values_digest`). Memory: the
+    merge's buffers and the sessions' hashes."""
+    from memgas.pipeline.compaction import regroup
+    from memgas.pipeline.schema import schema_for
+
+    model, version = keys.generation_key(ctx)
+    sessions = pc.unique(ctx.bank.read("sessions", ["text_hash"])["text_hash"])
+    mine = (pc.field("model") == model) & (pc.field("prompt_version") == version) & \
+        pc.field("text_hash").isin(sessions)
+    columns = schema_for("generations").names
+    if not ctx.bank.exists("generations"):
+        return values_digest([])
+    rows = (t.filter(mine).select(columns) for t in ctx.bank.iter_merged("generations"))
+    return values_digest(regroup(rows, DIGEST_CHUNK_ROWS))
+
+
+GENERATIONS = Table("generations", "content", retried=True, rows=_this_config, digest=_this_config_digest,
+                    digest_since="streamed-2")
 #: summary, keyword and hybrid texts (a function of the generations and the session texts)
 DERIVED_TEXTS = Table("derived_texts", "content", stored_in="texts")
 

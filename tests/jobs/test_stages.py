@@ -711,6 +711,82 @@ def _chunked_digest(rows, chunk: int) -> str:
     return h.hexdigest()
 
 
+def _generations_oracle(rows, chunk: int) -> str:
+    """The streamed generations digest's definition over rows held in memory: values_digest of fixed chunks."""
+    from memgas.jobs.stage import values_digest
+
+    return values_digest([rows.slice(a, chunk) for a in range(0, rows.num_rows, chunk)])
+
+
+@pytest.mark.slow
+def test_the_streamed_generations_digest_is_that_of_the_rows_in_memory(tmp_path_factory, reference_run,
+                                                                        monkeypatch) -> None:
+    """generate's streamed digest (the table merged a batch at a time) equals values_digest over
+    _this_config's rows held in memory, in small chunks and small merge batches; also when a later part, out
+    of key order, re-writes rows (the last wins) with a null, and when rows of another model are added (not
+    this config's: no change)."""
+    import shutil
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from memgas.jobs.stages import generate
+    from memgas.pipeline import compaction
+
+    work = tmp_path_factory.mktemp("gendigest")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    bank = Bank(work / "bank")
+    ctx = StageContext(_base(work), bank, None, use_ray=False)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
+    monkeypatch.setattr(generate, "DIGEST_CHUNK_ROWS", 7)
+    monkeypatch.setattr(compaction, "MERGE_BUDGET_BYTES", 1)
+    rows = generate._this_config(ctx)
+    assert rows.num_rows >= 16  # more than two chunks of 7
+    before = generate._this_config_digest(ctx)
+    assert before == _generations_oracle(rows, 7)
+    later = rows.slice(3, 5).take([4, 0, 3, 1, 2])
+    later = later.set_column(later.schema.get_field_index("output"), "output",
+                             pc.binary_join_element_wise(later["output"], "!", ""))
+    later = later.set_column(later.schema.get_field_index("raw_output"), "raw_output", pa.nulls(5, pa.string()))
+    bank.write_part("generations", "zz-later", later)
+    got = generate._this_config(ctx)
+    assert pc.sum(pc.is_null(got["raw_output"])).as_py() >= 5
+    changed = generate._this_config_digest(ctx)
+    assert changed == _generations_oracle(got, 7) != before
+    other = rows.slice(0, 4).set_column(rows.schema.get_field_index("model"), "model", pa.array(["other"] * 4))
+    bank.write_part("generations", "zz-other-model", other)
+    assert generate._this_config_digest(ctx) == changed
+
+
+@pytest.mark.slow
+def test_a_generate_marker_of_streamed_1_is_verified_as_it_was_written(tmp_path_factory, reference_run) -> None:
+    """A generate marker of digest method streamed-1 (generations digested at once, table_digest) is verified
+    that way: the stage is skipped, not rebuilt, and keeps its output digest."""
+    import shutil
+
+    from memgas.jobs import tables as T
+    from memgas.jobs.stages.generate import GenerateStage
+
+    work = tmp_path_factory.mktemp("gen-streamed-1")
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    path = work / "bank" / "_stages" / "generate.json"
+    marker = json.loads(path.read_text())
+    assert marker["rows_digest"] == T.STREAMED_DIGEST == "streamed-2"
+    ctx = StageContext(_base(work), Bank(work / "bank"), None, use_ray=False)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
+    old = T.output_digest(GenerateStage(), ctx, marker["parts"], method="streamed-1")
+    assert old != marker["output"]  # the two methods digest differently: the test tells them apart
+    path.write_text(json.dumps({**{k: v for k, v in marker.items() if k != "content_parts"},
+                                "output": old, "rows_digest": "streamed-1"}))
+    _run(_base(work))
+    rec = _record(work)
+    assert rec["generate"]["status"] == "skipped" and "rebuilt" not in rec["generate"], rec["generate"]
+    after = json.loads(path.read_text())
+    assert after["output"] == old and after["rows_digest"] == "streamed-1" and after["content_parts"]
+
+
 @pytest.mark.slow
 def test_the_streamed_vector_digest_is_that_of_the_rows_in_memory(tmp_path_factory, reference_run, monkeypatch) -> None:
     """vector_rows_digest (one pass, spilled, one chunk in memory) equals the chunked digest of vector_rows'

@@ -74,6 +74,8 @@ def _run_compaction(bank_dir: Path, fault: str) -> subprocess.CompletedProcess:
 
 
 FAULTS = [
+    "kill@bank:compact:merging",
+    "enospc@bank:compact:merging",
     "kill@bank:compact:before-rename",
     "kill@bank:compact:before-marker",
     "kill@bank:compact-marker:before-rename",

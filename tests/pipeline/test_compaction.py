@@ -153,9 +153,8 @@ def test_null_keys_sort_last_and_match_the_oracle(tmp_path: Path) -> None:
     b = tmp_path / "b.parquet"
     pq.write_table(pa.table({"k": ["b", None, "a", None], "v": [1, 2, 3, 4]}), a)
     pq.write_table(pa.table({"k": [None, "a", "c"], "v": [5, 6, 7]}), b)
-    groups: list[pa.Table] = []
     (tmp_path / "s").mkdir()
-    compaction.merge_parts([a, b], ["k"], groups.append, group_rows=2, scratch=tmp_path / "s", budget_bytes=1)
+    groups = list(compaction.regroup(compaction.merged([a, b], ["k"], scratch=tmp_path / "s", budget_bytes=1), 2))
     got = pa.concat_tables(groups).to_pydict()
     assert got == {"k": ["a", "b", "c", None], "v": [6, 1, 7, 5]}
     assert [g.num_rows for g in groups] == [2, 2]
@@ -245,3 +244,35 @@ def test_compaction_memory_does_not_grow_with_the_table(tmp_path: Path) -> None:
     assert large_mib == 4 * small_mib > 180
     assert got_large["grew_mib"] < large_mib / 2, (got_small, got_large, large_mib)
     assert got_large["grew_mib"] < got_small["grew_mib"] + 30, (got_small, got_large, large_mib)
+
+
+def test_a_kill_in_the_middle_of_the_merge_leaves_scratch_that_the_next_compaction_deletes(tmp_path: Path) -> None:
+    """SIGKILL after the first row group (fault point bank:compact:merging), with a part out of key order:
+    the temp file and the sorted copy stay, the parts are intact; the next compaction (another process)
+    deletes them and writes the bytes of an uninterrupted one."""
+    import signal
+
+    def build(path: Path) -> Bank:
+        bank = Bank.create(path)
+        n = row_group_rows("embeddings") + 10
+        bank.write_part("embeddings", "unit-a", _embeddings([f"{i:07d}" for i in range(n)][::-1], seed=1))
+        bank.write_part("embeddings", "unit-b", _embeddings([f"{i:07d}" for i in range(0, n, 3)], seed=2))
+        return bank
+
+    clean = build(tmp_path / "clean")
+    clean.compact("embeddings")
+    bank = build(tmp_path / "b")
+    before = bank.read("embeddings")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MEMGAS_FAULT": "kill@bank:compact:merging"}
+    code = f"from memgas.pipeline.bank import Bank; Bank({str(bank.path)!r}).compact('embeddings')"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    left = sorted(f.name.split("-")[1] if f.is_dir() else f.suffix for f in (bank.path / "embeddings").iterdir()
+                  if f.name.startswith("."))
+    assert left == [".tmp", "runs"]  # the temp file and the scratch of sorted copies
+    assert Bank(bank.path).read("embeddings").equals(before)
+    proc = subprocess.run([sys.executable, "-c", code], env={**env, "MEMGAS_FAULT": ""}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert not [f for f in (bank.path / "embeddings").iterdir() if f.name.startswith(".")]
+    assert _compacted_bytes(Bank(bank.path), "embeddings") == _compacted_bytes(clean, "embeddings")
