@@ -35,12 +35,15 @@ import pyarrow.parquet as pq
 MERGE_BUDGET_BYTES = 256 << 20
 #: rows of one batch, at least and at most, whatever the budget
 MIN_BATCH_ROWS, MAX_BATCH_ROWS = 256, 65536
-#: runs merged at once, at most: each run holds a decoded row group of its file (a nested column, such as
-#: ``embeddings``' vectors, is decoded a row group at a time: 8192 rows, ~13 MB at 384 dimensions) and a
-#: batch of at least MIN_BATCH_ROWS rows within the budget, so more parts than this are merged in levels,
-#: that many consecutive runs into one scratch file each, whose rows then follow in the same write order.
-#: (The encode stage writes a part per 512 texts: ~12,000 parts for a 10^6-session history, three levels.)
-FAN_IN = 64
+#: memory for the runs merged at once. Each run holds a decoded row group of its file (a nested column, such
+#: as ``embeddings``' vectors, is decoded a row group at a time: 8192 rows, ~13 MB at 384 dimensions) and a
+#: batch of at least MIN_BATCH_ROWS rows, so the fan-in is what this allows (from the files' metadata); more
+#: parts than that are merged in levels, that many consecutive runs into one scratch file each, whose rows
+#: then follow in the same write order. The encode stage writes a part per 512 texts (~0.8 MB a row group):
+#: a 10^6-session history's ~12,000 parts go in one level of 256 runs, then one merge.
+MERGE_MEMORY_BYTES = 1 << 30
+#: runs merged at once, at most (open files; each round's work grows with the runs)
+MAX_FAN_IN = 256
 #: rows per batch when a part's key columns are checked for key order
 CHECK_BATCH_ROWS = 1 << 16
 
@@ -195,18 +198,22 @@ def merged(
     Raises :class:`PartUnreadable` for a file that cannot be read."""
     keys = list(keys)
     budget_bytes = MERGE_BUDGET_BYTES if budget_bytes is None else budget_bytes
-    schemas, row_bytes = [], 1
+    schemas, row_bytes, group_bytes = [], 1, 0
     for i, p in enumerate(paths):
         try:
             f = pq.ParquetFile(p)
+            md = f.metadata
             schemas.append(f.schema_arrow)
-            if f.metadata.num_row_groups:
-                rg = f.metadata.row_group(0)
+            for g in range(md.num_row_groups):
+                rg = md.row_group(g)
                 row_bytes = max(row_bytes, rg.total_byte_size // max(rg.num_rows, 1))
+                group_bytes = max(group_bytes, rg.total_byte_size)
         except (OSError, pa.ArrowException) as exc:
             raise PartUnreadable(i, exc) from None
     schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else pa.schema([])
-    fan_in = max(2, min(FAN_IN, budget_bytes // (2 * MIN_BATCH_ROWS * row_bytes)))
+    per_run = group_bytes + 2 * MIN_BATCH_ROWS * row_bytes
+    fan_in = int(np.clip(min(MERGE_MEMORY_BYTES // per_run, budget_bytes // (2 * MIN_BATCH_ROWS * row_bytes)),
+                         2, MAX_FAN_IN))
     runs_at_once = min(max(len(paths), 1), fan_in)
     batch_rows = int(np.clip(budget_bytes // (2 * runs_at_once * row_bytes), MIN_BATCH_ROWS, MAX_BATCH_ROWS))
 

@@ -95,7 +95,7 @@ def test_streamed_compaction_equals_the_in_memory_one(tmp_path: Path, budget: in
         parts.append(part)
     expected = _oracle_bytes(bank, "embeddings", parts, tmp_path, DIM)
     monkeypatch.setattr(compaction, "MERGE_BUDGET_BYTES", budget)
-    monkeypatch.setattr(compaction, "FAN_IN", fan_in)
+    monkeypatch.setattr(compaction, "MAX_FAN_IN", fan_in)
     rows = bank.compact("embeddings")
     assert _compacted_bytes(bank, "embeddings") == expected
     assert rows == bank.count("embeddings")
@@ -195,7 +195,7 @@ _MEMORY_CHILD = r"""
 import json, resource, sys
 from memgas.pipeline import compaction
 from memgas.pipeline.bank import Bank
-compaction.MERGE_BUDGET_BYTES, compaction.FAN_IN = 8 << 20, 8
+compaction.MERGE_BUDGET_BYTES, compaction.MAX_FAN_IN = 8 << 20, 8
 bank = Bank(sys.argv[1])
 bank.parts("embeddings")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
