@@ -46,10 +46,10 @@ import pyarrow.parquet as pq
 
 from memgas import __version__
 from memgas.pipeline import faults
-from memgas.pipeline.compaction import PartUnreadable, merged, regroup, without_keys
+from memgas.pipeline.compaction import PartUnreadable, SchemasDisagree, merged, regroup, without_keys
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.process_dirs import process_directory
 from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, read_regular_bytes, regular_file_size
+from memgas.pipeline.process_dirs import process_directory
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, schema_for
 
 log = logging.getLogger(__name__)
@@ -504,6 +504,8 @@ class Bank:
         """The rows of ``parts`` (default: every completed part) of keyed table ``name`` as :meth:`read` gives
         them (one row per key, the last written), in key order, in batches of any size, without holding the
         table (:func:`memgas.pipeline.compaction.merged`)."""
+        if parts is None:
+            self._check_ingest(name)
         own = self.parts(name) if parts is None else parts
         d = self._dir(name)
         paths = [d / f"{p}.parquet" for p in own]
@@ -519,6 +521,9 @@ class Bank:
                 yield from merged(paths, KEYS[name], scratch=Path(scratch))
             except PartUnreadable as exc:
                 raise self._unreadable(name, own[exc.index], paths[exc.index], exc.exc) from None
+            except SchemasDisagree as exc:
+                raise BankError(f"{d}: the parts of table {name!r} hold a column of different types ({exc}); "
+                                "delete the parts that are not the stage's and re-run") from None
 
     def _embeddings_dim(self, part: str, path: Path) -> int | None:
         try:

@@ -17,8 +17,10 @@ rows of a part), in key order. It is never all in memory: a content table of a 1
 
 A heap merge in Python would compare row by row; this compares once per batch (a binary search of each
 run's buffer) and sorts what is final with Arrow. Memory: the merge's buffers (``budget_bytes`` in all,
-estimated from the parts' row sizes) plus one output row group, plus the largest part that is not in key
-order while it is sorted.
+estimated from the parts' row sizes) and a decoded row group per run (the fan-in is chosen so that both fit
+:data:`MERGE_MEMORY_BYTES`; more parts are merged in levels), one output row group, and the largest part
+that is not in key order while it is sorted. Disk: the output, plus sorted copies of the parts not in key
+order, plus one level's files while the next is written.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -56,6 +59,10 @@ class PartUnreadable(Exception):
     def __init__(self, index: int, exc: BaseException) -> None:
         super().__init__(str(exc))
         self.index, self.exc = index, exc
+
+
+class SchemasDisagree(Exception):
+    """The parts' columns cannot be unified (one column of two types)."""
 
 
 def _key_tuples(table: pa.Table, keys: Sequence[str]) -> list[tuple]:
@@ -210,7 +217,10 @@ def merged(
                 group_bytes = max(group_bytes, rg.total_byte_size)
         except (OSError, pa.ArrowException) as exc:
             raise PartUnreadable(i, exc) from None
-    schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else pa.schema([])
+    try:
+        schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else pa.schema([])
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise SchemasDisagree(str(exc).splitlines()[0]) from None
     per_run = group_bytes + 2 * MIN_BATCH_ROWS * row_bytes
     fan_in = int(np.clip(min(MERGE_MEMORY_BYTES // per_run, budget_bytes // (2 * MIN_BATCH_ROWS * row_bytes)),
                          2, MAX_FAN_IN))

@@ -38,13 +38,13 @@ def _this_config_digest(ctx: StageContext) -> str:
     from memgas.pipeline.compaction import regroup
     from memgas.pipeline.schema import schema_for
 
+    if not ctx.bank.exists("generations"):
+        return values_digest([])
     model, version = keys.generation_key(ctx)
     sessions = pc.unique(ctx.bank.read("sessions", ["text_hash"])["text_hash"])
     mine = (pc.field("model") == model) & (pc.field("prompt_version") == version) & \
         pc.field("text_hash").isin(sessions)
     columns = schema_for("generations").names
-    if not ctx.bank.exists("generations"):
-        return values_digest([])
     rows = (t.filter(mine).select(columns) for t in ctx.bank.iter_merged("generations"))
     return values_digest(regroup(rows, DIGEST_CHUNK_ROWS))
 

@@ -276,3 +276,17 @@ def test_a_kill_in_the_middle_of_the_merge_leaves_scratch_that_the_next_compacti
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert not [f for f in (bank.path / "embeddings").iterdir() if f.name.startswith(".")]
     assert _compacted_bytes(Bank(bank.path), "embeddings") == _compacted_bytes(clean, "embeddings")
+
+
+def test_parts_with_a_column_of_two_types_get_a_clear_error_and_lose_nothing(tmp_path: Path) -> None:
+    """A foreign part whose ``tokens`` are strings: one line that names the table, and the parts stay."""
+    bank = Bank.create(tmp_path / "bank")
+    bank.write_part("embeddings", "unit-1", _embeddings(["a", "b"], seed=1))
+    bad = _embeddings(["c"], seed=2)
+    bad = bad.set_column(bad.schema.get_field_index("tokens"), "tokens", pa.array(["many"]))
+    pq.write_table(bad, bank.path / "embeddings" / "unit-2.parquet")  # past write_part's schema check
+    (bank.path / "embeddings" / "_done" / "unit-2.json").write_text("{}")
+    with pytest.raises(BankError, match=r"parts of table 'embeddings' hold a column of different types"):
+        bank.compact("embeddings")
+    assert sorted(bank.parts("embeddings")) == ["unit-1", "unit-2"]
+    assert not [f for f in (bank.path / "embeddings").iterdir() if f.name.startswith((".compact", "all-"))]
