@@ -711,6 +711,19 @@ def _chunked_digest(rows, chunk: int) -> str:
     return h.hexdigest()
 
 
+def _copied_context(tmp_path_factory, reference_run: Path, name: str) -> tuple[Bank, StageContext]:
+    """A copy of the reference run's output directory, and a context on it with the fingerprints computed."""
+    import shutil
+
+    work = tmp_path_factory.mktemp(name)
+    shutil.copytree(reference_run, work, dirs_exist_ok=True)
+    bank = Bank(work / "bank")
+    ctx = StageContext(_base(work), bank, None, use_ray=False)
+    resolve_stage_runtimes(ctx)
+    runner.compute_fingerprints(ctx)
+    return bank, ctx
+
+
 def _generations_oracle(rows, chunk: int) -> str:
     """The streamed generations digest's definition over rows held in memory: values_digest of fixed chunks."""
     from memgas.jobs.stage import values_digest
@@ -725,20 +738,13 @@ def test_the_streamed_generations_digest_is_that_of_the_rows_in_memory(tmp_path_
     _this_config's rows held in memory, in small chunks and small merge batches; also when a later part, out
     of key order, re-writes rows (the last wins) with a null, and when rows of another model are added (not
     this config's: no change)."""
-    import shutil
-
     import pyarrow as pa
     import pyarrow.compute as pc
 
     from memgas.jobs.stages import generate
     from memgas.pipeline import compaction
 
-    work = tmp_path_factory.mktemp("gendigest")
-    shutil.copytree(reference_run, work, dirs_exist_ok=True)
-    bank = Bank(work / "bank")
-    ctx = StageContext(_base(work), bank, None, use_ray=False)
-    resolve_stage_runtimes(ctx)
-    runner.compute_fingerprints(ctx)
+    bank, ctx = _copied_context(tmp_path_factory, reference_run, "gendigest")
     monkeypatch.setattr(generate, "DIGEST_CHUNK_ROWS", 7)
     monkeypatch.setattr(compaction, "MERGE_BUDGET_BYTES", 1)
     rows = generate._this_config(ctx)
@@ -792,8 +798,6 @@ def test_the_streamed_vector_digest_is_that_of_the_rows_in_memory(tmp_path_facto
     """vector_rows_digest (one pass, spilled, one chunk in memory) equals the chunked digest of vector_rows'
     table, also when a later part re-writes rows (the last wins), rows lack their token counts (nulls) and
     the chunks are small; and a changed vector changes it."""
-    import shutil
-
     import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
@@ -801,12 +805,7 @@ def test_the_streamed_vector_digest_is_that_of_the_rows_in_memory(tmp_path_facto
     from memgas.jobs.stages import encode
     from memgas.pipeline import spilled_vectors
 
-    work = tmp_path_factory.mktemp("digest")
-    shutil.copytree(reference_run, work, dirs_exist_ok=True)
-    bank = Bank(work / "bank")
-    ctx = StageContext(_base(work), bank, None, use_ray=False)
-    resolve_stage_runtimes(ctx)
-    runner.compute_fingerprints(ctx)
+    bank, ctx = _copied_context(tmp_path_factory, reference_run, "digest")
     need = encode.EncodeStage.needed(ctx)[0]
     monkeypatch.setattr(encode, "DIGEST_CHUNK_ROWS", 7)
     monkeypatch.setattr(spilled_vectors, "SCAN_BATCH_ROWS", 50)
