@@ -290,3 +290,55 @@ def test_parts_with_a_column_of_two_types_get_a_clear_error_and_lose_nothing(tmp
         bank.compact("embeddings")
     assert sorted(bank.parts("embeddings")) == ["unit-1", "unit-2"]
     assert not [f for f in (bank.path / "embeddings").iterdir() if f.name.startswith((".compact", "all-"))]
+
+
+# -- tiered: a large compacted part is left alone --------------------------------------------------------------
+def _sorted_rows(bank: Bank, name: str) -> pa.Table:
+    return bank.read(name).sort_by([(k, "ascending") for k in KEYS[name]])
+
+
+def test_an_append_merges_only_its_own_parts_beside_a_large_compacted_one(tmp_path: Path) -> None:
+    """A compacted part of 900 rows and two unit parts of 50 new keys each: the large part stays (the same
+    file), the others become one compacted part, and the table reads as one full merge would give it.
+    Appends go on into that second part until it passes an eighth of the large one; then everything is
+    merged into one part again, with the bytes of a compaction done at once."""
+    bank = Bank.create(tmp_path / "bank")
+    bank.write_part("embeddings", "unit-0", _embeddings([f"{i:05d}" for i in range(900)], seed=0))
+    bank.compact("embeddings")
+    (base,) = bank.parts("embeddings")
+    base_bytes = (bank.path / "embeddings" / f"{base}.parquet").read_bytes()
+    every = Bank.create(tmp_path / "every")  # the same parts, compacted whole each time (the oracle)
+    every.write_part("embeddings", "unit-0", _embeddings([f"{i:05d}" for i in range(900)], seed=0))
+    for n in range(1, 4):  # appends of 2 x 25 rows: 50, 100, then 150 > 900 / 8 rows beside the base
+        for j in range(2):
+            keys = [f"{900 + 50 * (n - 1) + 25 * j + i:05d}" for i in range(25)]
+            for b in (bank, every):
+                b.write_part("embeddings", f"unit-{n}-{j}", _embeddings(keys[::-1], seed=10 * n + j))
+        rows = bank.compact("embeddings")
+        assert rows == 900 + 50 * n == bank.count("embeddings")
+        expected = _sorted_rows(every, "embeddings")
+        assert _sorted_rows(bank, "embeddings").equals(expected)
+        parts = bank.parts("embeddings")
+        if n < 3:
+            assert len(parts) == 2 and base in parts
+            assert (bank.path / "embeddings" / f"{base}.parquet").read_bytes() == base_bytes
+            assert bank.compact("embeddings") == rows and bank.parts("embeddings") == parts  # nothing to merge
+        else:
+            every.compact("embeddings")
+            assert len(parts) == 1 and base not in parts
+            assert _compacted_bytes(bank, "embeddings") == _compacted_bytes(every, "embeddings")
+
+
+def test_a_key_already_in_the_large_part_merges_everything_and_the_later_row_wins(tmp_path: Path) -> None:
+    """A retried row (a key of the compacted part written again with other values): the later row must win,
+    which only one merged part can promise, so everything is merged."""
+    bank = Bank.create(tmp_path / "bank")
+    bank.write_part("embeddings", "unit-0", _embeddings([f"{i:05d}" for i in range(900)], seed=0))
+    bank.compact("embeddings")
+    retried = _embeddings(["00007", "99999"], seed=5)
+    bank.write_part("embeddings", "unit-1", retried)
+    bank.compact("embeddings")
+    assert len(bank.parts("embeddings")) == 1
+    got = bank.read("embeddings").to_pydict()
+    i = got["text_hash"].index("00007")
+    assert got["tokens"][i] == 5 and got["vector"][i] == retried.column("vector")[0].as_py()
