@@ -110,8 +110,11 @@ def main() -> None:
     source = args.work / "source"
     if args.bank:
         copy_table(args.bank, source, args.table)
-    else:
-        make_table(source, args.parts, args.rows, append_parts=args.append_parts, append_rows=args.append_rows)
+    else:  # in a process of its own: on Linux a child's ru_maxrss starts at its parent's (fork, then exec)
+        code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import bench_compact as b; "
+                f"from pathlib import Path; b.make_table(Path({str(source)!r}), {args.parts}, {args.rows}, "
+                f"append_parts={args.append_parts}, append_rows={args.append_rows})")
+        subprocess.run([sys.executable, "-c", code], check=True)
     results = {}
     modes = ["streamed"] + (["untiered"] if args.append_parts else []) + ([] if args.streamed_only else ["in-memory"])
     for mode in modes:

@@ -42,11 +42,11 @@ MIN_BATCH_ROWS, MAX_BATCH_ROWS = 256, 65536
 #: as ``embeddings``' vectors, is decoded a row group at a time: 8192 rows, ~13 MB at 384 dimensions) and a
 #: batch of at least MIN_BATCH_ROWS rows, so the fan-in is what this allows (from the files' metadata); more
 #: parts than that are merged in levels, that many consecutive runs into one scratch file each, whose rows
-#: then follow in the same write order. The encode stage writes a part per 512 texts (~0.8 MB a row group):
-#: a 10^6-session history's ~12,000 parts go in one level of 256 runs, then one merge.
+#: then follow in the same write order.
 MERGE_MEMORY_BYTES = 1 << 30
-#: runs merged at once, at most (open files; each round's work grows with the runs)
-MAX_FAN_IN = 256
+#: runs merged at once, at most: each round's work and the batches' count grow with the runs (2,000 parts of
+#: 512 rows: 121 s and 1.37 GB at 256 runs, 87.5 s and 0.70 GB at 64, both in two passes; docs/benchmarks.md)
+MAX_FAN_IN = 64
 #: rows per batch when a part's key columns are checked for key order
 CHECK_BATCH_ROWS = 1 << 16
 

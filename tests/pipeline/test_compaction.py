@@ -201,7 +201,7 @@ bank.parts("embeddings")
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 rows = bank.compact("embeddings")
 after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"rows": rows, "grew_mib": (after - before) / 1024}))
+print(json.dumps({"rows": rows, "grew_mib": (after - before) / 1024, "before_mib": before / 1024}))
 """
 
 
@@ -225,25 +225,30 @@ def _vector_parts(bank: Bank, parts: int, rows: int, dim: int = 384) -> float:
 
 def _compaction_growth(bank: Bank) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, str(bank.path)], capture_output=True, text=True,
-                          env=env, timeout=600)
+    # through a small interpreter: on Linux a child's ru_maxrss starts at its parent's (fork, then exec), and
+    # the test process's would hide the compaction's
+    lean = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+    proc = subprocess.run([sys.executable, "-c", lean, sys.executable, "-c", _MEMORY_CHILD, str(bank.path)],
+                          capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def test_compaction_memory_does_not_grow_with_the_table(tmp_path: Path) -> None:
-    """The process's growth while it compacts (ru_maxrss) is about the same for a table four times the size,
-    and well under the table (the in-memory compaction held it about three times over). The merge's budget
-    is 8 MiB and it merges 8 runs at once, so the larger table (32 parts) goes through a level of scratch
-    files. What stays: one decoded row group per run, one part sorted, one output row group, and the
-    allocator's retained pages."""
+    """The compacting process's growth (ru_maxrss, in a child of a small interpreter) is about the same for a
+    table four times the size, and under twice the larger table. Measured on 2026-12-04: 284 and 237 MiB
+    for 47 and 188 MiB of vectors (the merge's budget 8 MiB, 8 runs at once, so the larger table goes
+    through a level of scratch files); the compaction before grew by 280 and 739 MiB, and fails both
+    bounds. What stays: a floor of ~0.25 GiB of the Parquet writer and the allocator, one decoded row
+    group per run, one part sorted, one output row group."""
     small, large = Bank.create(tmp_path / "small"), Bank.create(tmp_path / "large")
     small_mib, large_mib = _vector_parts(small, 8, 4_000), _vector_parts(large, 32, 4_000)
     got_small, got_large = _compaction_growth(small), _compaction_growth(large)
     assert (got_small["rows"], got_large["rows"]) == (8 * 4_000, 32 * 4_000)
     assert large_mib == 4 * small_mib > 180
-    assert got_large["grew_mib"] < large_mib / 2, (got_small, got_large, large_mib)
-    assert got_large["grew_mib"] < got_small["grew_mib"] + 30, (got_small, got_large, large_mib)
+    assert got_large["before_mib"] < 400, got_large  # the child's own start, not the test process's
+    assert got_large["grew_mib"] < 2 * large_mib, (got_small, got_large, large_mib)
+    assert got_large["grew_mib"] < got_small["grew_mib"] + 60, (got_small, got_large, large_mib)
 
 
 def test_a_kill_in_the_middle_of_the_merge_leaves_scratch_that_the_next_compaction_deletes(tmp_path: Path) -> None:
