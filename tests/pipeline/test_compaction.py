@@ -347,3 +347,29 @@ def test_a_key_already_in_the_large_part_merges_everything_and_the_later_row_win
     got = bank.read("embeddings").to_pydict()
     i = got["text_hash"].index("00007")
     assert got["tokens"][i] == 5 and got["vector"][i] == retried.column("vector")[0].as_py()
+
+
+def test_a_kill_while_an_append_is_merged_beside_the_large_part_leaves_it_untouched(tmp_path: Path) -> None:
+    """SIGKILL in the middle of the merge of an append's parts (the tiered path): the large part's bytes and
+    every row stay; the next compaction finishes with the large part as it was."""
+    import signal
+
+    bank = Bank.create(tmp_path / "bank")
+    bank.write_part("embeddings", "unit-0", _embeddings([f"{i:05d}" for i in range(900)], seed=0))
+    bank.compact("embeddings")
+    (base,) = bank.parts("embeddings")
+    base_bytes = (bank.path / "embeddings" / f"{base}.parquet").read_bytes()
+    bank.write_part("embeddings", "unit-1", _embeddings([f"{i:05d}" for i in range(999, 949, -1)], seed=1))
+    before = _sorted_rows(bank, "embeddings")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path), "MEMGAS_FAULT": "kill@bank:compact:merging"}
+    code = f"from memgas.pipeline.bank import Bank; Bank({str(bank.path)!r}).compact('embeddings')"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert sorted(Bank(bank.path).parts("embeddings")) == sorted([base, "unit-1"])
+    assert _sorted_rows(Bank(bank.path), "embeddings").equals(before)
+    assert Bank(bank.path).compact("embeddings") == 950
+    after = Bank(bank.path)
+    assert len(after.parts("embeddings")) == 2 and base in after.parts("embeddings")
+    assert (bank.path / "embeddings" / f"{base}.parquet").read_bytes() == base_bytes
+    assert _sorted_rows(after, "embeddings").equals(before)
+    assert not [f for f in (bank.path / "embeddings").iterdir() if f.name.startswith(".")]
