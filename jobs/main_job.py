@@ -257,7 +257,9 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     session order). Each history is prepared once before the timer, as a query server holds it
     (:class:`~memgas.pipeline.prepared.PreparedGraph`: its node matrix and the graph of the method's edges,
     built for the configured PPR kernel); only the per-question ranking is timed. A history longer than one
-    node block is read in blocks spilled to files, as the rank stage reads it in-process, never whole."""
+    node block is read in blocks spilled to files, as the rank stage reads it in-process, never whole: each
+    question reads them through their memory maps (page cache), with the machine's cores (``ray.num_cpus``
+    if set) sharing the blocks."""
     import numpy as np
     from memgas.jobs.stages.node_blocks import HistoryBlocks
     from memgas.jobs.stages.rank import edges_of, query_vectors, session_ids
@@ -282,6 +284,9 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     r = ctx.cfg.retrieval
     device = kernel_device(ctx, r.device)
+    # a query server's cores share each question's scan of the node rows (the same bits with any number);
+    # the job's Ray tasks are done by now
+    threads = ctx.cfg.ray.num_cpus or len(os.sched_getaffinity(0))
     graphs = {}
     for h in hids:
         if h in long:  # row blocks spilled to files (they live as long as the graph's NodeBlocks)
@@ -291,7 +296,7 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
         else:
             continue
         e = {mode: edges.get((h, mode), empty) for mode in ("gmm", "topk")}
-        graphs[h] = PreparedGraph(nodes, e, device=device).prepare([method], ppr=r.ppr)
+        graphs[h] = PreparedGraph(nodes, e, device=device, scan_threads=threads).prepare([method], ppr=r.ppr)
     del loader, edges  # the loader's vectors: the prepared graphs hold the node matrices
     qv = query_vectors(bank, queries["question"].tolist(), key)
     samples = []

@@ -25,6 +25,11 @@ single-granularity baselines (float32 ``sgemm``/``sgemv``) are blocked the same 
 one block (cuBLAS picks its algorithm per shape, and no device run has checked blocks against the whole
 product; the device holds the float64 copy).
 
+One question at a time (a query server, the job's latency probe) is a ``gemv`` over every node row, bound by
+memory bandwidth: the rows are read where they lie (:meth:`NodeBlocks.pieces`: an array, Ray's object store, a
+spill file's memory map), converted to float64 :data:`GEMV_ROWS` rows at a time, so that BLAS reads them from
+the cache, and the blocks may be shared by ``scan_threads`` threads.
+
 Query chunks. A batch's arrays are ``[Q, 4S]`` float64 (below), 6.4 GB each for 200 questions at 10^6 sessions.
 :meth:`PreparedGraph.rank_top` (the rank stage's call) ranks the questions :data:`RANK_QUERY_CHUNK` at a time,
 and keeps each method's top sessions, where that leaves every question's bits as the whole batch gives them:
@@ -65,6 +70,13 @@ SIM_BLOCK_ROWS = 8192
 #: others of its batch (module docstring, "Query chunks"). A module constant, never a setting: it bounds the
 #: ``[Q, 4S]`` arrays (16 questions at 10^6 sessions: 0.5 GB each) and nothing else.
 RANK_QUERY_CHUNK = 16
+
+#: node rows per ``gemv`` call when one question's similarities are computed (the latency path): 512 rows are
+#: 1.5 MiB as float64, so the converted block is still in the CPU's cache when BLAS reads it. A module
+#: constant, never a setting: a multiple of 64, so the rows BLAS's gemv kernels take together (groups of 4 to
+#: 64 rows, a remainder at the end) fall as in one call over the whole matrix; the bits are that call's
+#: (``tests/pipeline/test_prepared.py``).
+GEMV_ROWS = 512
 
 
 def row_spans(n_rows: int, block_rows: int = SIM_BLOCK_ROWS) -> list[tuple[int, int]]:
@@ -119,10 +131,15 @@ class PreparedGraph:
     ``shape`` whose ``[lo:hi]`` gives those rows as float32, e.g. ``NodeBlocks``). ``edges``: ``{"gmm": (src,
     dst), "topk": (src, dst)}`` as the associate stage stored them (a missing mode has no edges). ``hybrid``:
     ``[S, d]`` for the hybrid baseline (array or row blocks). Graphs are built on first use and kept.
+    ``scan_threads``: threads that share the similarities' node blocks on the host (the same bits with any
+    number; a query server's cores; a Ray task keeps its one CPU).
     """
 
     def __init__(self, nodes: Any, edges: dict[str, tuple[Any, Any]] | None = None, *, hybrid: Any = None,
-                 device: str = "cpu") -> None:
+                 device: str = "cpu", scan_threads: int = 1) -> None:
+        if int(scan_threads) < 1:
+            raise ValueError(f"scan_threads must be >= 1, got {scan_threads}")
+        self.scan_threads = int(scan_threads)
         shape = tuple(nodes.shape)
         if len(shape) != 2 or shape[0] % N_GRAN:
             raise ValueError(f"node_emb must have 4*S rows, got {shape[0] if shape else shape}")
@@ -199,12 +216,38 @@ class PreparedGraph:
         if len(spans) == 1:
             return q64 @ self.nodes[: self.n_nodes].astype(xp.float64).T
         out = xp.empty((q.shape[0], self.n_nodes), xp.float64)
-        buf = xp.empty((max(hi - lo for lo, hi in spans), self.dim), xp.float64)  # reused: no page faults per block
-        for lo, hi in spans:
-            blk = buf[: hi - lo]
-            blk[...] = self.nodes[lo:hi]
-            out[:, lo:hi] = q64 @ blk.T
+        # one question (gemv): sub-blocks of GEMV_ROWS rows, whose float64 copy stays in the CPU's cache;
+        # gemm keeps whole spans (its kernel depends on the size: module docstring)
+        step = GEMV_ROWS if q.shape[0] == 1 else None
+        width = step or max(hi - lo for lo, hi in spans)
+
+        def scan(mine: list[tuple[int, int]]) -> None:
+            buf = xp.empty((width, self.dim), xp.float64)  # reused: no page faults per block
+            for lo, hi in mine:
+                pieces = self._pieces(lo, hi)
+                for a in range(lo, hi, step or hi - lo):
+                    b = min(hi, a + (step or hi - lo))
+                    blk = buf[: b - a]
+                    for pa, pb, rows in pieces:  # float32 -> float64 straight from the source rows
+                        if pa < b and pb > a:
+                            blk[max(a, pa) - a : min(b, pb) - a] = rows[max(a, pa) - pa : min(b, pb) - pa]
+                    out[:, a:b] = q64 @ blk.T
+
+        if self.scan_threads == 1:
+            scan(spans)
+        else:  # each span's bits are its own (module docstring), so threads change no bit; BLAS and NumPy's
+            # casts release the GIL
+            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+            with ThreadPoolExecutor(self.scan_threads) as pool:
+                list(pool.map(scan, [spans[i :: self.scan_threads] for i in range(self.scan_threads)]))
         return out
+
+    def _pieces(self, lo: int, hi: int) -> list[tuple[int, int, Any]]:
+        """Node rows ``[lo, hi)`` as ``(a, b, rows)`` pieces, views where the source allows (NodeBlocks)."""
+        if hasattr(self.nodes, "pieces"):
+            return self.nodes.pieces(lo, hi)
+        return [(lo, hi, self.nodes[lo:hi])]
 
     def baseline_scores(self, queries: Any, granularity: str) -> Any:
         """float32 ``[Q, S]`` of a single-granularity baseline (``hybrid``: the hybrid embeddings), over the

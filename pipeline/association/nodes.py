@@ -49,9 +49,22 @@ class NodeFile:
             raise ValueError(f"{self.path}: n_nodes={n_nodes} is not a whole-session prefix of {shape[0]} nodes")
         self.shape: tuple[int, int] = (n, int(shape[1]))
         self.dtype = np.dtype(np.float32)
+        self._map: np.ndarray | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_map": None}
 
     def __len__(self) -> int:
         return self.shape[0]
+
+    def mapped(self) -> np.ndarray:
+        """The rows as a read-only memory map, opened once and kept: for a scan that reads every row again and
+        again (the similarities of each question, :mod:`memgas.pipeline.prepared`), where a ``pread`` per
+        block would copy the file each time. Its pages are the page cache's (shared, clean: counted in RSS
+        as file pages while mapped, never private memory). Scattered reads use ``[idx]`` instead (above)."""
+        if self._map is None:
+            self._map = np.memmap(self.path, np.float32, "r", self.offset, self.shape)
+        return self._map
 
     def __getitem__(self, key: Any) -> np.ndarray:
         n, d = self.shape

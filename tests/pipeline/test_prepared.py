@@ -19,6 +19,7 @@ from memgas.kernels.router import entropy_router
 from memgas.kernels.segment import segment_sum_contiguous
 from memgas.kernels.topk import stable_argsort_desc
 from memgas.pipeline.association.blocks import NodeBlocks
+from memgas.pipeline.association.nodes import NodeFile
 from memgas.pipeline.methods import get_method
 from memgas.pipeline import prepared
 from memgas.pipeline.prepared import SIM_BLOCK_ROWS, PreparedGraph, row_spans, seed_reset
@@ -42,21 +43,28 @@ def test_row_spans() -> None:
 
 
 @pytest.mark.parametrize("n_queries", [1, 2, 5, 33])
-def test_blocked_products_equal_the_whole_matrix(n_queries: int) -> None:
+def test_blocked_products_equal_the_whole_matrix(n_queries: int, tmp_path) -> None:
     """Three blocks and a remainder of real-size rows (d = 384): similarities (float64, gemv for one query,
     gemm otherwise) and baselines (float32, strided granularity rows; the contiguous hybrid matrix) have the
-    bits of one product over the whole matrix, from an array and from NodeBlocks of another block size."""
+    bits of one product over the whole matrix, from an array, from NodeBlocks of another block size (arrays,
+    and spill files read through their memory maps), with one scan thread or three."""
     rng = np.random.default_rng(n_queries)
     n, d = 3 * SIM_BLOCK_ROWS + 4 * 97, 384
     E = rng.standard_normal((n, d)).astype(np.float32)
     H = rng.standard_normal((n // 4, d)).astype(np.float32)
     q = rng.standard_normal((n_queries, d)).astype(np.float32)
-    blocks = NodeBlocks([E[i : i + 4 * 3000] for i in range(0, n, 4 * 3000)], 4 * 3000, n, d)
+    step = 4 * 3000  # not a multiple of GEMV_ROWS: a gemv block then spans two node blocks
+    blocks = NodeBlocks([E[i : i + step] for i in range(0, n, step)], step, n, d)
+    files = []
+    for i in range(0, n, step):
+        np.save(tmp_path / f"{i}.npy", E[i : i + step])
+        files.append(NodeFile(tmp_path / f"{i}.npy"))
+    spilled = NodeBlocks(files, step, n, d)
     with one_blas_thread():
         whole = q.astype(np.float64) @ E.astype(np.float64).T
-        for nodes in (E, blocks):
-            g = PreparedGraph(nodes, hybrid=H)
-            assert _bits(g.similarities(q)) == _bits(whole)
+        for nodes, threads in ((E, 1), (blocks, 1), (spilled, 1), (E, 3), (spilled, 3)):
+            g = PreparedGraph(nodes, hybrid=H, scan_threads=threads)
+            assert _bits(g.similarities(q)) == _bits(whole), (type(nodes).__name__, threads)
             for i, gran in enumerate(BASELINES[:4]):
                 assert _bits(g.baseline_scores(q, gran)) == _bits(q @ E[i::4].T), gran
             assert _bits(g.baseline_scores(q, "hybrid")) == _bits(q @ H.T)
