@@ -15,6 +15,7 @@ import platform
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -255,11 +256,26 @@ def _latency_probe(ctx: StageContext, profile: bool) -> dict[str, Any]:
 def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "memgas") -> dict[str, float]:
     """Latency of ranking one query at a time (similarities, router, seeds, PPR on its history's stored graph,
     session order). Each history is prepared once before the timer, as a query server holds it
-    (:class:`~memgas.pipeline.prepared.PreparedGraph`: its node matrix and the graph of the method's edges,
-    built for the configured PPR kernel); only the per-question ranking is timed. A history longer than one
-    node block is read in blocks spilled to files, as the rank stage reads it in-process, never whole: each
-    question reads them through their memory maps (page cache), with the machine's cores (``ray.num_cpus``
-    if set) sharing the blocks."""
+    (:func:`prepared_questions`); only the per-question ranking is timed."""
+    if method not in ctx.cfg.retrieval.methods:
+        return {}
+    r = ctx.cfg.retrieval
+    samples = []
+    for graph, qv in prepared_questions(ctx, n_queries, method, [r.ppr]):
+        t0 = time.perf_counter()
+        graph.rank(qv, [method], num_seeds=r.num_seeds, damping=r.damping, temp=r.temp, router=r.router, ppr=r.ppr,
+                   ppr_epsilon=r.ppr_epsilon)
+        samples.append(time.perf_counter() - t0)
+    return percentiles_ms(samples)
+
+
+def prepared_questions(ctx: StageContext, n_queries: int, method: str, ppr: list[str]) -> Iterator[tuple[Any, Any]]:
+    """The bank's first ``n_queries`` questions, one at a time, each as (its history's
+    :class:`~memgas.pipeline.prepared.PreparedGraph`, its query vector ``[1, d]``). Every history is prepared
+    first (its node matrix and the graph of ``method``'s edges, built for each PPR kernel of ``ppr``). A history
+    longer than one node block is read in blocks spilled to files, as the rank stage reads it in-process, never
+    whole: each question reads them through their memory maps (page cache), with the machine's cores
+    (``ray.num_cpus`` if set) sharing the blocks. Questions of a history without nodes are skipped."""
     import numpy as np
     from memgas.jobs.stages.node_blocks import HistoryBlocks
     from memgas.jobs.stages.rank import edges_of, query_vectors, session_ids
@@ -268,12 +284,10 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     from memgas.pipeline.prepared import PreparedGraph
     from memgas.pipeline.schema import N_GRAN
 
-    if method not in ctx.cfg.retrieval.methods:
-        return {}
     bank = ctx.bank
     queries = bank.read("queries", ["query_id", "history_id", "question"]).to_pandas().head(n_queries)
     if queries.empty:
-        return {}
+        return
     hids = sorted(set(queries["history_id"]))
     key = keys.encoder_key(ctx)
     rows = {h: N_GRAN * len(s) for h, s in session_ids(bank, hids).items()}
@@ -282,8 +296,7 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     loader = matrix_loader(ctx, short) if short else None
     edges = edges_of(bank, hids, tables.current_parts(ctx, "edges"))
     empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    r = ctx.cfg.retrieval
-    device = kernel_device(ctx, r.device)
+    device = kernel_device(ctx, ctx.cfg.retrieval.device)
     # a query server's cores share each question's scan of the node rows (the same bits with any number);
     # the job's Ray tasks are done by now
     threads = ctx.cfg.ray.num_cpus or len(os.sched_getaffinity(0))
@@ -296,18 +309,14 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
         else:
             continue
         e = {mode: edges.get((h, mode), empty) for mode in ("gmm", "topk")}
-        graphs[h] = PreparedGraph(nodes, e, device=device, scan_threads=threads).prepare([method], ppr=r.ppr)
+        graphs[h] = PreparedGraph(nodes, e, device=device, scan_threads=threads)
+        for kind in ppr:
+            graphs[h].prepare([method], ppr=kind)
     del loader, edges  # the loader's vectors: the prepared graphs hold the node matrices
     qv = query_vectors(bank, queries["question"].tolist(), key)
-    samples = []
     for i, q in enumerate(queries.itertuples(index=False)):
-        if q.history_id not in graphs:
-            continue
-        t0 = time.perf_counter()
-        graphs[q.history_id].rank(qv[i : i + 1], [method], num_seeds=r.num_seeds, damping=r.damping, temp=r.temp,
-                                  router=r.router, ppr=r.ppr, ppr_epsilon=r.ppr_epsilon)
-        samples.append(time.perf_counter() - t0)
-    return percentiles_ms(samples)
+        if q.history_id in graphs:
+            yield graphs[q.history_id], qv[i : i + 1]
 
 
 def _git_commit() -> str:

@@ -25,8 +25,9 @@ def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
     args = bench_huge_history.parser().parse_args([
         "--through-job", "--sizes", "64", "--append", "8", "--queries", "8", "--tmp", str(tmp), "--no-ray",
         "--in-process", "--set", "association.ivf_exact_nodes=128", "--set", "association.ivf_nlist=2",
-        "--set", "association.ivf_nprobe=1"])
+        "--set", "association.ivf_nprobe=1", "--keep"])
     (r,) = huge_history_job.main(args)
+    r["work"] = tmp / "n64"
     return r
 
 
@@ -55,6 +56,24 @@ def test_through_job_queries(result: dict) -> None:
     assert result["append_answer_push"]["rank_s"] > 0
     # the history grew, so its questions are ranked again (the bench's nodes are stored as the stage's part)
     assert result["append_answer_push"]["histories_ranked"] == 1
+
+
+def test_agreement_one_question_at_a_time(result: dict) -> None:
+    """Where the exact answer does not fit (10^6 sessions), the bench compares push with the exact PPR one
+    question at a time on the prepared graph (here on the bank after the append, 72 sessions): every question's
+    top-10 agrees, as it did between the two answer runs before the append."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import huge_history_job
+    finally:
+        sys.path.remove(str(BENCH))
+    from memgas.pipeline.config import MemgasConfig
+
+    cfg = MemgasConfig.load(result["work"] / "config.yaml", ["association.search=ivf", "association.ivf_exact_nodes=128",
+                                                             "association.ivf_nlist=2", "association.ivf_nprobe=1"])
+    got = huge_history_job.agreement_probe(cfg, 8)
+    assert got["queries"] == 8 and got["how"] == "one question at a time"
+    assert got["top10_equal"] == 8 and result["push_agreement"]["top10_equal"] == 8
 
 
 def test_a_commands_peak_rss_is_its_own_not_the_benchs(tmp_path: Path) -> None:
