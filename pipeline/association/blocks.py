@@ -76,19 +76,15 @@ class NodeBlocks:
         """Rows ``[lo, hi)`` as ``(a, b, rows a..b)`` per block they span, without a copy where the handle
         allows: an array's view, Ray's zero-copy array (read-only), a :class:`NodeFile`'s kept memory map.
         For a reader that copies the rows anyway (the float64 similarities' buffer), so that they are copied
-        once, not once more here; the cache of :meth:`_block` is not used, so threads may call this at once."""
+        once, not once more here. Threads may call this at once (the last fetched block is one reference,
+        replaced whole)."""
         n, B = self.shape[0], self.block_rows
         if not 0 <= lo <= hi <= n:
             raise IndexError(f"rows [{lo}, {hi}) outside [0, {n})")
         out = []
         for i in range(lo // B, -(-hi // B)) if hi > lo else ():
             h = self.blocks[i]
-            if is_object_ref(h):
-                import ray
-
-                h = ray.get(h)
-            elif hasattr(h, "mapped"):
-                h = h.mapped()
+            h = h.mapped() if hasattr(h, "mapped") else self._block(i)  # Ray's: fetched once while it is read
             a, b = max(lo, i * B), min(hi, (i + 1) * B)
             if len(h.shape) != 2 or h.shape[0] < b - i * B or h.shape[1] != self.shape[1]:
                 raise ValueError(f"node block {i}: shape {tuple(h.shape)}, expected at least "
