@@ -137,8 +137,8 @@ def write_groups(writer: pq.ParquetWriter, table: pa.Table, rows: int) -> None:
     bytes depend on the rows only (and equal ``pq.write_table`` of a one-chunk table)."""
     if table.num_rows == 0:
         writer.write_table(table)
-    for start in range(0, table.num_rows, rows):
-        writer.write_table(table.slice(start, rows).combine_chunks(), row_group_size=rows)
+    for group in regroup([table], rows):  # the compaction's grouping of a stream, here of one table
+        writer.write_table(group, row_group_size=rows)
 
 
 def _write_parquet(path: str | Path, table: pa.Table, name: str | None) -> None:

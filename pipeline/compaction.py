@@ -13,7 +13,7 @@ rows of a part), in key order. It is never all in memory: a content table of a 1
   their next batch. A key's rows are therefore always decided together, whatever the batch sizes.
 - **Output.** Rows go out in row groups of exactly the table's group size, each column of a group one
   contiguous array: Parquet's pages depend on how the arrays are chunked, so the bytes depend on the rows
-  only (:func:`memgas.pipeline.bank.write_groups`).
+  only (:func:`regroup`, which :func:`memgas.pipeline.bank.write_groups` uses for every part the bank writes).
 
 A heap merge in Python would compare row by row; this compares once per batch (a binary search of each
 run's buffer) and sorts what is final with Arrow. Memory: the merge's buffers (``budget_bytes`` in all,
