@@ -33,15 +33,17 @@ the cache, and the blocks may be shared by ``scan_threads`` threads.
 Query chunks. A batch's arrays are ``[Q, 4S]`` float64 (below), 6.4 GB each for 200 questions at 10^6 sessions.
 :meth:`PreparedGraph.rank_top` (the rank stage's call) ranks the questions :data:`RANK_QUERY_CHUNK` at a time,
 and keeps each method's top sessions, where that leaves every question's bits as the whole batch gives them:
-- no method runs the exact PPR, whose iterations stop when the whole batch has converged (push PPR runs each
-  question alone, and the other steps are row by row: the router's entropies, the seeds, the segment sums);
+- every step is row by row: the router's entropies, the seeds, the segment sums, push PPR (each question
+  pushed alone) and, since 2026-12-04, the exact PPR (each question converges on its own and every sum over
+  nodes is its own column's, ``kernels/ppr.py``; before, its iterations stopped when the whole batch had
+  converged, so it kept the whole batch);
 - the kernels run on the host (cuBLAS picks its algorithm per shape; no device run has checked chunks);
 - the history has at least :data:`SIM_BLOCK_ROWS` node rows, so that a chunk of 2 questions still takes BLAS's
   large-matrix kernel for every block (the argument above), and no chunk is a single question (a lone last
   question joins the chunk before it: one query would be ``gemv``).
 Otherwise the batch is one chunk. ``tests/pipeline/test_prepared.py`` checks chunks against the whole batch.
 
-Not per query: a batch's arrays are ``[Q, 4S]`` float64 (similarities, node scores, reset rows, the exact
+Not per query: a chunk's arrays are ``[Q, 4S]`` float64 (similarities, node scores, reset rows, the exact
 PPR's iterates), so a history's ranking needs about ten times ``Q * 4S * 8`` bytes at its peak (exact PPR),
 plus one node-row block and its float64 copy (``SIM_BLOCK_ROWS`` to ``2 * SIM_BLOCK_ROWS`` rows), plus the
 graph (CSR: 12 bytes per directed edge; push: 16 more).
@@ -273,13 +275,11 @@ class PreparedGraph:
         return out
 
     # -- ranking ----------------------------------------------------------------------------------------------
-    def query_chunks(self, n_queries: int, methods: list[str], ppr: str | None) -> list[tuple[int, int]]:
+    def query_chunks(self, n_queries: int) -> list[tuple[int, int]]:
         """``[lo, hi)`` spans of the questions that :meth:`rank_top` ranks together (module docstring, "Query
         chunks"): :data:`RANK_QUERY_CHUNK` each, the last one taking a lone remainder; one span where a
         question's bits could depend on the batch."""
-        kind, _ = ppr_settings(ppr, 1.0)
-        exact_ppr = kind == "exact" and any(get_method(m).is_graph and get_method(m).ppr for m in methods)
-        if exact_ppr or self.xp is not np or self.n_nodes < SIM_BLOCK_ROWS or n_queries <= RANK_QUERY_CHUNK:
+        if self.xp is not np or self.n_nodes < SIM_BLOCK_ROWS or n_queries <= RANK_QUERY_CHUNK:
             return [(0, n_queries)]
         cuts = list(range(0, n_queries, RANK_QUERY_CHUNK)) + [n_queries]
         if cuts[-1] - cuts[-2] == 1:
@@ -294,7 +294,7 @@ class PreparedGraph:
         q = np.asarray(queries, np.float32) if not type(queries).__module__.startswith("cupy") else queries
         k = min(top, self.n_sessions)
         parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {m: [] for m in methods}
-        for lo, hi in self.query_chunks(int(q.shape[0]), methods, settings.get("ppr")):
+        for lo, hi in self.query_chunks(int(q.shape[0])):
             for m, (order, scores) in self.rank(q[lo:hi], methods, **settings).items():
                 head = order[:, :k]
                 parts[m].append((head, np.take_along_axis(scores, head, axis=1)))

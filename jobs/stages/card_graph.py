@@ -193,6 +193,7 @@ class CardGraphRankStage(HistoryShardStage):
     over the card graph's edges)."""
 
     name = "card-graph-rank"
+    version = "2"  # the exact PPR converges per question (kernels/ppr.py): other bits than version 1
     reads = ("queries", "nodes", "node_vectors", "cards", "card_graph_vectors", "card_graph_edges")
     writes = (CARD_GRAPH_RANKINGS,)
     fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp", "retrieval.router",

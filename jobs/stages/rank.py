@@ -14,11 +14,12 @@ Peak memory per history, Q its questions, S its sessions, d the vectors' size, E
   hybrid baseline, the ``[S, d]`` hybrid vectors (a quarter of the node matrix, read whole);
 - task: one node block, one float64 similarity block (8,192 to 16,383 rows, ``PreparedGraph``), the graph
   (CSR: about 24 bytes per stored edge; push adds 32), and the batch's ``[Q, 4S]`` float64 arrays: about ten
-  at the exact PPR's peak (similarities, node scores, reset, PPR iterates), so ``~10 * Q * 4S * 8`` bytes. The
-  batch is a history's questions together (the exact PPR's iterations, and so its bits, depend on the batch):
-  that term grows with Q * S and bounds the history that fits (200 questions at 10^6 sessions: ~64 GB). Under
-  push PPR (and on the host) the questions go 16 at a time (``PreparedGraph.rank_top``, the same bits), so
-  that term is a few arrays of ``16 * 4S * 8`` bytes (0.5 GB each at 10^6 sessions), whatever Q.
+  at the exact PPR's peak (similarities, node scores, reset, PPR iterates), so ``~10 * Q * 4S * 8`` bytes. On
+  the host, over a history of at least ``SIM_BLOCK_ROWS`` node rows, the questions go 16 at a time
+  (``PreparedGraph.rank_top``, the same bits as the whole batch, under push and, since each question's exact
+  PPR converges on its own, under exact PPR too), so that term is about ten arrays of ``16 * 4S * 8`` bytes
+  (0.5 GB each at 10^6 sessions), whatever Q. On a GPU the batch is a history's questions together (~64 GB
+  for 200 questions at 10^6 sessions).
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ class RankStage(RankedShardStage):
     changed since the run directory's last answer are ranked (:mod:`memgas.jobs.stages.ranked`)."""
 
     name = "rank"
-    version = "2"  # parts per shard of changed histories, named by config (version 1: by fingerprint)
+    # 3: the exact PPR converges per question (kernels/ppr.py), so its bits no longer depend on the batch;
+    # 2: parts per shard of changed histories, named by config (version 1: by fingerprint)
+    version = "3"
     reads = ("queries", "nodes", "node_vectors", "edges")
     writes = (RANKED, RANKINGS)
     fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp", "retrieval.router",

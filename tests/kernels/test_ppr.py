@@ -121,6 +121,28 @@ def test_blocked_convergence_check_is_exact(monkeypatch: pytest.MonkeyPatch, che
         np.testing.assert_array_equal(personalized_pagerank(A, R, **kw), r)
 
 
+@pytest.mark.parametrize("damping", [0.1, 0.85])
+@pytest.mark.parametrize("n", [120, 3000])
+def test_a_question_has_the_same_bits_alone_and_in_any_batch(damping: float, n: int) -> None:
+    """Each question converges on its own and every sum over nodes is its own, so its row is the same bits
+    alone, in the whole batch, in a reversed subset: what lets the rank stage rank questions in chunks under
+    the exact PPR. Questions that converge at different iterations (reset rows of very different spreads),
+    dangling nodes, an all-zero row. The kernel before (sums over axis 0, one convergence test for the
+    batch) failed this: its rows moved with the batch."""
+    rng = np.random.default_rng(n)
+    s, t = random_graph(rng, n, 3 * n, n_isolated=n // 12)
+    A = build_csr(s, t, n)
+    R = rng.random((7, n)) * (rng.random((7, n)) < np.array([0.002, 0.01, 0.05, 0.2, 0.5, 0.9, 1.0])[:, None])
+    R[0] = 0.0
+    R[1, -1] = 1.0  # a dangling seed
+    whole = personalized_pagerank(A, R, damping)
+    assert whole[0].sum() == 0 and whole[1:].sum(axis=1) == pytest.approx(1.0)
+    for i in range(R.shape[0]):
+        np.testing.assert_array_equal(personalized_pagerank(A, R[i : i + 1], damping)[0], whole[i])
+    sub = [6, 3, 1, 0]
+    np.testing.assert_array_equal(personalized_pagerank(A, R[sub], damping), whole[sub])
+
+
 @pytest.mark.gpu
 def test_ppr_gpu_matches_cpu() -> None:
     from memgas.kernels.backend import get_xp, to_host

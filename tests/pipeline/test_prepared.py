@@ -4,8 +4,8 @@
   single-granularity baselines (the machine's BLAS: see the module docstring), from arrays or NodeBlocks.
 - On real MiniLM node vectors (LoCoMo fixture) every MemGAS method, exact and push PPR, equals the
   whole-matrix formulation the rank stage used before (CSR and float64 matrix rebuilt per call), byte for byte.
-- One question at a time gives the batch's top-10 (push: each query is pushed alone, so its scores differ from
-  the batch's only through the similarity product's kernel; exact: also through the batch's iteration count).
+- One question at a time gives the batch's top-10 (push and exact PPR both run each question on its own, so
+  its scores differ from the batch's only through the similarity product's kernel: gemv for one, gemm for many).
 """
 from __future__ import annotations
 
@@ -137,24 +137,20 @@ def test_one_question_at_a_time_gives_the_batch_top10(histories: list, ppr: str)
 
 
 def test_query_chunks() -> None:
-    """Chunks only where no exact PPR runs, on the host, over a history of at least SIM_BLOCK_ROWS rows; never a
-    lone question."""
+    """Chunks on the host, over a history of at least SIM_BLOCK_ROWS rows; never a lone question."""
     C = prepared.RANK_QUERY_CHUNK
     long = PreparedGraph(np.zeros((SIM_BLOCK_ROWS, 4), np.float32))
     short = PreparedGraph(np.zeros((SIM_BLOCK_ROWS - 4, 4), np.float32))
-    assert long.query_chunks(2 * C + 3, ["memgas"], "push") == [(0, C), (C, 2 * C), (2 * C, 2 * C + 3)]
-    assert long.query_chunks(2 * C + 1, ["memgas"], "push") == [(0, C), (C, 2 * C + 1)]  # the lone one joins
-    assert long.query_chunks(C, ["memgas"], "push") == [(0, C)]
-    assert long.query_chunks(2 * C + 3, ["memgas"], "exact") == [(0, 2 * C + 3)]  # the batch's iterations
-    assert long.query_chunks(2 * C + 3, ["session", "memgas-no-ppr"], "exact") == [(0, C), (C, 2 * C), (2 * C, 2 * C + 3)]
-    assert short.query_chunks(2 * C + 3, ["memgas"], "push") == [(0, 2 * C + 3)]
+    assert long.query_chunks(2 * C + 3) == [(0, C), (C, 2 * C), (2 * C, 2 * C + 3)]
+    assert long.query_chunks(2 * C + 1) == [(0, C), (C, 2 * C + 1)]  # the lone one joins
+    assert long.query_chunks(C) == [(0, C)]
+    assert short.query_chunks(2 * C + 3) == [(0, 2 * C + 3)]
 
 
 @pytest.mark.parametrize("n_queries", [35, 33])
 def test_rank_top_in_chunks_equals_the_whole_batch(n_queries: int) -> None:
-    """Every method under push PPR (and the methods without PPR under exact), ranked in query chunks, has the
-    bits of the whole batch's ranking in its top rows; with three blocks of real-size rows and a lone last
-    question (33 = 16 + 17)."""
+    """Every method under push and under exact PPR, ranked in query chunks, has the bits of the whole batch's
+    ranking in its top rows; with three blocks of real-size rows and a lone last question (33 = 16 + 17)."""
     rng = np.random.default_rng(n_queries)
     n, d = 2 * SIM_BLOCK_ROWS + 4 * 37, 384
     E = rng.standard_normal((n, d)).astype(np.float32)
@@ -165,8 +161,8 @@ def test_rank_top_in_chunks_equals_the_whole_batch(n_queries: int) -> None:
     hybrid = np.ascontiguousarray(E[0::4] + E[2::4])
     with one_blas_thread():
         g = PreparedGraph(E, edges, hybrid=hybrid)
-        for ppr, methods in (("push", GRAPH_METHODS + BASELINES), ("exact", ["memgas-no-ppr"] + BASELINES)):
-            assert len(g.query_chunks(n_queries, methods, ppr)) == 2 + (n_queries == 35)
+        assert len(g.query_chunks(n_queries)) == 2 + (n_queries == 35)
+        for ppr, methods in (("push", GRAPH_METHODS + BASELINES), ("exact", GRAPH_METHODS + BASELINES)):
             whole = g.rank(q, methods, ppr=ppr, ppr_epsilon=1e-4, **SETTINGS)
             tops = g.rank_top(q, methods, 50, ppr=ppr, ppr_epsilon=1e-4, **SETTINGS)
             for m in methods:
