@@ -31,7 +31,8 @@ spill file's memory map), converted to float64 :data:`GEMV_ROWS` rows at a time,
 the cache, and the blocks may be shared by ``scan_threads`` threads.
 
 Query chunks. A batch's arrays are ``[Q, 4S]`` float64 (below), 6.4 GB each for 200 questions at 10^6 sessions.
-:meth:`PreparedGraph.rank_top` (the rank stage's call) ranks the questions :data:`RANK_QUERY_CHUNK` at a time,
+:meth:`PreparedGraph.rank_top` (the rank stage's call) ranks the questions :data:`RANK_QUERY_CHUNK` at a time
+(fewer on a long history, :data:`RANK_CHUNK_ARRAY_BYTES`),
 and keeps each method's top sessions, where that leaves every question's bits as the whole batch gives them:
 - every step is row by row: the router's entropies, the seeds, the segment sums, push PPR (each question
   pushed alone) and, since 2026-12-04, the exact PPR (each question converges on its own and every sum over
@@ -70,8 +71,12 @@ SIM_BLOCK_ROWS = 8192
 
 #: questions ranked together by :meth:`PreparedGraph.rank_top` where a question's bits do not depend on the
 #: others of its batch (module docstring, "Query chunks"). A module constant, never a setting: it bounds the
-#: ``[Q, 4S]`` arrays (16 questions at 10^6 sessions: 0.5 GB each) and nothing else.
+#: ``[Q, 4S]`` arrays and nothing else.
 RANK_QUERY_CHUNK = 16
+#: at most this many bytes per ``[Q, 4S]`` float64 array of a chunk, so a long history takes fewer questions at a
+#: time (8 at 10^6 sessions, where 16 made the exact PPR's rank task 8.5 GB; never fewer than 2, for the reason
+#: above). The chunk's size changes no bit (tests/pipeline/test_prepared.py).
+RANK_CHUNK_ARRAY_BYTES = 256 << 20
 
 #: node rows per ``gemv`` call when one question's similarities are computed (the latency path): 512 rows are
 #: 1.5 MiB as float64, so the converted block is still in the CPU's cache when BLAS reads it. A module
@@ -277,11 +282,13 @@ class PreparedGraph:
     # -- ranking ----------------------------------------------------------------------------------------------
     def query_chunks(self, n_queries: int) -> list[tuple[int, int]]:
         """``[lo, hi)`` spans of the questions that :meth:`rank_top` ranks together (module docstring, "Query
-        chunks"): :data:`RANK_QUERY_CHUNK` each, the last one taking a lone remainder; one span where a
+        chunks"): :data:`RANK_QUERY_CHUNK` each, or fewer where a chunk's ``[Q, 4S]`` arrays would pass
+        :data:`RANK_CHUNK_ARRAY_BYTES` (at least 2), the last one taking a lone remainder; one span where a
         question's bits could depend on the batch."""
-        if self.xp is not np or self.n_nodes < SIM_BLOCK_ROWS or n_queries <= RANK_QUERY_CHUNK:
+        size = max(2, min(RANK_QUERY_CHUNK, RANK_CHUNK_ARRAY_BYTES // (8 * max(1, self.n_nodes))))
+        if self.xp is not np or self.n_nodes < SIM_BLOCK_ROWS or n_queries <= size:
             return [(0, n_queries)]
-        cuts = list(range(0, n_queries, RANK_QUERY_CHUNK)) + [n_queries]
+        cuts = list(range(0, n_queries, size)) + [n_queries]
         if cuts[-1] - cuts[-2] == 1:
             del cuts[-2]
         return list(zip(cuts[:-1], cuts[1:]))

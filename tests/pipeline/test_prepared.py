@@ -147,6 +147,19 @@ def test_query_chunks() -> None:
     assert short.query_chunks(2 * C + 3) == [(0, 2 * C + 3)]
 
 
+def test_query_chunks_shrink_on_a_long_history(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's [Q, 4S] float64 arrays stay within RANK_CHUNK_ARRAY_BYTES, with never fewer than 2 questions."""
+    g = PreparedGraph(np.zeros((SIM_BLOCK_ROWS, 4), np.float32))
+    monkeypatch.setattr(prepared, "RANK_CHUNK_ARRAY_BYTES", 8 * SIM_BLOCK_ROWS * 5)  # room for 5 questions
+    assert g.query_chunks(12) == [(0, 5), (5, 10), (10, 12)]
+    assert g.query_chunks(11) == [(0, 5), (5, 11)]  # the lone one joins
+    monkeypatch.setattr(prepared, "RANK_CHUNK_ARRAY_BYTES", 8 * SIM_BLOCK_ROWS // 2)  # not even one: 2 anyway
+    assert g.query_chunks(5) == [(0, 2), (2, 5)]
+    monkeypatch.undo()
+    n_nodes = 4 * 1_000_000  # 10^6 sessions: 256 MiB hold 8 questions
+    assert prepared.RANK_CHUNK_ARRAY_BYTES // (8 * n_nodes) == 8
+
+
 @pytest.mark.parametrize("n_queries", [35, 33])
 def test_rank_top_in_chunks_equals_the_whole_batch(n_queries: int) -> None:
     """Every method under push and under exact PPR, ranked in query chunks, has the bits of the whole batch's
