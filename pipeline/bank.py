@@ -50,7 +50,7 @@ from memgas.pipeline.compaction import PartUnreadable, SchemasDisagree, merged, 
 from memgas.pipeline.errors import BankError
 from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, read_regular_bytes, regular_file_size
 from memgas.pipeline.process_dirs import process_directory
-from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, schema_for
+from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, VECTOR_TABLES, schema_for
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = True, point: st
 #: of a saved index, jobs/stages/associate.py) a group: Parquet buffers a whole column chunk while it writes
 #: and reads one, several times over (a 1.5 GB index in one group took ~5 GB more to write and ~7 GB to
 #: read; in groups of 64 MiB, 0.5 and 2 GB). Other tables keep the default.
-ROW_GROUP_ROWS = {"embeddings": 8192, "ivf_index": 1}
+ROW_GROUP_ROWS = {"embeddings": 8192, "node_blocks": 8192, "ivf_index": 1}
 
 
 #: Parquet's own default (at most 1 Mi rows a row group), stated so that a table written a group at a time
@@ -422,7 +422,7 @@ class Bank:
         """
         if not part or "/" in part or part.startswith((".", "_")):
             raise ValueError(f"bad part name {part!r}")
-        if name == "embeddings" and dim is None:  # the vectors' fixed size is the dimension
+        if name in VECTOR_TABLES and dim is None:  # the vectors' fixed size is the dimension
             dim = getattr(table.schema.field("vector").type, "list_size", None)
         table = conform(table, schema_for(name, dim), name)
         path = self._dir(name) / f"{part}.parquet"
@@ -443,7 +443,7 @@ class Bank:
         are dropped (see the module docstring). Ingest's own parts of ``texts`` are kept, and rows they
         already hold are not written twice (texts are keyed by content, so those rows are equal).
         """
-        if name == "embeddings" and dim is None:
+        if name in VECTOR_TABLES and dim is None:
             dim = getattr(table.schema.field("vector").type, "list_size", None)
         table = conform(table, schema_for(name, dim), name)
         pinned = self._pinned(name)
@@ -758,6 +758,23 @@ class Bank:
                     yield pa.Table.from_batches([batch], schema)
             except (OSError, pa.ArrowException, KeyError) as exc:
                 raise self._unreadable(name, part, path, exc) from None
+
+    def iter_groups(self, name: str, part: str, columns: list[str], *, batch_rows: int,
+                    groups: list[int] | None = None) -> Iterator[tuple[int, pa.Table]]:
+        """``(row group, rows)`` of one completed part, ``batch_rows`` rows at a time, in row order: every
+        row group, or only ``groups`` (ascending). For a reader that first reads a narrow column to learn
+        which row groups hold what it needs, then reads only those groups' wide columns."""
+        path = self._dir(name) / f"{part}.parquet"
+        try:
+            regular_file_size(path)
+            f = pq.ParquetFile(path, pre_buffer=False, buffer_size=STREAM_BUFFER)
+            schema = pa.schema([f.schema_arrow.field(c) for c in columns])
+            for g in range(f.num_row_groups) if groups is None else groups:
+                for batch in f.iter_batches(batch_size=batch_rows, row_groups=[g], columns=columns,
+                                            use_threads=False):
+                    yield g, pa.Table.from_batches([batch], schema)
+        except (OSError, pa.ArrowException, KeyError) as exc:
+            raise self._unreadable(name, part, path, exc) from None
 
     def read(
         self,

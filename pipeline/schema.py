@@ -375,16 +375,26 @@ KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
+def node_blocks_schema(dim: int) -> pa.Schema:
+    """A stored node block (jobs/stages/block_store.py): a long history's node vectors in node order, one
+    row per node row of the block; which history, block and nodes is in the part's name."""
+    return pa.schema([pa.field("vector", pa.list_(pa.float32(), dim), nullable=False)])
+
+
+#: tables whose schema depends on the encoder's dimension (their ``vector`` column's fixed size)
+VECTOR_TABLES = ("embeddings", "node_blocks")
+
+
 def schema_for(name: str, dim: int | None = None) -> pa.Schema:
-    """The schema of table ``name``; ``dim`` is required for ``embeddings``."""
-    if name == "embeddings":
+    """The schema of table ``name``; ``dim`` is required for the :data:`VECTOR_TABLES`."""
+    if name in VECTOR_TABLES:
         if dim is None:
-            raise ValueError("embeddings_schema needs the encoder dimension")
-        return embeddings_schema(dim)
+            raise ValueError(f"the schema of {name} needs the encoder dimension")
+        return embeddings_schema(dim) if name == "embeddings" else node_blocks_schema(dim)
     try:
         return TABLES[name]
     except KeyError:
-        raise ValueError(f"unknown table {name!r}; known: {sorted([*TABLES, 'embeddings'])}") from None
+        raise ValueError(f"unknown table {name!r}; known: {sorted([*TABLES, *VECTOR_TABLES])}") from None
 
 
 def empty_table(name: str, dim: int | None = None) -> pa.Table:

@@ -1,5 +1,9 @@
 """The vectors of one long history, gathered from ``embeddings`` in ONE pass and spilled to a file.
 
+The pass reads the newest part first and stops when every vector is found; in each part it reads the key
+columns, then the vectors of only the row groups that hold one still needed (:meth:`SpilledVectors._scan`).
+An append's blocks then read the parts its encode wrote, not the large compacted part.
+
 A history longer than one node block (the job's block reader, jobs/stages/node_blocks.py) is read a block
 of sessions at a time. Each block needs a few vectors out of the whole ``embeddings`` table, whose rows are in encode order,
 not in the history's order, so a block's vectors can be anywhere in it: reading them per block scanned the
@@ -115,22 +119,47 @@ class SpilledVectors:
                 yield pa.table(cols)
 
     def _scan(self) -> None:
+        """Newest part first: a part's rows win over every earlier part's, so a slot a later part filled is
+        final, and once every slot is filled the earlier parts are not read (after an append, the new texts'
+        vectors are in the parts the append's encode wrote beside the large compacted part). Within a part,
+        the narrow key columns are read first and the vectors only of the row groups that hold a slot still
+        open. The rows kept are those of one pass in part order, a later row winning."""
         columns = ["text_hash", "encoder", "vector", *self.extra]
-        for t in self.bank.iter_read("embeddings", columns, batch_rows=SCAN_BATCH_ROWS):
-            t = t.filter(pc.less_equal(pc.binary_length(t["text_hash"]), self.width))  # longer: never needed
-            for key, (hashes, first) in self._keys.items():
-                mine = t.filter(pc.equal(t["encoder"], key))
-                if mine.num_rows == 0 or hashes.size == 0:
-                    continue
-                got = fixed_hashes(mine["text_hash"], self.width)
-                pos = np.minimum(np.searchsorted(hashes, got), hashes.size - 1)
-                hit = hashes[pos] == got
-                if not hit.any():
-                    continue
-                rows = mine.filter(pa.array(hit))
-                self._write(first + pos[hit], rows["vector"].combine_chunks())
-                if self.extra:
-                    self._keep_extra(first + pos[hit], rows)
+        final = np.zeros(self.slots, bool)  # filled by a part later than the one being read
+        for part in reversed(self.bank.parts("embeddings")):
+            if final.all():
+                break
+            groups = sorted({g for g, t in self.bank.iter_groups("embeddings", part, ["text_hash", "encoder"],
+                                                                 batch_rows=SCAN_BATCH_ROWS)
+                             if self._matches(t, final)[0].size})
+            if groups:
+                for _, t in self.bank.iter_groups("embeddings", part, columns, batch_rows=SCAN_BATCH_ROWS,
+                                                  groups=groups):
+                    slots, rows = self._matches(t, final)
+                    if slots.size:
+                        self._write(slots, rows["vector"].combine_chunks())
+                        if self.extra:
+                            self._keep_extra(slots, rows)
+            final = self._filled.copy()
+
+    def _matches(self, t: pa.Table, final: np.ndarray) -> tuple[np.ndarray, pa.Table]:
+        """The slots of the rows of ``t`` that are needed and not ``final``, and those rows (in table order)."""
+        t = t.filter(pc.less_equal(pc.binary_length(t["text_hash"]), self.width))  # longer: never needed
+        slots, rows = [], []
+        for key, (hashes, first) in self._keys.items():
+            mine = t.filter(pc.equal(t["encoder"], key))
+            if mine.num_rows == 0 or hashes.size == 0:
+                continue
+            got = fixed_hashes(mine["text_hash"], self.width)
+            pos = np.minimum(np.searchsorted(hashes, got), hashes.size - 1)
+            hit = hashes[pos] == got
+            hit[hit] = ~final[first + pos[hit]]
+            if hit.any():
+                slots.append(first + pos[hit])
+                rows.append(mine.filter(pa.array(hit)))
+        if not slots:
+            return np.zeros(0, np.int64), t.slice(0, 0)
+        return np.concatenate(slots), pa.concat_tables(rows) if len(rows) > 1 else rows[0]
 
     def _write(self, slots: np.ndarray, vectors: pa.FixedSizeListArray) -> None:
         d = vectors.type.list_size

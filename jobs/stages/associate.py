@@ -64,8 +64,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import tables
-from memgas.jobs.keys import encoder_keys
 from memgas.jobs.stage import Active, StageContext
+from memgas.jobs.stages.block_store import chains
 from memgas.jobs.stages.node_blocks import history_nodes, keep_blocks
 from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix, owned
 from memgas.jobs.units import chunk
@@ -76,7 +76,6 @@ from memgas.pipeline.association.segments import (
     Coverage,
     Segment,
     coverage,
-    prefix_digests,
     split_every,
     split_segment,
 )
@@ -89,19 +88,6 @@ MODES = ("gmm", "topk")  # the method's edges and those of the "no GMM" ablation
 
 
 # -- which segments are stored and which must be computed ----------------------------------------------
-def chains(ctx: StageContext) -> dict[str, list[str]]:
-    """Per history, the prefix digests of its sessions (:func:`prefix_digests`). Plan, current parts and
-    finish all need them: computed once per run and state of the nodes table (its committed digest)."""
-    key = ("associate:chains", tables.read_digest(ctx, "nodes"), tuple(sorted(encoder_keys(ctx).items())))
-    if key[1] is not None and key in ctx.cache:
-        return ctx.cache[key]
-    seed = "|".join(f"{k}={v}" for k, v in key[2])
-    out = prefix_digests(ctx.bank.read("nodes", ["history_id", "position", "granularity", "text_hash"]), seed)
-    if key[1] is not None:
-        ctx.cache[key] = out
-    return out
-
-
 def stored_segments(ctx: StageContext, prefix: str) -> dict[str, list[Segment]]:
     """Segments of every part of this config whose edges part is there too."""
     bank, out = ctx.bank, {}

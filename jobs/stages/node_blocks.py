@@ -62,25 +62,33 @@ class HistoryBlockReader:
     ``node_matrix(MatrixLoader(...).get(history))`` (tests/jobs/test_node_blocks.py checks them on
     sessions with several pairs, none, and a session repeated)."""
 
-    def __init__(self, bank: Bank, keys: dict[str, str], history: str, block_rows: int) -> None:
+    def __init__(self, bank: Bank, keys: dict[str, str], history: str, block_rows: int,
+                 from_session: int = 0) -> None:
+        """``from_session``: the first session whose blocks are read (the blocks before it are stored,
+        :mod:`memgas.jobs.stages.block_store`): only the nodes, pairs and vectors of sessions from there on
+        are gathered."""
         self.bank, self.keys, self.history = bank, keys, history
         self.block_sessions = block_rows // N_GRAN
         # the history's session positions: one int column (the rest is read on the first block)
         t = bank.read("nodes", ["history_id", "granularity", "position"], dedupe=False, batch_rows=READ_BATCH_ROWS,
                       filter=(pc.field("history_id") == history) & (pc.field("granularity") == "session"))
         self.positions = np.unique(t["position"].to_numpy())
+        self.first = int(from_session)
         self._vectors: SpilledVectors | None = None
         self._layout: _Layout | None = None
 
     def _prepare(self) -> _Layout:
-        """Every vector of the history, gathered in one pass over ``embeddings``
+        """Every vector of the history's sessions from ``first`` on, gathered in one pass over ``embeddings``
         (:mod:`memgas.pipeline.spilled_vectors`: reading them block by block scanned the whole table once per
-        block), and its nodes and pairs as slots of that spill file."""
+        block), and their nodes and pairs as slots of that spill file."""
         if self._layout is None:
             from memgas.pipeline.spilled_vectors import SpilledVectors
 
+            mine = pc.field("history_id") == self.history
+            if 0 < self.first < self.positions.size:
+                mine = mine & (pc.field("position") >= int(self.positions[self.first]))
             nodes = self.bank.read("nodes", ["position", "granularity", "text_hash"], batch_rows=READ_BATCH_ROWS,
-                                   filter=pc.field("history_id") == self.history)
+                                   filter=mine)
             nodes = nodes.sort_by([("position", "ascending")])  # stable: MatrixLoader's order
             gran = nodes["granularity"]
             sessions = nodes.filter(pc.equal(gran, "session"))["text_hash"]
@@ -93,7 +101,7 @@ class HistoryBlockReader:
             for role, hashes in by_role.items():  # one list per encoder key (roles may share one)
                 need.setdefault(self.keys[role], []).extend(hashes.chunks)
             self._vectors = SpilledVectors(self.bank, {k: pa.chunked_array(c, pa.string()) for k, c in need.items()})
-            self._layout = _Layout.of(nodes, pairs, self.positions, self._vectors, self.keys)
+            self._layout = _Layout.of(nodes, pairs, self.positions[self.first:], self._vectors, self.keys)
         return self._layout
 
     @property
@@ -105,11 +113,11 @@ class HistoryBlockReader:
         from memgas.pipeline.retrieve import stack_nodes
 
         s0, s1 = i * self.block_sessions, min(self.n_sessions, (i + 1) * self.block_sessions)
-        if not 0 <= s0 < s1:
+        if not self.first <= s0 < s1:
             raise BankError(f"{self.bank.path}: history {self.history!r} has no node block {i} "
-                            f"({self.n_sessions} sessions)")
+                            f"({self.n_sessions} sessions, read from session {self.first})")
         lay = self._prepare()
-        rows = lay.block_rows(s0, s1)
+        rows = lay.block_rows(s0 - self.first, s1 - self.first)
         if any(r.size != s1 - s0 for r in rows):
             raise BankError(f"{self.bank.path}: history {self.history!r}: block {i} has "
                             f"{sum(r.size for r in rows)} nodes, expected {N_GRAN * (s1 - s0)}")
@@ -208,8 +216,15 @@ class HistoryBlocks:
 
     def __init__(self, ctx: StageContext, history: str, block_rows: int, use_ray: bool | None = None) -> None:
         """``use_ray``: hand the blocks over through Ray's object store (default: as the stage runs,
-        ``ctx.use_ray``); ``False`` spills them to files, for a reader in this process."""
-        self.reader = HistoryBlockReader(ctx.bank, encoder_keys(ctx), history, block_rows)
+        ``ctx.use_ray``); ``False`` spills them to files, for a reader in this process. Complete blocks are
+        read from the bank's stored blocks where they are there, and stored when they were gathered
+        (:mod:`memgas.jobs.stages.block_store`)."""
+        from memgas.jobs.stages.block_store import StoredBlocks, chains
+
+        self.bank, self.keys, self.history = ctx.bank, encoder_keys(ctx), history
+        chain = chains(ctx).get(history)
+        self.stored = StoredBlocks(ctx.bank, self.keys, history, block_rows, chain) if chain else None
+        self.reader: HistoryBlockReader | None = None  # made at the first block that is not stored
         self.block_rows = block_rows
         self.use_ray = ctx.use_ray if use_ray is None else use_ray
         self.handles: list[Any] = []
@@ -219,7 +234,7 @@ class HistoryBlocks:
     def nodes(self, n_rows: int) -> NodeBlocks:
         """The first ``n_rows`` node vectors, reading the blocks not read yet."""
         while len(self.handles) * self.block_rows < n_rows:
-            m = self.reader.read(len(self.handles))
+            m = self._block(len(self.handles))
             self.dim = m.shape[1]
             if self.use_ray:
                 import ray
@@ -231,6 +246,20 @@ class HistoryBlocks:
                 self.handles.append(NodeFile(path))
             del m  # one block on the driver at a time
         return NodeBlocks(self.handles, self.block_rows, n_rows, self.dim, keep=self)
+
+
+    def _block(self, i: int) -> np.ndarray:
+        """Block ``i``: stored, else gathered (and then stored, when complete)."""
+        m = self.stored.get(i) if self.stored is not None else None
+        if m is not None:
+            return m
+        if self.reader is None:  # the blocks before i were stored: gather from block i's sessions on
+            self.reader = HistoryBlockReader(self.bank, self.keys, self.history, self.block_rows,
+                                             from_session=i * (self.block_rows // N_GRAN))
+        m = self.reader.read(i)
+        if self.stored is not None:
+            self.stored.put(i, m)
+        return m
 
 
 def sweep_dead_spills(root: str | None = None) -> list[str]:

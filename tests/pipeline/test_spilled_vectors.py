@@ -1,4 +1,4 @@
-"""SpilledVectors: one pass over ``embeddings`` gives the vectors that Bank.read (its de-duplication included)
+"""SpilledVectors: one pass over ``embeddings`` (newest part first, only the row groups it needs) gives the vectors that Bank.read (its de-duplication included)
 gives, read back from the spill file bit for bit."""
 
 from __future__ import annotations
@@ -137,3 +137,37 @@ def test_a_hash_twice_in_one_batch_keeps_its_later_row(tmp_path: Path) -> None:
     t = b.read("embeddings", ["text_hash", "vector"], dedupe=False)
     last = {h: np.asarray(v, np.float32) for h, v in zip(t["text_hash"].to_pylist(), t["vector"].to_pylist())}
     assert all(np.array_equal(got[i], last[h]) for i, h in enumerate(sorted(hashes)))
+
+
+def test_newest_parts_first_and_only_the_row_groups_that_hold_a_needed_row(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Parts of 16-row groups: the vectors are read only from the row groups that hold a slot still open,
+    newest part first, and an earlier part is not read once every slot is filled (an append's new texts,
+    beside the large compacted part); the vectors are Bank.read's either way."""
+    from memgas.pipeline import bank as bank_mod
+
+    monkeypatch.setattr(bank_mod, "ROW_GROUP_ROWS", {**bank_mod.ROW_GROUP_ROWS, "embeddings": 16})
+    rng = np.random.default_rng(1)
+    b = Bank.create(tmp_path / "bank")
+    old = [text_hash(f"old {i}") for i in range(160)]  # 10 row groups
+    new = [text_hash(f"new {i}") for i in range(40)]
+    b.write_part("embeddings", "a-large", _part([(h, "k1") for h in old], rng))
+    b.write_part("embeddings", "b-append", _part([(h, "k1") for h in new] + [(old[3], "k1")], rng))
+    reads: list[tuple[str, tuple[str, ...], object]] = []
+    real = Bank.iter_groups
+
+    def spy(self, name, part, columns, *, batch_rows, groups=None):
+        reads.append((part, tuple(columns), None if groups is None else tuple(groups)))
+        return real(self, name, part, columns, batch_rows=batch_rows, groups=groups)
+
+    monkeypatch.setattr(Bank, "iter_groups", spy)
+    sv = SpilledVectors(b, {"k1": new[::2] + [old[3]]})
+    assert [r[0] for r in reads] == ["b-append", "b-append"]  # every slot filled there: a-large never read
+    want = new[::2] + [old[3]]
+    assert sv.read("k1", want)[0].tobytes() == _oracle(b, "k1", want).tobytes()  # old[3]: b-append's row
+    reads.clear()
+    want = new[:3] + [old[5], old[150]]
+    sv = SpilledVectors(b, {"k1": want})
+    vector_reads = [(p, g) for p, cols, g in reads if "vector" in cols]
+    assert vector_reads == [("b-append", (0,)), ("a-large", (0, 9))]  # the groups of rows 0-15 and 144-159
+    assert sv.read("k1", want)[0].tobytes() == _oracle(b, "k1", want).tobytes()
