@@ -30,7 +30,9 @@ node row has a fixed key (a seeded hash of the history and the node id,
 the smallest of its own unit's rows. So each unit checks only its own bottom-k rows (at most ``RECALL_ROWS``
 exact rows) and stores one row per sampled node row (table ``ivf_recall``); ``finish`` and the run's
 metrics.json / report.md keep each history's bottom-k of its current segments' rows (:func:`ivf_recall`):
-the same numbers for one build, several units, or a build then appends.
+the same numbers for one build, several units, or a build then appends. An append saves only the entries it
+added to the index, as a delta (table ``ivf_delta``, :data:`IVF_MAX_DELTAS`): merged into the full index in
+order, the same bytes as the index of one build.
 
 *One IVF history, several units.* The index a row searches holds the complete grid blocks before the row's
 own block, so the units of one history need the index state at their first row. They are not chained (the
@@ -80,7 +82,7 @@ from memgas.pipeline.association.segments import (
     split_segment,
 )
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, IVF_INDEX, IVF_RECALL, N_GRAN
+from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, IVF_DELTA, IVF_INDEX, IVF_RECALL, N_GRAN
 
 log = logging.getLogger(__name__)
 
@@ -118,16 +120,43 @@ def _index_rows(ctx: StageContext, part: str) -> list[tuple[str, int, int, str]]
 
 
 def current_indexes(ctx: StageContext, prefix: str) -> dict[str, tuple[str, int, str]]:
-    """Per history, its newest saved IVF index: ``(part, sessions, prefix digest)``, from the part of the
-    segment that ends where the history's current segments end (an older one is superseded)."""
+    """Per history, its newest full saved IVF index: ``(part, sessions, prefix digest)``, the one of most
+    sessions among the current segments' parts whose sessions are still those it holds (an older one is
+    superseded; the deltas saved since continue it, :func:`current_deltas`)."""
     cov, chain, out = current_coverage(ctx, prefix), chains(ctx), {}
     for part in cov.parts:
         if not ctx.bank.has_part("ivf_index", part):
             continue
-        for h, end, sessions, digest in _index_rows(ctx, part):
+        for h, _, sessions, digest in _index_rows(ctx, part):
             c = chain.get(h)
-            if end == cov.covered.get(h) and c is not None and sessions < len(c) and c[sessions] == digest:
+            if c is not None and sessions < len(c) and c[sessions] == digest and (h not in out or
+                                                                                  out[h][1:2] < (sessions,)):
                 out[h] = (part, sessions, digest)
+    return out
+
+
+def current_deltas(ctx: StageContext, prefix: str) -> dict[str, list[tuple[str, int, int, str]]]:
+    """Per history, the deltas that continue its full index (:func:`current_indexes`), in order:
+    ``(part, base sessions, sessions, prefix digest)``, each starting where the one before ends, its sessions
+    still those it holds. Of two from the same start (one written over a damaged one) the longer."""
+    cov, chain, full = current_coverage(ctx, prefix), chains(ctx), current_indexes(ctx, prefix)
+    nxt: dict[tuple[str, int], tuple[str, int, int, str]] = {}
+    for part in cov.parts:
+        if not ctx.bank.has_part("ivf_delta", part):
+            continue
+        t = ctx.bank.read("ivf_delta", ["history_id", "base_sessions", "sessions", "prefix_digest"], parts=[part])
+        for h, base, sessions, digest in zip(*(t[c].to_pylist() for c in t.column_names)):
+            c = chain.get(h)
+            if c is not None and base < sessions < len(c) and c[sessions] == digest and \
+                    nxt.get((h, base), ("", 0, -1))[2] < sessions:
+                nxt[(h, base)] = (part, base, sessions, digest)
+    out: dict[str, list[tuple[str, int, int, str]]] = {}
+    for h, (_, sessions, _) in full.items():
+        links, at = [], sessions
+        while (h, at) in nxt:
+            links.append(nxt[(h, at)])
+            at = links[-1][2]
+        out[h] = links
     return out
 
 
@@ -135,13 +164,27 @@ def _current_index(ctx: StageContext, prefix: str) -> list[str]:
     return sorted({part for part, _, _ in current_indexes(ctx, prefix).values()})
 
 
+def _current_delta(ctx: StageContext, prefix: str) -> list[str]:
+    return sorted({link[0] for links in current_deltas(ctx, prefix).values() for link in links})
+
+
 #: which rows' edges a part holds (written after the part's edges: a unit is done when it is there)
 EDGE_SEGMENTS_TABLE = tables.Table("edge_segments", "segmented", current=_current)
 EDGES_TABLE = tables.Table("edges", "segmented", current=_current)
 #: association.search=ivf: each history's saved index (the newest only) and each segment's recall sample
 IVF_INDEX_TABLE = tables.Table("ivf_index", "segmented", current=_current_index)
+#: ... and the entries each append added since that index, as small indexes of their own
+IVF_DELTA_TABLE = tables.Table("ivf_delta", "segmented", current=_current_delta)
 IVF_RECALL_TABLE = tables.Table("ivf_recall", "segmented", current=_current_recall)
 IVF_FIELDS = ("association.ivf_nlist", "association.ivf_nprobe", "association.ivf_exact_nodes")
+#: an append saves the entries it added to a history's index as a delta (table ``ivf_delta``) beside the full
+#: index it started from, not the whole index again: at 10^6 sessions that index is ~1.5 GB (~30 s to write)
+#: and an append of 1,000 sessions adds ~1.6 MB. A full index is saved again once the deltas since the last one
+#: would be more than IVF_MAX_DELTAS, or hold more than a 1/IVF_DELTA_SHARE of its sessions, so that a load
+#: merges a few small deltas. Where the index is saved as what changes nothing downstream: the merged index
+#: is the same bytes either way.
+IVF_MAX_DELTAS = 16
+IVF_DELTA_SHARE = 8
 
 
 def uses_ivf(cfg: Any, end_session: int) -> bool:
@@ -194,7 +237,7 @@ class AssociateStage(HistoryShardStage):
     name = "associate"
     version = "2"  # parts per segment, named by config (version 1: one set of parts per upstream state)
     reads = ("nodes", "node_vectors")  # node matrices: which texts (nodes) and their vectors
-    writes = (EDGE_SEGMENTS_TABLE, EDGES_TABLE, IVF_INDEX_TABLE, IVF_RECALL_TABLE)
+    writes = (EDGE_SEGMENTS_TABLE, EDGES_TABLE, IVF_INDEX_TABLE, IVF_DELTA_TABLE, IVF_RECALL_TABLE)
     fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
               "association.search", *IVF_FIELDS, "retrieval.device")
 
@@ -265,12 +308,19 @@ class AssociateStage(HistoryShardStage):
 
             chain, grid = chains(ctx), ivf_search.STAGE_BLOCK_SESSIONS
             if "ivf_saved" not in ctx.scratch:  # the indexes saved before this run: listed before any unit is written
-                ctx.scratch["ivf_saved"] = current_indexes(ctx, tables.prefix(AssociateStage, ctx))
+                prefix = tables.prefix(AssociateStage, ctx)
+                ctx.scratch["ivf_saved"] = current_indexes(ctx, prefix)
+                ctx.scratch["ivf_deltas"] = current_deltas(ctx, prefix)
             # the saved index to start from (or None), the identity of the nodes the new one will hold, and
             # whether to save it: only the history's last segment's index is current (and kept)
-            out["indexes"] = [{"saved": self._saved_index(ctx, h, a), "grid": grid, "save": b == len(chain[h]) - 1,
-                               "digest": chain[h][ivf_search.index_sessions(b, grid)]} if uses_ivf(ctx.cfg, b)
-                              else None for h, a, b, _ in segs]
+            out["indexes"] = []
+            for h, a, b, _ in segs:
+                if not uses_ivf(ctx.cfg, b):
+                    out["indexes"].append(None)
+                    continue
+                saved, end, save = self._saved_index(ctx, h, a), ivf_search.index_sessions(b, grid), b == len(chain[h]) - 1
+                out["indexes"].append({"saved": saved, "grid": grid, "save": save, "digest": chain[h][end],
+                                       "delta": save and _saves_delta(saved, end)})
         return out
 
     @staticmethod
@@ -299,12 +349,23 @@ class AssociateStage(HistoryShardStage):
                 != {(sessions, digest)}:
             return None
         data: Any = saved_index_bytes(ctx.bank, part, history)
+        deltas = []
+        for dpart, base, end, _ in ctx.scratch["ivf_deltas"].get(history, []):
+            if not ctx.bank.verify_part("ivf_delta", dpart):  # the index up to here, then its blocks added again
+                log.warning("associate: a saved IVF delta of history %s (ivf_delta/%s) is damaged; the index is "
+                            "continued from session %d", history, dpart, base)
+                ctx.scratch["ivf_rebuilt"] = ctx.scratch.get("ivf_rebuilt", 0) + 1
+                break
+            deltas.append({"base": base, "sessions": end, "bytes": saved_index_bytes(ctx.bank, dpart, history,
+                                                                                       "ivf_delta")})
         if ctx.use_ray:
             import ray
 
             data = ray.put(data)
         ctx.scratch["ivf_reused"] = ctx.scratch.get("ivf_reused", 0) + 1
-        ctx.scratch["ivf_loaded"] = (history, {"sessions": sessions, "dim": meta["dim"][0].as_py(), "bytes": data})
+        ctx.scratch["ivf_loaded"] = (history, {"sessions": deltas[-1]["sessions"] if deltas else sessions,
+                                               "full_sessions": sessions, "dim": meta["dim"][0].as_py(),
+                                               "bytes": data, "deltas": deltas})
         return ctx.scratch["ivf_loaded"][1]
 
     @staticmethod
@@ -313,7 +374,7 @@ class AssociateStage(HistoryShardStage):
         from memgas.pipeline.association.edges import edges_from
 
         a, device, segs = params["association"], params["device"], payload["segments"]
-        ivf: dict[str, list] = {"index": [], "recall": []}
+        ivf: dict[str, list] = {"index": [], "delta": [], "recall": []}
         with one_blas_thread():
             cands = []
             for i, (m, seg) in enumerate(zip(payload["matrices"], segs)):
@@ -341,6 +402,8 @@ class AssociateStage(HistoryShardStage):
             out["ivf_recall"] = pa.concat_tables(ivf["recall"])
         if ivf["index"]:
             out["ivf_index"] = _index_table(ivf["index"])
+        if ivf["delta"]:
+            out["ivf_delta"] = _index_table(ivf["delta"], IVF_DELTA)
         return out
 
     @staticmethod
@@ -363,8 +426,14 @@ class AssociateStage(HistoryShardStage):
                 import ray
 
                 data = ray.get(data)
-            index = I.index_from_bytes(data, params, d=E.shape[1], ntotal=N_GRAN * saved["sessions"])
+            index = I.index_from_bytes(data, params, d=E.shape[1],
+                                       ntotal=N_GRAN * saved.get("full_sessions", saved["sessions"]))
             del data
+            for delta in saved.get("deltas", []):
+                index.merge_delta(I.raw_from_bytes(delta["bytes"], d=E.shape[1],
+                                                   ntotal=N_GRAN * (delta["sessions"] - delta["base"])))
+            if meta.get("delta"):
+                index.start_delta()
         c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
                               min_prior_nodes=a["min_prior_nodes"], params=params)
         approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
@@ -378,8 +447,14 @@ class AssociateStage(HistoryShardStage):
             if sessions != I.index_sessions(s1, grid):
                 raise RuntimeError(f"associate: the IVF index of history {h} holds {sessions} sessions, "
                                    f"expected {I.index_sessions(s1, grid)}")
-            out["index"].append({"history_id": h, "end_session": s1, "sessions": sessions,
-                                 "prefix_digest": meta["digest"], "dim": E.shape[1], "index": I.index_bytes(index)})
+            row = {"history_id": h, "end_session": s1, "sessions": sessions, "prefix_digest": meta["digest"],
+                   "dim": E.shape[1]}
+            if saved is not None and sessions == saved["sessions"]:
+                pass  # no grid block was completed: the saved index (and its deltas) stays the current one
+            elif index.delta is not None:
+                out["delta"].append({**row, "base_sessions": saved["sessions"], "index": I.delta_bytes(index)})
+            else:
+                out["index"].append({**row, "index": I.index_bytes(index)})
         return c  # the faiss index is freed here: only its bytes stay, until the table is written
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
@@ -401,7 +476,16 @@ class AssociateStage(HistoryShardStage):
 IVF_INDEX_CHUNK_BYTES = 64 << 20
 
 
-def _index_table(rows: list[dict[str, Any]]) -> pa.Table:
+def _saves_delta(saved: dict[str, Any] | None, end: int) -> bool:
+    """Whether the index that holds ``end`` sessions is saved as a delta over ``saved`` (the full index and
+    the deltas it was loaded with) rather than whole (:data:`IVF_MAX_DELTAS`, :data:`IVF_DELTA_SHARE`)."""
+    if saved is None or end <= saved["sessions"]:
+        return False
+    full = saved.get("full_sessions", saved["sessions"])
+    return len(saved.get("deltas", [])) < IVF_MAX_DELTAS and (end - full) * IVF_DELTA_SHARE <= full
+
+
+def _index_table(rows: list[dict[str, Any]], schema: pa.Schema = IVF_INDEX) -> pa.Table:
     """The ``ivf_index`` rows: per saved index, its bytes (a uint8 array) in chunks of at most
     :data:`IVF_INDEX_CHUNK_BYTES`, one row each (the other columns repeated), wrapped by Arrow without a copy
     when there is one index (a long history's unit saves one: ``Table.from_pylist`` would copy it twice)."""
@@ -415,16 +499,16 @@ def _index_table(rows: list[dict[str, Any]]) -> pa.Table:
     offsets = np.asarray(cuts, np.int64)
     index = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(owner),
                                              [None, pa.py_buffer(offsets), pa.py_buffer(data)])
-    cols = [pa.array([rows[i][f.name] for i in owner], f.type) for f in IVF_INDEX if f.name != "index"]
-    return pa.Table.from_arrays([*cols, index], schema=IVF_INDEX)
+    cols = [pa.array([rows[i][f.name] for i in owner], f.type) for f in schema if f.name != "index"]
+    return pa.Table.from_arrays([*cols, index], schema=schema)
 
 
-def saved_index_bytes(bank: Any, part: str, history: str) -> np.ndarray:
+def saved_index_bytes(bank: Any, part: str, history: str, table: str = "ivf_index") -> np.ndarray:
     """The saved index of ``history`` in ``part``: its rows' bytes in row order (one row in parts written
     before the chunks), read a row at a time into one buffer: a first pass sums their lengths, a second
     copies them, so no more than one chunk is held beside the buffer."""
     def chunks() -> Iterator[pa.Array]:
-        for t in bank.iter_read("ivf_index", ["history_id", "index"], batch_rows=1, parts=[part]):
+        for t in bank.iter_read(table, ["history_id", "index"], batch_rows=1, parts=[part]):
             yield t.filter(pc.equal(t["history_id"], history))["index"]
 
     total = sum(int(pc.sum(pc.binary_length(c)).as_py() or 0) for c in chunks())
@@ -435,5 +519,5 @@ def saved_index_bytes(bank: Any, part: str, history: str) -> np.ndarray:
             out[at : at + b.size] = b
             at += b.size
     if at != total:
-        raise BankError(f"{bank.path}: ivf_index/{part} changed while it was read")
+        raise BankError(f"{bank.path}: {table}/{part} changed while it was read")
     return out

@@ -83,6 +83,7 @@ class CausalIVF(FaissCausalIndex):
         self.d = d
         self.index = index  # built at the first training (its nlist depends on the training nodes)
         self._centroids: np.ndarray | None = None
+        self.delta: Any = None  # the entries added since start_delta, when one was started
 
     @property
     def ntotal(self) -> int:
@@ -185,7 +186,28 @@ class CausalIVF(FaissCausalIndex):
     def _add(self, blk: np.ndarray, assign: np.ndarray) -> None:
         from faiss.contrib.ivf_tools import add_preassigned
 
-        add_preassigned(self.index, blk, np.ascontiguousarray(assign, dtype=np.int64))
+        assign = np.ascontiguousarray(assign, dtype=np.int64)
+        if self.delta is not None:
+            # the same entries, with their node ids, into the delta (its own ids would start at 0). ``ids`` is
+            # kept referenced here: add_preassigned rebinds its argument to a raw pointer, so an array made
+            # in the call would be freed before faiss reads it
+            ids = np.arange(self.ntotal, self.ntotal + blk.shape[0], dtype=np.int64)
+            add_preassigned(self.delta, blk, assign, ids=ids)
+        add_preassigned(self.index, blk, assign)
+
+    def start_delta(self) -> None:
+        """From now on, also keep the entries added in a *delta*: an index of the same trained centroids and
+        quantiser holding only them (:func:`delta_bytes`). Merged into the index it was started on
+        (:meth:`merge_delta`), it gives the index that added them, byte for byte: each list gets the same
+        entries appended in the same order (the tests compare the serialised bytes)."""
+        self.delta = _empty_like(self.index)
+
+    def merge_delta(self, delta: Any) -> None:
+        """Append a stored delta's entries (:func:`raw_from_bytes`) to this index's lists, in order."""
+        if delta.nlist != self.index.nlist or delta.code_size != self.index.code_size:
+            raise ValueError(f"an IVF delta of {delta.nlist} lists does not fit an index of {self.index.nlist}")
+        self.index.merge_from(delta, 0)  # ids are the delta's own: node ids
+        self._centroids = None
 
     def _block_candidates(self, E: Any, r: np.ndarray, a: int, blk: np.ndarray, lists: np.ndarray,
                           dis: np.ndarray, k: int, fetch: int) -> Candidates:
@@ -317,8 +339,39 @@ def stage_params(nlist: int, nprobe: int, exact_nodes: int, block_sessions: int 
                      block_sessions=block_sessions or STAGE_BLOCK_SESSIONS)
 
 
+def _empty_like(index: Any) -> Any:
+    """A faiss IVF index with ``index``'s trained centroids and quantiser and no entries (copying
+    ``index`` whole would copy its lists: the history's nodes)."""
+    import faiss
+
+    quantizer = faiss.IndexFlatIP(index.d)
+    quantizer.add(index.quantizer.reconstruct_n(0, index.quantizer.ntotal))
+    if isinstance(index, faiss.IndexIVFScalarQuantizer):
+        out = faiss.IndexIVFScalarQuantizer(quantizer, index.d, index.nlist, index.sq.qtype, index.metric_type,
+                                            index.by_residual)
+        out.sq.trained = index.sq.trained
+    elif isinstance(index, faiss.IndexIVFFlat):
+        out = faiss.IndexIVFFlat(quantizer, index.d, index.nlist, index.metric_type)
+    else:
+        raise TypeError(f"no IVF delta of a {type(index).__name__}")
+    out.is_trained = True
+    out.own_fields = True
+    quantizer.this.disown()
+    return out
+
+
 def index_bytes(index: CausalIVF) -> np.ndarray:
-    """The faiss index (centroids, quantiser, lists) as uint8 bytes: ``faiss.serialize_index``'s bytes (no
+    """The index's faiss index as bytes (:func:`raw_bytes`)."""
+    return raw_bytes(index.index)
+
+
+def delta_bytes(index: CausalIVF) -> np.ndarray:
+    """The entries added since :meth:`CausalIVF.start_delta`, as an index of their own (:func:`raw_bytes`)."""
+    return raw_bytes(index.delta)
+
+
+def raw_bytes(raw: Any) -> np.ndarray:
+    """A faiss index (centroids, quantiser, lists) as uint8 bytes: ``faiss.serialize_index``'s bytes (no
     pickle), written through a callback into one growing ``bytearray`` (the returned array is a view of it).
     ``serialize_index`` fills a ``std::vector`` and returns a NumPy copy of it: twice the index beside the
     index while the last unit of a long history saves it."""
@@ -331,13 +384,18 @@ def index_bytes(index: CausalIVF) -> np.ndarray:
         return len(chunk)
 
     writer = faiss.PyCallbackIOWriter(write)
-    faiss.write_index(index.index, writer)
+    faiss.write_index(raw, writer)
     del writer
     return np.frombuffer(out, np.uint8)
 
 
 def index_from_bytes(data: Any, params: IVFParams, *, d: int, ntotal: int) -> CausalIVF:
-    """An index stored by :func:`index_bytes`, checked against what its row says it holds (dimension,
+    """An index stored by :func:`index_bytes` (:func:`raw_from_bytes`)."""
+    return CausalIVF(d, params, index=raw_from_bytes(data, d=d, ntotal=ntotal))
+
+
+def raw_from_bytes(data: Any, *, d: int, ntotal: int) -> Any:
+    """A faiss IVF index stored by :func:`raw_bytes`, checked against what its row says it holds (dimension,
     nodes): bytes that deserialise to another index raise instead of being searched. ``data`` (bytes, an
     array, a read-only view into Ray's object store) is read in place, a chunk at a time, through a
     callback (``deserialize_index`` would copy it whole into a ``std::vector`` first)."""
@@ -361,7 +419,7 @@ def index_from_bytes(data: Any, params: IVFParams, *, d: int, ntotal: int) -> Ca
     if not isinstance(raw, faiss.IndexIVF) or raw.d != d or raw.ntotal != ntotal:
         raise ValueError(f"stored index is a {type(raw).__name__} of {raw.ntotal} nodes of dimension {raw.d}, "
                          f"expected an IVF index of {ntotal} of {d}")
-    return CausalIVF(d, params, index=raw)
+    return raw
 
 
 def ivf_rows(emb_nodes: Any, a: int, b: int, index: CausalIVF | None, *, mem_threshold: int = MEM_THRESHOLD,

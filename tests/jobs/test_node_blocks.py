@@ -289,7 +289,7 @@ def test_peak_rss_of_an_append_does_not_grow_with_the_history(tmp_path: Path) ->
 IVF_SMALL = {"search": "ivf", "ivf_exact_nodes": 400, "ivf_nlist": 8, "ivf_nprobe": 2}
 #: sessions per block of the IVF grid in these tests (a saved index after 250 sessions holds 240)
 GRID = 16
-ASSOCIATE_TABLES = ("edges", "edge_segments", "ivf_index", "ivf_recall")
+ASSOCIATE_TABLES = ("edges", "edge_segments", "ivf_index", "ivf_delta", "ivf_recall")
 
 
 def small_units(monkeypatch: pytest.MonkeyPatch) -> None:
