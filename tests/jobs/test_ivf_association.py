@@ -351,7 +351,7 @@ def test_kill_between_the_ivf_units_of_one_history_then_resume_is_byte_identical
     for table in ASSOCIATE_TABLES:
         got = {p: (killed.path / table / f"{p}.parquet").read_bytes() for p in Bank(killed.path).parts(table)}
         want = {p: (ref.path / table / f"{p}.parquet").read_bytes() for p in Bank(ref.path).parts(table)}
-        assert got == want and got, table
+        assert got == want and (got or table == "ivf_delta"), table  # a fresh build saves no delta
 
 
 @pytest.mark.slow
