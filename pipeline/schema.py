@@ -205,17 +205,9 @@ IVF_INDEX = pa.schema(
 #: association.search=ivf: the entries an append added to a history's saved index, as an index of their own
 #: (jobs/stages/associate.py): merged in order into the full index of ``base_sessions`` sessions (and the deltas
 #: before), they give the index of ``sessions`` sessions byte for byte
-IVF_DELTA = pa.schema(
-    [
-        pa.field("history_id", pa.string(), nullable=False),
-        pa.field("end_session", pa.int32(), nullable=False),
-        pa.field("base_sessions", pa.int32(), nullable=False),
-        pa.field("sessions", pa.int32(), nullable=False),
-        pa.field("prefix_digest", pa.string(), nullable=False),
-        pa.field("dim", pa.int32(), nullable=False),
-        pa.field("index", pa.large_binary(), nullable=False),
-    ]
-)
+IVF_DELTA = pa.schema([IVF_INDEX.field("history_id"), IVF_INDEX.field("end_session"),
+                       pa.field("base_sessions", pa.int32(), nullable=False),
+                       *(IVF_INDEX.field(c) for c in ("sessions", "prefix_digest", "dim", "index"))])
 
 #: association.search=ivf: the candidate recall of the IVF rows against the exact search, one row per sampled
 #: node row (``row``, its fixed ``key``: ivf_search.row_keys) of the segment ``[first_session, end_session)``
