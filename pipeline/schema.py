@@ -385,8 +385,9 @@ KEYS: dict[str, tuple[str, ...]] = {
 
 def node_blocks_schema(dim: int) -> pa.Schema:
     """A stored node block (jobs/stages/block_store.py): a long history's node vectors in node order, one
-    row per node row of the block; which history, block and nodes is in the part's name."""
-    return pa.schema([pa.field("vector", pa.list_(pa.float32(), dim), nullable=False)])
+    row per node row of the block, each its ``dim`` float32 values as bytes (a flat column: Parquet decodes it
+    ~10x faster than a list column); which history, block and nodes is in the part's name."""
+    return pa.schema([pa.field("vector", pa.binary(4 * dim), nullable=False)])
 
 
 #: tables whose schema depends on the encoder's dimension (their ``vector`` column's fixed size)

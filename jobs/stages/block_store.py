@@ -10,7 +10,7 @@ so a *complete* block stays what it is while its history's prefix ``[0, (i+1)*bs
 adds sessions after it). The last, partial block is never stored: an append changes it.
 
 Table ``node_blocks``, one part per block: its rows are the block's node rows in order (one ``vector``
-column), and its name says which block it is: ``<assembly and encoders>-<history>-<block>-<prefix digest>``,
+column of float32 bytes, no compression), and its name says which block it is: ``<assembly and encoders>-<history>-<block>-<prefix digest>``,
 the prefix digest being :func:`chains`'s digest of sessions ``[0, (i+1)*bs)`` (every node text of those
 sessions, seeded with the encoder keys). A part is used only under its exact name and after its bytes are
 verified against the digest written with it (a damaged one is gathered and written again: never read
@@ -43,9 +43,10 @@ from memgas.pipeline.schema import N_GRAN
 log = logging.getLogger(__name__)
 
 TABLE = "node_blocks"
-#: the node matrix's assembly (``retrieve.stack_nodes``, the block reader's turn means): change it when that
-#: changes, so that no block stored by the assembly before is read
-ASSEMBLY_VERSION = "1"
+#: the node matrix's assembly (``retrieve.stack_nodes``, the block reader's turn means) and the stored format
+#: (2: float32 bytes, ``schema.node_blocks_schema``): change it when either changes, so that no block stored
+#: before is read
+ASSEMBLY_VERSION = "2"
 
 
 def chains(ctx: StageContext) -> dict[str, list[str]]:
@@ -92,8 +93,15 @@ class StoredBlocks:
             log.warning("stored node block %s/%s is damaged; gathering it again", TABLE, part)
             self.damaged += 1
             return None
-        col = self.bank.read(TABLE, ["vector"], parts=[part], dedupe=False)["vector"].combine_chunks()
-        m = col.flatten().to_numpy().reshape(len(col), col.type.list_size)
+        col = self.bank.read(TABLE, ["vector"], parts=[part], dedupe=False)["vector"]
+        width = col.type.byte_width
+        m = np.empty((len(col), width // 4), np.float32)
+        at = 0
+        for chunk in col.chunks:  # one copy, into the block (Ray's put copies it again, into its store)
+            n = len(chunk)
+            m[at : at + n] = np.frombuffer(chunk.buffers()[1], np.float32, n * width // 4,
+                                           chunk.offset * width).reshape(n, -1)
+            at += n
         if m.shape[0] != self.block_rows:
             log.warning("stored node block %s/%s has %d rows, expected %d; gathering it again", TABLE, part,
                         m.shape[0], self.block_rows)
@@ -107,9 +115,10 @@ class StoredBlocks:
         if not self.complete(i):
             return
         part = self.part(i)
-        vectors = pa.FixedSizeListArray.from_arrays(pa.array(np.ascontiguousarray(m, np.float32).ravel()), m.shape[1])
+        m = np.ascontiguousarray(m, np.float32)
+        vectors = pa.FixedSizeBinaryArray.from_buffers(pa.binary(4 * m.shape[1]), m.shape[0], [None, pa.py_buffer(m)])
         try:
-            self.bank.write_part(TABLE, part, pa.table({"vector": vectors}))
+            self.bank.write_part(TABLE, part, pa.table({"vector": vectors}), dim=m.shape[1])
         except OSError as e:
             log.warning("could not store node block %s/%s (%s); the run goes on without it", TABLE, part, e)
             return
