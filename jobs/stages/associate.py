@@ -123,16 +123,38 @@ def current_indexes(ctx: StageContext, prefix: str) -> dict[str, tuple[str, int,
     """Per history, its newest full saved IVF index: ``(part, sessions, prefix digest)``, the one of most
     sessions among the current segments' parts whose sessions are still those it holds (an older one is
     superseded; the deltas saved since continue it, :func:`current_deltas`)."""
-    cov, chain, out = current_coverage(ctx, prefix), chains(ctx), {}
+    cov, chain = current_coverage(ctx, prefix), chains(ctx)
+    found: dict[str, list[tuple[int, str, str]]] = {}
     for part in cov.parts:
         if not ctx.bank.has_part("ivf_index", part):
             continue
         for h, _, sessions, digest in _index_rows(ctx, part):
             c = chain.get(h)
-            if c is not None and sessions < len(c) and c[sessions] == digest and (h not in out or
-                                                                                  out[h][1:2] < (sessions,)):
+            if c is not None and sessions < len(c) and c[sessions] == digest:
+                found.setdefault(h, []).append((sessions, part, digest))
+    out = {}
+    for h, candidates in found.items():
+        # the most sessions among those whose bytes are those written: a damaged part is never current, so
+        # the index rebuilt over it (maybe of as many sessions) replaces it instead of tying with it
+        for sessions, part, digest in sorted(candidates, key=lambda x: (-x[0], x[1])):
+            if _intact(ctx, "ivf_index", part, h):
                 out[h] = (part, sessions, digest)
+                break
     return out
+
+
+def _intact(ctx: StageContext, table: str, part: str, history: str) -> bool:
+    """Whether a saved index (or delta) part's bytes are those written; a damaged one is logged and counted
+    once per run (``ivf_index_rebuilt``) and never used: the task rebuilds what it held."""
+    if ctx.bank.verify_part(table, part):
+        return True
+    seen = ctx.scratch.setdefault("ivf_damaged", set())
+    if (table, part) not in seen:
+        seen.add((table, part))
+        log.warning("associate: the saved IVF %s of history %s (%s/%s) is damaged; rebuilding it",
+                    "index" if table == "ivf_index" else "delta", history, table, part)
+        ctx.scratch["ivf_rebuilt"] = ctx.scratch.get("ivf_rebuilt", 0) + 1
+    return False
 
 
 def current_deltas(ctx: StageContext, prefix: str) -> dict[str, list[tuple[str, int, int, str]]]:
@@ -148,7 +170,7 @@ def current_deltas(ctx: StageContext, prefix: str) -> dict[str, list[tuple[str, 
         for h, base, sessions, digest in zip(*(t[c].to_pylist() for c in t.column_names)):
             c = chain.get(h)
             if c is not None and base < sessions < len(c) and c[sessions] == digest and \
-                    nxt.get((h, base), ("", 0, -1))[2] < sessions:
+                    nxt.get((h, base), ("", 0, -1))[2] < sessions and _intact(ctx, "ivf_delta", part, h):
                 nxt[(h, base)] = (part, base, sessions, digest)
     out: dict[str, list[tuple[str, int, int, str]]] = {}
     for h, (_, sessions, _) in full.items():
@@ -338,10 +360,7 @@ class AssociateStage(HistoryShardStage):
             return loaded[1]
         ctx.scratch["ivf_loaded"] = (history, None)  # drops the previous history's bytes first
         part, sessions, digest = saved
-        if not ctx.bank.verify_part("ivf_index", part):
-            log.warning("associate: the saved IVF index of history %s (ivf_index/%s) is damaged; rebuilding it",
-                        history, part)
-            ctx.scratch["ivf_rebuilt"] = ctx.scratch.get("ivf_rebuilt", 0) + 1
+        if not _intact(ctx, "ivf_index", part, history):  # listed intact (current_indexes): changed since
             return None
         meta = ctx.bank.read("ivf_index", ["history_id", "sessions", "prefix_digest", "dim"], parts=[part])
         meta = meta.filter(pc.equal(meta["history_id"], history))
@@ -351,10 +370,7 @@ class AssociateStage(HistoryShardStage):
         data: Any = saved_index_bytes(ctx.bank, part, history)
         deltas = []
         for dpart, base, end, _ in ctx.scratch["ivf_deltas"].get(history, []):
-            if not ctx.bank.verify_part("ivf_delta", dpart):  # the index up to here, then its blocks added again
-                log.warning("associate: a saved IVF delta of history %s (ivf_delta/%s) is damaged; the index is "
-                            "continued from session %d", history, dpart, base)
-                ctx.scratch["ivf_rebuilt"] = ctx.scratch.get("ivf_rebuilt", 0) + 1
+            if not _intact(ctx, "ivf_delta", dpart, history):  # the index up to here, then its blocks added again
                 break
             deltas.append({"base": base, "sessions": end, "bytes": saved_index_bytes(ctx.bank, dpart, history,
                                                                                        "ivf_delta")})

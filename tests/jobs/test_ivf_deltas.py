@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from memgas.jobs import tables
 from memgas.jobs.stages import associate
+from memgas.pipeline.association.segments import Coverage
 from memgas.pipeline.association import ivf_search
 from memgas.pipeline.bank import Bank
 
@@ -118,4 +120,44 @@ def test_a_damaged_delta_is_never_merged(tmp_path: Path, ivf: None, caplog: pyte
     got, sessions, chain = merged_index(grown, "h")
     assert (sessions, chain) == (240, [(240, 352)])
     assert got == merged_index(fresh, "h")[0]
+    assert associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
+
+
+def test_a_damaged_index_rebuilt_to_as_many_sessions_replaces_it(tmp_path: Path, ivf: None,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full index of 240 sessions damaged, then an append that completes no grid block (250 -> 252): the
+    task rebuilds an index of the same 240 sessions. The damaged part is not current (never a tie with the
+    rebuilt one) and is dropped; the next append reuses the rebuilt index and equals a fresh build."""
+    fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 300})
+    run_associate(associate_ctx(fresh, IVF_SMALL))
+    first, _ = seeded_bank(tmp_path / "first", {"h": 250})
+    run_associate(associate_ctx(first, IVF_SMALL))
+    mid, _ = seeded_bank(tmp_path / "mid", {"h": 252})
+    copy_parts(first, mid)
+    [part] = mid.parts("ivf_index")
+    path = mid.path / "ivf_index" / f"{part}.parquet"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    damaged = {rel: (mid.path / "ivf_index" / rel).read_bytes() for rel in (f"{part}.parquet", f"_done/{part}.json")}
+    ctx = associate_ctx(mid, IVF_SMALL)
+    _, stats = run_associate(ctx)
+    assert stats["ivf_index_rebuilt"] == 1 and stats["ivf_index_reused"] == 0
+    [rebuilt] = mid.parts("ivf_index")
+    assert rebuilt != part
+    # both parts side by side (the damaged one put back), listed in either order: the intact one is current
+    for rel, data in damaged.items():
+        (mid.path / "ivf_index" / rel).write_bytes(data)
+    prefix = tables.prefix(associate.AssociateStage, ctx)
+    real = associate.current_coverage
+    cov = real(ctx, prefix)
+    for order in (cov.parts, cov.parts[::-1]):
+        monkeypatch.setattr(associate, "current_coverage", lambda *a, c=Coverage(tuple(order), cov.covered): c)
+        assert associate.current_indexes(ctx, prefix)["h"][0] == rebuilt
+    monkeypatch.setattr(associate, "current_coverage", real)
+    mid.drop_part("ivf_index", part)
+    assert merged_index(mid, "h")[1:] == (240, [])
+    grown, stats = _grow(tmp_path, mid, "grown", 300)
+    assert stats["ivf_index_reused"] == 1 and stats["ivf_index_rebuilt"] == 0
+    assert merged_index(grown, "h")[0] == merged_index(fresh, "h")[0]
     assert associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
