@@ -13,9 +13,12 @@ import logging
 import sys
 import time
 from pathlib import Path
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from memgas.pipeline import faults
 from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank
@@ -37,20 +40,88 @@ APPEND_TAG = "x"
 
 
 class _BankState:
-    """What an append must know of the committed data: ids, session order and dates, text hashes."""
+    """What an append must know of the committed data: ids, session order and dates, text hashes.
+
+    Held as Arrow columns, and turned into Python objects only for the records of the file (a history's
+    sessions when a record names it, the hashes a batch of records brings): building sets and dicts of the
+    whole bank took most of an append of 1,000 sessions to a 10^6-session history (~6 M text hashes)."""
 
     def __init__(self, bank: Bank) -> None:
         h = bank.read("histories")
         self.histories = {r["history_id"]: r for r in h.to_pylist()}
-        self.sessions: dict[str, list[dict[str, Any]]] = {}
-        for r in bank.read("sessions").to_pylist():
-            self.sessions.setdefault(r["history_id"], []).append(r)
-        for rows in self.sessions.values():
-            rows.sort(key=lambda r: r["position"])
-        self.texts: set[bytes] = {bytes.fromhex(x) for x in bank.read("texts", ["text_hash"]).column("text_hash").to_pylist()}
-        self.session_hashes: set[bytes] = {bytes.fromhex(x) for x in bank.read("turns", ["session_hash"]).column("session_hash").to_pylist()}
-        self.session_hashes |= {bytes.fromhex(x) for x in bank.read("pairs", ["session_hash"]).column("session_hash").to_pylist()}
         self.queries = {r["query_id"]: r for r in bank.read("queries").to_pylist()}
+        s = bank.read("sessions").sort_by([("history_id", "ascending"), ("position", "ascending")])
+        self._sessions = s
+        # each history's rows [start, stop) of the sorted table: its runs of equal history ids
+        hid = s["history_id"]
+        starts = [0, *(np.flatnonzero(pc.not_equal(hid.slice(1), hid.slice(0, len(hid) - 1)).to_numpy(
+            zero_copy_only=False)) + 1).tolist()] if len(hid) else []
+        stops = [*starts[1:], len(hid)]
+        names = hid.take(pa.array(starts, pa.int64())).to_pylist() if starts else []
+        self._span = {n: (a, b) for n, a, b in zip(names, starts, stops)}
+        self.session_ids = _SessionIds(self)
+        # hashes are read without de-duplication (a hash is held if any committed part holds it)
+        self._held: dict[str, pa.Array] = {
+            "texts": bank.read("texts", ["text_hash"], dedupe=False)["text_hash"].combine_chunks(),
+            "sessions": pc.unique(pa.concat_arrays([
+                bank.read(t, ["session_hash"], dedupe=False)["session_hash"].combine_chunks()
+                for t in ("turns", "pairs")])),
+        }
+
+    def sessions_of(self, history_id: str) -> pa.Table | None:
+        """The committed sessions of a history in position order (None: it has none)."""
+        span = self._span.get(history_id)
+        return None if span is None else self._sessions.slice(span[0], span[1] - span[0])
+
+    def held(self, kind: str, hashes: set[str]) -> set[bytes]:
+        """Of ``hashes`` (hex), those the bank holds (``kind``: "texts", or "sessions": sessions whose turns
+        and pairs are written), as bytes: one pass over the bank's column for a batch of records."""
+        if not hashes:
+            return set()
+        col = self._held[kind]
+        found = col.filter(pc.is_in(col, value_set=pa.array(sorted(hashes), pa.string())))
+        return {bytes.fromhex(x) for x in pc.unique(found).to_pylist()}
+
+
+class _SessionIds(Mapping[str, set[str]]):
+    """``history id -> its committed session ids``, built for the histories asked for (the loaders ask
+    per record, to check the evidence of a question that names an old session)."""
+
+    def __init__(self, state: _BankState) -> None:
+        self.state = state
+        self._last: tuple[str, set[str]] | None = None
+
+    def __getitem__(self, history_id: str) -> set[str]:
+        if self._last is None or self._last[0] != history_id:
+            t = self.state.sessions_of(history_id)
+            if t is None:
+                raise KeyError(history_id)
+            self._last = (history_id, set(t["session_id"].to_pylist()))
+        return self._last[1]
+
+    def __contains__(self, history_id: object) -> bool:
+        return history_id in self.state._span
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.state._span)
+
+    def __len__(self) -> int:
+        return len(self.state._span)
+
+
+def _batches(records: Iterable[HistoryRecord], max_records: int, max_chars: int) -> Iterator[list[HistoryRecord]]:
+    """Records in batches of at most ``max_records`` or about ``max_chars`` characters of text: the bank's
+    hashes are looked up once per batch."""
+    batch: list[HistoryRecord] = []
+    chars = 0
+    for rec in records:
+        batch.append(rec)
+        chars += sum(len(t) for t in rec.texts.values())
+        if len(batch) >= max_records or chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
 
 
 def _same_row(name: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -67,13 +138,15 @@ def _same_session(old: dict[str, Any], new: dict[str, Any]) -> bool:
     return _same_row("sessions", {**old, **place}, {**new, **place})
 
 
-def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder: bool, path: Path
+def _merge_history(rec: HistoryRecord, old: pa.Table, allow_reorder: bool, path: Path
                    ) -> tuple[list[dict[str, Any]], int | None]:
-    """The session rows an append writes for an existing history, and the first position whose rows must
-    be recomputed (None: only new positions). Sessions already there (same id, same text) are skipped; a
-    changed one (text, date, any field) is an error; new ones go after the last one, or, dated before it and with
-    ``allow_reorder``, into date order (the positions after the insertion point shift)."""
-    have = {r["session_id"]: r for r in old}
+    """The session rows an append writes for an existing history (``old``: its committed sessions in
+    position order), and the first position whose rows must be recomputed (None: only new positions).
+    Sessions already there (same id, same text) are skipped; a changed one (text, date, any field) is an
+    error; new ones go after the last one, or, dated before it and with ``allow_reorder``, into date order
+    (the positions after the insertion point shift)."""
+    ids = pa.array([s["session_id"] for s in rec.sessions], pa.string())
+    have = {r["session_id"]: r for r in old.filter(pc.is_in(old["session_id"], value_set=ids)).to_pylist()}
     new = []
     for s in rec.sessions:
         o = have.get(s["session_id"])
@@ -86,7 +159,8 @@ def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder:
     if not new:
         return [], None
     # the last *dated* one: an undated session appended earlier must not switch the check off
-    last = next((o for o in reversed(old) if o["date"] is not None), old[-1])
+    dated = np.flatnonzero(old["date"].is_valid().to_numpy(zero_copy_only=False))
+    last = old.slice(int(dated[-1]) if dated.size else old.num_rows - 1, 1).to_pylist()[0]
     early = [s for s in new if s["date"] is not None and last["date"] is not None and s["date"] < last["date"]]
     if early and not allow_reorder:
         s = early[0]
@@ -94,8 +168,13 @@ def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder:
                         f"{last['session_id']!r} ({last['date_raw']}) of history {rec.history_id!r}; an append adds "
                         "sessions at the end (--allow-reorder inserts it in date order and recomputes from there)",
                         index=rec.index, record_id=rec.history_id)
-    order = list(old)
-    cut = len(old)
+    if not early:  # after the old ones: only the new rows are written
+        for i, r in enumerate(new, start=old.num_rows):
+            r["history_id"] = rec.history_id
+            r["position"] = i
+        return new, None
+    order = old.to_pylist()  # a reordered history: its rows from the insertion point on are written again
+    cut = len(order)
     for s in new:
         at = len(order)
         if s in early:  # before the first kept session dated after it
@@ -106,7 +185,7 @@ def _merge_history(rec: HistoryRecord, old: list[dict[str, Any]], allow_reorder:
         r["history_id"] = rec.history_id
         r["position"] = i
     out = [r for i, r in enumerate(order) if i >= cut]  # new rows, and old rows whose position moved
-    return out, (cut if cut < len(old) else None)
+    return out, (cut if cut < old.num_rows else None)
 
 
 def append(
@@ -155,7 +234,7 @@ def append(
         prefix = f"{INGEST_PREFIX}{slot}-{APPEND_TAG}{n_app:04d}-"
         state = _BankState(bank)
         warnings = Warnings(str(p), strict=strict,  # a new question's evidence may be an old session
-                            known_sessions={h: {r["session_id"] for r in rows} for h, rows in state.sessions.items()})
+                            known_sessions=state.session_ids)
         counts = {"histories": 0, "histories_extended": 0, "sessions": 0, "texts": 0, "turns": 0, "pairs": 0,
                   "queries": 0}
         extended: dict[str, int] = {}  # history id -> first new position
@@ -163,8 +242,8 @@ def append(
         parts: list[str] = []
         chunk = _Chunk()
         seen_ids: set[str] = set()
-        seen_texts: set[bytes] = set(state.texts)
-        seen_sessions: set[bytes] = set(state.session_hashes)
+        seen_texts: set[bytes] = set()  # the bank's hashes a batch brings, and those written since
+        seen_sessions: set[bytes] = set()
         new_queries: set[str] = set()
         n_records = 0
 
@@ -180,7 +259,13 @@ def append(
             chunk = _Chunk()
 
         try:
-            for rec in loader(fmt)(p, warnings):
+            def records() -> Iterator[HistoryRecord]:
+                for batch in _batches(loader(fmt)(p, warnings), chunk_histories, chunk_chars):
+                    seen_texts.update(state.held("texts", {h for r in batch for h in r.texts}))
+                    seen_sessions.update(state.held("sessions", {s["text_hash"] for r in batch for s in r.sessions}))
+                    yield from batch
+
+            for rec in records():
                 n_records += 1
                 if rec.history_id in seen_ids:
                     raise DataError(str(p), f"duplicate history id {rec.history_id!r}", index=rec.index, record_id=rec.history_id)
@@ -196,16 +281,17 @@ def append(
                     elif not _same_row("queries", o, q):
                         raise DataError(str(p), f"question {q['query_id']!r} is already in the bank with other content",
                                         index=rec.index, record_id=rec.history_id)
-                old = state.sessions.get(rec.history_id)
+                old = state.sessions_of(rec.history_id)
                 if old is None:
                     sessions, from_pos = list(rec.sessions), None
                     hrow = rec.history_row()
                 else:
                     sessions, from_pos = _merge_history(rec, old, allow_reorder, p)
                     hrow = dict(state.histories[rec.history_id])
-                old_ids = {o["session_id"] for o in old or []}
-                n_new = sum(1 for s in sessions if s["session_id"] not in old_ids)
-                hrow["n_sessions"] = len(old_ids) + n_new
+                n_old = 0 if old is None else pc.count_distinct(old["session_id"]).as_py()
+                n_new = len(sessions) if old is None else int(pc.sum(pc.invert(pc.is_in(
+                    pa.array([s["session_id"] for s in sessions], pa.string()), value_set=old["session_id"].combine_chunks()))).as_py() or 0)
+                hrow["n_sessions"] = n_old + n_new
                 if not sessions and not queries:
                     continue
                 rec.sessions = sessions
@@ -213,7 +299,7 @@ def append(
                 _append_rows(rec, hrow, n_new, chunk, counts, seen_texts, seen_sessions)
                 if old is not None and n_new:
                     counts["histories_extended"] += 1
-                    extended[rec.history_id] = len(old) if from_pos is None else from_pos
+                    extended[rec.history_id] = old.num_rows if from_pos is None else from_pos
                     if from_pos is not None:
                         recompute[rec.history_id] = from_pos
                 elif old is None:

@@ -271,3 +271,32 @@ def test_the_stale_bank_warning_does_not_send_a_grown_bank_to_memgas_run(base: t
     with caplog.at_level(logging.WARNING):
         warn_if_stale_bank(cfg, Bank(bank))
     assert [r.getMessage().endswith("results describe the bank's dataset and its appends") for r in caplog.records] == [True]
+
+
+@pytest.mark.parametrize("chunk_histories", [1, 500])
+def test_an_append_writes_what_the_bank_lacks_once_in_any_batches(base: tuple[Path, Path], tmp_path: Path,
+                                                                  chunk_histories: int) -> None:
+    """The bank's hashes are looked up per batch of records (not loaded whole): a text or session the bank
+    holds (another history's) is not written again, one repeated inside the file is written once, in batches
+    of one record or of all. The oracle: the delta ingested alone into a bank of its own, minus the base."""
+    _, bank = base
+    chess = _session("s3", "2024-03-01 10:00", "I play chess.")  # u2's session t1, word for word
+    delta = _write(tmp_path / "d.jsonl", [
+        _record("u1", [chess, _session("s4", "2024-04-01 10:00", "I ran 10 km.")]),
+        _record("u3", [{**chess, "session_id": "v1"}]),  # the same session again, in a new history
+        _record("u4", [_session("w1", "2024-01-01 08:00", "Only here.")]),
+    ])
+    alone = tmp_path / "alone"
+    ingest(delta, "jsonl", alone, progress=False)
+    before = {t: {json.dumps(r, sort_keys=True, default=str) for r in Bank(bank).read(t).to_pylist()}
+              for t in ("texts", "turns", "pairs")}
+    s = append(delta, "jsonl", bank, progress=False, chunk_histories=chunk_histories)
+    b = Bank(bank)
+    for t in ("texts", "turns", "pairs"):
+        want = {json.dumps(r, sort_keys=True, default=str) for r in Bank(alone).read(t).to_pylist()} - before[t]
+        new = [p for p in b.parts(t) if "-x0001-" in p]
+        got = [json.dumps(r, sort_keys=True, default=str) for r in b.read(t, parts=new, dedupe=False).to_pylist()]
+        assert sorted(got) == sorted(want) and want, t  # each once, none the bank held
+        assert s["counts"][t] == len(want)
+    assert {r["history_id"]: r["n_sessions"] for r in b.read("histories").to_pylist()} == {"u1": 4, "u2": 1, "u3": 1,
+                                                                                          "u4": 1}
