@@ -48,14 +48,7 @@ from memgas import __version__
 from memgas.pipeline import faults
 from memgas.pipeline.compaction import PartUnreadable, SchemasDisagree, merged, regroup, without_keys
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.hashing import (
-    NotARegularFile,
-    file_digest,
-    file_matches,
-    read_if_matches,
-    read_regular_bytes,
-    regular_file_size,
-)
+from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, read_regular_bytes, regular_file_size
 from memgas.pipeline.process_dirs import process_directory
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, VECTOR_TABLES, schema_for
 
@@ -417,20 +410,6 @@ class Bank:
             return False
         # the file's type and recorded size are checked before a byte is hashed
         return file_matches(self._dir(name) / f"{part}.parquet", recorded, self._recorded_bytes(name, part))
-
-    def read_verified_part(self, name: str, part: str, columns: list[str] | None = None) -> pa.Table | None:
-        """One part's rows when its bytes are those written (:meth:`verify_part`), else None; the file is read
-        once, verified and parsed from memory (verify_part then read would read it twice)."""
-        recorded = self.part_digest(name, part)
-        if recorded is None:
-            return None
-        buf = read_if_matches(self._dir(name) / f"{part}.parquet", recorded, self._recorded_bytes(name, part))
-        if buf is None:
-            return None
-        try:
-            return pq.read_table(pa.BufferReader(pa.py_buffer(buf)), columns=columns)
-        except (pa.ArrowException, OSError) as e:
-            raise BankError(f"{self.path}: {name}/{part} matches its digest but cannot be read: {e}") from None
 
     def _recorded_bytes(self, name: str, part: str) -> int | None:
         """A part's size in its marker (markers written before sizes were recorded have none)."""

@@ -110,25 +110,6 @@ def file_digest(path: str | Path) -> str:
     return digest
 
 
-def read_if_matches(path: str | Path, digest: str, size: int | None = None) -> bytearray | None:
-    """A file's bytes when they match :func:`file_matches`'s ``digest`` (and ``size``), else None: read once
-    and hashed in memory, for a caller that reads what it verifies (a second read of a 100 MB part, page
-    cache or not, costs as much as its hash)."""
-    try:
-        with open_regular(path) as f:
-            n = os.fstat(f.fileno()).st_size
-            if size is not None and n != size:
-                return None
-            buf = bytearray(n)
-            if f.readinto(buf) != n or f.read(1):
-                return None  # changed while it was read
-    except OSError:
-        return None
-    h = hashlib.blake2b(digest_size=8)
-    h.update(buf)
-    return buf if h.hexdigest() == digest else None
-
-
 def model_files_digest(path: str | Path) -> str | None:
     """Digest of a model's files (one file, or every file under a folder except hidden ones): a model whose
     weights change in place gets another digest, which keys everything it computed. None when ``path`` is

@@ -89,12 +89,11 @@ class StoredBlocks:
         if not self.complete(i) or not self.bank.has_part(TABLE, self.part(i)):
             return None
         part = self.part(i)
-        t = self.bank.read_verified_part(TABLE, part, ["vector"])
-        if t is None:
+        if not self.bank.verify_part(TABLE, part):
             log.warning("stored node block %s/%s is damaged; gathering it again", TABLE, part)
             self.damaged += 1
             return None
-        col = t["vector"]
+        col = self.bank.read(TABLE, ["vector"], parts=[part], dedupe=False)["vector"]
         width = col.type.byte_width
         m = np.empty((len(col), width // 4), np.float32)
         at = 0

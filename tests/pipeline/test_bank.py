@@ -194,23 +194,6 @@ def test_unreadable_ingest_part_delete_and_reingest(tmp_path: Path, table: str) 
     assert _rows(Bank(tmp_path / "b"), table) == want and is_current(tmp_path / "b", SAMPLE3, "longmemeval")
 
 
-def test_read_verified_part_reads_once_what_verify_part_accepts(tmp_path: Path) -> None:
-    """The rows of a part whose bytes are those written, else None: a flipped byte, a truncated or grown file,
-    a missing marker."""
-    bank = _bank_with_parts(tmp_path / "b")
-    assert bank.read_verified_part("texts", "derived-1").equals(bank.read("texts", parts=["derived-1"], dedupe=False))
-    assert bank.read_verified_part("texts", "derived-1", ["text_hash"]).column_names == ["text_hash"]
-    path = bank.path / "texts" / "derived-1.parquet"
-    good = path.read_bytes()
-    for bad in (good[:100] + bytes([good[100] ^ 1]) + good[101:], good[:-1], good + b"\0"):
-        path.write_bytes(bad)
-        assert bank.read_verified_part("texts", "derived-1") is None and not bank.verify_part("texts", "derived-1")
-    path.write_bytes(good)
-    assert bank.read_verified_part("texts", "derived-1") is not None
-    (bank.path / "texts" / "_done" / "derived-1.json").unlink()
-    assert bank.read_verified_part("texts", "derived-1") is None
-
-
 #: run in a child process: a regression reads /dev/zero for ever or blocks on the FIFO, and must fail the test
 #: (killed at the timeout), not hang the suite or leave a spinning thread in it
 _NOT_A_FILE_PROBE = textwrap.dedent("""
@@ -220,8 +203,7 @@ _NOT_A_FILE_PROBE = textwrap.dedent("""
     path = bank.path / "texts" / "derived-1.parquet"
     path.unlink()
     os.symlink("/dev/zero", path) if kind == "symlink to /dev/zero" else os.mkfifo(path)
-    out = {"verify_part": bank.verify_part("texts", "derived-1"), "current_digest": bank.current_digest("texts", "derived-1"),
-           "read_verified_part": bank.read_verified_part("texts", "derived-1")}
+    out = {"verify_part": bank.verify_part("texts", "derived-1"), "current_digest": bank.current_digest("texts", "derived-1")}
     for call in ("count", "read"):
         try:
             getattr(bank, call)("texts")
@@ -245,7 +227,7 @@ def test_a_part_that_is_not_a_regular_file_is_damaged_not_read_for_ever(tmp_path
     path = tmp_path / "b" / "texts" / "derived-1.parquet"
     why = "not a regular file: " + ("a device" if kind == "symlink to /dev/zero" else "a FIFO")
     assert got == {
-        "verify_part": False, "current_digest": None, "read_verified_part": None,
+        "verify_part": False, "current_digest": None,
         **dict.fromkeys(("count", "read"), f"BankError: {path}: unreadable Parquet part ({why}); "
                                           "delete it and re-run the stage that wrote it"),
     }
