@@ -68,7 +68,7 @@ import pyarrow.compute as pc
 from memgas.jobs import tables
 from memgas.jobs.stage import Active, StageContext
 from memgas.jobs.stages.block_store import chains
-from memgas.jobs.stages.node_blocks import history_nodes, keep_blocks
+from memgas.jobs.stages.node_blocks import HistoryBlocks, history_nodes, keep_blocks
 from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix, owned
 from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
@@ -206,6 +206,10 @@ IVF_FIELDS = ("association.ivf_nlist", "association.ivf_nprobe", "association.iv
 #: merges a few small deltas. Where the index is saved as what changes nothing downstream: the merged index
 #: is the same bytes either way.
 IVF_MAX_DELTAS = 16
+#: an IVF unit is shipped only the rows it found (AssociateStage._found) when the blocks from its index's end
+#: to its last row are at most this many: the driver holds them at once to search (an append of up to ~48,000
+#: sessions at 16,384 sessions a block; a longer unit, the later units of a long append, ship every block)
+FOUND_TAIL_BLOCKS = 4
 IVF_DELTA_SHARE = 8
 
 
@@ -322,9 +326,7 @@ class AssociateStage(HistoryShardStage):
         whole = [N_GRAN * b <= blocks.BLOCK_ROWS for _, _, b, _ in segs]
         loader = matrix_loader(ctx, sorted({s[0] for s, w in zip(segs, whole) if w})) if any(whole) else None
         keep_blocks(ctx, {s[0] for s, w in zip(segs, whole) if not w})
-        out = {"segments": segs,
-               "matrices": [node_matrix(loader.get(h))[: N_GRAN * b] if w else history_nodes(ctx, h, N_GRAN * b)
-                            for (h, _, b, _), w in zip(segs, whole)]}
+        out: dict[str, Any] = {"segments": segs}
         if ctx.cfg.association.search == "ivf":
             from memgas.pipeline.association import ivf_search
 
@@ -343,7 +345,75 @@ class AssociateStage(HistoryShardStage):
                 saved, end, save = self._saved_index(ctx, h, a), ivf_search.index_sessions(b, grid), b == len(chain[h]) - 1
                 out["indexes"].append({"saved": saved, "grid": grid, "save": save, "digest": chain[h][end],
                                        "delta": save and _saves_delta(saved, end)})
+        # an IVF append over a saved index gets only the rows its new rows found (ivf_found) before the
+        # index's end, not the history's matrix: at 10^6 sessions ~5% of it instead of ~6 GB through the store
+        found = [None if w else self._found(ctx, seg, m) for seg, w, m in
+                 zip(segs, whole, out.get("indexes") or [None] * len(segs))]
+        out["matrices"] = [node_matrix(loader.get(h))[: N_GRAN * b] if w else f[0] if f is not None
+                           else history_nodes(ctx, h, N_GRAN * b) for (h, _, b, _), w, f in zip(segs, whole, found)]
+        out["found"] = [None if f is None else f[1] for f in found]
         return out
+
+    @staticmethod
+    def _found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None) -> tuple[NodeBlocks, dict] | None:
+        """For an IVF segment of a long history over a saved index (an append): what its rows find in the
+        index (:func:`~memgas.pipeline.association.ivf_search.ivf_found`, searched here once, on the blocks
+        from the index's end), and the node blocks that hold those rows and that tail only
+        (:meth:`~memgas.jobs.stages.node_blocks.HistoryBlocks.sparse_nodes`). None where the task needs every
+        row: no saved index, rows of the exact prefix, a row of the recall sample (it is checked against the
+        exact search), or a block before the index's end not stored (the first append after 10^6 sessions
+        were indexed gathers and stores them)."""
+        from memgas.pipeline.association import ivf_search as I
+
+        a, (h, s0, s1, _) = ctx.cfg.association, seg
+        saved = meta["saved"] if meta is not None else None
+        if saved is None or N_GRAN * s0 < a.ivf_exact_nodes:
+            return None
+        params = I.stage_params(a.ivf_nlist, a.ivf_nprobe, a.ivf_exact_nodes, meta["grid"])
+        rows = I.index_rows(N_GRAN * s0, N_GRAN * s1, params, a.min_prior_nodes)
+        sample, _ = I.recall_sample(h, rows, I.RECALL_ROWS, first_row=I.first_ivf_row(a.ivf_exact_nodes,
+                                                                                        a.min_prior_nodes))
+        if not rows.size or sample.size:
+            return None
+        B, n = blocks.BLOCK_ROWS, N_GRAN * s1
+        first = N_GRAN * saved["sessions"] // B  # the block holding the index's end
+        if -(-n // B) - first > FOUND_TAIL_BLOCKS:
+            return None
+        hb = HistoryBlocks(ctx, h, B)
+        if not hb.all_stored(first):
+            return None
+        tail = hb.read_blocks(first, n)
+        dim = tail[first].shape[1]
+        index = AssociateStage._loaded_index(saved, params, dim)
+        found = I.ivf_found(NodeBlocks([None] * first + [tail[i] for i in sorted(tail)], B, n, dim),
+                            N_GRAN * s0, n, index, mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes,
+                            params=params)
+        del index
+        need = I.found_before(found, first * B)
+        nodes = hb.sparse_nodes(n, tail, need)
+        if nodes is None:
+            return None
+        log.info("associate: history %s: %d of the %d node rows before row %d shipped (those found), and %d "
+                 "blocks whole", h, need.size, first * B, first * B, len(tail))
+        ctx.scratch["ivf_found_units"] = ctx.scratch.get("ivf_found_units", 0) + 1
+        return nodes, found
+
+    @staticmethod
+    def _loaded_index(saved: dict[str, Any], params: Any, dim: int) -> Any:
+        """The saved index (a :class:`~memgas.pipeline.association.ivf_search.CausalIVF`) with its deltas
+        merged in order, from :meth:`_saved_index`'s bytes (an object reference under Ray)."""
+        from memgas.pipeline.association import ivf_search as I
+
+        data = saved["bytes"]
+        if is_object_ref(data):
+            import ray
+
+            data = ray.get(data)
+        index = I.index_from_bytes(data, params, d=dim, ntotal=N_GRAN * saved.get("full_sessions", saved["sessions"]))
+        del data
+        for delta in saved.get("deltas", []):
+            index.merge_delta(I.raw_from_bytes(delta["bytes"], d=dim, ntotal=N_GRAN * (delta["sessions"] - delta["base"])))
+        return index
 
     @staticmethod
     def _saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] | None:
@@ -397,7 +467,8 @@ class AssociateStage(HistoryShardStage):
                 E, (_, s0, s1, _) = m if isinstance(m, NodeBlocks) else owned(m, np.float32), seg
                 if a["search"] == "ivf" and N_GRAN * s1 > a["ivf_exact_nodes"]:
                     cands.append(AssociateStage._ivf_segment(E, seg, payload["indexes"][i], a, ivf,
-                                                             params.get("recall_rows")))
+                                                             params.get("recall_rows"),
+                                                             (payload.get("found") or [None] * len(segs))[i]))
                 else:
                     cands.append(causal_rows(E, N_GRAN * s0, N_GRAN * s1, mem_threshold=a["mem_threshold"],
                                              min_prior_nodes=a["min_prior_nodes"], device=device))
@@ -424,7 +495,7 @@ class AssociateStage(HistoryShardStage):
 
     @staticmethod
     def _ivf_segment(E: np.ndarray, seg: list[Any], meta: dict[str, Any], a: dict[str, Any],
-                     out: dict[str, list], recall_rows: int | None = None) -> Any:
+                     out: dict[str, list], recall_rows: int | None = None, found: dict | None = None) -> Any:
         """One segment under the IVF search: its candidates; its index (to save, when it is the history's
         last segment) and recall rows (its IVF rows of the ``recall_rows`` smallest row keys, None:
         :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS`) go to ``out``. The index at the
@@ -437,21 +508,11 @@ class AssociateStage(HistoryShardStage):
         params = I.stage_params(a["ivf_nlist"], a["ivf_nprobe"], a["ivf_exact_nodes"], grid)
         index = None
         if saved is not None:
-            data = saved["bytes"]
-            if is_object_ref(data):
-                import ray
-
-                data = ray.get(data)
-            index = I.index_from_bytes(data, params, d=E.shape[1],
-                                       ntotal=N_GRAN * saved.get("full_sessions", saved["sessions"]))
-            del data
-            for delta in saved.get("deltas", []):
-                index.merge_delta(I.raw_from_bytes(delta["bytes"], d=E.shape[1],
-                                                   ntotal=N_GRAN * (delta["sessions"] - delta["base"])))
+            index = AssociateStage._loaded_index(saved, params, E.shape[1])
             if meta.get("delta"):
                 index.start_delta()
         c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
-                              min_prior_nodes=a["min_prior_nodes"], params=params)
+                              min_prior_nodes=a["min_prior_nodes"], params=params, found=found)
         approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
         sample, keys = I.recall_sample(h, approx, I.RECALL_ROWS if recall_rows is None else recall_rows,
                                        first_row=I.first_ivf_row(a["ivf_exact_nodes"], a["min_prior_nodes"]))
@@ -483,7 +544,8 @@ class AssociateStage(HistoryShardStage):
                "search": ctx.cfg.association.search}
         if ctx.cfg.association.search == "ivf":
             out.update(ivf_recall(ctx), ivf_index_reused=ctx.scratch.get("ivf_reused", 0),
-                       ivf_index_rebuilt=ctx.scratch.get("ivf_rebuilt", 0))
+                       ivf_index_rebuilt=ctx.scratch.get("ivf_rebuilt", 0),
+                       ivf_found_units=ctx.scratch.get("ivf_found_units", 0))
         return out
 
 

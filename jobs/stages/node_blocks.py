@@ -28,7 +28,7 @@ import pyarrow.compute as pc
 from memgas.jobs.keys import encoder_keys
 from memgas.jobs.stage import StageContext
 from memgas.pipeline.association import blocks
-from memgas.pipeline.association.blocks import NodeBlocks
+from memgas.pipeline.association.blocks import NodeBlocks, SparseBlock
 from memgas.pipeline.association.nodes import NodeFile
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import BankError
@@ -236,16 +236,57 @@ class HistoryBlocks:
         while len(self.handles) * self.block_rows < n_rows:
             m = self._block(len(self.handles))
             self.dim = m.shape[1]
-            if self.use_ray:
-                import ray
-
-                self.handles.append(ray.put(m))
-            else:
-                path = Path(self._spill.name) / f"{len(self.handles)}.npy"
-                np.save(path, m)
-                self.handles.append(NodeFile(path))
+            self.handles.append(self._hand_over(m, len(self.handles)))
             del m  # one block on the driver at a time
         return NodeBlocks(self.handles, self.block_rows, n_rows, self.dim, keep=self)
+
+    def _hand_over(self, m: np.ndarray | SparseBlock, i: int) -> Any:
+        """Block ``i``'s handle: put into Ray's object store, or (in-process) spilled to a file; a
+        :class:`SparseBlock` (a few rows) is kept as it is in-process."""
+        if self.use_ray:
+            import ray
+
+            return ray.put(m)
+        if isinstance(m, SparseBlock):
+            return m
+        path = Path(self._spill.name) / f"{i}.npy"
+        np.save(path, m)
+        return NodeFile(path)
+
+    def all_stored(self, below: int) -> bool:
+        """Whether the blocks ``[0, below)`` are stored (by their names: their bytes are verified when read)."""
+        from memgas.jobs.stages.block_store import TABLE
+
+        s = self.stored
+        return s is not None and all(s.complete(i) and self.bank.has_part(TABLE, s.part(i)) for i in range(below))
+
+    def read_blocks(self, first: int, n_rows: int) -> dict[int, np.ndarray]:
+        """The blocks from ``first`` to the one holding row ``n_rows - 1``, as arrays (stored, else gathered
+        from block ``first``'s sessions on), not handed over. Call it before any other read of this object."""
+        return {i: self._block(i) for i in range(first, -(-n_rows // self.block_rows))}
+
+    def sparse_nodes(self, n_rows: int, tail: dict[int, np.ndarray], rows: np.ndarray) -> NodeBlocks | None:
+        """The first ``n_rows`` node vectors as a task that reads only ``rows`` (sorted node ids) before the
+        blocks of ``tail`` (:meth:`read_blocks`) needs them: the blocks before as :class:`SparseBlock` of
+        those rows (read from the stored blocks, one at a time), or no handle where none is needed; the tail
+        whole. None when a block needed is not stored intact (the caller then ships every block)."""
+        B, first = self.block_rows, min(tail)
+        handles: list[Any] = []
+        cuts = np.searchsorted(rows, np.arange(first + 1) * B)
+        for i in range(first):
+            local = rows[cuts[i] : cuts[i + 1]] - i * B
+            if local.size == 0:
+                handles.append(None)
+                continue
+            m = self.stored.get(i) if self.stored is not None else None
+            if m is None:
+                return None
+            handles.append(self._hand_over(SparseBlock(local, m[local], B), i))
+            del m
+        for i in sorted(tail):
+            handles.append(self._hand_over(tail[i], i))
+        dim = tail[first].shape[1]
+        return NodeBlocks(handles, B, n_rows, dim, keep=self)
 
 
     def _block(self, i: int) -> np.ndarray:

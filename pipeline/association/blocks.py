@@ -26,6 +26,37 @@ from memgas.pipeline.schema import N_GRAN
 BLOCK_ROWS = COL_CHUNK
 
 
+class RowsNotShipped(LookupError):
+    """A task read node rows its payload does not hold (a :class:`SparseBlock`'s other rows, or a block that
+    was not shipped): the driver's list of the rows it needs was wrong. Never a silent zero."""
+
+
+class SparseBlock:
+    """Some rows of one node block: ``rows`` (sorted positions in the block) and their float32 vectors.
+    What the driver ships of a block from which a task reads only a few rows (an IVF append reads the rows its
+    new rows found, :func:`memgas.pipeline.association.ivf_search.ivf_found`, and no others); reading any
+    other row, or a range, raises :class:`RowsNotShipped`."""
+
+    def __init__(self, rows: np.ndarray, vectors: np.ndarray, block_rows: int) -> None:
+        self.rows = np.asarray(rows, np.int64)
+        self.vectors = np.asarray(vectors, np.float32)
+        if self.vectors.ndim != 2 or self.vectors.shape[0] != self.rows.size:
+            raise ValueError(f"{self.rows.size} rows with vectors of shape {self.vectors.shape}")
+        self.shape: tuple[int, int] = (int(block_rows), int(self.vectors.shape[1]))
+
+    def __getitem__(self, key: Any) -> np.ndarray:
+        if isinstance(key, slice):
+            raise RowsNotShipped(f"rows {key.start}:{key.stop} of a block of which only {self.rows.size} rows were "
+                                 "shipped")
+        idx = np.asarray(key, np.int64)
+        pos = np.minimum(np.searchsorted(self.rows, idx), max(self.rows.size - 1, 0))
+        ok = (self.rows[pos] == idx) if self.rows.size else np.zeros(idx.shape, bool)
+        if not ok.all():
+            raise RowsNotShipped(f"{int((~ok).sum())} node rows of a block were not shipped (first: row "
+                                 f"{int(idx[~ok].ravel()[0])} of the block)")
+        return self.vectors[pos]
+
+
 def is_object_ref(handle: Any) -> bool:
     """Whether ``handle`` is a Ray ``ObjectRef`` (checked by name: Ray is imported only where one is fetched)."""
     return type(handle).__name__ == "ObjectRef" and type(handle).__module__.startswith("ray")
@@ -62,6 +93,9 @@ class NodeBlocks:
         if self._cached is not None and self._cached[0] == i:
             return self._cached[1]
         h = self.blocks[i]
+        if h is None:
+            raise RowsNotShipped(f"node block {i} (rows {i * self.block_rows}-{(i + 1) * self.block_rows - 1}) was "
+                                 "not shipped")
         if is_object_ref(h):
             import ray
 
@@ -84,7 +118,9 @@ class NodeBlocks:
         out = []
         for i in range(lo // B, -(-hi // B)) if hi > lo else ():
             h = self.blocks[i]
-            h = h.mapped() if hasattr(h, "mapped") else self._block(i)  # Ray's: fetched once while it is read
+            h = h.mapped() if hasattr(h, "mapped") else self._block(i)
+            if isinstance(h, SparseBlock):
+                raise RowsNotShipped(f"rows {lo}-{hi - 1}: node block {i} was shipped in part")  # Ray's: fetched once while it is read
             a, b = max(lo, i * B), min(hi, (i + 1) * B)
             if len(h.shape) != 2 or h.shape[0] < b - i * B or h.shape[1] != self.shape[1]:
                 raise ValueError(f"node block {i}: shape {tuple(h.shape)}, expected at least "

@@ -212,6 +212,12 @@ class CausalIVF(FaissCausalIndex):
     def _block_candidates(self, E: Any, r: np.ndarray, a: int, blk: np.ndarray, lists: np.ndarray,
                           dis: np.ndarray, k: int, fetch: int) -> Candidates:
         """Candidates of the rows ``r`` of the block starting at session ``a`` (see :meth:`blocks`)."""
+        return _select(E, r, self._block_found(r, a, blk, lists, dis, fetch), blk, a * N_GRAN, k)
+
+    def _block_found(self, r: np.ndarray, a: int, blk: np.ndarray, lists: np.ndarray, dis: np.ndarray,
+                     fetch: int) -> np.ndarray:
+        """Node ids (-1: none) the rows ``r`` of the block starting at session ``a`` found, before the exact
+        rescoring: the index's best ``fetch`` in the probed lists, then the block's own (:meth:`_in_block`)."""
         c0 = a * N_GRAN
         pos = r - c0
         q = blk[pos]
@@ -221,7 +227,7 @@ class CausalIVF(FaissCausalIndex):
             parts.append(i.astype(np.int64))  # -1 where the probed lists hold fewer
         inb = self._in_block(q, pos, blk, lists, fetch)
         parts.append(np.where(inb >= 0, inb + c0, -1))
-        return _select(E, r, np.concatenate(parts, 1), blk, c0, k)
+        return np.concatenate(parts, 1)
 
     def _in_block(self, q: np.ndarray, pos: np.ndarray, blk: np.ndarray, lists: np.ndarray,
                   fetch: int) -> np.ndarray:
@@ -423,7 +429,8 @@ def raw_from_bytes(data: Any, *, d: int, ntotal: int) -> Any:
 
 
 def ivf_rows(emb_nodes: Any, a: int, b: int, index: CausalIVF | None, *, mem_threshold: int = MEM_THRESHOLD,
-             min_prior_nodes: int = MIN_PRIOR_NODES, params: IVFParams) -> tuple[Candidates, CausalIVF | None]:
+             min_prior_nodes: int = MIN_PRIOR_NODES, params: IVFParams,
+             found: dict[int, np.ndarray] | None = None) -> tuple[Candidates, CausalIVF | None]:
     """Candidates of the rows (node ids) ``[a, b)`` of one history under the stage's IVF search.
 
     Rows below ``params.exact_nodes`` are the exact search's (:func:`causal_rows`, byte for byte). Above,
@@ -433,8 +440,10 @@ def ivf_rows(emb_nodes: Any, a: int, b: int, index: CausalIVF | None, *, mem_thr
     *complete* grid blocks are added. So the index that comes back (to be saved) holds the sessions before
     the last complete block, and the rows of appended sessions see the same index and the same in-block
     nodes as a fresh build over the longer history: the same candidates, byte for byte, quantised store or
-    not. ``emb_nodes`` holds the nodes ``[0, b)`` (whole sessions). Returns the candidates and the index
-    (None when no row needed one)."""
+    not. ``emb_nodes`` holds the nodes ``[0, b)`` (whole sessions). ``found``: what :func:`ivf_found` found
+    for these rows over the same index (per grid block), used instead of searching again: then
+    ``emb_nodes`` need hold only the blocks from the index's end and the rows found before it. Returns the
+    candidates and the index (None when no row needed one)."""
     from memgas.pipeline.association.exact_search import causal_rows
 
     E = _as_nodes(emb_nodes)
@@ -443,12 +452,41 @@ def ivf_rows(emb_nodes: Any, a: int, b: int, index: CausalIVF | None, *, mem_thr
     p, k = params, int(mem_threshold)
     cut = max(a, min(b, p.exact_nodes))
     parts = [causal_rows(E, a, cut, mem_threshold=k, min_prior_nodes=min_prior_nodes)]
-    first = max(cut, N_GRAN * _first_session(min_prior_nodes))
-    rows = np.arange(first, b, dtype=np.int64)
+    rows = index_rows(a, b, p, min_prior_nodes)
     if rows.size:
         index = index if index is not None else CausalIVF(E.shape[1], p)
-        parts.append(_grid_rows(index, E, rows, k))
+        parts.append(_grid_rows(index, E, rows, k, found))
     return _concat(parts, k), index
+
+
+def index_rows(a: int, b: int, p: IVFParams, min_prior_nodes: int) -> np.ndarray:
+    """The rows of ``[a, b)`` that :func:`ivf_rows` searches with the index (past the exact prefix)."""
+    cut = max(a, min(b, p.exact_nodes))
+    return np.arange(max(cut, N_GRAN * _first_session(min_prior_nodes)), b, dtype=np.int64)
+
+
+def ivf_found(emb_nodes: Any, a: int, b: int, index: CausalIVF, *, mem_threshold: int = MEM_THRESHOLD,
+              min_prior_nodes: int = MIN_PRIOR_NODES, params: IVFParams) -> dict[int, np.ndarray]:
+    """What :func:`ivf_rows` finds for the rows ``[a, b)`` (all past the exact prefix) over ``index`` (a saved
+    index, which this walk fills as ivf_rows does: pass a copy), per grid block (its first session): the
+    node ids before the exact rescoring. With them, ivf_rows reads only the nodes from the index's end
+    (``emb_nodes`` here needs no others) and those found before it (:func:`found_before`): a driver reads
+    every stored block, but ships a task only these rows, not the history's matrix."""
+    E = _as_nodes(emb_nodes)
+    p, k = params, int(mem_threshold)
+    if a < p.exact_nodes:
+        raise ValueError(f"ivf_found: rows from {a} include the exact prefix (< {p.exact_nodes})")
+    rows = index_rows(a, b, p, min_prior_nodes)
+    fetch = p.fetch or k + k // 2
+    return {s0: index._block_found(rows[lo:hi], s0, blk, lists, dis, fetch)
+            for s0, lo, hi, blk, lists, dis in _grid_walk(index, E, rows) if hi > lo}
+
+
+def found_before(found: dict[int, np.ndarray], end: int) -> np.ndarray:
+    """The sorted node ids below ``end`` (the index's end, in nodes) among ``found``: the rows a task that is
+    given ``found`` reads before the index's end (``_select`` gathers them to rescore)."""
+    ids = [f[(f >= 0) & (f < end)] for f in found.values()]
+    return np.unique(np.concatenate(ids)) if ids else np.zeros(0, np.int64)
 
 
 def _first_session(min_prior_nodes: int) -> int:
@@ -457,16 +495,17 @@ def _first_session(min_prior_nodes: int) -> int:
     return _first_row_session(0, min_prior_nodes)
 
 
-def _grid_rows(ivf: CausalIVF, E: Any, rows: np.ndarray, k: int) -> Candidates:
-    """IVF candidates of ``rows`` (all past the exact prefix), adding complete grid blocks to ``ivf``."""
+def _grid_walk(ivf: CausalIVF, E: Any, rows: np.ndarray) -> Iterator[tuple[int, int, int, np.ndarray, np.ndarray,
+                                                                              np.ndarray]]:
+    """The index's grid blocks from its end to the last session: ``(first session, rows[lo:hi] in it, its
+    nodes, their probed lists and centroid scores)``; a complete block is added to ``ivf`` once the caller
+    is done with it (a partial block stays out: the next append sees it as a fresh build does)."""
     p, n_sess = ivf.params, E.shape[0] // N_GRAN
     bs = p.block_sessions
     if ivf.ntotal % (N_GRAN * bs) or int(rows[0]) // N_GRAN < ivf.ntotal // N_GRAN:
         raise ValueError(f"the saved IVF index holds {ivf.ntotal} nodes: not a whole number of "
                          f"{bs}-session blocks before row {int(rows[0])}")
-    fetch = p.fetch or k + k // 2
     row_sess = rows // N_GRAN
-    out = []
     with ivf._threads():
         if ivf.index is None:
             ivf.train(E)
@@ -476,10 +515,27 @@ def _grid_rows(ivf: CausalIVF, E: Any, rows: np.ndarray, k: int) -> Candidates:
             lo, hi = np.searchsorted(row_sess, [s0, s1])
             blk = _read_cols(E, s0 * N_GRAN, s1 * N_GRAN)
             lists, dis = ivf.coarse(E, s0 * N_GRAN, s1 * N_GRAN, blk)
-            if hi > lo:
-                out.append(ivf._block_candidates(E, rows[lo:hi], s0, blk, lists, dis, k, fetch))
-            if s1 - s0 == bs:  # a partial block stays out: the next append sees it as a fresh build does
+            yield s0, int(lo), int(hi), blk, lists, dis
+            if s1 - s0 == bs:
                 ivf._add(blk, lists[:, 0])
+
+
+def _grid_rows(ivf: CausalIVF, E: Any, rows: np.ndarray, k: int,
+               found: dict[int, np.ndarray] | None = None) -> Candidates:
+    """IVF candidates of ``rows`` (all past the exact prefix), adding complete grid blocks to ``ivf``; the
+    ids each block's rows found are ``found``'s when given (:func:`ivf_found`), else searched here."""
+    fetch = ivf.params.fetch or k + k // 2
+    out = []
+    for s0, lo, hi, blk, lists, dis in _grid_walk(ivf, E, rows):
+        if hi > lo:
+            if found is None:
+                alli = ivf._block_found(rows[lo:hi], s0, blk, lists, dis, fetch)
+            else:
+                alli = found.get(s0)
+                if alli is None or alli.shape[0] != hi - lo:
+                    raise ValueError(f"the IVF ids found for the block at session {s0} are not those of its "
+                                     f"{hi - lo} rows")
+            out.append(_select(E, rows[lo:hi], alli, blk, s0 * N_GRAN, k))
     return _concat(out, k)
 
 

@@ -1,0 +1,152 @@
+"""An IVF append over a saved index ships only the rows it needs (jobs/stages/associate.py ``_found``): the
+driver searches the index once for the new rows (``ivf_search.ivf_found``), reads the stored blocks and
+hands the task the rows found before the index's end (``SparseBlock``) and the blocks after it whole. The
+edges, recall rows and index equal a fresh build's byte for byte; a read of a row not shipped raises.
+Seeded 32-d banks (``test_node_blocks``), blocks of 16 sessions, the IVF grid of the delta tests."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from memgas.jobs import runner
+from memgas.jobs.stages import associate
+from memgas.jobs.stages.associate import AssociateStage
+from memgas.jobs.stages.block_store import TABLE
+from memgas.pipeline.association import blocks, ivf_search
+from memgas.pipeline.association.blocks import NodeBlocks, RowsNotShipped, SparseBlock
+from memgas.pipeline.bank import Bank
+
+from .test_ivf_deltas import merged_index
+from .test_node_blocks import GRID, IVF_SMALL, associate_ctx, associate_rows, copy_parts, run_associate, seeded_bank
+
+
+@pytest.fixture()
+def small(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
+    monkeypatch.setattr(associate, "IVF_DELTA_SHARE", 1)
+    monkeypatch.setattr(blocks, "BLOCK_ROWS", 64)
+    # a sample of 2 rows: 250 -> 300 sessions then has no sampled row among its new ones (a sampled row is
+    # checked against the exact search, which reads every row: that unit gets the whole matrix)
+    monkeypatch.setattr(ivf_search, "RECALL_ROWS", 2)
+
+
+def _grown(tmp_path: Path, n0: int, n: int, with_blocks: bool = True) -> tuple[Bank, Bank]:
+    """``n0`` sessions indexed (their complete node blocks stored), then a bank of ``n`` holding its parts."""
+    first, _ = seeded_bank(tmp_path / "first", {"h": n0})
+    run_associate(associate_ctx(first, IVF_SMALL))
+    grown, _ = seeded_bank(tmp_path / "grown", {"h": n})
+    copy_parts(first, grown)
+    if with_blocks:
+        for part in first.parts(TABLE):
+            grown.write_part(TABLE, part, first.read(TABLE, parts=[part]), dim=32)
+    return first, grown
+
+
+def test_an_append_ships_only_the_rows_it_found_and_equals_a_fresh_build(tmp_path: Path, small: None) -> None:
+    fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 300})
+    run_associate(associate_ctx(fresh, IVF_SMALL))
+    first, grown = _grown(tmp_path, 250, 300)
+    assert len(first.parts(TABLE)) == 250 // 16, "the first build stores its complete blocks"
+    _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
+    assert stats["ivf_found_units"] == 1 and stats["ivf_index_reused"] == 1
+    want, got = associate_rows(fresh), associate_rows(grown)
+    assert got["edges"] == want["edges"]
+    recall = [(r[0], *r[3:]) for r in got["ivf_recall"]]  # (history, row, key, hits, total): not its segment
+    assert sorted(recall) == sorted((r[0], *r[3:]) for r in want["ivf_recall"] if r[3] in {x[1] for x in recall})
+    assert merged_index(grown, "h")[0] == merged_index(fresh, "h")[0]
+
+
+def test_the_payload_holds_the_rows_found_and_the_tail_only(tmp_path: Path, small: None) -> None:
+    """What the task gets: before the index's end (240 sessions: block 15) a SparseBlock of the rows found
+    (or none), from there the blocks whole; and its result equals the run on every row."""
+    _, grown = _grown(tmp_path, 250, 300)
+    ctx = associate_ctx(grown, IVF_SMALL)
+    runner.compute_fingerprints(ctx)
+    unit = AssociateStage().plan(ctx)[0]
+    payload = AssociateStage().inputs(dataclasses.replace(ctx, scratch={}), unit)
+    nb = payload["matrices"][0]
+    assert isinstance(nb, NodeBlocks) and payload["found"][0] is not None
+    before, tail = nb.blocks[:15], nb.blocks[15:]
+    assert all(h is None or isinstance(h, SparseBlock) for h in before) and any(before)
+    shipped = np.concatenate([h.rows + 64 * i for i, h in enumerate(before) if h is not None])
+    assert np.array_equal(shipped, ivf_search.found_before(payload["found"][0], 15 * 64))
+    assert shipped.size < 15 * 64  # here nearly all (8 lists, 200 new rows); at 10^6 sessions ~4%
+    assert len(tail) == 4 and not any(isinstance(h, SparseBlock) for h in tail)
+    with pytest.raises(RowsNotShipped):
+        nb[np.arange(0, 15 * 64)]
+    with pytest.raises(RowsNotShipped):
+        nb[0:64]
+    full = dict(payload, found=[None])
+    full["matrices"] = [_whole(ctx, unit)]
+    params = {**AssociateStage().active(ctx).params, "recall_rows": ivf_search.RECALL_ROWS}
+    got, want = AssociateStage.run(None, payload, params), AssociateStage.run(None, full, params)
+    assert set(got) == set(want) and all(got[k].equals(want[k]) for k in want)
+
+
+def _whole(ctx, unit):  # the history's every row, as the task got it before
+    from memgas.jobs.stages.node_blocks import history_nodes
+
+    (h, _, b, _), = unit["segments"]
+    return history_nodes(dataclasses.replace(ctx, scratch={}), h, 4 * b)
+
+
+def test_without_stored_blocks_or_with_a_sampled_row_every_row_is_shipped(tmp_path: Path, small: None,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 300})
+    run_associate(associate_ctx(fresh, IVF_SMALL))
+    _, grown = _grown(tmp_path / "a", 250, 300, with_blocks=False)  # the first append after an upgrade
+    _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
+    assert stats["ivf_found_units"] == 0 and associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
+    monkeypatch.setattr(ivf_search, "RECALL_ROWS", 256)  # every row sampled (another key: built afresh)
+    fresh2, _ = seeded_bank(tmp_path / "fresh2", {"h": 300})
+    run_associate(associate_ctx(fresh2, IVF_SMALL))
+    _, grown = _grown(tmp_path / "b", 250, 300)
+    _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
+    assert stats["ivf_found_units"] == 0 and associate_rows(grown)["edges"] == associate_rows(fresh2)["edges"]
+
+
+def test_a_sparse_block_raises_for_rows_not_shipped() -> None:
+    v = np.arange(12, dtype=np.float32).reshape(3, 4)
+    s = SparseBlock(np.array([1, 5, 9]), v, 16)
+    assert s.shape == (16, 4) and np.array_equal(s[np.array([9, 1])], v[[2, 0]])
+    for bad in (np.array([2]), np.array([1, 16]), slice(0, 4)):
+        with pytest.raises(RowsNotShipped):
+            s[bad]
+    with pytest.raises(RowsNotShipped):
+        NodeBlocks([None, v], 4, 8, 4)[np.array([0])]
+
+
+@pytest.mark.slow
+def test_under_ray_the_rows_found_reach_the_task_through_the_object_store(tmp_path: Path, small: None) -> None:
+    """The driver puts each SparseBlock and tail block once; the task (another process, the bank moved away)
+    gets the same tables as the in-process run."""
+    import shutil
+
+    import ray
+
+    from memgas.jobs.executor import run_task, stage_fn
+
+    _, grown = _grown(tmp_path, 250, 300)
+    ctx = associate_ctx(grown, IVF_SMALL)
+    runner.compute_fingerprints(ctx)
+    unit = AssociateStage().plan(ctx)[0]
+    params = {**AssociateStage().active(ctx).params, "recall_rows": ivf_search.RECALL_ROWS}
+    want = AssociateStage.run(None, AssociateStage().inputs(dataclasses.replace(ctx, scratch={}), unit), params)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, configure_logging=False)
+    try:
+        payload = AssociateStage().inputs(dataclasses.replace(ctx, use_ray=True, scratch={}), unit)
+        nb = payload["matrices"][0]
+        assert all(h is None or isinstance(h, ray.ObjectRef) for h in nb.blocks) and payload["found"][0]
+        moved = tmp_path / "moved"
+        shutil.move(str(grown.path), str(moved))
+        try:
+            got = ray.get(ray.remote(run_task).remote(stage_fn(AssociateStage()), payload, params))
+        finally:
+            shutil.move(str(moved), str(grown.path))
+        assert set(got) == set(want) and all(got[k].equals(want[k]) for k in want)
+    finally:
+        ray.shutdown()
