@@ -386,7 +386,7 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     st = man["stages"]["associate"]
     out["append_associate"] = {"wall_s": st["wall_s"], "tree_peak_rss_gb": st["peak_rss_mb"] / 1024,
                                **{k: st["extra"].get(k)
-                                  for k in ("ivf_recall", "ivf_index_reused", "ivf_index_rebuilt")}}
+                                  for k in ("ivf_recall", "ivf_index_reused", "ivf_index_rebuilt", "ivf_found_units")}}
     out["append_s"] = out["append_ingest"]["wall_s"] + out["append_index"]["wall_s"]
     save()
     if "push" not in runs:

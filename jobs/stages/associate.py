@@ -352,17 +352,39 @@ class AssociateStage(HistoryShardStage):
         out["matrices"] = [node_matrix(loader.get(h))[: N_GRAN * b] if w else f[0] if f is not None
                            else history_nodes(ctx, h, N_GRAN * b) for (h, _, b, _), w, f in zip(segs, whole, found)]
         out["found"] = [None if f is None else f[1] for f in found]
+        for i, (meta, f) in enumerate(zip(out.get("indexes") or [], found)):
+            if f is not None:  # searched here: the task gets the delta to save, not the index
+                out["indexes"][i] = {**meta, "saved": None, "base_sessions": meta["saved"]["sessions"],
+                                     "found_delta": f[2]}
+            elif meta is not None and meta["saved"] is not None:
+                out["indexes"][i] = {**meta, "saved": self._shipped(ctx, meta["saved"])}
         return out
 
     @staticmethod
-    def _found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None) -> tuple[NodeBlocks, dict] | None:
+    def _shipped(ctx: StageContext, saved: dict[str, Any]) -> dict[str, Any]:
+        """The saved index as a task gets it: under Ray its bytes put into the object store once per run and
+        history (every unit of the history shares the reference)."""
+        if not ctx.use_ray:
+            return saved
+        ref = ctx.scratch.get("ivf_put")
+        if ref is None or ref[0] is not saved:
+            import ray
+
+            ref = ctx.scratch["ivf_put"] = (saved, ray.put(saved["bytes"]))
+        return {**saved, "bytes": ref[1]}
+
+    @staticmethod
+    def _found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
+               ) -> tuple[NodeBlocks, dict, np.ndarray | None] | None:
         """For an IVF segment of a long history over a saved index (an append): what its rows find in the
         index (:func:`~memgas.pipeline.association.ivf_search.ivf_found`, searched here once, on the blocks
         from the index's end), and the node blocks that hold those rows and that tail only
         (:meth:`~memgas.jobs.stages.node_blocks.HistoryBlocks.sparse_nodes`). None where the task needs every
         row: no saved index, rows of the exact prefix, a row of the recall sample (it is checked against the
-        exact search), or a block before the index's end not stored (the first append after 10^6 sessions
-        were indexed gathers and stores them)."""
+        exact search), a block before the index's end not stored (the first append after 10^6 sessions
+        were indexed gathers and stores them), or a full index to save (past the delta limits: the task
+        builds it). The walk adds the complete grid blocks as the task's would, so the delta to save (when
+        this segment saves one) is made here too: third in the tuple, and the task then needs no index."""
         from memgas.pipeline.association import ivf_search as I
 
         a, (h, s0, s1, _) = ctx.cfg.association, seg
@@ -375,6 +397,9 @@ class AssociateStage(HistoryShardStage):
                                                                                         a.min_prior_nodes))
         if not rows.size or sample.size:
             return None
+        end = I.index_sessions(s1, meta["grid"])
+        if meta["save"] and end > saved["sessions"] and not meta["delta"]:
+            return None
         B, n = blocks.BLOCK_ROWS, N_GRAN * s1
         first = N_GRAN * saved["sessions"] // B  # the block holding the index's end
         if -(-n // B) - first > FOUND_TAIL_BLOCKS:
@@ -385,9 +410,15 @@ class AssociateStage(HistoryShardStage):
         tail = hb.read_blocks(first, n)
         dim = tail[first].shape[1]
         index = AssociateStage._loaded_index(saved, params, dim)
+        if meta["delta"]:
+            index.start_delta()
         found = I.ivf_found(NodeBlocks([None] * first + [tail[i] for i in sorted(tail)], B, n, dim),
                             N_GRAN * s0, n, index, mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes,
                             params=params)
+        if index.ntotal != N_GRAN * end:
+            raise RuntimeError(f"associate: the IVF index of history {h} holds {index.ntotal // N_GRAN} sessions "
+                               f"after the walk, expected {end}")
+        delta = I.delta_bytes(index) if meta["delta"] else None
         del index
         need = I.found_before(found, first * B)
         nodes = hb.sparse_nodes(n, tail, need)
@@ -396,7 +427,7 @@ class AssociateStage(HistoryShardStage):
         log.info("associate: history %s: %d of the %d node rows before row %d shipped (those found), and %d "
                  "blocks whole", h, need.size, first * B, first * B, len(tail))
         ctx.scratch["ivf_found_units"] = ctx.scratch.get("ivf_found_units", 0) + 1
-        return nodes, found
+        return nodes, found, delta
 
     @staticmethod
     def _loaded_index(saved: dict[str, Any], params: Any, dim: int) -> Any:
@@ -444,10 +475,6 @@ class AssociateStage(HistoryShardStage):
                 break
             deltas.append({"base": base, "sessions": end, "bytes": saved_index_bytes(ctx.bank, dpart, history,
                                                                                        "ivf_delta")})
-        if ctx.use_ray:
-            import ray
-
-            data = ray.put(data)
         ctx.scratch["ivf_reused"] = ctx.scratch.get("ivf_reused", 0) + 1
         ctx.scratch["ivf_loaded"] = (history, {"sessions": deltas[-1]["sessions"] if deltas else sessions,
                                                "full_sessions": sessions, "dim": meta["dim"][0].as_py(),
@@ -506,6 +533,15 @@ class AssociateStage(HistoryShardStage):
         h, s0, s1, _ = seg
         saved, grid = meta["saved"], meta.get("grid") or I.STAGE_BLOCK_SESSIONS
         params = I.stage_params(a["ivf_nlist"], a["ivf_nprobe"], a["ivf_exact_nodes"], grid)
+        if found is not None:  # the driver searched (AssociateStage._found): rescore, save its delta if any
+            c, _ = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, None, mem_threshold=a["mem_threshold"],
+                              min_prior_nodes=a["min_prior_nodes"], params=params, found=found)
+            AssociateStage._recall_rows(E, c, seg, a, out, recall_rows)
+            if meta.get("found_delta") is not None:
+                out["delta"].append({"history_id": h, "end_session": s1, "sessions": I.index_sessions(s1, grid),
+                                     "prefix_digest": meta["digest"], "dim": E.shape[1],
+                                     "base_sessions": meta["base_sessions"], "index": meta["found_delta"]})
+            return c
         index = None
         if saved is not None:
             index = AssociateStage._loaded_index(saved, params, E.shape[1])
@@ -513,12 +549,7 @@ class AssociateStage(HistoryShardStage):
                 index.start_delta()
         c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
                               min_prior_nodes=a["min_prior_nodes"], params=params, found=found)
-        approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
-        sample, keys = I.recall_sample(h, approx, I.RECALL_ROWS if recall_rows is None else recall_rows,
-                                       first_row=I.first_ivf_row(a["ivf_exact_nodes"], a["min_prior_nodes"]))
-        hits, total = I.candidate_hits(E, c, sample, a["mem_threshold"])
-        n = sample.size
-        out["recall"].append(pa.table([[h] * n, [s0] * n, [s1] * n, sample, keys, hits, total], schema=IVF_RECALL))
+        AssociateStage._recall_rows(E, c, seg, a, out, recall_rows)
         if meta.get("save", True) and index is not None and index.index is not None:
             sessions = index.ntotal // N_GRAN
             if sessions != I.index_sessions(s1, grid):
@@ -533,6 +564,20 @@ class AssociateStage(HistoryShardStage):
             else:
                 out["index"].append({**row, "index": I.index_bytes(index)})
         return c  # the faiss index is freed here: only its bytes stay, until the table is written
+
+    @staticmethod
+    def _recall_rows(E: Any, c: Any, seg: list[Any], a: dict[str, Any], out: dict[str, list],
+                     recall_rows: int | None) -> None:
+        """The segment's rows of the recall sample, checked against the exact search, into ``out``."""
+        from memgas.pipeline.association import ivf_search as I
+
+        h, s0, s1, _ = seg
+        approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
+        sample, keys = I.recall_sample(h, approx, I.RECALL_ROWS if recall_rows is None else recall_rows,
+                                       first_row=I.first_ivf_row(a["ivf_exact_nodes"], a["min_prior_nodes"]))
+        hits, total = I.candidate_hits(E, c, sample, a["mem_threshold"])
+        n = sample.size
+        out["recall"].append(pa.table([[h] * n, [s0] * n, [s1] * n, sample, keys, hits, total], schema=IVF_RECALL))
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         """Count the current edges (the segmented table's kind dropped every part that is not current)."""

@@ -453,9 +453,11 @@ def ivf_rows(emb_nodes: Any, a: int, b: int, index: CausalIVF | None, *, mem_thr
     cut = max(a, min(b, p.exact_nodes))
     parts = [causal_rows(E, a, cut, mem_threshold=k, min_prior_nodes=min_prior_nodes)]
     rows = index_rows(a, b, p, min_prior_nodes)
-    if rows.size:
+    if rows.size and found is not None:  # no index needed: the rows found, rescored
+        parts.append(_found_rows(E, rows, k, found, p.block_sessions))
+    elif rows.size:
         index = index if index is not None else CausalIVF(E.shape[1], p)
-        parts.append(_grid_rows(index, E, rows, k, found))
+        parts.append(_grid_rows(index, E, rows, k))
     return _concat(parts, k), index
 
 
@@ -520,22 +522,27 @@ def _grid_walk(ivf: CausalIVF, E: Any, rows: np.ndarray) -> Iterator[tuple[int, 
                 ivf._add(blk, lists[:, 0])
 
 
-def _grid_rows(ivf: CausalIVF, E: Any, rows: np.ndarray, k: int,
-               found: dict[int, np.ndarray] | None = None) -> Candidates:
-    """IVF candidates of ``rows`` (all past the exact prefix), adding complete grid blocks to ``ivf``; the
-    ids each block's rows found are ``found``'s when given (:func:`ivf_found`), else searched here."""
+def _grid_rows(ivf: CausalIVF, E: Any, rows: np.ndarray, k: int) -> Candidates:
+    """IVF candidates of ``rows`` (all past the exact prefix), adding complete grid blocks to ``ivf``."""
     fetch = ivf.params.fetch or k + k // 2
-    out = []
-    for s0, lo, hi, blk, lists, dis in _grid_walk(ivf, E, rows):
-        if hi > lo:
-            if found is None:
-                alli = ivf._block_found(rows[lo:hi], s0, blk, lists, dis, fetch)
-            else:
-                alli = found.get(s0)
-                if alli is None or alli.shape[0] != hi - lo:
-                    raise ValueError(f"the IVF ids found for the block at session {s0} are not those of its "
-                                     f"{hi - lo} rows")
-            out.append(_select(E, rows[lo:hi], alli, blk, s0 * N_GRAN, k))
+    return _concat([_select(E, rows[lo:hi], ivf._block_found(rows[lo:hi], s0, blk, lists, dis, fetch), blk,
+                            s0 * N_GRAN, k)
+                    for s0, lo, hi, blk, lists, dis in _grid_walk(ivf, E, rows) if hi > lo], k)
+
+
+def _found_rows(E: Any, rows: np.ndarray, k: int, found: dict[int, np.ndarray], block_sessions: int) -> Candidates:
+    """:func:`_grid_rows` given what each grid block's rows found (:func:`ivf_found`): the same rescoring
+    (``_select``), no index. ``found`` must hold every block of ``rows``, each with its rows."""
+    row_sess, n_sess, out, seen = rows // N_GRAN, E.shape[0] // N_GRAN, [], 0
+    for s0 in sorted(found):
+        s1 = min(n_sess, s0 + block_sessions)
+        lo, hi = (int(x) for x in np.searchsorted(row_sess, [s0, s1]))
+        if s0 % block_sessions or found[s0].shape[0] != hi - lo or hi == lo:
+            raise ValueError(f"the IVF ids found for the block at session {s0} are not those of its rows")
+        out.append(_select(E, rows[lo:hi], found[s0], _read_cols(E, s0 * N_GRAN, s1 * N_GRAN), s0 * N_GRAN, k))
+        seen += hi - lo
+    if seen != rows.size:
+        raise ValueError(f"the IVF ids found hold {seen} of the {rows.size} rows asked for")
     return _concat(out, k)
 
 

@@ -60,7 +60,8 @@ def test_an_append_ships_only_the_rows_it_found_and_equals_a_fresh_build(tmp_pat
     assert merged_index(grown, "h")[0] == merged_index(fresh, "h")[0]
 
 
-def test_the_payload_holds_the_rows_found_and_the_tail_only(tmp_path: Path, small: None) -> None:
+def test_the_payload_holds_the_rows_found_and_the_tail_only(tmp_path: Path, small: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """What the task gets: before the index's end (240 sessions: block 15) a SparseBlock of the rows found
     (or none), from there the blocks whole; and its result equals the run on every row."""
     _, grown = _grown(tmp_path, 250, 300)
@@ -70,6 +71,8 @@ def test_the_payload_holds_the_rows_found_and_the_tail_only(tmp_path: Path, smal
     payload = AssociateStage().inputs(dataclasses.replace(ctx, scratch={}), unit)
     nb = payload["matrices"][0]
     assert isinstance(nb, NodeBlocks) and payload["found"][0] is not None
+    meta = payload["indexes"][0]
+    assert meta["saved"] is None and meta["found_delta"] is not None, "the task gets the delta, not the index"
     before, tail = nb.blocks[:15], nb.blocks[15:]
     assert all(h is None or isinstance(h, SparseBlock) for h in before) and any(before)
     shipped = np.concatenate([h.rows + 64 * i for i, h in enumerate(before) if h is not None])
@@ -80,27 +83,28 @@ def test_the_payload_holds_the_rows_found_and_the_tail_only(tmp_path: Path, smal
         nb[np.arange(0, 15 * 64)]
     with pytest.raises(RowsNotShipped):
         nb[0:64]
-    full = dict(payload, found=[None])
-    full["matrices"] = [_whole(ctx, unit)]
+    monkeypatch.setattr(associate, "FOUND_TAIL_BLOCKS", -1)  # the path before: every row, the task searches
+    full = AssociateStage().inputs(dataclasses.replace(ctx, scratch={}), unit)
+    assert full["found"] == [None] and full["indexes"][0]["saved"] is not None
     params = {**AssociateStage().active(ctx).params, "recall_rows": ivf_search.RECALL_ROWS}
     got, want = AssociateStage.run(None, payload, params), AssociateStage.run(None, full, params)
+    assert set(got) == {"edges", "edge_segments", "ivf_recall", "ivf_delta"}
     assert set(got) == set(want) and all(got[k].equals(want[k]) for k in want)
 
 
-def _whole(ctx, unit):  # the history's every row, as the task got it before
-    from memgas.jobs.stages.node_blocks import history_nodes
-
-    (h, _, b, _), = unit["segments"]
-    return history_nodes(dataclasses.replace(ctx, scratch={}), h, 4 * b)
-
-
-def test_without_stored_blocks_or_with_a_sampled_row_every_row_is_shipped(tmp_path: Path, small: None,
+def test_without_stored_blocks_a_full_index_to_save_or_a_sampled_row_every_row_is_shipped(tmp_path: Path, small: None,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 300})
     run_associate(associate_ctx(fresh, IVF_SMALL))
     _, grown = _grown(tmp_path / "a", 250, 300, with_blocks=False)  # the first append after an upgrade
     _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
     assert stats["ivf_found_units"] == 0 and associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
+    monkeypatch.setattr(associate, "IVF_MAX_DELTAS", 0)  # a full index to save: the task builds it
+    _, grown = _grown(tmp_path / "c", 250, 300)
+    _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
+    assert stats["ivf_found_units"] == 0 and associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
+    assert associate_rows(grown)["ivf_index"] == associate_rows(fresh)["ivf_index"]
+    monkeypatch.setattr(associate, "IVF_MAX_DELTAS", 16)
     monkeypatch.setattr(ivf_search, "RECALL_ROWS", 256)  # every row sampled (another key: built afresh)
     fresh2, _ = seeded_bank(tmp_path / "fresh2", {"h": 300})
     run_associate(associate_ctx(fresh2, IVF_SMALL))
