@@ -154,3 +154,24 @@ def test_under_ray_the_rows_found_reach_the_task_through_the_object_store(tmp_pa
         assert set(got) == set(want) and all(got[k].equals(want[k]) for k in want)
     finally:
         ray.shutdown()
+
+
+def test_a_damaged_stored_block_sends_the_unit_down_the_old_path(tmp_path: Path, small: None,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A stored block the driver reads for its rows is damaged: never read silently. The unit ships every
+    block instead (the damaged one gathered again and rewritten), and the edges are a fresh build's."""
+    import logging
+
+    fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 300})
+    run_associate(associate_ctx(fresh, IVF_SMALL))
+    _, grown = _grown(tmp_path, 250, 300)
+    part = sorted(grown.parts(TABLE))[3]
+    path = grown.path / TABLE / f"{part}.parquet"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
+    assert "damaged" in caplog.text and stats["ivf_found_units"] == 0
+    assert associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
+    assert grown.verify_part(TABLE, part), "the damaged block was written again"
