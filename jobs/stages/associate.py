@@ -206,11 +206,11 @@ IVF_FIELDS = ("association.ivf_nlist", "association.ivf_nprobe", "association.iv
 #: merges a few small deltas. Where the index is saved as what changes nothing downstream: the merged index
 #: is the same bytes either way.
 IVF_MAX_DELTAS = 16
+IVF_DELTA_SHARE = 8
 #: an IVF unit is shipped only the rows it found (AssociateStage._found) when the blocks from its index's end
 #: to its last row are at most this many: the driver holds them at once to search (an append of up to ~48,000
 #: sessions at 16,384 sessions a block; a longer unit, the later units of a long append, ship every block)
 FOUND_TAIL_BLOCKS = 4
-IVF_DELTA_SHARE = 8
 
 
 def uses_ivf(cfg: Any, end_session: int) -> bool:
@@ -319,7 +319,8 @@ class AssociateStage(HistoryShardStage):
         prefix longer than one block (``blocks.BLOCK_ROWS`` rows), exact or IVF, goes as :class:`NodeBlocks`
         (read, put and fetched block by block: :mod:`memgas.jobs.stages.node_blocks`); a shorter one as one
         matrix read with the unit's other histories. Under IVF each segment also gets the history's saved
-        index (read and verified once per history and run, put once into Ray's object store), the IVF grid
+        index (read and verified once per history and run, put once into Ray's object store when a unit
+        searches it: :meth:`_found`'s units get the rows found and the delta instead), the IVF grid
         (module constants are the driver's: a task may run in another process) and whether its index is the
         one to save (the history's last segment only)."""
         segs = unit["segments"]
@@ -346,7 +347,7 @@ class AssociateStage(HistoryShardStage):
                 out["indexes"].append({"saved": saved, "grid": grid, "save": save, "digest": chain[h][end],
                                        "delta": save and _saves_delta(saved, end)})
         # an IVF append over a saved index gets only the rows its new rows found (ivf_found) before the
-        # index's end, not the history's matrix: at 10^6 sessions ~5% of it instead of ~6 GB through the store
+        # index's end, not the history's matrix: at 10^6 sessions ~3% of it instead of ~6 GB through the store
         found = [None if w else self._found(ctx, seg, m) for seg, w, m in
                  zip(segs, whole, out.get("indexes") or [None] * len(segs))]
         out["matrices"] = [node_matrix(loader.get(h))[: N_GRAN * b] if w else f[0] if f is not None
@@ -452,7 +453,7 @@ class AssociateStage(HistoryShardStage):
         whose bytes are not those written is never searched: the task rebuilds the index, and the stats
         count it); None when there is none to use. Every unit of the history in this run starts from the
         same saved index (it ends at or before the first unit's rows): it is read, verified and counted once
-        (the last history's, kept in the scratch; under Ray its bytes are put once and shared by reference)."""
+        (the last history's, kept in the scratch as bytes; :meth:`_shipped` puts them into Ray's store once)."""
         saved = ctx.scratch["ivf_saved"].get(history)  # listed by inputs before the run's first unit
         if start == 0 or saved is None:
             return None
