@@ -17,7 +17,7 @@ from memgas.jobs.stages.node_blocks import HistoryBlocks
 from memgas.pipeline.association import blocks
 from memgas.pipeline.bank import Bank
 
-from .test_node_blocks import _ipc, _params, _unblocked, seeded_bank
+from .test_node_blocks import _ipc, _params, _unblocked, damage_part, seeded_bank
 
 ROWS = 8  # 2 sessions a block
 
@@ -77,10 +77,7 @@ def test_a_damaged_block_is_gathered_again_and_rewritten(tmp_path: Path, caplog:
     bank, ctx = seeded_bank(tmp_path / "b", {"h": 6})
     first, _ = _blocks(ctx, 24)
     part = sorted(_stored(bank))[1]
-    path = bank.path / block_store.TABLE / f"{part}.parquet"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    damage_part(bank, block_store.TABLE, part)
     with caplog.at_level(logging.WARNING):
         again, hb = _blocks(ctx, 24)
     assert "damaged" in caplog.text

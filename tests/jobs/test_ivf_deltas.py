@@ -17,7 +17,16 @@ from memgas.pipeline.association.segments import Coverage
 from memgas.pipeline.association import ivf_search
 from memgas.pipeline.bank import Bank
 
-from .test_node_blocks import GRID, IVF_SMALL, associate_ctx, associate_rows, copy_parts, run_associate, seeded_bank
+from .test_node_blocks import (
+    GRID,
+    IVF_SMALL,
+    associate_ctx,
+    associate_rows,
+    copy_parts,
+    damage_part,
+    run_associate,
+    seeded_bank,
+)
 
 
 def merged_index(bank: Bank, history: str) -> tuple[bytes, int, list[tuple[int, int]]]:
@@ -109,10 +118,7 @@ def test_a_damaged_delta_is_never_merged(tmp_path: Path, ivf: None, caplog: pyte
     grown, _ = seeded_bank(tmp_path / "grown", {"h": 360})
     copy_parts(mid, grown)
     [part] = grown.parts("ivf_delta")
-    path = grown.path / "ivf_delta" / f"{part}.parquet"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    damage_part(grown, "ivf_delta", part)
     with caplog.at_level(logging.WARNING):
         _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
     assert "ivf_delta" in caplog.text and "damaged" in caplog.text
@@ -135,10 +141,7 @@ def test_a_damaged_index_rebuilt_to_as_many_sessions_replaces_it(tmp_path: Path,
     mid, _ = seeded_bank(tmp_path / "mid", {"h": 252})
     copy_parts(first, mid)
     [part] = mid.parts("ivf_index")
-    path = mid.path / "ivf_index" / f"{part}.parquet"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    damage_part(mid, "ivf_index", part)
     damaged = {rel: (mid.path / "ivf_index" / rel).read_bytes() for rel in (f"{part}.parquet", f"_done/{part}.json")}
     ctx = associate_ctx(mid, IVF_SMALL)
     _, stats = run_associate(ctx)

@@ -21,7 +21,16 @@ from memgas.pipeline.association.blocks import NodeBlocks, RowsNotShipped, Spars
 from memgas.pipeline.bank import Bank
 
 from .test_ivf_deltas import merged_index
-from .test_node_blocks import GRID, IVF_SMALL, associate_ctx, associate_rows, copy_parts, run_associate, seeded_bank
+from .test_node_blocks import (
+    GRID,
+    IVF_SMALL,
+    associate_ctx,
+    associate_rows,
+    copy_parts,
+    damage_part,
+    run_associate,
+    seeded_bank,
+)
 
 
 @pytest.fixture()
@@ -166,10 +175,7 @@ def test_a_damaged_stored_block_sends_the_unit_down_the_old_path(tmp_path: Path,
     run_associate(associate_ctx(fresh, IVF_SMALL))
     _, grown = _grown(tmp_path, 250, 300)
     part = sorted(grown.parts(TABLE))[3]
-    path = grown.path / TABLE / f"{part}.parquet"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
+    damage_part(grown, TABLE, part)
     with caplog.at_level(logging.WARNING):
         _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
     assert "damaged" in caplog.text and stats["ivf_found_units"] == 0

@@ -329,6 +329,14 @@ def associate_rows(bank: Bank) -> dict[str, list[tuple]]:
     return out
 
 
+def damage_part(bank: Bank, table: str, part: str) -> None:
+    """Flip one byte in the middle of a part's file, its size kept (what a bad disk or a stray write does)."""
+    path = bank.path / table / f"{part}.parquet"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def copy_parts(src: Bank, dst: Bank) -> None:
     """The associate stage's parts of ``src`` into ``dst`` (an append's bank: ``src``'s sessions, then more)."""
     for name in ASSOCIATE_TABLES:
