@@ -82,6 +82,7 @@ def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *,
         turn = _turn_level(qinfo, ranked, bank, cfg)
         if turn is not None:
             out["retrieval"]["turn"][method] = turn
+    log_skipped(out["retrieval"])
     if not out["retrieval"]["turn"]:
         out["retrieval"].pop("turn")
     else:
@@ -111,6 +112,15 @@ def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *,
                     entry["by_type"].setdefault(t, {})["judge_accuracy"] = row.get("accuracy")
             out["qa"][method] = entry
     return out
+
+
+def log_skipped(retrieval: dict[str, dict[str, Any]]) -> None:
+    """One log line per level for the questions left out of the retrieval scores: every method is scored over the
+    same questions, so their skip counts are the same and one line says it for all of them."""
+    for level, methods in retrieval.items():
+        skipped = next(iter(methods.values()), {}).get("skipped", {})
+        if any(skipped.values()):
+            log.info("retrieval eval (%s level): skipped %s", level, skipped)
 
 
 #: How the turn-level table is computed (said in the report next to the table).

@@ -19,6 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from memgas.jobs.plot_styles import method_styles
 from memgas.pipeline.errors import MemgasError
 
 log = logging.getLogger(__name__)
@@ -215,9 +216,10 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
                  if k.startswith("recall_all@") and k.split("@")[1].isdigit()})
     curves = {method: [_pct_or_nan(_d(m.get("overall")).get(f"recall_all@{k}")) for k in ks] for method, m in level.items()}
     if ks and any(math.isfinite(v) for c in curves.values() for v in c):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
+        styles = method_styles(list(curves))
+        fig, ax = plt.subplots(figsize=(9, 4.5))
         for method, ys in curves.items():
-            ax.plot(ks, ys, marker="o", label=method)
+            ax.plot(ks, ys, label=method, markersize=5, linewidth=1.4, **styles[method])
         if min(ks) > 0:
             ax.set_xscale("log")
         ax.set_xticks(ks, [str(k) for k in ks])
@@ -225,7 +227,8 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_ylabel("Recall_all@K (%)")
         ax.set_title("Session-level recall by method")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
+        # beside the plot: 15 entries inside it would hide the curves
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         fig.tight_layout()
         written.append(out_dir / PLOT_FILES[0])
         fig.savefig(written[-1], dpi=120)
@@ -237,17 +240,18 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
     if types and any(math.isfinite(v) for b in bars.values() for v in b):
         import numpy as np
 
-        fig, ax = plt.subplots(figsize=(max(7, 1.4 * len(types)), 4.5))
+        fig, ax = plt.subplots(figsize=(max(9, 1.4 * len(types) + 2), 4.5))
         width = 0.8 / max(1, len(level))
         x = np.arange(len(types))
+        colours = {m: st["color"] for m, st in method_styles(list(bars)).items()}
         for i, (method, vals) in enumerate(bars.items()):
-            ax.bar(x + i * width, vals, width, label=method)
+            ax.bar(x + i * width, vals, width, label=method, color=colours[method])
         # data strings: control characters would reach the terminal in matplotlib's missing-glyph warnings
         labels = ["".join(" " if ord(c) < 32 or 0x7F <= ord(c) <= 0x9F else c for c in t) for t in types]
         ax.set_xticks(x + 0.4 - width / 2, labels, rotation=20, ha="right", fontsize=8)
         ax.set_ylabel("Recall_all@5 (%)")
         ax.set_title("Recall_all@5 by question type")
-        ax.legend(fontsize=6, ncol=2)
+        ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
         fig.tight_layout()
         written.append(out_dir / PLOT_FILES[1])
         fig.savefig(written[-1], dpi=120)

@@ -24,7 +24,6 @@ Layout: array kernels over a boolean relevance matrix ``[Q, K]`` first (vectoris
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -33,7 +32,6 @@ import pandas as pd
 
 from memgas.pipeline.evaluate.categories import is_longmemeval_abstention
 
-logger = logging.getLogger(__name__)
 
 #: The cut-offs reported everywhere (LongMemEval reports 5/10 at session level; the paper 1..10; 30/50 for
 #: the reader's context budget).
@@ -225,7 +223,8 @@ def score_retrieval(
     (bool; also inferred from a ``_abs`` id suffix), ``question_type``, and optionally ``corpus_ids``.
 
     Skipped: abstention questions (``"abstention"``) and questions without evidence (``"no_evidence"``),
-    as LongMemEval's retrieval evaluation does. The returned dict always has both keys.
+    as LongMemEval's retrieval evaluation does. The returned dict always has both keys (the caller logs it:
+    :func:`memgas.jobs.evaluate_run.log_skipped` once per run, not once per method).
 
     Columns: query_id, question_type, level, n_relevant, n_ranked, and for each K
     ``recall_any@K``, ``recall_all@K``, ``ndcg_any@K`` (LongMemEval discount) and, if ``standard_ndcg``,
@@ -258,9 +257,6 @@ def score_retrieval(
         if isinstance(corpus, float):  # NaN: column present but empty for this row
             corpus = None
         n_rel_ndcg.append(_n_relevant(ev, None if corpus is None else list(corpus)))
-    if any(skipped.values()):
-        logger.info("retrieval eval (%s level): skipped %s", level, skipped)
-
     ks = sorted({int(k) for k in ks})
     cols: dict[str, Any] = {
         "query_id": keep_qid,

@@ -45,6 +45,33 @@ def test_write_report_tables_and_plots(tmp_path: Path) -> None:
         assert f"({png})" in report
 
 
+def test_every_method_has_its_own_line_coloured_by_family(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's 15 methods and memgas-cards: each line of the recall plot has its own (colour, marker, dash), and
+    the colour says the family (the default cycle has ten colours: session and justmem were both blue)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+
+    from memgas.jobs.report import plot_run
+    from memgas.pipeline.methods import KNOWN_METHOD_NAMES, METHODS
+
+    overall = _metrics(0.6)["retrieval"]["session"]["memgas"]
+    metrics = {"retrieval": {"session": {m: overall for m in KNOWN_METHOD_NAMES}}}
+    figures: list = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figures to read their lines
+    plot_run(metrics, tmp_path)
+    monkeypatch.undo()
+    lines = next(f.axes[0].get_lines() for f in figures if f.axes[0].get_title() == "Session-level recall by method")
+    styles = {line.get_label(): (to_rgba(line.get_color()), line.get_marker(), line.get_linestyle()) for line in lines}
+    assert sorted(styles) == sorted(KNOWN_METHOD_NAMES)
+    assert len(set(styles.values())) == len(KNOWN_METHOD_NAMES)
+    # a family's shades never meet another family's: red > blue for JustMem's oranges, green highest for cards
+    hue = {m: max(range(3), key=lambda c, m=m: styles[m][0][c]) for m in styles}
+    assert {m: hue[m] for m in styles} == {m: {"memgas": 2, "justmem": 0, "memgas-cards": 1}[METHODS[m].family]
+                                           for m in styles}
+    for f in figures:
+        plt.close(f)
+
+
 def test_plots_off_removes_the_earlier_runs_plots_and_report_draws_them_later(tmp_path: Path) -> None:
     """evaluation.plots=false: no PNG, and the previous run's PNGs (which no longer match the report) are gone;
     `memgas report` on the directory draws them from metrics.json."""
