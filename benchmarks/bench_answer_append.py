@@ -1,4 +1,4 @@
-"""Answer after an append through the real job (issue 29): only the changed histories are ranked.
+"""Answer after an append through the real job: only the changed histories are ranked.
 
 ``memgas synth`` histories (``--histories`` questions, one history each, ``--sessions`` sessions of
 ``--turns`` utterances) as user JSONL: A = every history, all but the last ``--append`` sessions of the
@@ -9,7 +9,7 @@ Measured in one run:
 2. ``ingest B --append``, index, ``memgas answer`` into the same run directory (timed: only the first
    history's questions are ranked, the others' rankings kept);
 3. ``memgas answer`` of the same bank into a new run directory (timed: every question ranked, which is
-   what ``answer`` did after an append before issue 29).
+   what ``answer`` did after an append before rankings were kept per history).
 
 Printed: the rank stage's and the whole command's seconds of 2 and 3, what each ranked and kept (from
 run_record.json), and the check that their rankings rows and retrieval metrics are equal. Exit 1 if not.

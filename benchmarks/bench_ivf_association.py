@@ -1,4 +1,4 @@
-"""The associate stage's IVF search (issue 29) on real and synthetic node vectors: recall and cost.
+"""The associate stage's IVF search on real and synthetic node vectors: recall and cost.
 
 Real vectors: the unique sessions of a `memgas index` bank (e.g. configs/longmemeval_s.yaml on the
 LongMemEval-S sample, MiniLM), read as the stage reads them (session and turn-pair vectors under their

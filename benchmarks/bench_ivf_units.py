@@ -1,4 +1,4 @@
-"""One IVF history through the associate stage: one unit against units of ``--unit`` sessions (issue 29).
+"""One IVF history through the associate stage: one unit against units of ``--unit`` sessions.
 
 A bank of one seeded history (``tests/jobs/test_node_blocks.seeded_bank``: synthetic 384-d vectors written
 into the nodes, pairs and embeddings tables, no encoder) is associated in-process through the runner twice:

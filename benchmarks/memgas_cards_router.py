@@ -1,4 +1,4 @@
-"""memgas-cards' router on a finished run (issue 28 item 6): how much weight the cards get, under each
+"""memgas-cards' router on a finished run: how much weight the cards get, under each
 ``retrieval.card_graph_entropy``.
 
     .venv/bin/python benchmarks/memgas_cards_router.py RUN_DIR

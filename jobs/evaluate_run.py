@@ -166,7 +166,7 @@ def _turn_level(qinfo: pd.DataFrame, ranked_sessions: dict[str, list[str]], bank
 # -- the run's accounting beside the metrics: LLM tokens per method, the planner's profiles, encoded texts --
 #: JustMem methods that use the plans: ``justmem`` and ``justmem-compose`` retrieve with them (the profile, the
 #: rewrites), and every card reader's answer prompt names the planner's operation (pipeline/justmem/read.py), so
-#: they all pay the planner (issue 28; before, the fixed-profile readers did not). ``cards`` reads sessions.
+#: they all pay the planner. ``cards`` reads sessions.
 PLANNED_METHODS: tuple[str, ...] = ("justmem", "justmem-lookup", "justmem-compose", "justmem-replay")
 
 
@@ -255,7 +255,7 @@ def justmem_text_groups(ctx: StageContext) -> dict[str, set[str]]:
     return {"card": set(session_cards(ctx)["text_hash"].to_pylist()), "plan rewrite": rewrites}
 
 
-# -- evidence recall of what the reader receives (issue 28) --
+# -- evidence recall of what the reader receives --
 #: How the reader's context is measured (metrics.json ``notes.reader_evidence``; said in the report).
 READER_NOTE = ("reader's context: the utterances the answer model is given, per question, for every ranking method, "
                "rebuilt from the rankings and card picks by the reader's own functions (whether or not the LLM read "
@@ -292,18 +292,19 @@ def reader_evidence(ctx: StageContext, rankings: pa.Table, picks: pa.Table) -> d
     bank, cfg = ctx.bank, ctx.cfg
     queries = bank.read("queries").to_pylist()
     if not queries or "evidence_utterance_ids" not in queries[0]:
-        log.warning("evaluate: %s: the queries have no evidence_utterance_ids (ingested before issue 28); "
-                    "re-ingest to measure the evidence recall of the reader's context", bank.path)
+        log.warning("evaluate: %s: the queries have no evidence_utterance_ids (ingested before the bank kept "
+                    "evidence turns); re-ingest to measure the evidence recall of the reader's context", bank.path)
         return {}
-    # a bank appended to after an ingest of before issue 28: its old questions carry no evidence turns (null;
+    # a bank appended to after an ingest that kept no evidence turns: its old questions carry none (null;
     # the loaders write a list, empty where a question has none). Measure the others, and say how many are not.
     unmeasured = sum(q["evidence_utterance_ids"] is None for q in queries)
     if unmeasured == len(queries):
-        log.warning("evaluate: %s: the queries have no evidence_utterance_ids (ingested before issue 28); "
-                    "re-ingest to measure the evidence recall of the reader's context", bank.path)
+        log.warning("evaluate: %s: the queries have no evidence_utterance_ids (ingested before the bank kept "
+                    "evidence turns); re-ingest to measure the evidence recall of the reader's context", bank.path)
         return {}
     if unmeasured:
-        log.warning("evaluate: %s: %d of %d questions were ingested before issue 28 (no evidence_utterance_ids): "
+        log.warning("evaluate: %s: %d of %d questions were ingested before the bank kept evidence turns "
+                    "(no evidence_utterance_ids): "
                     "the evidence recall of the reader's context leaves them out; re-ingest to measure them all",
                     bank.path, unmeasured, len(queries))
         queries = [q for q in queries if q["evidence_utterance_ids"] is not None]

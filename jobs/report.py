@@ -148,7 +148,7 @@ def _count(n: Any, word: str) -> str:
 
 
 def ranked_lines(record: list[dict[str, Any]]) -> list[str]:
-    """What each ranker ranked and kept (issue 29: after an append only the changed histories are ranked)."""
+    """What each ranker ranked and kept (after an append only the changed histories are ranked)."""
     lines = [f"- {r['stage']}: ranked {_count(r['questions_ranked'], 'question')} of "
              f"{_count(r['histories_ranked'], 'history')}; kept {_count(r['questions_kept'], 'question')} of "
              f"{_count(r['histories_kept'], 'unchanged history')} ranked by an earlier answer"
@@ -273,7 +273,7 @@ def plot_run(metrics: dict[str, Any], out_dir: Path) -> list[Path]:
 
 
 def _association(a: dict[str, Any]) -> str | None:
-    """The candidate search, and under IVF what it costs: recall@k against the exact search (issue 29)."""
+    """The candidate search, and under IVF what it costs: recall@k against the exact search."""
     if not a.get("search"):
         return None
     if a["search"] != "ivf":

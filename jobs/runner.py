@@ -311,7 +311,7 @@ def _drop_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str
 
     The damaged parts go first, before the stage lists its output (``output_parts``): the associate stage
     lists it by reading its ``edge_segments`` parts, and an unreadable one there stopped the rebuild that the
-    error message had asked for (issue 31)."""
+    error message had asked for."""
     dropped = _drop_altered(stage, ctx, store)
     keys = set(marker.get("parts") or {}) | {f"{t}/{p}" for t, p in T.output_parts(stage, ctx)}
     keys |= {f"{t.physical}/{p}" for t in stage.writes if t.kind == "content" for p in T.stage_parts(stage, ctx, t)}

@@ -133,7 +133,7 @@ def _same_row(name: str, a: dict[str, Any], b: dict[str, Any]) -> bool:
 def _same_session(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """A session re-sent under a known id is the stored one when every field but its place (history,
     position: a file may hold only what is new) is equal: text, date as given and parsed, turns. Another
-    date would silently keep the old one (issue 31), so it is "other content" like changed text."""
+    date would silently keep the old one, so it is "other content" like changed text."""
     place = {"history_id": "", "position": 0}
     return _same_row("sessions", {**old, **place}, {**new, **place})
 

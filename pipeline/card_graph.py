@@ -1,4 +1,4 @@
-"""memgas-cards (issue 28 item 6): JustMem's cards as a fifth MemGAS granularity.
+"""memgas-cards: JustMem's cards as a fifth MemGAS granularity.
 
 One history's graph holds, per session in position order, its four MemGAS nodes (session, turn, summary,
 keyword: ``GRANULARITIES``) and then its cards (``CARD_GRAPH_GRANULARITIES[4]``), so a session's nodes are

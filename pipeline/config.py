@@ -167,19 +167,19 @@ class AssociationConfig(_Strict):
     #: SQ8 store, candidates rescored exactly; the rows among a history's first ivf_exact_nodes nodes are
     #: still searched exactly, so below that length "ivf" gives the exact edges byte for byte). "ivf" is
     #: the switch an "auto" would make (exact up to ivf_exact_nodes, approximate after), so there is no
-    #: "auto"; "exact" stays the default: docs/benchmarks.md, "IVF association through the job (issue 29)".
+    #: "auto"; "exact" stays the default: docs/benchmarks.md, "IVF association".
     #: The ivf_* fields below count (are fingerprinted) only under "ivf".
     search: Literal["exact", "ivf"] = "exact"
     #: inverted lists (k-means centroids trained once per history on its first ivf_exact_nodes nodes; capped
     #: at a 39th of those, faiss's minimum of training points per centroid). 2048 and 6 probes: recall@30
     #: 0.9999 on 10^6 synthetic sessions (docs/benchmarks.md, "Huge histories"); real MiniLM vectors kept 2-3x
-    #: more candidates than those synthetic ones at equal lists probed (issue 29's section)
+    #: more candidates than those synthetic ones at equal lists probed (docs/benchmarks.md, "IVF association")
     ivf_nlist: int = Field(2048, ge=1, le=1 << 20)
     #: lists searched per row
     ivf_nprobe: int = Field(6, ge=1, le=1 << 20)
     #: rows among a history's first this many nodes are searched exactly (the centroids are trained on them):
     #: 65,536 nodes = 16,384 sessions, past the speed break-even (~7k nodes) for recall's sake: training
-    #: points for the lists, early rows' few similar predecessors (docs/benchmarks.md, issue 29's section)
+    #: points for the lists, early rows' few similar predecessors (docs/benchmarks.md, "IVF association")
     ivf_exact_nodes: int = Field(65536, ge=1, le=MAX_COUNT)
 
     @model_validator(mode="after")
@@ -212,15 +212,15 @@ class RetrievalConfig(_Strict):
     #: nodes per session against one node of each MemGAS granularity, are not read as the least confident
     #: granularity for their number alone (kernels/router.py). Default "normalised": through the job, R_all@5 /
     #: NDCG@10 +10.4 / +7.6 on full LoCoMo and +5.6 / +5.1 on the LongMemEval-S sample against "raw", but
-    #: -1.4 / -1.5 on the bundled sample (docs/benchmarks.md, "The LoCoMo and LongMemEval-S rows with today's
-    #: defaults")
+    #: -1.4 / -1.5 on the bundled sample (docs/benchmarks.md, "Retrieval quality: every method on each
+    #: data set")
     card_graph_entropy: Literal["raw", "normalised"] = "normalised"
     #: PPR kernel: "exact" (power iteration over the whole graph, all queries at once, CPU or GPU:
     #: kernels/ppr.py) or "push" (local forward push from the seeds, CPU only: kernels/ppr_push.py)
     ppr: Literal["exact", "push"] = "exact"
     #: push's residual threshold per unit of degree (error < ppr_epsilon * degree / (1 - damping) per node).
     #: 1e-8: the top-10 equals the exact PPR's on every LoCoMo question from 1e-7 on (96% at 1e-6), one decade
-    #: of margin; docs/benchmarks.md, "Push PPR" (benchmarks/bench_ppr_push.py)
+    #: of margin; docs/benchmarks.md, "PPR: batched, exact and push" (benchmarks/bench_ppr_push.py)
     ppr_epsilon: float = Field(1e-8, gt=0, lt=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: how many ranked sessions to store per query (at least the largest evaluation.ks)
@@ -250,7 +250,7 @@ class ReadingConfig(_Strict):
 
 
 class JustMemConfig(_Strict):
-    """JustMem (issue 17, DESIGN.md §6): atomic memory cards, a planner, Lookup / Compose / Replay access.
+    """JustMem (DESIGN.md §6): atomic memory cards, a planner, Lookup / Compose / Replay access.
     The defaults here are the only ones: the justmem modules take this object and keep no defaults of their own."""
 
     #: cards: "llm-free" (CPU default: statements cut from the turns, justmem/extract.py) or "llm" (one call per
@@ -270,8 +270,8 @@ class JustMemConfig(_Strict):
     replay_tokens: int = Field(1024, ge=1, le=MAX_TOKENS)
     #: "bm25-dense": reciprocal-rank fusion of BM25 (bm25s) and the dense score; "dense": dense score only
     reranker: Literal["bm25-dense", "dense"] = "bm25-dense"
-    #: The plan's fields in retrieval (issue 28; justmem/retrieve.py, measured in docs/benchmarks.md, "Planner
-    #: fields in retrieval"). N for an aggregation, comparison or sorting question (evidence spread over many
+    #: The plan's fields in retrieval (justmem/retrieve.py, measured in docs/benchmarks.md, "JustMem: cards,
+    #: planner, LLM path"). N for an aggregation, comparison or sorting question (evidence spread over many
     #: cards): candidates per view
     wide_candidates: int = Field(100, ge=1, le=MAX_RANKED)
     #: weight of the BM25 score of the plan's entities, added to the question's BM25 (0 = entities unused)
@@ -435,7 +435,7 @@ def cross_field_problems(cfg: MemgasConfig) -> list[tuple[tuple[str, ...], str]]
         out.append((("reading.methods", "retrieval.methods"),
                     f"reading.methods names {missing}, which retrieval.methods {r.methods} does not rank"))
     unread = [m for m in rd.methods if m in CARD_GRAPH_METHOD_NAMES]
-    if rd.enabled and unread:  # no reader of its rankings yet (issue 28 item 6 ranks it)
+    if rd.enabled and unread:  # no reader of its rankings yet (memgas-cards is ranked only)
         out.append((("reading.methods",), f"reading.methods names {unread}, which is ranked only (no reader yet); "
                                           "read memgas or a JustMem method"))
     tp, gpus = cfg.llm.tensor_parallel_size, cfg.ray.num_gpus_per_model_actor

@@ -28,7 +28,7 @@ haystacks) could get different outputs. Per-session statistics + one fixed list 
   ``"lead"``: the first sentences.
 
 Sizes: 12 sentences / 1,200 characters and 30 keyphrases fill MiniLM's 256-token window; measured on
-LoCoMo (docs/benchmarks.md, "CPU indexing"), longer extracts retrieve better, and tf-idf beats YAKE
+LoCoMo (docs/benchmarks.md, "CPU settings"), longer extracts retrieve better, and tf-idf beats YAKE
 keywords and encoder-centroid summaries of the same size, at a small fraction of their cost.
 
 Deterministic: no randomness, ties break by sentence / phrase order of first appearance.

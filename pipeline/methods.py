@@ -25,7 +25,7 @@ class Method:
     #: "memgas": scored by :func:`memgas.pipeline.retrieve.rank_history` from the node matrices; "justmem":
     #: scored by :func:`memgas.pipeline.justmem.retrieve.rank_history_cards` from the cards (the rank stage
     #: dispatches on it); "memgas-cards": by :func:`memgas.pipeline.card_graph.rank_card_graph` over five
-    #: granularities, MemGAS's four and JustMem's cards (issue 28 item 6)
+    #: granularities, MemGAS's four and JustMem's cards
     family: str = "memgas"
     #: JustMem methods that read their chosen cards (``card_picks``) rather than the top-K sessions
     reads_cards: bool = False
@@ -49,7 +49,7 @@ _ALL = (
     Method("memgas-no-association", edges=None, description="PPR on a graph without edges"),
 )
 
-#: JustMem methods (issue 17; scoring in :mod:`memgas.pipeline.justmem.retrieve`): ``justmem`` (the planner's
+#: JustMem methods (scoring in :mod:`memgas.pipeline.justmem.retrieve`): ``justmem`` (the planner's
 #: profile per question), the three fixed profiles, and ``cards`` (a session scores its best card). Selecting
 #: any of them enables JustMem's branch of stages (jobs/stages/justmem.py).
 _JUSTMEM = (
@@ -64,7 +64,7 @@ _JUSTMEM = (
     Method("cards", family="justmem", description="a session scores its best card"),
 )
 
-#: Both systems in one graph (issue 28 item 6): JustMem's cards as a fifth MemGAS granularity (router over five
+#: Both systems in one graph: JustMem's cards as a fifth MemGAS granularity (router over five
 #: granularities, cards associated by the GMM like any node, PPR over them). Its own stages
 #: (jobs/stages/card_graph.py): selecting it adds them and leaves every other stage as it was.
 _CARD_GRAPH = (

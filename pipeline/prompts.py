@@ -244,7 +244,7 @@ def answer_prompt(retrieved_texts: str, question: str, question_date: str | None
 
 
 # --------------------------------------------------------------------------------------------------
-# JustMem (issue 17): card extraction, access planning, reading
+# JustMem: card extraction, access planning, reading
 # --------------------------------------------------------------------------------------------------
 # The session text is data: it sits between <dialogue> delimiters (neutralised inside), and what the model
 # returns is only ever parsed against a JSON schema (justmem/structured.py); nothing in it selects code paths

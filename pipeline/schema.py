@@ -26,7 +26,7 @@ plans            query_id, planner                             a JustMem access 
 card_picks       method, query_id, rank                        a card a JustMem method chose to read
 ===============  ============================================  ==========================================
 
-JustMem (issue 17, DESIGN.md §6): ``cards`` are keyed by content like ``generations``: ``card_id`` is
+JustMem (DESIGN.md §6): ``cards`` are keyed by content like ``generations``: ``card_id`` is
 derived from (session_hash, extractor, card_index) (:func:`memgas.pipeline.justmem.extract.card_id`), so a
 session shared by many histories is extracted once. A card's ``time`` is relative to the date of the session
 it came from (the same session text may carry different dates in different histories), resolved when read.
@@ -44,7 +44,7 @@ SCHEMA_VERSION = 2
 GRANULARITIES: tuple[str, ...] = ("session", "turn", "summary", "keyword")
 #: Nodes per session.
 N_GRAN: int = len(GRANULARITIES)
-#: memgas-cards' granularities (issue 28 item 6): the four above, then JustMem's cards (any number per session),
+#: memgas-cards' granularities: the four above, then JustMem's cards (any number per session),
 #: their index in this tuple the node's granularity in ``card_graph_edges`` and the router.
 CARD_GRAPH_GRANULARITIES: tuple[str, ...] = (*GRANULARITIES, "card")
 
@@ -114,7 +114,7 @@ QUERIES = pa.schema(
         pa.field("evidence_session_ids", pa.list_(pa.string())),
         pa.field("evidence_turn_ids", pa.list_(pa.string())),  # "session_id:pair_index"
         # "session_id:turn_index" (``turns.turn_index``): the evidence utterances (LoCoMo ``evidence`` dia_ids,
-        # LongMemEval ``has_answer`` turns), for the evidence recall of the reader's context (issue 28). Added
+        # LongMemEval ``has_answer`` turns), for the evidence recall of the reader's context. Added
         # after schema version 2 without a bump: banks ingested before lack it and are read as they are
         # (pipeline/evaluate/evidence.py then reports no evidence recall and says to re-ingest)
         pa.field("evidence_utterance_ids", pa.list_(pa.string())),
@@ -225,7 +225,7 @@ IVF_RECALL = pa.schema(
     ]
 )
 
-#: What each part of a ranker's tables holds (issue 29): per history, the digest of the inputs its rankings
+#: What each part of a ranker's tables holds: per history, the digest of the inputs its rankings
 #: were computed from and its number of questions. Written with the rankings, in a part of the same name.
 RANKED_HISTORIES = pa.schema(
     [

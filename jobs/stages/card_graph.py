@@ -1,4 +1,4 @@
-"""memgas-cards' stages (issue 28 item 6): JustMem's cards as a fifth MemGAS granularity, in a graph of its own.
+"""memgas-cards' stages: JustMem's cards as a fifth MemGAS granularity, in a graph of its own.
 
 Why separate stages and tables, not a fifth granularity in ``nodes``, ``edges`` and ``rank``: the four-granularity
 graph is what every MemGAS method reads; had it held the cards, a ``justmem.*`` change that alters the cards would

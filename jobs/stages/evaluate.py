@@ -13,7 +13,7 @@ class EvaluateReport(Report):
     the current rows of every ranking, answer and judgment table."""
 
     name = "evaluate"
-    # and what the readers read, to rebuild their contexts (evidence recall of the reader's context, issue 28)
+    # and what the readers read, to rebuild their contexts (evidence recall of the reader's context)
     reads = ("queries", "rankings", "card_rankings", "card_graph_rankings", "answers", "card_answers", "judgments",
              "sessions", "texts", "turns", "generations", "card_picks", "cards", "plans")
     # the reading budgets shape the readers' contexts it rebuilds (justmem.replay_tokens too, declared by

@@ -82,7 +82,7 @@ def ingest_output(bank: Bank) -> str:
 def refuse_grown_bank(cfg: MemgasConfig, bank: Bank | None = None) -> None:
     """`memgas run` ingests ``data.path`` into its bank (``cfg.bank_path`` unless ``bank`` is given),
     replacing what the bank holds. A bank grown by ``memgas ingest --append`` holds data no config names:
-    re-ingesting would delete the appended sessions and questions (issue 31), so `run` refuses it, naming
+    re-ingesting would delete the appended sessions and questions, so `run` refuses it, naming
     the commands that use it as it is. No bank there yet: nothing to refuse."""
     from memgas.pipeline.append import ingest_history
 

@@ -143,7 +143,7 @@ class CardRankStage(RankedShardStage):
     name = "card-rank"
     #: 2: parts per shard of changed histories, named by config (1: by fingerprint); 3: the plan's entities,
     #: time constraints (against the session and question dates) and operation shape retrieval, and Compose
-    #: feeds back terms from its top cards (issue 28)
+    #: feeds back terms from its top cards
     version = "3"
     reads = ("queries", "sessions", "cards", "plans", "card_vectors")
     writes = (CARD_RANKED, CARD_RANKINGS, CARD_PICKS)

@@ -1,4 +1,4 @@
-"""The rankers' history shards (rank, card-rank): rankings kept per history across appends (issue 29).
+"""The rankers' history shards (rank, card-rank): rankings kept per history across appends.
 
 A ranking of a history's questions is a function of that history's inputs alone: its questions, its nodes
 (or sessions, cards and plans) and the rows that the keys of their producers determine (vectors, edges).

@@ -1,4 +1,4 @@
-"""Evidence recall of the reader's context (issue 28): how much of a question's evidence the answer model is given.
+"""Evidence recall of the reader's context: how much of a question's evidence the answer model is given.
 
 Retrieval metrics (:mod:`.retrieval`) score a ranking of sessions; this module scores what the reader puts in
 front of the answer model, in utterances (``turns.turn_index``, keys ``"session_id:turn_index"``, the

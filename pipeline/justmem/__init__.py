@@ -1,3 +1,3 @@
-"""JustMem (issue 17; Wang, Zhi, Sha, arXiv 2609.19877) on the MemGAS bank: atomic memory cards with
+"""JustMem (Wang, Zhi, Sha, arXiv 2609.19877) on the MemGAS bank: atomic memory cards with
 provenance (:mod:`.extract`), a query planner (:mod:`.plan`), retrieval over cards with Lookup / Compose /
 Replay access (:mod:`.retrieve`) and the reading prompt (:mod:`.read`). JSON calls: :mod:`.structured`."""

@@ -5,7 +5,7 @@ inclusive span of ``turn_index`` values it comes from (its provenance, what Repl
 by content: :func:`card_id` hashes (session_hash, extractor key, card_index), so a session shared by many
 histories is extracted once, and a changed extractor (method version, model, prompt) writes new keys.
 
-LLM-free method (``LLM_FREE_EXTRACTOR``, v3 "compact cards", issue 28; measured on LoCoMo and LongMemEval-S in
+LLM-free method (``LLM_FREE_EXTRACTOR``, v3 "compact cards"; measured on LoCoMo and LongMemEval-S in
 docs/benchmarks.md and ``benchmarks/justmem_quality.py``). A card should hold what a speaker states about
 themselves and the world, once, in few words; per turn:
 
@@ -96,7 +96,7 @@ log = logging.getLogger(__name__)
 
 #: Key of the LLM-free extractor; bump the version whenever its output can change.
 #: v2: cards cut at ``CARD_TEXT_LIMIT`` (identical to v1's on both bundled samples, which have no card that long).
-#: v3: compact cards (issue 28): same-subject sentences merged, near-duplicates dropped, a user's requests to
+#: v3: compact cards: same-subject sentences merged, near-duplicates dropped, a user's requests to
 #: an assistant kept, an assistant's reply cut to one short card.
 LLM_FREE_EXTRACTOR = "llm-free/justmem-cards-v3"
 #: Longest card the LLM-free extractor merges same-subject sentences of a turn into (a sentence longer than

@@ -27,7 +27,7 @@ suggested/recommended/mentioned/provided/gave/listed").
 Entities: capitalised words and runs of them that are not the question's wh-word or a sentence-initial
 function word, quoted phrases, and numbers. Time constraints: the time expressions of the question (the
 card extractor's patterns) and "before/after/since/during <...>" phrases. Rewrites (answer-free: built only
-from the question's own words; v2, issue 28): (1) the entity view, a statement in the card style
+from the question's own words; v2): (1) the entity view, a statement in the card style
 ("<Entity> said: <content words>", "The user said: ..." for a question in the first person), which matches
 how cards read; (2) the time view ("<constraints>: <subject> <content words>") when the question has a time
 constraint, else the keyword view (entities and content words). They are built for every question, so the
@@ -67,7 +67,7 @@ log = logging.getLogger(__name__)
 
 #: Key of the LLM-free planner; bump the version whenever its output can change.
 LLM_FREE_PLANNER = "llm-free/justmem-plan-v2"
-#: v2 (issue 28): rewrites are the entity view and the time view (or keyword view); v1 put the keyword view first
+#: v2: rewrites are the entity view and the time view (or keyword view); v1 put the keyword view first
 #: Most ``entities`` and most ``time_constraints`` an LLM plan may hold (schema ``maxItems`` and validation; a
 #: question names a handful; more is runaway output, not a plan).
 MAX_PLAN_ITEMS = 16

@@ -12,7 +12,7 @@ All cards of all sessions of a history compete (several cards of one session may
 * **Lookup**: top K (``justmem.top_k``) of rerank(q, C(q)).
 * **Compose**: top K of rerank(q, C(q) ∪ C(r1) ∪ C(r2) ∪ C_prf) (deduplicated; the same K: wider discovery,
   same reading budget).
-* **The plan's fields** (issue 28; every profile, when the caller gives the plans):
+* **The plan's fields** (every profile, when the caller gives the plans):
   - *entities*: the lexical score is BM25(question) + ``justmem.entity_weight`` x BM25(the entities);
   - *time constraints*: resolved to days (:func:`~memgas.pipeline.justmem.plan.time_interval`); relative ones
     ("recently", "last week", a month without a year) only against the question's own date (LongMemEval's):

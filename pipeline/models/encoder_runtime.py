@@ -14,7 +14,7 @@ _SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 #: ``encoder.runtime`` values. ``auto`` = torch on CUDA, :data:`CPU_DEFAULT_RUNTIME` on CPU.
 RUNTIMES = ("auto", "torch", "onnx", "onnx-int8")
-#: The CPU default, chosen from docs/benchmarks.md ("CPU indexing"): torch. onnx-int8 moved LoCoMo R_all@5
+#: The CPU default, chosen from docs/benchmarks.md ("CPU settings"): torch. onnx-int8 moved LoCoMo R_all@5
 #: by more than the 0.5-point bar and, like onnx fp32, was slower than torch's fused SDPA attention on
 #: 256-token texts (the exported attention is not fused by ONNX Runtime's optimiser).
 CPU_DEFAULT_RUNTIME = "torch"
