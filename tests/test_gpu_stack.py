@@ -128,7 +128,7 @@ def _fake_report(**pkgs: tuple[str, list[str]]) -> dict[str, Any]:
 
 
 def test_stack_checker_catches_mixed_majors() -> None:
-    """The checker itself: the mixes issue 10 found are caught, the coherent set passes."""
+    """The checker itself: the known bad mixes are caught, the coherent set passes."""
     torch13 = ("2.14.0", ['cuda-toolkit[cudart]==13.0.3; platform_system == "Linux"', "filelock"])
     vllm = ("0.33.0", ["torch==2.14.0"])
     ok = dict(torch=torch13, vllm=vllm, cuda_toolkit=("13.0.3", []), cupy_cuda13x=("14.2.0", []),

@@ -1,6 +1,6 @@
 """Index after an append does only the new rows, and gives what a fresh index of the same data gives.
 
-Property (issue 18): ``ingest A, index, ingest B --append, index, answer`` has the same edges and rankings,
+Property: ``ingest A, index, ingest B --append, index, answer`` has the same edges and rankings,
 byte for byte, as ``ingest A, ingest B --append, index, answer`` (one build over everything). Run through
 the CLI in-process, with the real LLM-free generator and MiniLM encoder, no Ray.
 """
@@ -134,7 +134,7 @@ def _part_bytes(bank: Path, table: str) -> list[bytes]:
 @pytest.mark.slow
 def test_the_rankings_parquet_of_a_grown_bank_equals_a_fresh_index_byte_for_byte(
         tmp_path: Path, built: dict[str, Any], files: tuple[Path, Path], cli: Callable) -> None:
-    """Issue 31: the README says byte for byte, but the rankings of the appended-then-indexed bank held the
+    """The README says byte for byte, but the rankings of the appended-then-indexed bank held the
     same rows as a fresh index of the same data in one file, in another order (rows followed the order of
     the questions in the files). Every results table is written in one canonical row order (its key)."""
     a, b = files
@@ -162,7 +162,7 @@ def test_the_rankings_parquet_of_a_grown_bank_equals_a_fresh_index_byte_for_byte
 @pytest.mark.slow
 def test_a_grown_bank_names_its_whole_ingest_history_as_the_dataset(tmp_path: Path, built: dict[str, Any],
                                                                     files: tuple[Path, Path], cli: Callable) -> None:
-    """Issue 31: after an append, metrics.json and report.md named the last appended file as the dataset
+    """After an append, metrics.json and report.md named the last appended file as the dataset
     (its sha256 and counts) while the run evaluated the whole bank, so `memgas report A B` judged runs by
     their last file. The dataset of a grown bank is its ingest history: two runs over the same history are
     the same data, whatever order they indexed in; the counts are the bank's."""
@@ -269,7 +269,7 @@ def _bank_files(bank: Path) -> dict[str, bytes]:
 
 
 def test_run_refuses_a_grown_bank_and_loses_nothing(tmp_path: Path, files: tuple[Path, Path], cli: Callable) -> None:
-    """Issue 31: `memgas run` with `data.path` naming the base file and `bank_dir` a bank grown by
+    """`memgas run` with `data.path` naming the base file and `bank_dir` a bank grown by
     `ingest --append` re-ingested the base file, exit 0: every appended session and question was gone. A
     bank's data only grows through `memgas ingest`: `run` refuses a grown bank (whatever its data.path) with
     one line naming the commands to use, exit 2, before any work, the bank and run directory untouched."""
@@ -325,7 +325,7 @@ def _follow(cli: Callable, cmd: list[str], bank: Path, run: Path) -> subprocess.
 @pytest.mark.slow
 def test_every_damaged_part_is_rebuilt_by_the_command_the_error_names(tmp_path: Path, built: dict[str, Any],
                                                                        cli: Callable) -> None:
-    """Issue 31: after an append, a damaged (unreadable) pre-append `edge_segments` part trapped the user:
+    """After an append, a damaged (unreadable) pre-append `edge_segments` part trapped the user:
     `answer` said "run `memgas index`", which logged "altered; rebuilding it" and then stopped on the
     unreadable part (exit 2, "delete it and re-run"). For one part of every table of the bank (the oldest:
     written before the append) and of the run's results: the command the error names rebuilds it, and the
@@ -377,7 +377,7 @@ def _histories_of(results: Path, part: str) -> set[str]:
 def test_answer_after_an_append_ranks_only_the_changed_histories(tmp_path: Path, built: dict[str, Any],
                                                                 files: tuple[Path, Path], cli: Callable,
                                                                 cli_process: Callable, methods: str) -> None:
-    """Issue 29: after `ingest --append` + `index`, `memgas answer` into the same run directory ranks only the
+    """After `ingest --append` + `index`, `memgas answer` into the same run directory ranks only the
     questions of the histories whose sessions or questions changed (and new ones); the rankings parts of
     the others stay as they were (same files: mtimes and bytes). What it keeps and ranks equals a fresh
     answer of a fresh ingest of the whole, byte for byte (rows, part files, retrieval metrics), for the

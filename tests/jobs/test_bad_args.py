@@ -104,7 +104,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
     ("run-seeds-negative", ["run", "{demo}", "--set", "retrieval.num_seeds=-1"], 2, "retrieval.num_seeds"),
     ("run-damping-one", ["run", "{demo}", "--set", "retrieval.damping=1"], 2, "retrieval.damping"),
     ("run-max-questions-negative", ["run", "{demo}", "--set", "reading.max_questions=-1"], 2, "reading.max_questions"),
-    # GPU work that Ray workers would get without a GPU (issue 20, item 2): refused before Ray starts
+    # GPU work that Ray workers would get without a GPU: refused before Ray starts
     ("run-vllm-without-gpus", ["run", "{demo}", "--set", "output_dir={new}", "--set", "llm.backend=vllm"], 2,
      "ray.num_gpus_per_model_actor=0"),
     ("run-cuda-encoder-without-gpus", ["run", "{demo}", "--set", "output_dir={new}", "--set", "encoder.device=cuda"], 2,

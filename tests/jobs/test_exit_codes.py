@@ -1,4 +1,4 @@
-"""Bad input is one line with the right exit code (issue 16, class 5), called in-process through
+"""Bad input is one line with the right exit code, called in-process through
 ``memgas.jobs.cli.main`` (fast: no model loads, no Ray starts), except where the case needs a process of
 its own (a file-size limit, SIGTERM with Ray). docs/reliability.md lists each case.
 

@@ -1,4 +1,4 @@
-"""``association.search: ivf`` through the associate stage (issue 29).
+"""``association.search: ivf`` through the associate stage.
 
 Through the CLI (in-process, real LLM-free generator and MiniLM encoder, no Ray): an index after an append
 over the saved IVF index equals a fresh IVF build byte for byte (edges and the saved index), and so does the

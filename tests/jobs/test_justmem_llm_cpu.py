@@ -1,4 +1,4 @@
-"""The LLM extractor and the LLM planner end to end on CPU with the real SmolLM2 (issue 28 item 3): one
+"""The LLM extractor and the LLM planner end to end on CPU with the real SmolLM2: one
 `memgas run` with ``justmem.extractor=llm`` and ``justmem.planner=llm`` on the transformers backend, the JSON
 schemas enforced while decoding. Two sessions of three turns and one question keep it to a few model calls.
 

@@ -1,4 +1,4 @@
-"""A hostile LLM reply inside a whole run (issue 31 item 3): recorded as an invalid output with the LLM-free
+"""A hostile LLM reply inside a whole run: recorded as an invalid output with the LLM-free
 fallback, never the end of the run. The LLM is the echo model behind the real OpenAI-compatible server and
 client: it answers with the prompt's words, so a question holding 100,000 opening brackets makes the
 planner's reply nested 100,000 deep (the old parser raised RecursionError and the run exited 1)."""

@@ -1,4 +1,4 @@
-"""A failed LLM call in the JustMem cards or plan stage is retried, not frozen (issue 28 item 4).
+"""A failed LLM call in the JustMem cards or plan stage is retried, not frozen.
 
 The LLM is the echo model behind the real OpenAI-compatible server and client. While the server answers every
 chat request with HTTP 500, the run stops after the stage with exit 4 and stores nothing under the LLM key

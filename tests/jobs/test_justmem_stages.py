@@ -1,4 +1,4 @@
-"""JustMem in the job (issues 17, 30): its own branch (cards, plan, card-encode embedding cards and rewrites,
+"""JustMem in the job: its own branch (cards, plan, card-encode embedding cards and rewrites,
 card-rank scoring the JustMem methods, card-read) beside MemGAS's, in one real in-process run on the LoCoMo
 sample; a change on one branch re-runs nothing of the other."""
 
@@ -46,7 +46,7 @@ def _ctx(cfg: MemgasConfig, run_dir: Path) -> StageContext:
     would hash upstream fingerprints instead of the committed outputs the runner hashed)."""
     ctx = StageContext(cfg, Bank(run_dir / "bank"), Bank(run_dir / "results"), use_ray=False, pipeline=S.PIPELINE)
     resolve_stage_runtimes(ctx)
-    runner.compute_fingerprints(ctx)  # the stages' keys: they name the rankers' parts (issue 29)
+    runner.compute_fingerprints(ctx)  # the stages' keys: they name the rankers' parts
     ctx.fingerprints.update(json.loads((run_dir / "metrics.json").read_text())["run"]["fingerprints"])
     return ctx
 
@@ -104,7 +104,7 @@ JM_CASES: list[tuple[str, object, list[str]]] = [
     ("justmem.candidates", 20, ["card-rank", "card-read"]),
     ("justmem.top_k", 5, ["card-rank", "card-read"]),
     ("justmem.reranker", "dense", ["card-rank", "card-read"]),
-    # the plan's fields in retrieval (issue 28): read by the card ranker only
+    # the plan's fields in retrieval: read by the card ranker only
     ("justmem.wide_candidates", 80, ["card-rank", "card-read"]),
     ("justmem.entity_weight", 0.5, ["card-rank", "card-read"]),
     ("justmem.time_weight", 0.0, ["card-rank", "card-read"]),
@@ -246,7 +246,7 @@ def test_rank_stage_equals_the_library_for_every_justmem_method(jm_run) -> None:
         hashes = [sess_of[(h, s)]["text_hash"] for s in sids]
         cards = current_cards(ctx, sorted(set(hashes)))
         vec = query_vectors(bank, cards["text"].to_pylist(), key)
-        # the session dates date the cards, the question dates anchor relative time constraints (issue 28)
+        # the session dates date the cards, the question dates anchor relative time constraints
         hc = HistoryCards.from_table(hashes, cards, vec, [sess_of[(h, s)]["date"] for s in sids])
         qv = query_vectors(bank, g["question"].tolist(), key)
         pl = [plans[x] for x in g["query_id"]]
@@ -399,7 +399,7 @@ def test_a_failure_inside_cards_or_plan_resumes_its_finished_units(tmp_path_fact
 
 
 def test_metrics_and_report_carry_the_evidence_recall_of_the_readers_context(jm_run) -> None:
-    """Issue 28: beside R_all and NDCG, every method's reader context (evidence in it, its tokens), computed from
+    """Beside R_all and NDCG, every method's reader context (evidence in it, its tokens), computed from
     the rankings and picks for every question, not only the ones the LLM read."""
     from memgas.jobs.report import READER_COLUMNS
     from memgas.pipeline.methods import reads_cards

@@ -1,4 +1,4 @@
-"""memgas-cards (issue 28 item 6): JustMem's cards as a fifth MemGAS granularity, in its own stages
+"""memgas-cards: JustMem's cards as a fifth MemGAS granularity, in its own stages
 (card-graph-encode, card-graph-associate, card-graph-rank). Selected, it ranks through the job like the other
 methods; not selected, every existing stage keeps its fingerprint; a change of the cards re-runs only what
 depends on them, never plain MemGAS."""

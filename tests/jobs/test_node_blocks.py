@@ -1,4 +1,4 @@
-"""Node vectors in row blocks through the associate stage (issue 29, bounded memory).
+"""Node vectors in row blocks through the associate stage (bounded memory).
 
 A bank holds seeded node vectors (``memgas.pipeline.synth_vectors``) written straight into its ``nodes``,
 ``pairs`` and ``embeddings`` tables, no encoder. With tiny blocks, the stage's inputs read a long history

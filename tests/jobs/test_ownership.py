@@ -1,4 +1,4 @@
-"""Locks before the first write, and only ever touch what is yours (issue 16, section 3).
+"""Locks before the first write, and only ever touch what is yours.
 
 Lock races use real processes: a holder process takes the very lock memgas takes (``memgas.pipeline.locks``)
 and the command under test runs in-process through ``cli.main``; one case races two real `memgas ingest`

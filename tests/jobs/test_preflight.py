@@ -1,4 +1,4 @@
-"""GPU settings checked before any work, in every mode (issue 31, item 2).
+"""GPU settings checked before any work, in every mode.
 
 Every device, backend and GPU request that a config implies, for every stage of the command's slice (run /
 index / answer / serve), is checked before the first stage: one line, exit 2 for a setting that cannot work,
@@ -182,8 +182,8 @@ def _ray_problems(command: str, *sets: str) -> list[str]:
 
 def test_gpu_work_without_gpus_under_ray_is_a_config_problem_of_the_stages_that_run() -> None:
     """Under Ray a worker that requests no GPU sees none: vLLM or a CUDA encoder with no GPUs per model actor,
-    CUDA kernels with no GPUs per task are refused (issue 20, item 2), for the stages of the command only
-    (issue 31, item 2); the same with GPUs is fine."""
+    CUDA kernels with no GPUs per task are refused, for the stages of the command only; the same with GPUs
+    is fine."""
     assert _ray_problems("run") == []
     assert [p.split(" but ")[0] for p in _ray_problems("run", "llm.backend=vllm")] == ["llm.backend=vllm runs on a GPU"]
     assert [p.split(" but ")[0] for p in _ray_problems("run", "encoder.device=cuda")] == ["encoder.device=cuda"]

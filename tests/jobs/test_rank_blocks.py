@@ -1,4 +1,4 @@
-"""The rank stage reads a long history's node vectors in row blocks (issue 29, bounded memory).
+"""The rank stage reads a long history's node vectors in row blocks (bounded memory).
 
 A seeded bank (``test_node_blocks.seeded_bank``: synthetic node vectors, no encoder) with questions whose
 vectors are stored under the encoder key, and a seeded graph per history. With tiny blocks a long history

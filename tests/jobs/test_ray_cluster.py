@@ -217,7 +217,7 @@ def test_cpu_encoding_and_llm_free_generation_run_one_single_threaded_actor_per_
 def test_gpu_request_the_cluster_cannot_meet_fails_fast_with_exit_3(tmp_path) -> None:
     """A local Ray with no GPU (CUDA_VISIBLE_DEVICES="" makes Ray detect none, on any machine) and a config that
     gives model actors a GPU: the encoder resolves to CUDA and its GPU request ends the run with one line and
-    exit 3, where Ray alone would wait forever, before the first stage (issue 31, item 2: not after ingest,
+    exit 3, where Ray alone would wait forever, before the first stage (not after ingest,
     generate and cards)."""
     out = tmp_path / "run"
     exe = str(Path(sys.executable).with_name("memgas"))

@@ -184,7 +184,7 @@ def test_compare_says_when_datasets_differ(tmp_path: Path) -> None:
 
 
 def test_report_names_questions_left_out_of_the_evidence_recall() -> None:
-    """A bank appended to after an ingest of before issue 28: its old questions have no evidence turns; the
+    """A bank appended to after an ingest that kept no evidence turns: its old questions have none; the
     report says how many the reader's evidence recall leaves out (it used to leave them out silently)."""
     from memgas.jobs.report import render_markdown
 

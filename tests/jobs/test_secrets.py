@@ -1,4 +1,4 @@
-"""Secrets and hostile text (issue 16, section 4): no credential in any file of a run or on the terminal,
+"""Secrets and hostile text: no credential in any file of a run or on the terminal,
 no API key accepted where an environment variable's name belongs, dataset strings inert in report.md and
 on the terminal."""
 

@@ -194,7 +194,7 @@ IVF_CASES = [("association.ivf_nlist", 64), ("association.ivf_nprobe", 2), ("ass
 
 @pytest.mark.parametrize("field,value", IVF_CASES, ids=[c[0] for c in IVF_CASES])
 def test_under_ivf_search_each_ivf_field_re_runs_the_index_downstream(tmp_path, fake_bank, field, value) -> None:
-    """Issue 29: under association.search=ivf the IVF's parameters are fingerprinted (associate and what
+    """Under association.search=ivf the IVF's parameters are fingerprinted (associate and what
     reads its edges); under the exact search they change nothing (CASES above)."""
     ivf = {"association.search": "ivf"}
     base = _fingerprints(_base(tmp_path, **ivf), fake_bank)
@@ -271,7 +271,7 @@ def _outputs(run_dir: Path) -> dict[str, object]:
     out: dict[str, object] = {"retrieval": metrics["retrieval"], "qa": metrics.get("qa")}
     for table, stages in (("rankings", ("rank", "card-rank")), ("card_picks", ("card-rank",)),
                           ("answers", ("read", "card-read"))):
-        # the rankers' parts are named by their config and hold only current histories (issue 29): all of
+        # the rankers' parts are named by their config and hold only current histories: all of
         # theirs are this run's; the readers' are named by their fingerprints
         prefixes = tuple(f"{stage}-" if table != "answers" else f"{stage}-{fps.get(stage)}-" for stage in stages
                          if fps.get(stage) not in (None, "disabled"))
@@ -510,7 +510,7 @@ def test_even_and_cost_chunks_balance_units_without_making_more_of_them() -> Non
     assert cost_chunks([], [], 512) == [] and cost_chunks([1, 2], [5.0, 1.0], 512) == [[1, 2]]
 
 
-# -- resolved LLM device/dtype and GPU placement (issue 20, items 1, 3, 4) -------------------------------------
+# -- resolved LLM device/dtype and GPU placement -------------------------------------
 def test_llm_device_and_dtype_key_everything_an_llm_writes(tmp_path, fake_bank) -> None:
     """fp32 CPU and bf16 GPU generations, answers and judgments never share a cache key or a fingerprint."""
     cfg = _base(tmp_path, **{"generation.generator": "llm+fallback", "evaluation.judge": True})
@@ -932,7 +932,7 @@ def test_rank_sessions_equals_the_rank_stage_for_every_method(reference_run) -> 
 
 
 def test_the_exact_search_keeps_the_associate_key_of_before_the_ivf_option(tmp_path, fake_bank) -> None:
-    """Issue 29: under association.search=exact the stage's key hashes the fields it hashed before the option
+    """Under association.search=exact the stage's key hashes the fields it hashed before the option
     existed (8cad66c), so a bank indexed then keeps its edges; the IVF's fields and the mode enter only
     under ivf."""
     from memgas.jobs.stage import short_hash

@@ -1,4 +1,4 @@
-"""The stage contract is all a new stage needs (issue 30): a toy stage defined here, one class declaring
+"""The stage contract is all a new stage needs: a toy stage defined here, one class declaring
 the tables it reads and writes, runs, resumes after a failure and is fingerprinted from its declared fields
 and what it reads, with no edit anywhere else (its table's schema is registered here, as a new table's
 would be in pipeline/schema.py)."""

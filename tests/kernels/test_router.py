@@ -62,7 +62,7 @@ def test_zero_entropy_guard() -> None:
 def test_five_granularities_one_empty_is_the_four_weights(rule: str) -> None:
     """memgas-cards routes over five granularities whose node counts differ (a history's cards are not one per
     session); a history whose sessions gave no card has an empty fifth granularity: it gets weight 0 and the
-    other four get exactly their four-granularity weights (before issue 28 the empty one raised ValueError)."""
+    other four get exactly their four-granularity weights (before, the empty one raised ValueError)."""
     rng = np.random.default_rng(2)
     four = [rng.normal(0.3, 0.15, (5, 6)) for _ in range(4)]
     cards = rng.normal(0.3, 0.15, (5, 23))

@@ -206,7 +206,7 @@ def _append_cli(f: Path, bank: Path) -> subprocess.CompletedProcess:
 
 
 def test_a_known_session_with_another_date_is_refused_like_changed_text(base: tuple[Path, Path], tmp_path: Path) -> None:
-    """Issue 31: a session re-sent with another date was "nothing to append" (exit 0) and kept its old date
+    """A session re-sent with another date was "nothing to append" (exit 0) and kept its old date
     silently. A re-sent session must be the same in every field (position aside): else the one line that
     changed text gets, exit 2, the bank unchanged."""
     _, bank = base
@@ -224,7 +224,7 @@ def test_a_known_session_with_another_date_is_refused_like_changed_text(base: tu
 
 
 def test_a_question_only_record_for_an_unknown_history_is_refused(base: tuple[Path, Path], tmp_path: Path) -> None:
-    """Issue 31: a record with questions and no sessions adds questions to a history the bank holds; for a
+    """A record with questions and no sessions adds questions to a history the bank holds; for a
     history it does not hold (a typo in the id, say) its questions were dropped with a warning and exit 0.
     Refused: one line naming the record, exit 2, the bank unchanged."""
     _, bank = base

@@ -1,4 +1,4 @@
-"""The associate stage's IVF search (``ivf_search.ivf_rows``, issue 29) on seeded synthetic vectors."""
+"""The associate stage's IVF search (``ivf_search.ivf_rows``) on seeded synthetic vectors."""
 
 from __future__ import annotations
 

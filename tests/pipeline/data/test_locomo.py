@@ -56,7 +56,7 @@ def test_sample_details() -> None:
     q0 = r.queries[0]
     assert q0["query_id"] == "conv-26:q0" and q0["evidence_session_ids"] == ["session_1"]
     assert q0["evidence_turn_ids"] == ["session_1:1"]  # D1:3 is the 3rd utterance -> pair 1
-    # utterance-level evidence (issue 28): D1:3 is turn_index 2 of session_1, the utterance with that dia_id
+    # utterance-level evidence: D1:3 is turn_index 2 of session_1, the utterance with that dia_id
     assert q0["evidence_utterance_ids"] == ["session_1:2"]
     by_dia = {t["dia_id"]: t["turn_index"] for t in r.turns if t["session_hash"] == s0["text_hash"]}
     assert by_dia["D1:3"] == 2

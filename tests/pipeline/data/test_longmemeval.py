@@ -62,7 +62,7 @@ def test_sample3_evidence_and_turns() -> None:
                 if t.get("has_answer") and f"{sid}:{i // 2}" not in expect:
                     expect.append(f"{sid}:{i // 2}")
         assert query["evidence_turn_ids"] == expect
-        # utterance level (issue 28): every has_answer utterance, "session_id:turn_index"
+        # utterance level: every has_answer utterance, "session_id:turn_index"
         utt = [f"{sid}:{i}" for sid, sess in zip(q["haystack_session_ids"], q["haystack_sessions"])
                for i, t in enumerate(sess) if t.get("has_answer")]
         assert query["evidence_utterance_ids"] == list(dict.fromkeys(utt))

@@ -1,4 +1,4 @@
-"""Evidence recall of the reader's context (issue 28): hand-computed contexts of a session reader (MemGAS) and of
+"""Evidence recall of the reader's context: hand-computed contexts of a session reader (MemGAS) and of
 a card reader (Lookup, Replay), built by the readers' own functions, and the kernel against scikit-learn."""
 
 from __future__ import annotations

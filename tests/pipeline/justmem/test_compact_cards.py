@@ -1,4 +1,4 @@
-"""Compact LLM-free cards (issue 28 item 1): one hand-made session per rule, and exact provenance of every card
+"""Compact LLM-free cards: one hand-made session per rule, and exact provenance of every card
 on both bundled samples (the real loader's turns)."""
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ def test_llm_extractor_falls_back_to_llm_free_and_says_why(first, second, proble
 
 
 def test_llm_extractor_backend_error_stores_nothing_and_is_not_repaired() -> None:
-    """A failed call is no answer (issue 28 item 4): no row under the key, so the next run calls it again; the
+    """A failed call is no answer: no row under the key, so the next run calls it again; the
     other session's cards are kept."""
     llm = FakeLLM(lambda p, n: RuntimeError("connection refused") if n == 0 else json.dumps(GOOD))
     ledger = TokenLedger()
@@ -246,7 +246,7 @@ def test_empty_table_and_keys_are_consistent() -> None:
     assert isinstance(pa.Table.from_pylist([], schema=CARDS), pa.Table)
 
 
-# -- bounds and grounding (issue 31 items 3 and 7) ----------------------------------------------------------
+# -- bounds and grounding ----------------------------------------------------------
 
 
 def _fallbacks(reply: str, turns=SHORT) -> tuple[list[dict], TokenLedger]:
@@ -352,7 +352,7 @@ def test_a_backend_error_that_is_not_valid_unicode_is_logged_readable(caplog) ->
     assert "llm: HTTP 502: \ufffd; nothing stored" in caplog.text
 
 
-# -- the session's budgeted schema (issue 28 item 3: a reply that fits extract_max_tokens) ----------------------
+# -- the session's budgeted schema (a reply that fits extract_max_tokens) ----------------------
 
 
 class _CharTokens(FakeLLM):

@@ -122,7 +122,7 @@ def test_llm_planner_repairs_once() -> None:
 
 
 def test_llm_planner_backend_failure_stores_no_plan() -> None:
-    """A failed call is no answer (issue 28 item 4): no row, so the next run plans the question again."""
+    """A failed call is no answer: no row, so the next run plans the question again."""
     llm = FakeLLM(lambda p, n: RuntimeError("HTTP 500: injected") if n == 1 else json.dumps(GOOD))
     ledger = TokenLedger()
     t = plan_queries([("q1", "What books has Melanie read?", None), ("q2", "Where did Caroline go?", None)],
@@ -197,7 +197,7 @@ def test_a_reply_over_the_size_cap_is_not_sent_back_nor_stored_whole() -> None:
     assert ledger.stages["justmem-plan"].counters == {"fallback": 1}
 
 
-# -- rewrites and time constraints (issue 28) ----------------------------------------------------------------
+# -- rewrites and time constraints ----------------------------------------------------------------
 
 @pytest.mark.parametrize("question, rewrites", [
     # entity view ("<subject> said: ...", as cards read), then the time view, or the keyword view
@@ -255,7 +255,7 @@ def test_relative_times_need_a_date() -> None:
                          2).time_constraints == ["past three months"]
 
 
-# -- the budgeted schema (issue 28 item 3: a plan that fits plan_max_tokens, valid by construction) ------------
+# -- the budgeted schema (a plan that fits plan_max_tokens, valid by construction) ------------
 
 
 class _ThreeCharTokens(FakeLLM):

@@ -178,7 +178,7 @@ def test_bad_inputs() -> None:
         HistoryCards(session_pos=np.array([1]), texts=["x"], vectors=np.ones((1, 2)), n_sessions=1)
 
 
-# -- the plan's fields shape retrieval (issue 28): hand-made cards, every other signal tied --------------------
+# -- the plan's fields shape retrieval: hand-made cards, every other signal tied --------------------
 
 def _tied(texts: list[str], dates: list[datetime | None], times: list[str | None] | None = None) -> HistoryCards:
     """One card per session, equal vectors: only what the plan adds can separate them."""

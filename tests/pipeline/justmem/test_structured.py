@@ -1,4 +1,4 @@
-"""Bounded parsing of LLM replies (issue 31 item 3): linear time, a size cap and a depth cap, and every parse
+"""Bounded parsing of LLM replies: linear time, a size cap and a depth cap, and every parse
 failure an InvalidOutput (the recorded repair/fallback path), never another exception."""
 
 from __future__ import annotations

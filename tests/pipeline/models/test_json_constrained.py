@@ -1,4 +1,4 @@
-"""JSON-schema constrained decoding on the CPU transformers backend with the real SmolLM2 (issue 28 item 3):
+"""JSON-schema constrained decoding on the CPU transformers backend with the real SmolLM2:
 the JustMem plan and cards schemas, in process and through `memgas serve`'s ``response_format``.
 
 Unconstrained, SmolLM2-135M answers these prompts with prose or broken JSON (the backend ignored the schema).

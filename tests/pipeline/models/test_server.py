@@ -97,7 +97,7 @@ def test_memgas_serve_with_the_cpu_model() -> None:
         models = httpx.get(f"{base}/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == [SMOLLM2_NAME] == [body["model"]]  # exactly the model served
         context = models[0]["context_length"]
-        # issue 31: the real tokenizer's failures are the client's 400s, never 500s
+        # the real tokenizer's failures are the client's 400s, never 500s
         refused = {
             "max_tokens over the context": ({"max_tokens": 1048576}, "max_tokens", "integer_above_max_value"),
             "a prompt that cannot fit": ({"max_tokens": context - 1}, "messages", "context_length_exceeded"),
@@ -177,7 +177,7 @@ BAD_REQUESTS = [
     ("seed-a-string", {"messages": _MSG, "seed": "x"}, 400, "seed", None),
     ("stream-true", {"messages": _MSG, "stream": True}, 400, "stream", None),
     ("response-format-a-string", {"messages": _MSG, "response_format": "json"}, 400, "response_format", None),
-    # issue 31: what the client got wrong is a 400 naming it, never a 200 that ignores it or a 500
+    # what the client got wrong is a 400 naming it, never a 200 that ignores it or a 500
     ("max-tokens-over-the-context", {"messages": _MSG, "max_tokens": 1048576}, 400, "max_tokens",
      "integer_above_max_value"),
     ("max-tokens-the-whole-context", {"messages": _MSG, "max_tokens": 4096}, 400, "max_tokens",
@@ -291,7 +291,7 @@ def test_a_client_that_closes_inside_the_body_does_not_hurt_the_server(echo_serv
     assert _post(echo_server, json.dumps({"messages": _MSG}))[0] == 200
 
 
-# -- issue 31: the rest of the OpenAI error contract --------------------------------------------------------------
+# -- the rest of the OpenAI error contract -----------------------------------------------------------------------
 def _request(srv, method: str, path: str, body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
     host, port = srv.server_address[:2]
     conn = http.client.HTTPConnection(host, port, timeout=30)
