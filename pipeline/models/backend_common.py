@@ -25,15 +25,30 @@ def lazy_import(module: str, install_hint: str) -> Any:
 PROMPT_TOO_LONG = "prompt_too_long"
 
 
+#: ``GenerationResult.extra`` flag of an item whose JSON schema the backend cannot enforce (the request's fault:
+#: ``memgas serve`` answers 400, ``param: "response_format"``).
+SCHEMA_UNSUPPORTED = "schema_unsupported"
+#: ``GenerationResult.extra`` flag of an item whose generation was stopped by the caller's ``cancelled()``
+#: callback (its client has gone, or the server is stopping): its text is not an answer.
+CANCELLED = "cancelled"
+
+
 class PromptTooLong(ValueError):
     """A prompt that does not fit the model's context even with its contents cut."""
 
 
+class UnsupportedSchema(ValueError):
+    """A JSON schema that the backend's constrained decoding cannot enforce."""
+
+
 def item_error(result: GenerationResult, exc: BaseException) -> None:
-    """Record ``exc`` as one item's error (``Type: message``), flagging :data:`PROMPT_TOO_LONG`."""
+    """Record ``exc`` as one item's error (``Type: message``), flagging :data:`PROMPT_TOO_LONG` and
+    :data:`SCHEMA_UNSUPPORTED`."""
     result.error = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, PromptTooLong):
         result.extra[PROMPT_TOO_LONG] = True
+    if isinstance(exc, UnsupportedSchema):
+        result.extra[SCHEMA_UNSUPPORTED] = True
 
 
 def truncate_messages_middle(

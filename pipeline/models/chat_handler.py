@@ -6,6 +6,7 @@ and hands a valid chat request to the model through the server's queue.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import socket
@@ -15,8 +16,9 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-from memgas.pipeline.models.chat_request import BadRequest, not_found, parse_chat_request
-from memgas.pipeline.models.llms import PROMPT_TOO_LONG
+from memgas.pipeline.models.backend_common import CANCELLED, PROMPT_TOO_LONG, SCHEMA_UNSUPPORTED
+from memgas.pipeline.models.chat_request import BadRequest, check_context, not_found, parse_chat_request
+from memgas.pipeline.models.model_queue import ClientGone, QueueFull, ShuttingDown, client_gone
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +42,8 @@ OTHER_METHODS = ("PUT", "DELETE", "PATCH", "HEAD", "OPTIONS", "TRACE", "CONNECT"
 #: client trickling a byte every few seconds (slowloris) never trips a per-read timeout, and would hold its
 #: handler thread for as long as it liked. A Content-Length larger than the body sent ends the same way.
 BODY_TIMEOUT_S = 10.0
+#: The message of the 503 that a request gets while the server stops (SIGTERM, Ctrl-C).
+SHUTTING_DOWN = "the server is shutting down; retry against another one, or once it is back"
 
 
 class ChatHandler(BaseHTTPRequestHandler):
@@ -216,6 +220,19 @@ class ChatHandler(BaseHTTPRequestHandler):
             self.close_connection = True  # the rest of a bad body must not be read as the next request
             self._error(exc.status, str(exc), param=exc.param, code=exc.code)
             return
+        with self.server.queue.handling():  # a stopping server waits for this answer to be written
+            self._complete(raw)
+
+    def _gone(self) -> bool:
+        return client_gone(self.connection)
+
+    def _cancelled(self) -> bool:
+        return self.server.queue.stopping.is_set() or self._gone()
+
+    def _overloaded(self, status: int, message: str, code: str, headers: dict[str, str]) -> None:
+        self._error(status, message, "server_error", headers=headers, code=code)
+
+    def _complete(self, raw: bytes) -> None:
         srv = self.server
         srv.requests += 1
         srv.last_authorization = self.headers.get("Authorization")
@@ -233,14 +250,38 @@ class ChatHandler(BaseHTTPRequestHandler):
         try:
             messages, params = parse_chat_request(raw, served=(srv.llm.name, *srv.aliases),
                                                   context_tokens=srv.llm.context_tokens)
-            with srv.model_lock:
-                result = srv.llm.generate([messages], params)[0]
+            with srv.queue.turn(self._gone):
+                count = getattr(srv.llm, "count_prompt_tokens", None)
+                if count is not None:  # refused before it runs; a backend without it is checked by its result
+                    check_context(count(messages), params.max_tokens, srv.llm.context_tokens)
+                if "cancelled" in inspect.signature(srv.llm.generate).parameters:
+                    result = srv.llm.generate([messages], params, cancelled=self._cancelled)[0]
+                else:
+                    result = srv.llm.generate([messages], params)[0]
         except BadRequest as exc:
             self._error(exc.status, str(exc), param=exc.param, code=exc.code)
+            return
+        except QueueFull as exc:
+            self._overloaded(503, str(exc), "server_overloaded", {"Retry-After": str(exc.retry_after_s)})
+            return
+        except ShuttingDown:
+            self.close_connection = True
+            self._overloaded(503, SHUTTING_DOWN, "server_shutting_down", {"Connection": "close", "Retry-After": "1"})
+            return
+        except ClientGone:  # nobody is left to answer
+            self.close_connection = True
+            logger.debug("client %s hung up while its request waited for the model", self.client_address)
             return
         except Exception as exc:  # noqa: BLE001 - a backend bug: a 500 with a JSON body, never a dropped connection
             logger.exception("chat completion failed")
             self._error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
+            return
+        if result.extra.get(CANCELLED):
+            self.close_connection = True
+            if srv.queue.stopping.is_set():
+                self._overloaded(503, SHUTTING_DOWN, "server_shutting_down", {"Connection": "close", "Retry-After": "1"})
+            else:
+                logger.debug("client %s hung up while the model generated; generation stopped", self.client_address)
             return
         if fault == "malformed":
             self._send(200, raw=b'{"choices": [{"message": {"content": "trunc')
@@ -253,8 +294,14 @@ class ChatHandler(BaseHTTPRequestHandler):
                 self._error(400, f"the prompt does not fit this model's context of {srv.llm.context_tokens} tokens "
                             f"with max_tokens {params.max_tokens}, even with its messages cut ({result.error})",
                             param="messages", code="context_length_exceeded")
+            elif result.extra.get(SCHEMA_UNSUPPORTED):
+                self._error(400, f"response_format.json_schema.schema: {result.error}", param="response_format")
             else:
                 self._error(500, result.error, "server_error")
+            return
+        if result.extra.get("truncated"):  # a backend that cuts prompts to fit: refused as the others are
+            self._error(400, f"the prompt does not fit this model's context of {srv.llm.context_tokens} tokens with "
+                        f"max_tokens {params.max_tokens}", param="messages", code="context_length_exceeded")
             return
         self._send(200, {
             "id": f"chatcmpl-{srv.requests}",

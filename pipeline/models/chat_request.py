@@ -128,6 +128,9 @@ def parse_chat_request(raw: bytes, *, served: Sequence[str] = (),
         raise BadRequest("stop must be a string or an array of strings", "stop")
     if any(not x for x in stop):  # it matches before the first token: a stop that can mean nothing
         raise BadRequest("stop sequences must be non-empty strings", "stop")
+    for x in stop:
+        if not _is_unicode(x):  # JSON's "\\ud800" decodes to a lone surrogate, which no tokenizer takes
+            raise BadRequest(f"stop {json.dumps(x)[:60]} is not valid Unicode text (a lone surrogate)", "stop")
     params = SamplingParams(
         max_tokens=256 if max_tokens is None else max_tokens,
         temperature=_number(req, "temperature", 0.0, 0.0, 2.0),
@@ -195,4 +198,35 @@ def _json_schema(rf: Any) -> dict | None:
     schema = js.get("schema") if isinstance(js, dict) else None
     if not isinstance(schema, dict):
         raise BadRequest("response_format.json_schema.schema must be an object", "response_format")
+    from jsonschema.exceptions import SchemaError
+    from jsonschema.validators import validator_for
+
+    try:  # against its own draft's meta-schema ($schema, else the latest): "type": "objekt" is no JSON Schema
+        validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        where = "/".join(str(k) for k in exc.path)
+        raise BadRequest(f"response_format.json_schema.schema is not a valid JSON Schema: "
+                         f"{exc.message[:MAX_QUOTED_CHARS]}{f' (at {where})' if where else ''}",
+                         "response_format") from None
+    except RecursionError:
+        raise BadRequest("response_format.json_schema.schema is nested too deeply", "response_format") from None
     return schema
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def check_context(prompt_tokens: int, max_tokens: int, context_tokens: int) -> None:
+    """BadRequest ``context_length_exceeded`` (OpenAI's code and message) when the prompt and the completion it
+    asks for do not fit the model's context together. Nothing is cut: a client that needs the whole prompt read
+    gets told, instead of an answer to a prompt with its middle missing."""
+    if prompt_tokens + max_tokens > context_tokens:
+        raise BadRequest(f"This model's maximum context length is {context_tokens} tokens. However, you requested "
+                         f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+                         "completion). Please reduce the length of the messages or completion.", "messages",
+                         code="context_length_exceeded")

@@ -19,10 +19,11 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from memgas.pipeline.models.backend_common import (  # noqa: F401 - re-exported: callers import them from here
-    PROMPT_TOO_LONG, PromptTooLong, apply_stop, item_error, lazy_import, truncate_messages_middle, validate_prompt)
+    CANCELLED, PROMPT_TOO_LONG, PromptTooLong, UnsupportedSchema, apply_stop, item_error, lazy_import,
+    truncate_messages_middle, validate_prompt)
 from memgas.pipeline.models.base import ChatPrompt, GenerationResult, SamplingParams
 from memgas.pipeline.models.vllm_offline import (  # noqa: F401 - re-exported: the backends' one import path
     VLLM_CHAT_KWARGS, VLLMOfflineLLM, _vllm_sampling_params, vllm_engine_kwargs, vllm_sampling_kwargs)
@@ -207,6 +208,10 @@ class TransformersLLM:
             out = out["input_ids"]
         return list(out)
 
+    def count_prompt_tokens(self, messages: ChatPrompt) -> int:
+        """Tokens of ``messages`` rendered with the chat template and the generation prompt, uncut."""
+        return len(self._render(messages))
+
     def _prepare(self, prompt: ChatPrompt, max_new: int) -> tuple[list[int], int]:
         budget = max(1, self.context_tokens - max_new)
         ids = self._render(prompt)
@@ -221,16 +226,22 @@ class TransformersLLM:
         )
         return self._render(msgs), dropped
 
-    def generate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
+    def generate(self, prompts: list[ChatPrompt], params: SamplingParams,
+                 cancelled: Callable[[], bool] | None = None) -> list[GenerationResult]:
+        """``cancelled``, when given, is called between decoding steps: once it returns true, generation stops and
+        every item not yet answered gets the error ``cancelled`` (flag :data:`CANCELLED`)."""
         results = [GenerationResult() for _ in prompts]
         max_new = max(1, min(params.max_tokens, self.context_tokens - 1))
         prepared: list[tuple[int, list[int]]] = []
+        schema_error = _schema_error(params.json_schema)
         for i, p in enumerate(prompts):
             err = validate_prompt(p)
             if err:
                 results[i].error = err
                 continue
             try:
+                if schema_error is not None:
+                    raise schema_error
                 ids, dropped = self._prepare(p, max_new)
             except Exception as exc:  # a bad chat (template error, unfittable prompt) fails only its item
                 item_error(results[i], exc)
@@ -247,20 +258,24 @@ class TransformersLLM:
         prepared.sort(key=lambda t: len(t[1]))
         for s in range(0, len(prepared), self.batch_size):
             chunk = prepared[s : s + self.batch_size]
+            if cancelled is not None and cancelled():
+                for i, _ in prepared[s:]:
+                    results[i].error, results[i].extra[CANCELLED] = "cancelled", True
+                break
             try:
-                self._run_batch(chunk, params, max_new, results)
+                self._run_batch(chunk, params, max_new, results, cancelled)
             except Exception as exc:
                 logger.warning("%s: batch of %d failed (%s); retrying one by one", self.name, len(chunk), exc)
                 for item in chunk:
                     try:
-                        self._run_batch([item], params, max_new, results)
+                        self._run_batch([item], params, max_new, results, cancelled)
                     except Exception as exc1:
                         results[item[0]].error = f"{type(exc1).__name__}: {exc1}"
         return results
 
     def _run_batch(
         self, chunk: list[tuple[int, list[int]]], params: SamplingParams, max_new: int,
-        results: list[GenerationResult],
+        results: list[GenerationResult], cancelled: Callable[[], bool] | None = None,
     ) -> None:
         torch = self._torch
         width = max(len(ids) for _, ids in chunk)
@@ -288,10 +303,16 @@ class TransformersLLM:
             from memgas.pipeline.models.json_constrained import prefix_allowed_tokens_fn
 
             kw["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn(self._tok, params.json_schema)
+        if cancelled is not None:
+            kw["stopping_criteria"] = _cancel_criteria(cancelled)
         with torch.inference_mode():
             out = self._model.generate(
                 input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device), **kw
             )
+        if cancelled is not None and cancelled():  # stopped early, or finished as its caller left: not an answer
+            for i, _ in chunk:
+                results[i].error, results[i].extra[CANCELLED] = "cancelled", True
+            return
         new = out[:, width:].cpu().tolist()
         for row, (i, ids) in enumerate(chunk):
             toks = new[row]
@@ -308,6 +329,34 @@ class TransformersLLM:
             r.prompt_tokens = len(ids)
             r.completion_tokens = n + (1 if hit_eos else 0)
             r.finish_reason = "stop" if (hit_eos or hit_stop) else "length"
+
+
+def _schema_error(schema: dict | None) -> UnsupportedSchema | None:
+    """Why lm-format-enforcer cannot enforce ``schema`` (it builds its parser at once and raises a bare Exception,
+    e.g. "Unsupported type objekt"), or None. Checked before any batch, so a schema it cannot enforce is the
+    request's error, not a failed batch."""
+    if schema is None:
+        return None
+    from lmformatenforcer import JsonSchemaParser
+
+    try:
+        JsonSchemaParser(schema)
+    except Exception as exc:  # noqa: BLE001 - the library's own errors are plain Exceptions
+        return UnsupportedSchema(f"the JSON schema cannot be enforced: {exc}")
+    return None
+
+
+def _cancel_criteria(cancelled: Callable[[], bool]) -> Any:
+    """A stopping criterion for ``model.generate`` that ends every row once ``cancelled()`` is true (called after
+    each decoding step: one cheap check per token)."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Cancel(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            return torch.full((input_ids.shape[0],), bool(cancelled()), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_Cancel()])
 
 
 # -- llama-cpp-python ------------------------------------------------------------------------------------
@@ -354,6 +403,10 @@ class LlamaCppLLM:
 
     def _decode(self, ids: list[int]) -> str:
         return self._llm.detokenize(ids).decode("utf-8", errors="ignore")
+
+    def count_prompt_tokens(self, messages: ChatPrompt) -> int:
+        """An upper bound of the tokens of ``messages`` with their chat markup, uncut."""
+        return self._approx_prompt_len(messages)
 
     def _approx_prompt_len(self, msgs: ChatPrompt) -> int:
         # The chat format is applied inside llama-cpp; ~8 tokens of role markup per message is an upper

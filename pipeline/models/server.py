@@ -13,9 +13,12 @@ a body shorter than its Content-Length, or one still arriving ``BODY_TIMEOUT_S``
 400; a request line or headers still arriving then a 408 (slowloris); a repeated Content-Length or any
 Transfer-Encoding 400 (two framings of one body are how requests are smuggled past a proxy). Caps:
 ``MAX_MESSAGES`` messages, ``max_tokens`` below the model's context (400 ``integer_above_max_value``), and a
-prompt that does not fit the rest of the context even when cut gets 400 ``context_length_exceeded``.
-One request at a time reaches the model (a lock; batch size 1): this is for tests, demos and sharing one
-CPU model between processes, not for throughput (use ``vllm serve`` for that).
+prompt that does not fit the context with ``max_tokens`` gets 400 ``context_length_exceeded`` (never cut).
+One request at a time reaches the model (batch size 1) and at most ``max_queue`` wait for it (503
+``server_overloaded`` with ``Retry-After`` past it; :mod:`~memgas.pipeline.models.model_queue`); a request whose
+client hangs up leaves the queue, or stops generating at the next step. SIGTERM or Ctrl-C cancels the running
+generation, answers what is in progress with 503 ``server_shutting_down`` and exits 0. This is for tests, demos
+and sharing one CPU model between processes, not for throughput (use ``vllm serve`` for that).
 
 Fault injection, for testing clients: ``delay_s`` before answering, the next N requests answer 500 / 429,
 the next N answer malformed JSON, a valid completion of ``HUGE_FAULT_BYTES`` (``huge_body``), or a body that
@@ -44,6 +47,7 @@ from memgas.pipeline.models.chat_handler import (  # noqa: F401 - the handler's 
 from memgas.pipeline.models.chat_request import (  # noqa: F401 - re-exported: the request contract's limits
     MAX_COMPLETION_TOKENS, MAX_MESSAGES, MAX_QUOTED_CHARS, MAX_STOP, BadRequest, parse_chat_request)
 from memgas.pipeline.models.llms import PROMPT_TOO_LONG
+from memgas.pipeline.models.model_queue import MAX_QUEUE, ModelQueue
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +65,9 @@ class EchoLLM:
 
     def count_tokens(self, text: str) -> int:
         return len(text.split())
+
+    def count_prompt_tokens(self, messages: ChatPrompt) -> int:
+        return sum(self.count_tokens(str(m.get("content", ""))) for m in messages)
 
     def generate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
         out = []
@@ -118,17 +125,20 @@ class Faults:
 #: ``BODY_TIMEOUT_S``), so without a bound a client that opens thousands holds as many threads; past it a new
 #: connection is answered 503 ``server_overloaded`` with ``Retry-After`` and closed, as a proxy in front would.
 MAX_CONNECTIONS = 64
-
+#: Most seconds a stopping server (SIGTERM, Ctrl-C) waits for the requests it is answering: a generation is
+#: cancelled at its next decoding step, but a backend that cannot be cancelled (an HTTP one) runs to its end.
+SHUTDOWN_GRACE_S = 30.0
 
 
 class ChatServer(ThreadingHTTPServer):
-    """``ThreadingHTTPServer`` holding the LLM, its lock, the fault knobs and simple counters."""
+    """``ThreadingHTTPServer`` holding the LLM, the queue in front of it, the fault knobs and simple counters."""
 
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, addr: tuple[str, int], llm: LLM, faults: Faults | None = None,
-                 aliases: Sequence[str] = (), max_connections: int = MAX_CONNECTIONS) -> None:
+                 aliases: Sequence[str] = (), max_connections: int = MAX_CONNECTIONS,
+                 max_queue: int = MAX_QUEUE) -> None:
         super().__init__(addr, _Handler)
         #: a slot per open connection
         self.max_connections = max_connections
@@ -140,7 +150,8 @@ class ChatServer(ThreadingHTTPServer):
         #: ``/v1/models`` lists only ``llm.name``, the name every answer carries
         self.aliases = tuple(aliases)
         self.created = int(time.time())
-        self.model_lock = threading.Lock()
+        #: one request at a time reaches the model, at most ``max_queue`` wait for it
+        self.queue = ModelQueue(max_queue)
         self.requests = 0
         #: whether the last chat request carried an ``Authorization`` header (tests check the client)
         self.last_authorization: str | None = None
@@ -193,33 +204,63 @@ class ChatServer(ThreadingHTTPServer):
 
 
 
-def serve_in_thread(llm: LLM, host: str = "127.0.0.1", port: int = 0,
-                    faults: Faults | None = None) -> tuple[ChatServer, threading.Thread]:
+def serve_in_thread(llm: LLM, host: str = "127.0.0.1", port: int = 0, faults: Faults | None = None,
+                    max_queue: int = MAX_QUEUE) -> tuple[ChatServer, threading.Thread]:
     """Start a server in a daemon thread (port 0 = a free port; read it from ``server.url``).
     Stop it with ``server.shutdown(); server.server_close()``."""
-    srv = ChatServer((host, port), llm, faults)
+    srv = ChatServer((host, port), llm, faults, max_queue=max_queue)
     t = threading.Thread(target=srv.serve_forever, name=f"chat-server-{srv.server_address[1]}", daemon=True)
     t.start()
     return srv, t
 
 
+def serve_until_stopped(srv: ChatServer) -> None:
+    """Serve until Ctrl-C or SIGTERM (in the main thread; elsewhere until ``srv.shutdown()``), then stop in order:
+    no new connection is accepted, the running generation is cancelled at its next step and waiting requests
+    leave the queue, each answered 503 ``server_shutting_down``; return once they are answered (at most
+    ``SHUTDOWN_GRACE_S``). Python's exit while a handler thread is still inside the model aborted the process
+    (exit 134: "terminate called without an active exception")."""
+    import signal
+
+    def _stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM while stopping changes nothing
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, _stop)
+    except ValueError:  # not the main thread: Ctrl-C only
+        previous = None
+    try:
+        try:
+            srv.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        logger.info("stopping: answering the requests in progress")
+        if not srv.queue.stop(SHUTDOWN_GRACE_S):
+            logger.warning("requests still running %g s after the stop; exiting without their answers",
+                           SHUTDOWN_GRACE_S)
+        logger.info("stopped serving at %s", srv.url)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+        srv.server_close()
+
+
 def serve_forever_from_config(cfg: Any, *, host: str = "127.0.0.1", port: int = 8011, seed: int = 0,
                               faults: Faults | None = None, llm: LLM | None = None,
-                              on_ready: Any = None) -> None:
+                              on_ready: Any = None, max_queue: int = MAX_QUEUE) -> None:
     """``memgas serve``: serve the LLM of ``cfg`` (an :class:`~memgas.pipeline.config.LLMConfig`) until
-    Ctrl-C or SIGTERM. ``llm`` serves that model instead of building one from ``cfg``; ``on_ready(server)``
-    is called once the model is loaded (tests stop the server with ``server.shutdown()``).
+    Ctrl-C or SIGTERM (:func:`serve_until_stopped`). ``llm`` serves that model instead of building one from
+    ``cfg``; ``on_ready(server)`` is called once the model is loaded (tests stop the server with
+    ``server.shutdown()``); ``max_queue`` requests may wait for the model (503 past it).
 
     The socket is bound *before* the model loads, so a busy port or a bad host fails at once (OSError,
     which the CLI reports as one line, exit 3); requests that arrive while the model loads wait in the
     listen queue and are answered once it is ready.
     """
-    import signal
-
     from memgas.pipeline.models.factory import make_llm
 
-    srv = ChatServer((host, port), None, faults)  # type: ignore[arg-type] - the model follows
-    previous = None
+    srv = ChatServer((host, port), None, faults, max_queue=max_queue)  # type: ignore[arg-type] - the model follows
     try:
         if llm is not None:
             srv.llm = llm
@@ -228,22 +269,12 @@ def serve_forever_from_config(cfg: Any, *, host: str = "127.0.0.1", port: int = 
             srv.aliases = tuple(name for name in (getattr(cfg, "model", None),) if isinstance(name, str) and name)
         if on_ready is not None:
             on_ready(srv)
-        logger.info("serving %s at %s (POST /v1/chat/completions, GET /v1/models, GET /health)", srv.llm.name, srv.url)
-
-        def _stop(signum: int, frame: Any) -> None:
-            raise KeyboardInterrupt
-
-        try:
-            previous = signal.signal(signal.SIGTERM, _stop)
-        except ValueError:  # not the main thread: Ctrl-C only
-            previous = None
-        srv.serve_forever()
-    except KeyboardInterrupt:
-        logger.info("stopped serving at %s", srv.url)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        logger.info("serving %s at %s (POST /v1/chat/completions, GET /v1/models, GET /health; at most %d requests "
+                    "wait for the model)", srv.llm.name, srv.url, max_queue)
+    except BaseException:
         srv.server_close()
+        raise
+    serve_until_stopped(srv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="echo | transformers-gguf | llama-cpp | vllm | hf (see LLMConfig)")
     ap.add_argument("--model", default="smollm2")
     ap.add_argument("--context-tokens", type=int, default=8192)
+    ap.add_argument("--max-queue", type=int, default=MAX_QUEUE,
+                    help="requests that may wait for the model behind the one it runs (503 past it)")
     ap.add_argument("--delay-s", type=float, default=0.0, help="sleep before every answer")
     ap.add_argument("--fail-500", type=int, default=0, help="answer the next N requests with HTTP 500")
     ap.add_argument("--fail-429", type=int, default=0, help="answer the next N requests with HTTP 429")
@@ -271,14 +304,10 @@ def main(argv: list[str] | None = None) -> int:
 
         llm = make_llm(LLMConfig(backend=a.backend, model=a.model, context_tokens=a.context_tokens))
     faults = Faults(delay_s=a.delay_s, fail_500=a.fail_500, fail_429=a.fail_429, malformed=a.malformed)
-    srv = ChatServer((a.host, a.port), llm, faults, aliases=() if a.backend == "echo" else (a.model,))
+    srv = ChatServer((a.host, a.port), llm, faults, aliases=() if a.backend == "echo" else (a.model,),
+                     max_queue=a.max_queue)
     logger.info("serving %s at %s", llm.name, srv.url)
-    try:
-        srv.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        srv.server_close()
+    serve_until_stopped(srv)
     return 0
 
 

@@ -103,6 +103,10 @@ class VLLMOfflineLLM:
     def count_tokens(self, text: str) -> int:
         return len(self._tok.encode(text, add_special_tokens=False))
 
+    def count_prompt_tokens(self, messages: ChatPrompt) -> int:
+        """Tokens of ``messages`` rendered with the chat template and the generation prompt, uncut."""
+        return self._prompt_len(messages)
+
     def _prompt_len(self, msgs: ChatPrompt) -> int:
         ids = self._tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):
