@@ -315,6 +315,12 @@ BAD_REQUESTS = [
     ("stop-list-with-an-empty-string", {"messages": _MSG, "stop": ["x", ""]}, 400, "stop", None),
     ("response-format-unknown-type", {"messages": _MSG, "response_format": {"type": "yaml"}}, 400,
      "response_format", None),
+    # a stop string no tokenizer can take, a schema that is no JSON Schema (the CPU backend answered both 500)
+    ("stop-lone-surrogate", '{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "\\udc00"]}', 400,
+     "stop", None),
+    ("schema-of-an-unknown-type", {"messages": _MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "objekt"}}}}}}, 400,
+     "response_format", None),
 ]
 
 
