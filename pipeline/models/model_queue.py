@@ -32,8 +32,8 @@ class QueueFull(Exception):
     """No room behind the model: ``retry_after_s`` is when a place is likely free again."""
 
     def __init__(self, waiting: int, retry_after_s: int) -> None:
-        super().__init__(f"{waiting} requests are waiting for the model, the limit of this server (memgas serve "
-                         f"--max-queue); retry after {retry_after_s} s")
+        super().__init__(f"the model is busy and {waiting} requests wait for it, the most this server queues "
+                         f"(memgas serve --max-queue); retry after {retry_after_s} s")
         self.retry_after_s = retry_after_s
 
 
