@@ -229,8 +229,10 @@ class ChatHandler(BaseHTTPRequestHandler):
     def _cancelled(self) -> bool:
         return self.server.queue.stopping.is_set() or self._gone()
 
-    def _overloaded(self, status: int, message: str, code: str, headers: dict[str, str]) -> None:
-        self._error(status, message, "server_error", headers=headers, code=code)
+    def _shutting_down(self) -> None:
+        self.close_connection = True
+        self._error(503, SHUTTING_DOWN, "server_error", headers={"Connection": "close", "Retry-After": "1"},
+                    code="server_shutting_down")
 
     def _complete(self, raw: bytes) -> None:
         srv = self.server
@@ -262,11 +264,11 @@ class ChatHandler(BaseHTTPRequestHandler):
             self._error(exc.status, str(exc), param=exc.param, code=exc.code)
             return
         except QueueFull as exc:
-            self._overloaded(503, str(exc), "server_overloaded", {"Retry-After": str(exc.retry_after_s)})
+            self._error(503, str(exc), "server_error", headers={"Retry-After": str(exc.retry_after_s)},
+                        code="server_overloaded")
             return
         except ShuttingDown:
-            self.close_connection = True
-            self._overloaded(503, SHUTTING_DOWN, "server_shutting_down", {"Connection": "close", "Retry-After": "1"})
+            self._shutting_down()
             return
         except ClientGone:  # nobody is left to answer
             self.close_connection = True
@@ -279,7 +281,7 @@ class ChatHandler(BaseHTTPRequestHandler):
         if result.extra.get(CANCELLED):
             self.close_connection = True
             if srv.queue.stopping.is_set():
-                self._overloaded(503, SHUTTING_DOWN, "server_shutting_down", {"Connection": "close", "Retry-After": "1"})
+                self._shutting_down()
             else:
                 logger.debug("client %s hung up while the model generated; generation stopped", self.client_address)
             return
