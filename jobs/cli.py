@@ -308,7 +308,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = _load_config(args)
     check(cfg, "serve", use_ray=False)  # the LLM's backend, device and package, before the socket or the model
-    serve_forever_from_config(cfg.llm, host=args.host, port=args.port, seed=cfg.seed)
+    serve_forever_from_config(cfg.llm, host=args.host, port=args.port, seed=cfg.seed, max_queue=args.max_queue)
     return 0
 
 

@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 
 from memgas.jobs.cli import EXIT_INPUT
 from memgas.pipeline.data import AUTO, FORMATS
+from memgas.pipeline.models.model_queue import MAX_QUEUE
 from memgas.pipeline.data.synth import (
     SYNTH_MAX_QUESTIONS,
     SYNTH_MAX_SESSIONS,
@@ -214,7 +215,8 @@ def _add_report(sub: Any) -> None:
 def _add_serve(sub: Any) -> None:
     p = _sub(sub, "serve", "serve the configured LLM as an OpenAI-compatible HTTP endpoint", """
         POST /v1/chat/completions, GET /v1/models, GET /health; one request at a time reaches the
-        model (for tests, demos and sharing one CPU model; use `vllm serve` for throughput).
+        model (for tests, demos and sharing one CPU model; use `vllm serve` for throughput), at most
+        --max-queue wait for it, and a request whose client hangs up stops. SIGTERM exits 0.
         Completions are answered whole: `stream: true` is refused (400), as are invalid parameters.
 
         Example:
@@ -223,6 +225,9 @@ def _add_serve(sub: Any) -> None:
     _add_config_args(p, positional=False)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=_port, default=8011, help="TCP port (0: any free port; the URL is logged)")
+    p.add_argument("--max-queue", type=_int_at_least(0), default=MAX_QUEUE, metavar="N",
+                   help="requests that may wait for the model behind the one it runs; past it a request is "
+                        "answered 503 with Retry-After (default: %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:

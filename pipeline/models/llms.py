@@ -1,4 +1,5 @@
-"""In-process LLM backends: transformers (GGUF or any causal LM), llama-cpp-python, vLLM offline.
+"""In-process LLM backends: transformers (GGUF or any causal LM), llama-cpp-python, vLLM offline (its own
+module, :mod:`~memgas.pipeline.models.vllm_offline`, imported from here too).
 
 All implement :class:`memgas.pipeline.models.base.LLM`: a batch of chat prompts in, one
 :class:`GenerationResult` per prompt out, same order; an item's failure is recorded in its ``error``
@@ -12,7 +13,6 @@ package to install.
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import logging
 import os
@@ -21,7 +21,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from memgas.pipeline.models.backend_common import (  # noqa: F401 - re-exported: callers import them from here
+    CANCELLED, PROMPT_TOO_LONG, PromptTooLong, UnsupportedSchema, apply_stop, item_error, lazy_import,
+    truncate_messages_middle, validate_prompt)
 from memgas.pipeline.models.base import ChatPrompt, GenerationResult, SamplingParams
+from memgas.pipeline.models.vllm_offline import (  # noqa: F401 - re-exported: the backends' one import path
+    VLLM_CHAT_KWARGS, VLLMOfflineLLM, _vllm_sampling_params, vllm_engine_kwargs, vllm_sampling_kwargs)
 
 logger = logging.getLogger(__name__)
 
@@ -63,79 +68,6 @@ def resolve_gguf(model: str) -> tuple[str, str | None]:
             raise ValueError(f"{p}: holds {len(ggufs)} .gguf files; name one of them as llm.model")
     return model, None
 
-
-def _lazy_import(module: str, install_hint: str) -> Any:
-    try:
-        return importlib.import_module(module)
-    except ImportError as exc:
-        raise ImportError(f"this LLM backend needs the package {module!r}: {install_hint}") from exc
-
-
-# -- prompt fitting ---------------------------------------------------------------------------------------
-
-#: ``GenerationResult.extra`` flag of an item whose prompt does not fit the context even when cut: the
-#: request's fault, not the model's (``memgas serve`` answers it with 400 ``context_length_exceeded``).
-PROMPT_TOO_LONG = "prompt_too_long"
-
-
-class PromptTooLong(ValueError):
-    """A prompt that does not fit the model's context even with its contents cut."""
-
-
-def item_error(result: GenerationResult, exc: BaseException) -> None:
-    """Record ``exc`` as one item's error (``Type: message``), flagging :data:`PROMPT_TOO_LONG`."""
-    result.error = f"{type(exc).__name__}: {exc}"
-    if isinstance(exc, PromptTooLong):
-        result.extra[PROMPT_TOO_LONG] = True
-
-
-
-def truncate_messages_middle(
-    messages: ChatPrompt,
-    prompt_len: Callable[[ChatPrompt], int],
-    encode: Callable[[str], list[int]],
-    decode: Callable[[list[int]], str],
-    budget: int,
-    marker: str = "\n...\n",
-) -> tuple[ChatPrompt, int]:
-    """Shorten the longest message's content in its middle until ``prompt_len(messages) <= budget``.
-
-    Returns (messages, tokens dropped). Re-tokenising the joined halves can shift counts by a token or
-    two, so it iterates a few times. Raises ValueError when even empty contents do not fit.
-    """
-    msgs = [dict(m) for m in messages]
-    dropped = 0
-    for _ in range(6):
-        excess = prompt_len(msgs) - budget
-        if excess <= 0:
-            return msgs, dropped
-        i = max(range(len(msgs)), key=lambda k: len(msgs[k].get("content") or ""))
-        ids = encode(msgs[i].get("content") or "")
-        if not ids:
-            break
-        cut = min(len(ids), excess + 4)  # a little margin for the marker and re-tokenisation drift
-        keep = len(ids) - cut
-        head, tail = ids[: (keep + 1) // 2], ids[len(ids) - keep // 2 :] if keep // 2 else []
-        msgs[i]["content"] = decode(head) + marker + decode(tail) if keep else ""
-        dropped += cut
-    if prompt_len(msgs) > budget:
-        raise PromptTooLong(f"prompt does not fit in {budget} tokens even after truncation")
-    return msgs, dropped
-
-
-def _apply_stop(text: str, stop: tuple[str, ...]) -> tuple[str, bool]:
-    """Cut at the earliest stop string (engines differ in whether they include it; we never do)."""
-    cut = min((text.find(s) for s in stop if s and s in text), default=-1)
-    return (text[:cut], True) if cut >= 0 else (text, False)
-
-
-def validate_prompt(prompt: Any) -> str | None:
-    if not isinstance(prompt, list) or not prompt:
-        return "empty prompt: expected a non-empty list of {role, content} messages"
-    for k, m in enumerate(prompt):
-        if not isinstance(m, dict) or "role" not in m or not isinstance(m.get("content"), str):
-            return f"message {k}: expected a dict with 'role' and string 'content'"
-    return None
 
 
 # -- transformers (GGUF or any causal LM) -----------------------------------------------------------------
@@ -276,6 +208,10 @@ class TransformersLLM:
             out = out["input_ids"]
         return list(out)
 
+    def count_prompt_tokens(self, messages: ChatPrompt) -> int:
+        """Tokens of ``messages`` rendered with the chat template and the generation prompt, uncut."""
+        return len(self._render(messages))
+
     def _prepare(self, prompt: ChatPrompt, max_new: int) -> tuple[list[int], int]:
         budget = max(1, self.context_tokens - max_new)
         ids = self._render(prompt)
@@ -290,16 +226,22 @@ class TransformersLLM:
         )
         return self._render(msgs), dropped
 
-    def generate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
+    def generate(self, prompts: list[ChatPrompt], params: SamplingParams,
+                 cancelled: Callable[[], bool] | None = None) -> list[GenerationResult]:
+        """``cancelled``, when given, is called between decoding steps: once it returns true, generation stops and
+        every item not yet answered gets the error ``cancelled`` (flag :data:`CANCELLED`)."""
         results = [GenerationResult() for _ in prompts]
         max_new = max(1, min(params.max_tokens, self.context_tokens - 1))
         prepared: list[tuple[int, list[int]]] = []
+        schema_error = _schema_error(params.json_schema)
         for i, p in enumerate(prompts):
             err = validate_prompt(p)
             if err:
                 results[i].error = err
                 continue
             try:
+                if schema_error is not None:
+                    raise schema_error
                 ids, dropped = self._prepare(p, max_new)
             except Exception as exc:  # a bad chat (template error, unfittable prompt) fails only its item
                 item_error(results[i], exc)
@@ -316,20 +258,24 @@ class TransformersLLM:
         prepared.sort(key=lambda t: len(t[1]))
         for s in range(0, len(prepared), self.batch_size):
             chunk = prepared[s : s + self.batch_size]
+            if cancelled is not None and cancelled():
+                for i, _ in prepared[s:]:
+                    results[i].error, results[i].extra[CANCELLED] = "cancelled", True
+                break
             try:
-                self._run_batch(chunk, params, max_new, results)
+                self._run_batch(chunk, params, max_new, results, cancelled)
             except Exception as exc:
                 logger.warning("%s: batch of %d failed (%s); retrying one by one", self.name, len(chunk), exc)
                 for item in chunk:
                     try:
-                        self._run_batch([item], params, max_new, results)
+                        self._run_batch([item], params, max_new, results, cancelled)
                     except Exception as exc1:
                         results[item[0]].error = f"{type(exc1).__name__}: {exc1}"
         return results
 
     def _run_batch(
         self, chunk: list[tuple[int, list[int]]], params: SamplingParams, max_new: int,
-        results: list[GenerationResult],
+        results: list[GenerationResult], cancelled: Callable[[], bool] | None = None,
     ) -> None:
         torch = self._torch
         width = max(len(ids) for _, ids in chunk)
@@ -357,10 +303,16 @@ class TransformersLLM:
             from memgas.pipeline.models.json_constrained import prefix_allowed_tokens_fn
 
             kw["prefix_allowed_tokens_fn"] = prefix_allowed_tokens_fn(self._tok, params.json_schema)
+        if cancelled is not None:
+            kw["stopping_criteria"] = _cancel_criteria(cancelled)
         with torch.inference_mode():
             out = self._model.generate(
                 input_ids=input_ids.to(self._device), attention_mask=mask.to(self._device), **kw
             )
+        if cancelled is not None and cancelled():  # stopped early, or finished as its caller left: not an answer
+            for i, _ in chunk:
+                results[i].error, results[i].extra[CANCELLED] = "cancelled", True
+            return
         new = out[:, width:].cpu().tolist()
         for row, (i, ids) in enumerate(chunk):
             toks = new[row]
@@ -371,12 +323,40 @@ class TransformersLLM:
                     n, hit_eos = k, True
                     break
             text = self._tok.decode(toks[:n], skip_special_tokens=True)
-            text, hit_stop = _apply_stop(text, params.stop)
+            text, hit_stop = apply_stop(text, params.stop)
             r = results[i]
             r.text = text
             r.prompt_tokens = len(ids)
             r.completion_tokens = n + (1 if hit_eos else 0)
             r.finish_reason = "stop" if (hit_eos or hit_stop) else "length"
+
+
+def _schema_error(schema: dict | None) -> UnsupportedSchema | None:
+    """Why lm-format-enforcer cannot enforce ``schema`` (it builds its parser at once and raises a bare Exception,
+    e.g. "Unsupported type objekt"), or None. Checked before any batch, so a schema it cannot enforce is the
+    request's error, not a failed batch."""
+    if schema is None:
+        return None
+    from lmformatenforcer import JsonSchemaParser
+
+    try:
+        JsonSchemaParser(schema)
+    except Exception as exc:  # noqa: BLE001 - the library's own errors are plain Exceptions
+        return UnsupportedSchema(f"the JSON schema cannot be enforced: {exc}")
+    return None
+
+
+def _cancel_criteria(cancelled: Callable[[], bool]) -> Any:
+    """A stopping criterion for ``model.generate`` that ends every row once ``cancelled()`` is true (called after
+    each decoding step: one cheap check per token)."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Cancel(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+            return torch.full((input_ids.shape[0],), bool(cancelled()), dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([_Cancel()])
 
 
 # -- llama-cpp-python ------------------------------------------------------------------------------------
@@ -397,7 +377,7 @@ class LlamaCppLLM:
         seed: int = 0,
         name: str | None = None,
     ) -> None:
-        llama_cpp = _lazy_import("llama_cpp", "pip install llama-cpp-python (compiles from source, ~9 min)")
+        llama_cpp = lazy_import("llama_cpp", "pip install llama-cpp-python (compiles from source, ~9 min)")
         path = str(smollm2_gguf()) if model == SMOLLM2_ALIAS else model
         if not path.endswith(".gguf"):
             raise ValueError(f"llama-cpp backend: llm.model={model!r} must be 'smollm2' or a .gguf file")
@@ -423,6 +403,10 @@ class LlamaCppLLM:
 
     def _decode(self, ids: list[int]) -> str:
         return self._llm.detokenize(ids).decode("utf-8", errors="ignore")
+
+    def count_prompt_tokens(self, messages: ChatPrompt) -> int:
+        """An upper bound of the tokens of ``messages`` with their chat markup, uncut."""
+        return self._approx_prompt_len(messages)
 
     def _approx_prompt_len(self, msgs: ChatPrompt) -> int:
         # The chat format is applied inside llama-cpp; ~8 tokens of role markup per message is an upper
@@ -465,153 +449,4 @@ class LlamaCppLLM:
                 r.completion_tokens = int(usage.get("completion_tokens", 0))
             except Exception as exc:
                 item_error(r, exc)
-        return results
-
-
-# -- vLLM offline -----------------------------------------------------------------------------------------
-
-
-#: keyword arguments of every ``LLM.chat`` call (tests check them against the pinned vLLM's signature)
-VLLM_CHAT_KWARGS: dict[str, Any] = {"use_tqdm": False}
-
-
-def vllm_engine_kwargs(
-    model: str,
-    context_tokens: int = 8192,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.85,
-    seed: int = 0,
-    **engine_kwargs: Any,
-) -> dict[str, Any]:
-    """Keyword arguments for ``vllm.LLM(...)``: named ``LLM.__init__`` parameters plus ``EngineArgs`` fields
-    (``LLM`` forwards its ``**kwargs`` to ``EngineArgs``). Pure: tests check the names against the pinned
-    vLLM release, and build a real ``EngineArgs`` from them where vLLM is installed."""
-    return {
-        "model": model,
-        "tensor_parallel_size": tensor_parallel_size,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "enable_prefix_caching": True,  # summary/keyword/filter prompts share long instruction prefixes
-        "max_model_len": context_tokens,
-        "seed": seed,
-        **engine_kwargs,
-    }
-
-
-def vllm_sampling_kwargs(params: SamplingParams, max_new: int) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """(``vllm.SamplingParams`` kwargs without the structured-output object, ``StructuredOutputsParams``
-    kwargs or None). Pure, so the names can be checked against the pinned vLLM without importing it."""
-    kw: dict[str, Any] = {
-        "max_tokens": max_new,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "seed": params.seed,
-    }
-    if any(params.stop):  # an empty stop string would match at once
-        kw["stop"] = [x for x in params.stop if x]
-    structured = {"json": params.json_schema} if params.json_schema is not None else None
-    return kw, structured
-
-
-def _vllm_sampling_params(vllm: Any, params: SamplingParams, max_new: int) -> Any:
-    """vLLM ``SamplingParams``; JSON schemas go through ``StructuredOutputsParams(json=...)`` (vLLM >= 0.11;
-    the older ``guided_decoding=GuidedDecodingParams(json=...)`` was removed in 0.12)."""
-    kw, structured = vllm_sampling_kwargs(params, max_new)
-    if structured is not None:
-        sp_mod = importlib.import_module("vllm.sampling_params")
-        if hasattr(sp_mod, "StructuredOutputsParams"):
-            kw["structured_outputs"] = sp_mod.StructuredOutputsParams(**structured)
-        elif hasattr(sp_mod, "GuidedDecodingParams"):
-            kw["guided_decoding"] = sp_mod.GuidedDecodingParams(**structured)
-        else:
-            raise ImportError("this vLLM has neither StructuredOutputsParams nor GuidedDecodingParams")
-    return vllm.SamplingParams(**kw)
-
-
-class VLLMOfflineLLM:
-    """vLLM's offline engine on GPU: the whole batch in one ``LLM.chat`` call, prefix caching on.
-
-    GPU-only; not exercised on the CPU CI. Tests check every keyword we pass against the parameters of the
-    pinned vLLM release (tests/fixtures/vllm_api.json) through a strict fake module, and build the real
-    ``EngineArgs``/``SamplingParams`` where vLLM is installed; ``benchmarks/gpu_check.sh`` runs the engine.
-    """
-
-    def __init__(
-        self,
-        model: str,
-        context_tokens: int = 8192,
-        tensor_parallel_size: int = 1,
-        gpu_memory_utilization: float = 0.85,
-        seed: int = 0,
-        name: str | None = None,
-        **engine_kwargs: Any,
-    ) -> None:
-        self._vllm = _lazy_import("vllm", "make setup-gpu (the gpu extra: vllm with its CUDA torch build)")
-        self._llm = self._vllm.LLM(
-            **vllm_engine_kwargs(model, context_tokens, tensor_parallel_size, gpu_memory_utilization, seed,
-                                 **engine_kwargs)
-        )
-        self._tok = self._llm.get_tokenizer()
-        self.context_tokens = context_tokens
-        self.name = name or model
-        #: vLLM V1 runs the model in an engine-core process unless VLLM_ENABLE_V1_MULTIPROCESSING=0: the actor's
-        #: own torch allocator then holds almost none of its memory (executor.ModelHost.gpu_memory)
-        self.engine_in_other_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
-
-    def count_tokens(self, text: str) -> int:
-        return len(self._tok.encode(text, add_special_tokens=False))
-
-    def _prompt_len(self, msgs: ChatPrompt) -> int:
-        ids = self._tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return len(ids)
-
-    def generate(self, prompts: list[ChatPrompt], params: SamplingParams) -> list[GenerationResult]:
-        results = [GenerationResult() for _ in prompts]
-        max_new = max(1, min(params.max_tokens, self.context_tokens - 1))
-        try:
-            sp = _vllm_sampling_params(self._vllm, params, max_new)
-        except Exception as exc:
-            for r in results:
-                r.error = f"{type(exc).__name__}: {exc}"
-            return results
-        todo: list[int] = []
-        convs: list[ChatPrompt] = []
-        for i, p in enumerate(prompts):
-            err = validate_prompt(p)
-            if err:
-                results[i].error = err
-                continue
-            try:
-                msgs, dropped = truncate_messages_middle(
-                    p, self._prompt_len, lambda s: self._tok.encode(s, add_special_tokens=False),
-                    self._tok.decode, self.context_tokens - max_new,
-                )
-            except Exception as exc:
-                item_error(results[i], exc)
-                continue
-            if dropped:
-                results[i].extra.update(truncated=True, dropped_tokens=dropped)
-            todo.append(i)
-            convs.append(msgs)
-        if not convs:
-            return results
-        try:
-            outs = self._llm.chat(convs, sp, **VLLM_CHAT_KWARGS)
-            pairs = list(zip(todo, outs))
-        except Exception as exc:  # one bad conversation can fail the batch: isolate it
-            logger.warning("%s: batch of %d failed (%s); retrying one by one", self.name, len(convs), exc)
-            pairs = []
-            for i, c in zip(todo, convs):
-                try:
-                    pairs.append((i, self._llm.chat([c], sp, **VLLM_CHAT_KWARGS)[0]))
-                except Exception as exc1:
-                    results[i].error = f"{type(exc1).__name__}: {exc1}"
-        for i, out in pairs:
-            comp = out.outputs[0]
-            r = results[i]
-            r.text = comp.text
-            r.finish_reason = comp.finish_reason or ""
-            r.prompt_tokens = len(out.prompt_token_ids or [])
-            r.completion_tokens = len(comp.token_ids or [])
         return results

@@ -76,6 +76,7 @@ CASES: list[tuple[str, list[str], int, str]] = [
     # serve
     ("serve-port-too-big", ["serve", "--port", "70000"], 2, "--port"),
     ("serve-port-negative", ["serve", "--port", "-1"], 2, "--port"),
+    ("serve-max-queue-negative", ["serve", "--max-queue", "-1"], 2, "argument --max-queue: must be >= 0, got -1"),
     ("serve-bad-config-value", ["serve", "--set", "llm.concurrency=0"], 2, "llm.concurrency"),
     ("serve-unknown-backend", ["serve", "--set", "llm.backend=bogus"], 2, "llm.backend"),
     ("serve-config-is-dir", ["serve", "--config", "{dir}"], 2, "is a directory"),

@@ -6,6 +6,8 @@ subprocess with the CPU default (SmolLM2 through transformers' GGUF loader) and 
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import socket
@@ -67,65 +69,176 @@ def test_a_busy_port_fails_before_the_model_loads() -> None:
         assert "in use" in str(exc.value) and not loaded
 
 
-@pytest.mark.slow
-def test_memgas_serve_with_the_cpu_model() -> None:
-    port = _free_port()
-    exe = Path(sys.executable).with_name("memgas")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    proc = subprocess.Popen([str(exe), "serve", "--port", str(port), "--set", "llm.threads=1"], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        base = f"http://127.0.0.1:{port}/v1"
+#: ``memgas serve --max-queue`` of the served CPU model below: the queue tests fill it exactly
+QUEUE = 8
+
+
+class _Served:
+    """A ``memgas serve`` subprocess with the CPU model (SmolLM2), shared by the tests of this module."""
+
+    def __init__(self) -> None:
+        self.port = _free_port()
+        exe = Path(sys.executable).with_name("memgas")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TQDM_DISABLE": "1"}
+        self.proc = subprocess.Popen([str(exe), "serve", "--port", str(self.port), "--set", "llm.threads=1",
+                                      "--max-queue", str(QUEUE)], cwd=REPO, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.base = f"http://127.0.0.1:{self.port}/v1"
+        self.stopped: tuple[int | None, str] | None = None
+        self.health = self._wait_ready()
+
+    def _wait_ready(self) -> httpx.Response:
         deadline = time.time() + 300
         while True:  # the socket is bound at once; requests wait until the model is loaded
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            assert self.proc.poll() is None, self.proc.communicate()[1][-2000:]
             try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=300)
-                break
+                return httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=300)
             except httpx.ConnectError:
                 assert time.time() < deadline
                 time.sleep(0.2)
-        assert health.json() == {"status": "ok"}
-        r = httpx.post(f"{base}/chat/completions", timeout=300, json={
-            "model": "smollm2", "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}]})
-        assert r.status_code == 200, r.text
-        body = r.json()
-        text = body["choices"][0]["message"]["content"]
-        assert isinstance(text, str) and text.strip()
-        assert 0 < body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 5
-        models = httpx.get(f"{base}/models", timeout=30).json()["data"]
-        assert [m["id"] for m in models] == [SMOLLM2_NAME] == [body["model"]]  # exactly the model served
-        context = models[0]["context_length"]
-        # the real tokenizer's failures are the client's 400s, never 500s
-        refused = {
-            "max_tokens over the context": ({"max_tokens": 1048576}, "max_tokens", "integer_above_max_value"),
-            "a prompt that cannot fit": ({"max_tokens": context - 1}, "messages", "context_length_exceeded"),
-            "a lone surrogate": ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content",
-                                 None),
-            "another model": ({"model": "gpt-4o"}, "model", "model_not_found"),
-        }
-        for what, (fields, param, code) in refused.items():
-            body = json.dumps({"model": SMOLLM2_NAME, "messages": [{"role": "user", "content": "Hello"}], **fields})
-            r = httpx.post(f"{base}/chat/completions", timeout=300, content=body,  # ASCII: \ud800 escaped
-                           headers={"Content-Type": "application/json"})
-            err = r.json()["error"]
-            assert (r.status_code, err["type"], err["param"], err["code"]) == (
-                404 if code == "model_not_found" else 400, "invalid_request_error", param, code), what
+
+    def chat(self, max_tokens: int, content: str = "Write a long story about a dragon.", timeout: float = 300,
+             **fields) -> httpx.Response:
+        body = json.dumps({"model": "smollm2", "max_tokens": max_tokens, "temperature": 0,
+                           "messages": [{"role": "user", "content": content}], **fields})
+        return httpx.post(f"{self.base}/chat/completions", content=body, timeout=timeout,
+                          headers={"Content-Type": "application/json"})  # ASCII: a lone surrogate stays escaped
+
+    def send_and_hold(self, max_tokens: int) -> socket.socket:
+        """A raw connection that sent a whole chat request and reads nothing (close it to hang up)."""
+        body = json.dumps({"model": "smollm2", "max_tokens": max_tokens, "temperature": 0,
+                           "messages": [{"role": "user", "content": "Write a long story about a dragon."}]}).encode()
+        s = socket.create_connection(("127.0.0.1", self.port), timeout=30)
+        s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        return s
+
+    def stop(self) -> tuple[int | None, str]:
+        """SIGTERM, then (exit status or None when it had to be killed, stderr); once only."""
+        if self.stopped is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                _, err = self.proc.communicate(timeout=60)
+                self.stopped = (self.proc.returncode, err)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.stopped = (None, self.proc.communicate()[1])
+        return self.stopped
+
+
+@pytest.fixture(scope="module")
+def cpu_serve():
+    served = _Served()
+    yield served
+    served.stop()
+
+
+@pytest.mark.slow
+def test_memgas_serve_with_the_cpu_model(cpu_serve) -> None:
+    base = cpu_serve.base
+    assert cpu_serve.health.json() == {"status": "ok"}
+    r = httpx.post(f"{base}/chat/completions", timeout=300, json={
+        "model": "smollm2", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    text = body["choices"][0]["message"]["content"]
+    assert isinstance(text, str) and text.strip()
+    assert 0 < body["usage"]["completion_tokens"] <= 8 and body["usage"]["prompt_tokens"] > 5
+    models = httpx.get(f"{base}/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == [SMOLLM2_NAME] == [body["model"]]  # exactly the model served
+    context = models[0]["context_length"]
+    # the real tokenizer's and the real backend's failures are the client's 400s, never 500s (nor a 200 that cut
+    # the prompt)
+    refused = {
+        "max_tokens over the context": ({"max_tokens": 1048576}, "max_tokens", "integer_above_max_value"),
+        "a prompt that cannot fit": ({"max_tokens": context - 1}, "messages", "context_length_exceeded"),
+        "a prompt longer than the context": ({"messages": [{"role": "user", "content": "word " * context}],
+                                              "max_tokens": 4}, "messages", "context_length_exceeded"),
+        "a lone surrogate": ({"messages": [{"role": "user", "content": "a \ud800 b"}]}, "messages[0].content",
+                             None),
+        "a lone surrogate in stop": ({"stop": "\ud800"}, "stop", None),
+        "a schema of an unknown type": ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "objekt"}}}}, "response_format", None),
+        "a schema the CPU backend cannot enforce": ({"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"not": {"type": "string"}}}}}, "response_format", None),
+        "another model": ({"model": "gpt-4o"}, "model", "model_not_found"),
+    }
+    for what, (fields, param, code) in refused.items():
+        body = json.dumps({"model": SMOLLM2_NAME, "messages": [{"role": "user", "content": "Hello"}],
+                           "max_tokens": 4, **fields})
+        r = httpx.post(f"{base}/chat/completions", timeout=300, content=body,  # ASCII: \ud800 escaped
+                       headers={"Content-Type": "application/json"})
+        err = r.json()["error"]
+        assert (r.status_code, err["type"], err["param"], err["code"]) == (
+            404 if code == "model_not_found" else 400, "invalid_request_error", param, code), what
+    r = cpu_serve.chat(4, "word " * context)
+    prompt = context + 31  # a token per word, and the chat template with SmolLM2's default system prompt
+    assert r.json()["error"]["message"] == (
+        f"This model's maximum context length is {context} tokens. However, you requested {prompt + 4} tokens "
+        f"({prompt} in the messages, 4 in the completion). Please reduce the length of the messages or completion.")
+
+
+@pytest.mark.slow
+def test_clients_that_hang_up_do_not_hold_the_model(cpu_serve) -> None:
+    """8 clients send a 256-token request and hang up: the one generating stops at its next step, and those
+    waiting leave the queue, so the next request is answered at once (before: the abandoned generations ran one
+    by one under the model lock, ~10-40 s each on this model)."""
+    held = [cpu_serve.send_and_hold(256) for _ in range(QUEUE)]
+    time.sleep(1.0)  # read by the server, the first one generating
+    for s in held:
+        s.close()
+    t0 = time.monotonic()
+    r = cpu_serve.chat(4, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert time.monotonic() - t0 < 10
+
+
+@pytest.mark.slow
+def test_a_request_past_the_queue_gets_503_with_retry_after(cpu_serve) -> None:
+    """--max-queue 8: with one request generating and 8 waiting, the next one is refused at once with 503
+    ``server_overloaded`` and ``Retry-After``; once the clients ahead hang up, a request is served."""
+    held = [cpu_serve.send_and_hold(256) for _ in range(QUEUE + 1)]
+    try:
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        r = cpu_serve.chat(4, timeout=60)
+        assert time.monotonic() - t0 < 5
+        err = r.json()["error"]
+        assert (r.status_code, err["type"], err["param"], err["code"]) == (503, "server_error", None,
+                                                                            "server_overloaded")
+        retry = int(r.headers["Retry-After"])
+        assert err["message"] == (f"the model is busy and {QUEUE} requests wait for it, the most this server queues "
+                                  f"(memgas serve --max-queue); retry after {retry} s")
+        assert 1 <= retry <= 60
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            _, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-    assert proc.returncode == 0, err[-2000:]
-    assert "Traceback" not in err
+        for s in held:
+            s.close()
+    r = cpu_serve.chat(4, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_generation_answers_503_and_exits_0(cpu_serve) -> None:
+    """The last test of the module: it stops the shared server. SIGTERM while the model generates cancels the
+    generation, answers its client 503 ``server_shutting_down`` and exits 0 (before: exit 134, "terminate called
+    without an active exception", the client's connection dropped)."""
+    box: list = []
+    client = threading.Thread(target=lambda: box.append(cpu_serve.chat(256, timeout=120)))
+    client.start()
+    time.sleep(1.5)  # generating
+    t0 = time.monotonic()
+    code, err = cpu_serve.stop()
+    client.join(30)
+    assert (code, time.monotonic() - t0 < 15) == (0, True), err[-2000:]
+    r = box[0]
+    assert r.status_code == 503 and r.json() == {"error": {
+        "message": "the server is shutting down; retry against another one, or once it is back",
+        "type": "server_error", "param": None, "code": "server_shutting_down"}}
+    assert "Traceback" not in err and "terminate called" not in err
 
 
 # -- invalid requests: 400/413 with an OpenAI-style error body, never a 500, a hang or a dropped connection --
-import http.client  # noqa: E402 - kept with the tests that use it
-import json  # noqa: E402
 
 from memgas.pipeline.models import server as server_mod  # noqa: E402
 from memgas.pipeline.models.server import serve_in_thread  # noqa: E402
@@ -202,6 +315,12 @@ BAD_REQUESTS = [
     ("stop-empty-string", {"messages": _MSG, "stop": ""}, 400, "stop", None),
     ("stop-list-with-an-empty-string", {"messages": _MSG, "stop": ["x", ""]}, 400, "stop", None),
     ("response-format-unknown-type", {"messages": _MSG, "response_format": {"type": "yaml"}}, 400,
+     "response_format", None),
+    # a stop string no tokenizer can take, a schema that is no JSON Schema (the CPU backend answered both 500)
+    ("stop-lone-surrogate", '{"messages": [{"role": "user", "content": "x"}], "stop": ["a", "\\udc00"]}', 400,
+     "stop", None),
+    ("schema-of-an-unknown-type", {"messages": _MSG, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "objekt"}}}}}}, 400,
      "response_format", None),
 ]
 
