@@ -11,8 +11,8 @@ adds sessions after it). The last, partial block is never stored: an append chan
 
 Table ``node_blocks``, one part per block: its rows are the block's node rows in order (one ``vector``
 column of float32 bytes, no compression), and its name says which block it is: ``<assembly and encoders>-<history>-<block>-<prefix digest>``,
-the prefix digest being :func:`~memgas.jobs.history_index.prefixes.chains`'s digest of sessions ``[0, (i+1)*bs)`` (every node text of those
-sessions, seeded with the encoder keys). A part is used only under its exact name and after its bytes are
+the prefix digest being :func:`~memgas.jobs.history_index.prefixes.chains`'s digest of sessions
+``[0, (i+1)*bs)`` (every node text of those sessions, seeded with the encoder keys). A part is used only under its exact name and after its bytes are
 verified against the digest written with it (a damaged one is gathered and written again: never read
 silently). The bits are those of the gathered block: the part holds that array.
 
@@ -47,8 +47,8 @@ ASSEMBLY_VERSION = "2"
 
 
 class StoredBlocks:
-    """The stored complete blocks of one history (``chain``: its prefix digests, :func:`~memgas.jobs.history_index.prefixes.chains`), block ``i``
-    = node rows ``[i*block_rows, (i+1)*block_rows)``."""
+    """The stored complete blocks of one history (``chain``: its prefix digests,
+    :func:`~memgas.jobs.history_index.prefixes.chains`), block ``i`` = node rows ``[i*block_rows, (i+1)*block_rows)``."""
 
     def __init__(self, bank: Bank, keys: dict[str, str], history: str, block_rows: int, chain: list[str]) -> None:
         self.bank, self.history, self.block_rows, self.chain = bank, history, block_rows, chain

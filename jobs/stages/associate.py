@@ -63,7 +63,8 @@ def current_indexes(ctx: StageContext, prefix: str) -> dict[str, tuple[str, int,
 
 
 def current_deltas(ctx: StageContext, prefix: str) -> dict[str, list[tuple[str, int, int, str]]]:
-    """Per history, the deltas that continue its full index (:func:`memgas.jobs.history_index.ivf_store.current_deltas`)."""
+    """Per history, the deltas that continue its full index
+    (:func:`memgas.jobs.history_index.ivf_store.current_deltas`)."""
     return ivf_store.current_deltas(ctx, current_coverage(ctx, prefix), chains(ctx))
 
 

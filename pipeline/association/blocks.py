@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from memgas.pipeline.association.exact_search import COL_CHUNK
+from memgas.pipeline.association.nodes import ReadInBlocks
 from memgas.pipeline.schema import N_GRAN
 
 #: rows per block (16,384 sessions; 96 MiB at d = 384): one column chunk of the causal search, so a chunk
@@ -58,7 +59,7 @@ class SparseBlock:
         return self.vectors[pos]
 
 
-class NodeBlocks:
+class NodeBlocks(ReadInBlocks):
     """The first ``n_rows`` node vectors of one history (float32 ``[n_rows, dim]``) in blocks of
     ``block_rows`` rows. Only the last fetched block is kept; every read returns a new aligned, writeable
     float32 array (Ray's views are read-only and may be unaligned: NumPy would then skip BLAS and sum
