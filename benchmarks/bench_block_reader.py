@@ -28,7 +28,7 @@ def gathered(bank: Any, keys: dict[str, str], history: str) -> Any:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from memgas.jobs.stages.node_blocks import READ_BATCH_ROWS
+    from memgas.jobs.history_index import READ_BATCH_ROWS
     from memgas.pipeline.spilled_vectors import SpilledVectors
 
     nodes = bank.read("nodes", ["granularity", "text_hash"], batch_rows=READ_BATCH_ROWS,
@@ -53,7 +53,7 @@ def read_all(work: Path, history: str, mode: str) -> dict[str, Any]:
     from memgas.jobs.keys import encoder_keys
     from memgas.jobs.placement import resolve_stage_runtimes
     from memgas.jobs.stage import StageContext
-    from memgas.jobs.stages.node_blocks import READ_BATCH_ROWS, HistoryBlockReader
+    from memgas.jobs.history_index import READ_BATCH_ROWS, HistoryBlockReader
     from memgas.jobs.stages.shards import node_matrix
     from memgas.pipeline.association import blocks
     from memgas.pipeline.bank import Bank

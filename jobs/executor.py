@@ -14,12 +14,12 @@ dies (Ray's OOM killer, a segfault in a native library) is replaced and its unit
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -120,38 +120,6 @@ def worker_env() -> dict[str, str]:
     return {**quiet, **forwarded_env()}
 
 
-def installed_packages_first() -> None:
-    """Move the ``sys.path`` entries ahead of site-packages that hold a package named like an installed
-    top-level package behind it; entries are moved, not dropped (the tests' modules stay importable).
-
-    Why: Ray puts the driver's working directory first on its workers' path. Run from this repository, that
-    directory holds ``kernels/`` (``memgas.kernels``), and transformers 5.25 imports the installed ``kernels``
-    package at import time, so the encoder actors died with an ImportError. Called by
-    :func:`memgas.jobs.models.make_model` before any model library is imported (a Ray setup hook did not run
-    early enough for the actors)."""
-    import sys
-
-    site = [i for i, p in enumerate(sys.path) if p.endswith(("site-packages", "dist-packages"))]
-    if not site:
-        return
-    names = _installed_top_level()
-    shadowing = [p for p in sys.path[: site[0]] if p and any(os.path.isfile(os.path.join(p, n, "__init__.py"))
-                                                              for n in names)]
-    for p in shadowing:
-        sys.path.remove(p)
-        sys.path.append(p)
-
-
-@functools.cache
-def _installed_top_level() -> frozenset[str]:
-    """Top-level names of the installed distributions (``top_level.txt``, else the distribution's name): read
-    once per process, not per model loaded."""
-    import importlib.metadata
-
-    return frozenset(n for d in importlib.metadata.distributions()
-                     for n in (d.read_text("top_level.txt") or d.metadata.get("Name", "")).split() if n)
-
-
 def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
     """Connect to a cluster (``address`` or RAY_ADDRESS) or start a local embedded Ray.
 
@@ -198,21 +166,31 @@ def shutdown_ray() -> None:
         ray.shutdown()
 
 
-def cluster_gpus() -> float:
-    """GPUs the connected Ray cluster declares (0 without Ray)."""
-    try:
-        import ray
-
-        return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
-    except Exception:  # informative: no cluster, no GPUs
-        return 0.0
-
-
-def ray_cpus() -> int:
-    """CPUs of the Ray cluster this driver is connected to (one single-threaded actor each)."""
+def ray_running() -> bool:
+    """Whether this process is connected to Ray (started here or by a caller)."""
     import ray
 
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return ray.is_initialized()
+
+
+# -- values shared with tasks -------------------------------------------------------------------------
+# Stages and the history index hand the executor plain values and get back opaque references (Ray's
+# ObjectRefs, which Ray counts while a payload holds them); a task turns one back into its value with
+# :func:`fetch` where it reads it. No other module imports Ray (tests/jobs/test_imports.py).
+def share(value: Any) -> Any:
+    """An opaque reference to ``value`` that tasks read with :func:`fetch`: put into Ray's object store once,
+    so that every unit whose payload holds the reference shares one copy (zero-copy for arrays)."""
+    import ray
+
+    return ray.put(value)
+
+
+def fetch(handle: Any) -> Any:
+    """The value of a reference :func:`share` made; any other value as it is (a handle read in place). A
+    module-level function: payloads carry it by name (``NodeBlocks.fetch``). Ray is not imported here: a
+    reference can only have been unpickled where it already was (an in-process run never imports it)."""
+    ray = sys.modules.get("ray")
+    return ray.get(handle) if ray is not None and isinstance(handle, ray.ObjectRef) else handle
 
 
 #: what to change when no node has the GPUs a kernel task / a model actor asks for (:func:`require_gpus`;

@@ -21,7 +21,7 @@ from typing import Any
 
 from memgas.jobs import keys, preflight, tables
 from memgas.jobs import stages as S
-from memgas.jobs.executor import init_ray, shutdown_ray
+from memgas.jobs.executor import init_ray, ray_running, shutdown_ray
 from memgas.jobs.profiling import Profiler, percentiles_ms
 from memgas.jobs.run_dir import (
     RUN_MARKER,
@@ -117,11 +117,9 @@ def require_data(bank: Bank, what: str) -> None:
 def start_ray(cfg: MemgasConfig, use_ray: bool, command: preflight.Command = "run") -> bool:
     """Start (or connect to) Ray, then check the GPUs ``command``'s stages will ask it for, before the first
     stage (preflight.check_cluster). True when this call started it (the caller shuts it down)."""
-    import ray
-
     if not use_ray:
         return False
-    own = not ray.is_initialized()
+    own = not ray_running()
     if own:
         log.info("ray: %s", init_ray(cfg.ray.address, cfg.ray.num_cpus))
     try:
@@ -277,7 +275,7 @@ def prepared_questions(ctx: StageContext, n_queries: int, method: str, ppr: list
     whole: each question reads them through their memory maps (page cache), with the machine's cores
     (``ray.num_cpus`` if set) sharing the blocks. Questions of a history without nodes are skipped."""
     import numpy as np
-    from memgas.jobs.stages.node_blocks import HistoryBlocks
+    from memgas.jobs.history_index.node_blocks import HistoryBlocks
     from memgas.jobs.stages.rank import edges_of, query_vectors, session_ids
     from memgas.jobs.stages.shards import matrix_loader, node_matrix
     from memgas.pipeline.association import blocks
@@ -330,7 +328,7 @@ def _git_commit() -> str:
 def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profiler, latency: dict, started: float,
                    record: list[dict], failures: dict[str, int]) -> Path:
     from memgas.jobs.report import write_report
-    from memgas.jobs.stages.associate import association_info
+    from memgas.jobs.history_index.ivf_units import association_info
 
     cfg, bank = ctx.cfg, ctx.bank
     ended = time.time()

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from memgas.jobs.placement import set_torch_threads
+from memgas.jobs.worker_path import installed_packages_first
 
 
 class Generator:
@@ -38,7 +39,6 @@ class JustMemModel:
 
 def make_model(kind: str, config: dict[str, Any]) -> Any:
     """The model an actor (or the in-process host) holds for stages of ``model = kind``."""
-    from memgas.jobs.executor import installed_packages_first
     from memgas.pipeline.config import EncoderConfig, LLMConfig
     from memgas.pipeline.models.factory import make_encoder, make_llm
 

@@ -25,6 +25,24 @@ def set_torch_threads(n: int | None) -> None:
     torch.set_num_threads(max(1, n or os.cpu_count() or 1))
 
 
+# -- what the cluster declares (the one place besides the executor that asks Ray) ---------------------
+def cluster_gpus() -> float:
+    """GPUs the connected Ray cluster declares (0 without Ray)."""
+    try:
+        import ray
+
+        return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
+    except Exception:  # informative: no cluster, no GPUs
+        return 0.0
+
+
+def ray_cpus() -> int:
+    """CPUs of the Ray cluster this driver is connected to (one single-threaded actor each)."""
+    import ray
+
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
 def kernel_device(ctx: StageContext, requested: str) -> str:
     """The kernels' device: "auto" -> "cuda" only where the CUDA path can run, else "cpu".
 
@@ -35,8 +53,6 @@ def kernel_device(ctx: StageContext, requested: str) -> str:
         return requested
     if ctx.use_ray:
         import importlib.util
-
-        from memgas.jobs.executor import cluster_gpus
 
         usable = (ctx.cfg.ray.num_gpus_per_task > 0 and cluster_gpus() > 0
                   and importlib.util.find_spec("cupy") is not None)
@@ -206,8 +222,6 @@ def placement(stage: Stage, active: Active, ctx: StageContext) -> Placement:
     (None: every core it has; Ray sets OMP_NUM_THREADS=1 in a worker, which the model host undoes)."""
     one_core = ctx.use_ray and fits_one_core(stage, active, ctx)
     if one_core:
-        from memgas.jobs.executor import ray_cpus
-
         actors = ray_cpus()
     elif stage.model == "encoder" and ctx.cfg.encoder.actors is not None:
         actors = ctx.cfg.encoder.actors

@@ -384,7 +384,7 @@ KEYS: dict[str, tuple[str, ...]] = {
 
 
 def node_blocks_schema(dim: int) -> pa.Schema:
-    """A stored node block (jobs/stages/block_store.py): a long history's node vectors in node order, one
+    """A stored node block (jobs/history_index/stored_blocks.py): a long history's node vectors in node order, one
     row per node row of the block, each its ``dim`` float32 values as bytes (a flat column: Parquet decodes it
     ~10x faster than a list column); which history, block and nodes is in the part's name."""
     return pa.schema([pa.field("vector", pa.binary(4 * dim), nullable=False)])

@@ -4,7 +4,7 @@ The pass reads the newest part first and stops when every vector is found; in ea
 columns, then the vectors of only the row groups that hold one still needed (:meth:`SpilledVectors._scan`).
 An append's blocks then read the parts its encode wrote, not the large compacted part.
 
-A history longer than one node block (the job's block reader, jobs/stages/node_blocks.py) is read a block
+A history longer than one node block (the job's block reader, jobs/history_index/block_reader.py) is read a block
 of sessions at a time. Each block needs a few vectors out of the whole ``embeddings`` table, whose rows are in encode order,
 not in the history's order, so a block's vectors can be anywhere in it: reading them per block scanned the
 whole table once per block (a 10^5-session history: 7 scans of 0.9 GB, 40 s of an append's 80 s; 10^6

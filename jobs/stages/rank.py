@@ -4,7 +4,7 @@ Node vectors, as the associate stage reads them: a history of at most one block
 (:data:`memgas.pipeline.association.blocks.BLOCK_ROWS` node rows) is one matrix read with the unit's other
 histories; a longer one reaches the task as :class:`~memgas.pipeline.association.blocks.NodeBlocks`, read from
 the bank a block at a time and put into Ray's object store (spilled to files in-process,
-:mod:`memgas.jobs.stages.node_blocks`), so the driver holds one block of it at a time, never the matrix. The
+:mod:`memgas.jobs.history_index`), so the driver holds one block of it at a time, never the matrix. The
 task ranks from :class:`~memgas.pipeline.prepared.PreparedGraph`, which reads the blocks in order for the
 similarities (one block and its float64 copy at a time) and holds the history's graph.
 
@@ -34,7 +34,7 @@ from memgas.jobs.keys import encoder_key
 from memgas.jobs.stage import Active, StageContext
 from memgas.jobs.stages.ranked import RankedShardStage, kept_parts, ranked_table
 from memgas.jobs.keys import encoder_keys
-from memgas.jobs.stages.node_blocks import READ_BATCH_ROWS, history_nodes, keep_blocks
+from memgas.jobs.history_index import READ_BATCH_ROWS, history_nodes, keep_blocks
 from memgas.jobs.stages.shards import matrix_loader, node_matrix, owned
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks

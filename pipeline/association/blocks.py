@@ -2,9 +2,10 @@
 associate stage gets instead of the history's matrix.
 
 A :class:`NodeBlocks` holds a *handle* per block of ``block_rows`` rows (node ids ``[i*block_rows,
-(i+1)*block_rows)``): a Ray ``ObjectRef`` (the driver ``ray.put`` the block once; the task ``ray.get``s it
-when it reads those rows) or an array-like read in place (an ndarray, or a :class:`NodeFile` the driver
-spilled the block to when it runs the stage in-process). It reads like the node matrix
+(i+1)*block_rows)``): an opaque reference that its ``fetch`` turns into the block (the job's executor shares
+the block once and fetches it in the task when it reads those rows: this module knows nothing of how) or an
+array-like read in place (an ndarray, or a :class:`NodeFile` the driver spilled the block to when it runs
+the stage in-process). It reads like the node matrix
 (``shape``, ``dtype``, slices, index arrays), so :func:`memgas.pipeline.association.exact_search.causal_rows`
 takes it as it takes a :class:`NodeFile`: the causal search reads one column chunk and a group of query
 tiles at a time, the exact rescoring 256 rows' candidates at a time, and every read here copies only the
@@ -13,12 +14,13 @@ rows asked for. The products, their shapes and so every bit of the result are th
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from memgas.pipeline.association.exact_search import COL_CHUNK
+from memgas.pipeline.association.nodes import ReadInBlocks
 from memgas.pipeline.schema import N_GRAN
 
 #: rows per block (16,384 sessions; 96 MiB at d = 384): one column chunk of the causal search, so a chunk
@@ -57,19 +59,16 @@ class SparseBlock:
         return self.vectors[pos]
 
 
-def is_object_ref(handle: Any) -> bool:
-    """Whether ``handle`` is a Ray ``ObjectRef`` (checked by name: Ray is imported only where one is fetched)."""
-    return type(handle).__name__ == "ObjectRef" and type(handle).__module__.startswith("ray")
-
-
-class NodeBlocks:
+class NodeBlocks(ReadInBlocks):
     """The first ``n_rows`` node vectors of one history (float32 ``[n_rows, dim]``) in blocks of
     ``block_rows`` rows. Only the last fetched block is kept; every read returns a new aligned, writeable
     float32 array (Ray's views are read-only and may be unaligned: NumPy would then skip BLAS and sum
     another way, see the job's ``owned`` in jobs/stages/shards.py). ``keep``: an object the handles need alive
-    (the driver's spill directory); it is not pickled."""
+    (the driver's spill directory); it is not pickled. ``fetch``: turns a handle into its block where it is
+    read (a module-level function, pickled by name; None: every handle is read in place)."""
 
-    def __init__(self, blocks: Sequence[Any], block_rows: int, n_rows: int, dim: int, keep: Any = None) -> None:
+    def __init__(self, blocks: Sequence[Any], block_rows: int, n_rows: int, dim: int, keep: Any = None,
+                 fetch: Callable[[Any], Any] | None = None) -> None:
         if block_rows <= 0 or block_rows % N_GRAN:
             raise ValueError(f"block_rows={block_rows} is not a positive multiple of {N_GRAN}")
         need = -(-n_rows // block_rows)
@@ -80,6 +79,7 @@ class NodeBlocks:
         self.shape: tuple[int, int] = (int(n_rows), int(dim))
         self.dtype = np.dtype(np.float32)
         self.keep = keep
+        self.fetch = fetch
         self._cached: tuple[int, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -96,10 +96,8 @@ class NodeBlocks:
         if h is None:
             raise RowsNotShipped(f"node block {i} (rows {i * self.block_rows}-{(i + 1) * self.block_rows - 1}) was "
                                  "not shipped")
-        if is_object_ref(h):
-            import ray
-
-            h = ray.get(h)
+        if self.fetch is not None:
+            h = self.fetch(h)
         want = min(self.block_rows, self.shape[0] - i * self.block_rows)
         if len(h.shape) != 2 or h.shape[0] < want or h.shape[1] != self.shape[1]:
             raise ValueError(f"node block {i}: shape {tuple(h.shape)}, expected at least [{want}, {self.shape[1]}]")

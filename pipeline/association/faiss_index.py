@@ -1,10 +1,13 @@
-"""What the faiss-backed approximate causal searches (HNSW, IVF) share: the saved index and a thread limit."""
+"""What the faiss-backed approximate causal searches (HNSW, IVF) share: the saved index and a thread limit;
+and a faiss IVF index as bytes (no pickle) and back, read and written through callbacks."""
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 
 class FaissCausalIndex:
@@ -51,3 +54,71 @@ class FaissCausalIndex:
                 faiss.omp_set_num_threads(old)
 
         return limit()
+
+
+def empty_ivf_like(index: Any) -> Any:
+    """A faiss IVF index with ``index``'s trained centroids and quantiser and no entries (copying
+    ``index`` whole would copy its lists: the history's nodes)."""
+    import faiss
+
+    quantizer = faiss.IndexFlatIP(index.d)
+    quantizer.add(index.quantizer.reconstruct_n(0, index.quantizer.ntotal))
+    if isinstance(index, faiss.IndexIVFScalarQuantizer):
+        out = faiss.IndexIVFScalarQuantizer(quantizer, index.d, index.nlist, index.sq.qtype, index.metric_type,
+                                            index.by_residual)
+        out.sq.trained = index.sq.trained
+    elif isinstance(index, faiss.IndexIVFFlat):
+        out = faiss.IndexIVFFlat(quantizer, index.d, index.nlist, index.metric_type)
+    else:
+        raise TypeError(f"no IVF delta of a {type(index).__name__}")
+    out.is_trained = True
+    out.own_fields = True
+    quantizer.this.disown()
+    return out
+
+
+def raw_bytes(raw: Any) -> np.ndarray:
+    """A faiss index (centroids, quantiser, lists) as uint8 bytes: ``faiss.serialize_index``'s bytes (no
+    pickle), written through a callback into one growing ``bytearray`` (the returned array is a view of it).
+    ``serialize_index`` fills a ``std::vector`` and returns a NumPy copy of it: twice the index beside the
+    index while the last unit of a long history saves it."""
+    import faiss
+
+    out = bytearray()
+
+    def write(chunk: bytes) -> int:
+        out.extend(chunk)
+        return len(chunk)
+
+    writer = faiss.PyCallbackIOWriter(write)
+    faiss.write_index(raw, writer)
+    del writer
+    return np.frombuffer(out, np.uint8)
+
+
+def raw_from_bytes(data: Any, *, d: int, ntotal: int) -> Any:
+    """A faiss IVF index stored by :func:`raw_bytes`, checked against what its row says it holds (dimension,
+    nodes): bytes that deserialise to another index raise instead of being searched. ``data`` (bytes, an
+    array, a read-only view into Ray's object store) is read in place, a chunk at a time, through a
+    callback (``deserialize_index`` would copy it whole into a ``std::vector`` first)."""
+    import faiss
+
+    arr = np.frombuffer(data, np.uint8)
+    at = 0
+
+    def read(n: int) -> bytes:
+        nonlocal at
+        chunk = arr[at : at + n].tobytes()
+        at += len(chunk)
+        return chunk
+
+    reader = faiss.PyCallbackIOReader(read)
+    owner = faiss.read_index(reader)
+    del reader
+    raw = faiss.downcast_index(owner)
+    owner.this.disown()  # the downcast wrapper owns the C++ index from here on (else it is freed with ``owner``)
+    raw.this.acquire()
+    if not isinstance(raw, faiss.IndexIVF) or raw.d != d or raw.ntotal != ntotal:
+        raise ValueError(f"stored index is a {type(raw).__name__} of {raw.ntotal} nodes of dimension {raw.d}, "
+                         f"expected an IVF index of {ntotal} of {d}")
+    return raw

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from memgas.pipeline.association.faiss_index import FaissCausalIndex
+from memgas.pipeline.association.faiss_index import FaissCausalIndex, empty_ivf_like, raw_bytes, raw_from_bytes
 from memgas.pipeline.association.edges import Edges, _accept, _edges, concat_edges
-from memgas.pipeline.association.exact_search import _causal_candidates, _topk_rows
+from memgas.pipeline.association.exact_search import _causal_candidates, _topk_rows, causal_rows
 from memgas.pipeline.association.nodes import (
+    _DEFAULTS,
     N_GRAN,
     Candidates,
     NodeFile,
@@ -27,6 +28,7 @@ from memgas.pipeline.association.nodes import (
     _scores64,
     MEM_THRESHOLD,
     MIN_PRIOR_NODES,
+    _first_row_session,
 )
 
 #: nodes per coarse-assignment tile; tiles sit on a grid of node ids so a node's float32 centroid
@@ -52,13 +54,14 @@ class IVFParams:
     threads while training, searching and adding (None: faiss's default).
     """
 
-    nlist: int = 2048
-    nprobe: int = 6
+    # the job's defaults (pipeline/config.py, their one home): association.ivf_nlist, ivf_nprobe, ivf_exact_nodes
+    nlist: int = _DEFAULTS.ivf_nlist
+    nprobe: int = _DEFAULTS.ivf_nprobe
     store: str = "sq8"
     fetch: int = 0
     block_sessions: int = 1024
-    train_nodes: int = 1 << 16
-    exact_nodes: int = 1 << 16
+    train_nodes: int = _DEFAULTS.ivf_exact_nodes
+    exact_nodes: int = _DEFAULTS.ivf_exact_nodes
     threads: int | None = None
     seed: int = 1234
 
@@ -200,7 +203,7 @@ class CausalIVF(FaissCausalIndex):
         quantiser holding only them (:func:`delta_bytes`). Merged into the index it was started on
         (:meth:`merge_delta`), it gives the index that added them, byte for byte: each list gets the same
         entries appended in the same order (the tests compare the serialised bytes)."""
-        self.delta = _empty_like(self.index)
+        self.delta = empty_ivf_like(self.index)
 
     def merge_delta(self, delta: Any) -> None:
         """Append a stored delta's entries (:func:`raw_from_bytes`) to this index's lists, in order."""
@@ -345,27 +348,6 @@ def stage_params(nlist: int, nprobe: int, exact_nodes: int, block_sessions: int 
                      block_sessions=block_sessions or STAGE_BLOCK_SESSIONS)
 
 
-def _empty_like(index: Any) -> Any:
-    """A faiss IVF index with ``index``'s trained centroids and quantiser and no entries (copying
-    ``index`` whole would copy its lists: the history's nodes)."""
-    import faiss
-
-    quantizer = faiss.IndexFlatIP(index.d)
-    quantizer.add(index.quantizer.reconstruct_n(0, index.quantizer.ntotal))
-    if isinstance(index, faiss.IndexIVFScalarQuantizer):
-        out = faiss.IndexIVFScalarQuantizer(quantizer, index.d, index.nlist, index.sq.qtype, index.metric_type,
-                                            index.by_residual)
-        out.sq.trained = index.sq.trained
-    elif isinstance(index, faiss.IndexIVFFlat):
-        out = faiss.IndexIVFFlat(quantizer, index.d, index.nlist, index.metric_type)
-    else:
-        raise TypeError(f"no IVF delta of a {type(index).__name__}")
-    out.is_trained = True
-    out.own_fields = True
-    quantizer.this.disown()
-    return out
-
-
 def index_bytes(index: CausalIVF) -> np.ndarray:
     """The index's faiss index as bytes (:func:`raw_bytes`)."""
     return raw_bytes(index.index)
@@ -376,56 +358,9 @@ def delta_bytes(index: CausalIVF) -> np.ndarray:
     return raw_bytes(index.delta)
 
 
-def raw_bytes(raw: Any) -> np.ndarray:
-    """A faiss index (centroids, quantiser, lists) as uint8 bytes: ``faiss.serialize_index``'s bytes (no
-    pickle), written through a callback into one growing ``bytearray`` (the returned array is a view of it).
-    ``serialize_index`` fills a ``std::vector`` and returns a NumPy copy of it: twice the index beside the
-    index while the last unit of a long history saves it."""
-    import faiss
-
-    out = bytearray()
-
-    def write(chunk: bytes) -> int:
-        out.extend(chunk)
-        return len(chunk)
-
-    writer = faiss.PyCallbackIOWriter(write)
-    faiss.write_index(raw, writer)
-    del writer
-    return np.frombuffer(out, np.uint8)
-
-
 def index_from_bytes(data: Any, params: IVFParams, *, d: int, ntotal: int) -> CausalIVF:
     """An index stored by :func:`index_bytes` (:func:`raw_from_bytes`)."""
     return CausalIVF(d, params, index=raw_from_bytes(data, d=d, ntotal=ntotal))
-
-
-def raw_from_bytes(data: Any, *, d: int, ntotal: int) -> Any:
-    """A faiss IVF index stored by :func:`raw_bytes`, checked against what its row says it holds (dimension,
-    nodes): bytes that deserialise to another index raise instead of being searched. ``data`` (bytes, an
-    array, a read-only view into Ray's object store) is read in place, a chunk at a time, through a
-    callback (``deserialize_index`` would copy it whole into a ``std::vector`` first)."""
-    import faiss
-
-    arr = np.frombuffer(data, np.uint8)
-    at = 0
-
-    def read(n: int) -> bytes:
-        nonlocal at
-        chunk = arr[at : at + n].tobytes()
-        at += len(chunk)
-        return chunk
-
-    reader = faiss.PyCallbackIOReader(read)
-    owner = faiss.read_index(reader)
-    del reader
-    raw = faiss.downcast_index(owner)
-    owner.this.disown()  # the downcast wrapper owns the C++ index from here on (else it is freed with ``owner``)
-    raw.this.acquire()
-    if not isinstance(raw, faiss.IndexIVF) or raw.d != d or raw.ntotal != ntotal:
-        raise ValueError(f"stored index is a {type(raw).__name__} of {raw.ntotal} nodes of dimension {raw.d}, "
-                         f"expected an IVF index of {ntotal} of {d}")
-    return raw
 
 
 def ivf_rows(emb_nodes: Any, a: int, b: int, index: CausalIVF | None, *, mem_threshold: int = MEM_THRESHOLD,
@@ -444,8 +379,6 @@ def ivf_rows(emb_nodes: Any, a: int, b: int, index: CausalIVF | None, *, mem_thr
     for these rows over the same index (per grid block), used instead of searching again: then
     ``emb_nodes`` need hold only the blocks from the index's end and the rows found before it. Returns the
     candidates and the index (None when no row needed one)."""
-    from memgas.pipeline.association.exact_search import causal_rows
-
     E = _as_nodes(emb_nodes)
     if b != E.shape[0]:
         raise ValueError(f"ivf_rows needs exactly the nodes [0, {b}), got {E.shape[0]}")
@@ -492,8 +425,6 @@ def found_before(found: dict[int, np.ndarray], end: int) -> np.ndarray:
 
 
 def _first_session(min_prior_nodes: int) -> int:
-    from memgas.pipeline.association.nodes import _first_row_session
-
     return _first_row_session(0, min_prior_nodes)
 
 

@@ -28,7 +28,12 @@ class Candidates:
     scores: np.ndarray  # float64 [R, K] (0 where invalid)
 
 
-class NodeFile:
+class ReadInBlocks:
+    """A node matrix read a block of rows at a time, never whole (:class:`NodeFile`, and
+    :class:`~memgas.pipeline.association.blocks.NodeBlocks`): the searches take it as it is."""
+
+
+class NodeFile(ReadInBlocks):
     """Node vectors of one history in a ``.npy`` file (float32 [4*S, d]), read in blocks, never whole.
 
     Slices (``nf[a:b]``) read those rows from the file; an index array (``nf[idx]``) reads each run of
@@ -95,9 +100,7 @@ class NodeFile:
 
 
 def _as_nodes(emb_nodes: Any, whole_sessions: bool = True) -> Any:
-    from memgas.pipeline.association.blocks import NodeBlocks  # it imports the search's chunk size
-
-    if isinstance(emb_nodes, (NodeFile, NodeBlocks)):  # read in blocks, never whole
+    if isinstance(emb_nodes, ReadInBlocks):
         return emb_nodes
     e = np.asarray(emb_nodes)
     if e.ndim == 3:

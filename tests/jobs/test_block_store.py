@@ -1,4 +1,4 @@
-"""Stored node blocks (jobs/stages/block_store.py): a long history's complete blocks are kept in the bank
+"""Stored node blocks (jobs/history_index/stored_blocks.py): a long history's complete blocks are kept in the bank
 and read instead of gathered; the bits are the gathered ones; a damaged or stale part is never read.
 
 Banks of seeded node vectors (``test_node_blocks.seeded_bank``), blocks of 8 rows (2 sessions)."""
@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memgas.jobs.stages import block_store
+from memgas.jobs.history_index import stored_blocks as block_store
+from memgas.jobs.history_index.prefixes import chains
 from memgas.jobs.stages.associate import AssociateStage
-from memgas.jobs.stages.node_blocks import HistoryBlocks
+from memgas.jobs.history_index import HistoryBlocks
 from memgas.pipeline.association import blocks
 from memgas.pipeline.bank import Bank
 
@@ -93,7 +94,7 @@ def test_a_changed_prefix_is_not_read_and_its_old_block_is_dropped(tmp_path: Pat
     bank, ctx = seeded_bank(tmp_path / "b", {"h": 6})
     _blocks(ctx, 24)
     old = set(_stored(bank))
-    chain = block_store.chains(ctx)["h"]
+    chain = chains(ctx)["h"]
     chain_other = [d[::-1] for d in chain]  # stands for another prefix of the same history
     sb = block_store.StoredBlocks(bank, {"k": "v"}, "h", ROWS, chain)
     other = block_store.StoredBlocks(bank, {"k": "v"}, "h", ROWS, chain_other)

@@ -1,4 +1,4 @@
-"""executor.installed_packages_first: a directory ahead of site-packages that holds a folder named like an
+"""worker_path.installed_packages_first: a directory ahead of site-packages that holds a folder named like an
 installed package (this repository's kernels/, on a Ray worker's path) is moved behind site-packages, so the
 installed package is the one imported; the directory stays on the path. In a fresh interpreter: find_spec
 answers from sys.modules once a package is imported, and transformers imports the installed `kernels`."""
@@ -15,7 +15,7 @@ import importlib.util, json, sys
 shadow, other = sys.argv[1], sys.argv[2]
 sys.path[:0] = [shadow, other]
 before = importlib.util.find_spec("kernels").origin
-from memgas.jobs.executor import installed_packages_first
+from memgas.jobs.worker_path import installed_packages_first
 installed_packages_first()
 site = next(i for i, p in enumerate(sys.path) if p.endswith("site-packages"))
 print(json.dumps({"before": before, "after": importlib.util.find_spec("kernels").origin,

@@ -1,4 +1,4 @@
-"""IVF deltas (jobs/stages/associate.py, ``IVF_MAX_DELTAS`` / ``IVF_DELTA_SHARE``): an append saves the entries
+"""IVF deltas (jobs/history_index/ivf_store.py, ``IVF_MAX_DELTAS`` / ``IVF_DELTA_SHARE``): an append saves the entries
 it added to a history's index as a small index of their own beside the full index it started from. Merged in
 order, they give a fresh build's index byte for byte; the edges are the same; a damaged delta is never
 merged (the index is continued from before it); past the limits a full index is saved again and the
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from memgas.jobs import tables
+from memgas.jobs.history_index import ivf_store
 from memgas.jobs.stages import associate
 from memgas.pipeline.association.segments import Coverage
 from memgas.pipeline.association import ivf_search
@@ -59,7 +60,7 @@ def merged_index(bank: Bank, history: str) -> tuple[bytes, int, list[tuple[int, 
 @pytest.fixture()
 def ivf(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
-    monkeypatch.setattr(associate, "IVF_DELTA_SHARE", 1)  # deltas of up to the full index's own sessions
+    monkeypatch.setattr(ivf_store, "IVF_DELTA_SHARE", 1)  # deltas of up to the full index's own sessions
 
 
 def _grow(tmp_path: Path, src: Bank, name: str, n: int) -> tuple[Bank, dict]:
@@ -100,7 +101,7 @@ def test_past_the_limit_a_full_index_is_saved_and_the_deltas_dropped(tmp_path: P
     first, _ = seeded_bank(tmp_path / "first", {"h": 250})
     run_associate(associate_ctx(first, IVF_SMALL))
     mid, _ = _grow(tmp_path, first, "mid", 300)
-    monkeypatch.setattr(associate, "IVF_MAX_DELTAS", 1)  # mid's one delta is the most: the next saves whole
+    monkeypatch.setattr(ivf_store, "IVF_MAX_DELTAS", 1)  # mid's one delta is the most: the next saves whole
     grown, _ = _grow(tmp_path, mid, "grown", 360)
     assert merged_index(grown, "h")[1:] == (352, [])
     assert not grown.parts("ivf_delta"), "the superseded delta was kept"

@@ -1,4 +1,4 @@
-"""An IVF append over a saved index ships only the rows it needs (jobs/stages/associate.py ``_found``): the
+"""An IVF append over a saved index ships only the rows it needs (jobs/history_index/ivf_units.py ``found``): the
 driver searches the index once for the new rows (``ivf_search.ivf_found``), reads the stored blocks and
 hands the task the rows found before the index's end (``SparseBlock``) and the blocks after it whole. The
 edges, recall rows and index equal a fresh build's byte for byte; a read of a row not shipped raises.
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from memgas.jobs import runner
-from memgas.jobs.stages import associate
+from memgas.jobs.history_index import ivf_store, ivf_units
 from memgas.jobs.stages.associate import AssociateStage
-from memgas.jobs.stages.block_store import TABLE
+from memgas.jobs.history_index.stored_blocks import TABLE
 from memgas.pipeline.association import blocks, ivf_search
 from memgas.pipeline.association.blocks import NodeBlocks, RowsNotShipped, SparseBlock
 from memgas.pipeline.bank import Bank
@@ -36,7 +36,7 @@ from .test_node_blocks import (
 @pytest.fixture()
 def small(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
-    monkeypatch.setattr(associate, "IVF_DELTA_SHARE", 1)
+    monkeypatch.setattr(ivf_store, "IVF_DELTA_SHARE", 1)
     monkeypatch.setattr(blocks, "BLOCK_ROWS", 64)
     # a sample of 2 rows: 250 -> 300 sessions then has no sampled row among its new ones (a sampled row is
     # checked against the exact search, which reads every row: that unit gets the whole matrix)
@@ -92,7 +92,7 @@ def test_the_payload_holds_the_rows_found_and_the_tail_only(tmp_path: Path, smal
         nb[np.arange(0, 15 * 64)]
     with pytest.raises(RowsNotShipped):
         nb[0:64]
-    monkeypatch.setattr(associate, "FOUND_TAIL_BLOCKS", -1)  # the path before: every row, the task searches
+    monkeypatch.setattr(ivf_units, "FOUND_TAIL_BLOCKS", -1)  # the path before: every row, the task searches
     full = AssociateStage().inputs(dataclasses.replace(ctx, scratch={}), unit)
     assert full["found"] == [None] and full["indexes"][0]["saved"] is not None
     params = {**AssociateStage().active(ctx).params, "recall_rows": ivf_search.RECALL_ROWS}
@@ -108,12 +108,12 @@ def test_without_stored_blocks_a_full_index_to_save_or_a_sampled_row_every_row_i
     _, grown = _grown(tmp_path / "a", 250, 300, with_blocks=False)  # the first append after an upgrade
     _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
     assert stats["ivf_found_units"] == 0 and associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
-    monkeypatch.setattr(associate, "IVF_MAX_DELTAS", 0)  # a full index to save: the task builds it
+    monkeypatch.setattr(ivf_store, "IVF_MAX_DELTAS", 0)  # a full index to save: the task builds it
     _, grown = _grown(tmp_path / "c", 250, 300)
     _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
     assert stats["ivf_found_units"] == 0 and associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
     assert associate_rows(grown)["ivf_index"] == associate_rows(fresh)["ivf_index"]
-    monkeypatch.setattr(associate, "IVF_MAX_DELTAS", 16)
+    monkeypatch.setattr(ivf_store, "IVF_MAX_DELTAS", 16)
     monkeypatch.setattr(ivf_search, "RECALL_ROWS", 256)  # every row sampled (another key: built afresh)
     fresh2, _ = seeded_bank(tmp_path / "fresh2", {"h": 300})
     run_associate(associate_ctx(fresh2, IVF_SMALL))

@@ -200,7 +200,7 @@ def test_memory_of_an_append_does_not_grow_with_the_history(tmp_path: Path, monk
     nodes and pairs, ~45 bytes: read once instead of scanning ``nodes`` and ``pairs`` for every block) and
     the gathered vectors' sorted hashes (~6 a session, of the ids' width) and positions. Measured: 118 bytes
     a session (before the layout the bound was a tenth of the matrix's growth, 102 bytes here)."""
-    from memgas.jobs.stages import node_blocks
+    from memgas.jobs.history_index import block_reader
     from memgas.pipeline import spilled_vectors
 
     run = association.causal_rows
@@ -210,21 +210,22 @@ def test_memory_of_an_append_does_not_grow_with_the_history(tmp_path: Path, monk
     # turned into slots), as the blocks and column chunks are: at their defaults neither is full at 1,024
     # sessions, and filling it would pass for growth with the history
     monkeypatch.setattr(spilled_vectors, "SCAN_BATCH_ROWS", 2048)
-    monkeypatch.setattr(node_blocks, "LAYOUT_CHUNK_ROWS", 2048)
-    from memgas.jobs.stages import block_store
+    monkeypatch.setattr(block_reader, "LAYOUT_CHUNK_ROWS", 2048)
+    from memgas.jobs.history_index import prefixes
+    from memgas.jobs.history_index.stored_blocks import TABLE
 
     peaks, stored, matrix = {}, {}, {}
-    chains = block_store.chains
+    chains = prefixes.chains
     for n in (1024, 4096):
         bank, ctx = seeded_bank(tmp_path / f"b{n}", {"h": n}, dim=64)
         matrix[n] = 4 * n * 64 * 4
         # the prefix digests (~120 bytes a session, Python strings): the job's plan computes and keeps them
         # for the run before any unit's inputs; this context has no pipeline, so they are computed here once
-        monkeypatch.setattr(block_store, "chains", lambda ctx, c=chains(ctx): c)
+        monkeypatch.setattr(prefixes, "chains", lambda ctx, c=chains(ctx): c)
         if n == 1024:  # warm, untraced: the lazy imports are not the history's
             AssociateStage.run(None, AssociateStage().inputs(ctx, _append_unit(ctx, n, 16)), _params(ctx))
             ctx.scratch.clear()
-            bank.drop(block_store.TABLE)
+            bank.drop(TABLE)
         peaks[n] = _numpy_peak(ctx, _append_unit(ctx, n, 16))  # every block gathered (and stored)
         ctx.scratch.clear()
         stored[n] = _numpy_peak(ctx, _append_unit(ctx, n, 16))  # the complete blocks read as stored
@@ -492,7 +493,7 @@ def test_peak_rss_of_an_ivf_append_grows_with_the_index_not_the_matrix(tmp_path:
 _SPILL_SCRIPT = """
 import sys, time
 from pathlib import Path
-from memgas.jobs.stages.node_blocks import spill_directory
+from memgas.jobs.history_index.node_blocks import spill_directory
 d = spill_directory(sys.argv[1])
 (Path(d.name) / "0.npy").write_bytes(b"block")
 print(d.name, flush=True)
@@ -508,7 +509,7 @@ def test_a_killed_process_spill_directory_is_deleted_by_the_next_one(tmp_path: P
     import signal
     import socket
 
-    from memgas.jobs.stages.node_blocks import SPILL_PREFIX, spill_directory
+    from memgas.jobs.history_index.node_blocks import SPILL_PREFIX, spill_directory
 
     procs = [subprocess.Popen([sys.executable, "-c", _SPILL_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
                               text=True, cwd=REPO) for _ in range(2)]
@@ -536,7 +537,7 @@ def test_block_reader_equals_the_matrix_loader_on_uneven_sessions(tmp_path: Path
     """The block reader gathers blocks from slots (no MatrixLoader per block); its bits must be the loader's
     on what the seeded bank does not have: sessions of 0 to 4 turn pairs (a float32 sum, then a mean), a
     session text repeated at two positions (one hash, two sessions), random vectors and several blocks."""
-    from memgas.jobs.stages.node_blocks import HistoryBlockReader
+    from memgas.jobs.history_index import HistoryBlockReader
 
     rng = np.random.default_rng(3)
     bank = Bank.create(tmp_path / "bank")
@@ -590,17 +591,17 @@ def test_a_saved_index_in_chunks_is_reused_and_equals_one_build(tmp_path: Path,
     index bytes of one build over 360 sessions with one chunk, byte for byte."""
     import pyarrow.parquet as pq
 
-    from memgas.jobs.stages import associate
+    from memgas.jobs.history_index import ivf_store
     from memgas.pipeline.association import ivf_search
 
     monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", GRID)
     one, _ = seeded_bank(tmp_path / "one", {"h": 360})
     run_associate(associate_ctx(one, IVF_SMALL))
     [one_part] = one.parts("ivf_index")
-    want = associate.saved_index_bytes(one, one_part, "h")
+    want = ivf_store.saved_index_bytes(one, one_part, "h")
     assert one.read("ivf_index", parts=[one_part]).num_rows == 1  # the default chunk holds this small index
 
-    monkeypatch.setattr(associate, "IVF_INDEX_CHUNK_BYTES", 1000)
+    monkeypatch.setattr(ivf_store, "IVF_INDEX_CHUNK_BYTES", 1000)
     first, _ = seeded_bank(tmp_path / "first", {"h": 250})
     run_associate(associate_ctx(first, IVF_SMALL))
     [part] = first.parts("ivf_index")
@@ -615,4 +616,4 @@ def test_a_saved_index_in_chunks_is_reused_and_equals_one_build(tmp_path: Path,
     assert stats["ivf_index_reused"] == 1 and stats["ivf_index_rebuilt"] == 0
     assert associate_rows(grown)["edges"] == associate_rows(one)["edges"]
     [grown_part] = grown.parts("ivf_index")
-    assert associate.saved_index_bytes(grown, grown_part, "h").tobytes() == want.tobytes()
+    assert ivf_store.saved_index_bytes(grown, grown_part, "h").tobytes() == want.tobytes()

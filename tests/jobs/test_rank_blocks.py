@@ -128,7 +128,8 @@ def test_the_latency_probe_reads_a_long_history_in_blocks(bank: tuple[Bank, Stag
     files, as the rank stage does in-process: the matrix loader is asked for the short history only (it held
     the whole matrix of a 10^6-session history, ~6 GB and its copies), and every question is timed."""
     from memgas.jobs import main_job
-    from memgas.jobs.stages import node_blocks, shards
+    from memgas.jobs.history_index import node_blocks
+    from memgas.jobs.stages import shards
 
     _, ctx = bank
     monkeypatch.setattr(rank, "edges_of", _edges)

@@ -2,7 +2,7 @@
 reads its complete blocks instead of gathering them again from ``embeddings``.
 
 Why: a history longer than one block reaches the associate and rank tasks as row blocks
-(:mod:`memgas.jobs.stages.node_blocks`). Gathering them means one pass over the whole ``embeddings`` table
+(:mod:`memgas.jobs.history_index.node_blocks`). Gathering them means one pass over the whole ``embeddings`` table
 (its rows are in text-hash order, not the history's) and a scattered read per node. At 10^6 sessions that
 was ~5 of the 6.3 minutes of an append of 1,000 sessions, most of it for blocks the append did not change.
 A block of sessions ``[i*bs, (i+1)*bs)`` depends only on the nodes of those sessions and on the encoders,
@@ -11,8 +11,8 @@ adds sessions after it). The last, partial block is never stored: an append chan
 
 Table ``node_blocks``, one part per block: its rows are the block's node rows in order (one ``vector``
 column of float32 bytes, no compression), and its name says which block it is: ``<assembly and encoders>-<history>-<block>-<prefix digest>``,
-the prefix digest being :func:`chains`'s digest of sessions ``[0, (i+1)*bs)`` (every node text of those
-sessions, seeded with the encoder keys). A part is used only under its exact name and after its bytes are
+the prefix digest being :func:`~memgas.jobs.history_index.prefixes.chains`'s digest of sessions
+``[0, (i+1)*bs)`` (every node text of those sessions, seeded with the encoder keys). A part is used only under its exact name and after its bytes are
 verified against the digest written with it (a damaged one is gathered and written again: never read
 silently). The bits are those of the gathered block: the part holds that array.
 
@@ -33,10 +33,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from memgas.jobs import tables
-from memgas.jobs.keys import encoder_keys
-from memgas.jobs.stage import StageContext, short_hash
-from memgas.pipeline.association.segments import prefix_digests
+from memgas.jobs.stage import short_hash
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.schema import N_GRAN
 
@@ -49,27 +46,9 @@ TABLE = "node_blocks"
 ASSEMBLY_VERSION = "2"
 
 
-def chains(ctx: StageContext) -> dict[str, list[str]]:
-    """Per history, the prefix digests of its sessions (:func:`prefix_digests`). The associate stage's plan,
-    current parts and finish and the stored blocks' names all need them: computed once per run and state of
-    the nodes table (its committed digest)."""
-    try:
-        digest = tables.read_digest(ctx, "nodes")
-    except KeyError:  # a context without the job's pipeline (a library caller): computed, not cached
-        digest = None
-    key = ("associate:chains", digest, tuple(sorted(encoder_keys(ctx).items())))
-    if key[1] is not None and key in ctx.cache:
-        return ctx.cache[key]
-    seed = "|".join(f"{k}={v}" for k, v in key[2])
-    out = prefix_digests(ctx.bank.read("nodes", ["history_id", "position", "granularity", "text_hash"]), seed)
-    if key[1] is not None:
-        ctx.cache[key] = out
-    return out
-
-
 class StoredBlocks:
-    """The stored complete blocks of one history (``chain``: its prefix digests, :func:`chains`), block ``i``
-    = node rows ``[i*block_rows, (i+1)*block_rows)``."""
+    """The stored complete blocks of one history (``chain``: its prefix digests,
+    :func:`~memgas.jobs.history_index.prefixes.chains`), block ``i`` = node rows ``[i*block_rows, (i+1)*block_rows)``."""
 
     def __init__(self, bank: Bank, keys: dict[str, str], history: str, block_rows: int, chain: list[str]) -> None:
         self.bank, self.history, self.block_rows, self.chain = bank, history, block_rows, chain

@@ -1,0 +1,221 @@
+"""A history's saved IVF index and its deltas in the bank: which are current, whether their bytes are those
+written, and how they are written and read.
+
+Tables (segmented, parts named like the associate stage's edges parts): ``ivf_index``, a history's full index
+(faiss's own serialisation in a ``large_binary`` column, no pickle, in rows of at most
+:data:`IVF_INDEX_CHUNK_BYTES`, one Parquet row group each and read back a row at a time), and ``ivf_delta``,
+the entries an append added since, as small indexes of the same centroids and quantiser. A load merges the
+deltas into the full index in order: the same bytes as the index of one build.
+
+Current: per history, the full index of most sessions among the current segments' parts whose sessions are
+still those it holds, and the chain of deltas that continues it. A part whose bytes are not those written is
+never current (:func:`intact`: logged and counted once per run), so the index is continued from the link
+before it or rebuilt, never searched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from memgas.jobs.stage import StageContext
+from memgas.pipeline.association.segments import Coverage
+from memgas.pipeline.errors import BankError
+from memgas.pipeline.schema import IVF_INDEX
+
+log = logging.getLogger(__name__)
+
+#: an append saves the entries it added to a history's index as a delta (table ``ivf_delta``) beside the full
+#: index it started from, not the whole index again: at 10^6 sessions that index is ~1.5 GB (~30 s to write)
+#: and an append of 1,000 sessions adds ~1.6 MB. A full index is saved again once the deltas since the last one
+#: would be more than IVF_MAX_DELTAS, or hold more than a 1/IVF_DELTA_SHARE of its sessions, so that a load
+#: merges a few small deltas. Where the index is saved as what changes nothing downstream: the merged index
+#: is the same bytes either way.
+IVF_MAX_DELTAS = 16
+IVF_DELTA_SHARE = 8
+#: bytes of a saved index per ``ivf_index`` row: an index is stored as its chunks, in order, one row (and one
+#: Parquet row group, bank.ROW_GROUP_ROWS) each, so that writing and reading it hold one chunk beside it
+IVF_INDEX_CHUNK_BYTES = 64 << 20
+
+
+@dataclass
+class IVFRun:
+    """What one run of the associate stage knows of the saved indexes on the driver (one entry of the stage's
+    scratch, :func:`ivf_run`): the indexes and deltas current before its first unit, the history whose saved
+    index was last read (its bytes, kept for that history's next unit) and shared with tasks, the damaged
+    parts already logged, and the counts ``finish`` reports."""
+
+    saved: dict[str, tuple[str, int, str]] | None = None
+    deltas: dict[str, list[tuple[str, int, int, str]]] | None = None
+    loaded: tuple[str, dict[str, Any] | None] | None = None
+    shared: tuple[dict[str, Any], Any] | None = None
+    damaged: set[tuple[str, str]] = field(default_factory=set)
+    rebuilt: int = 0
+    reused: int = 0
+    found_units: int = 0
+
+    def stats(self) -> dict[str, int]:
+        return {"ivf_index_reused": self.reused, "ivf_index_rebuilt": self.rebuilt,
+                "ivf_found_units": self.found_units}
+
+
+def ivf_run(ctx: StageContext) -> IVFRun:
+    """This stage run's :class:`IVFRun` (the scratch is reset per stage run)."""
+    return ctx.scratch.setdefault("ivf", IVFRun())
+
+
+def _index_rows(ctx: StageContext, part: str) -> list[tuple[str, int, int, str]]:
+    """(history, end_session, sessions, prefix digest) of an ``ivf_index`` part, without its index bytes."""
+    t = ctx.bank.read("ivf_index", ["history_id", "end_session", "sessions", "prefix_digest"], parts=[part])
+    return list(zip(*(t[c].to_pylist() for c in ("history_id", "end_session", "sessions", "prefix_digest"))))
+
+
+def current_indexes(ctx: StageContext, cov: Coverage, chain: dict[str, list[str]]) -> dict[str, tuple[str, int, str]]:
+    """Per history, its newest full saved IVF index: ``(part, sessions, prefix digest)``, the one of most
+    sessions among the current segments' parts (``cov``) whose sessions are still those it holds (an older
+    one is superseded; the deltas saved since continue it, :func:`current_deltas`)."""
+    found: dict[str, list[tuple[int, str, str]]] = {}
+    for part in cov.parts:
+        if not ctx.bank.has_part("ivf_index", part):
+            continue
+        for h, _, sessions, digest in _index_rows(ctx, part):
+            c = chain.get(h)
+            if c is not None and sessions < len(c) and c[sessions] == digest:
+                found.setdefault(h, []).append((sessions, part, digest))
+    out = {}
+    for h, candidates in found.items():
+        # the most sessions among those whose bytes are those written: a damaged part is never current, so
+        # the index rebuilt over it (maybe of as many sessions) replaces it instead of tying with it
+        for sessions, part, digest in sorted(candidates, key=lambda x: (-x[0], x[1])):
+            if intact(ctx, "ivf_index", part, h):
+                out[h] = (part, sessions, digest)
+                break
+    return out
+
+
+def intact(ctx: StageContext, table: str, part: str, history: str) -> bool:
+    """Whether a saved index (or delta) part's bytes are those written; a damaged one is logged and counted
+    once per run (``ivf_index_rebuilt``) and never used: the task rebuilds what it held."""
+    if ctx.bank.verify_part(table, part):
+        return True
+    run = ivf_run(ctx)
+    if (table, part) not in run.damaged:
+        run.damaged.add((table, part))
+        log.warning("associate: the saved IVF %s of history %s (%s/%s) is damaged; rebuilding it",
+                    "index" if table == "ivf_index" else "delta", history, table, part)
+        run.rebuilt += 1
+    return False
+
+
+def current_deltas(ctx: StageContext, cov: Coverage, chain: dict[str, list[str]]
+                   ) -> dict[str, list[tuple[str, int, int, str]]]:
+    """Per history, the deltas that continue its full index (:func:`current_indexes`), in order:
+    ``(part, base sessions, sessions, prefix digest)``, each starting where the one before ends, its sessions
+    still those it holds. Of two from the same start (one written over a damaged one) the longer."""
+    full = current_indexes(ctx, cov, chain)
+    nxt: dict[tuple[str, int], tuple[str, int, int, str]] = {}
+    for part in cov.parts:
+        if not ctx.bank.has_part("ivf_delta", part):
+            continue
+        t = ctx.bank.read("ivf_delta", ["history_id", "base_sessions", "sessions", "prefix_digest"], parts=[part])
+        for h, base, sessions, digest in zip(*(t[c].to_pylist() for c in t.column_names)):
+            c = chain.get(h)
+            if c is not None and base < sessions < len(c) and c[sessions] == digest and \
+                    nxt.get((h, base), ("", 0, -1))[2] < sessions and intact(ctx, "ivf_delta", part, h):
+                nxt[(h, base)] = (part, base, sessions, digest)
+    out: dict[str, list[tuple[str, int, int, str]]] = {}
+    for h, (_, sessions, _) in full.items():
+        links, at = [], sessions
+        while (h, at) in nxt:
+            links.append(nxt[(h, at)])
+            at = links[-1][2]
+        out[h] = links
+    return out
+
+
+def saves_delta(saved: dict[str, Any] | None, end: int) -> bool:
+    """Whether the index that holds ``end`` sessions is saved as a delta over ``saved`` (the full index and
+    the deltas it was loaded with) rather than whole (:data:`IVF_MAX_DELTAS`, :data:`IVF_DELTA_SHARE`)."""
+    if saved is None or end <= saved["sessions"]:
+        return False
+    full = saved.get("full_sessions", saved["sessions"])
+    return len(saved.get("deltas", [])) < IVF_MAX_DELTAS and (end - full) * IVF_DELTA_SHARE <= full
+
+
+def index_table(rows: list[dict[str, Any]], schema: pa.Schema = IVF_INDEX) -> pa.Table:
+    """The ``ivf_index`` rows: per saved index, its bytes (a uint8 array) in chunks of at most
+    :data:`IVF_INDEX_CHUNK_BYTES`, one row each (the other columns repeated), wrapped by Arrow without a copy
+    when there is one index (a long history's unit saves one: ``Table.from_pylist`` would copy it twice)."""
+    blobs = [r["index"] for r in rows]
+    data = blobs[0] if len(blobs) == 1 else np.concatenate(blobs)
+    cuts, owner = [0], []
+    for i, b in enumerate(blobs):
+        n = max(1, -(-b.size // IVF_INDEX_CHUNK_BYTES))
+        cuts += [cuts[-1] + min(b.size, (j + 1) * IVF_INDEX_CHUNK_BYTES) for j in range(n)]
+        owner += [i] * n
+    offsets = np.asarray(cuts, np.int64)
+    index = pa.LargeBinaryArray.from_buffers(pa.large_binary(), len(owner),
+                                             [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    cols = [pa.array([rows[i][f.name] for i in owner], f.type) for f in schema if f.name != "index"]
+    return pa.Table.from_arrays([*cols, index], schema=schema)
+
+
+def saved_index_bytes(bank: Any, part: str, history: str, table: str = "ivf_index") -> np.ndarray:
+    """The saved index of ``history`` in ``part``: its rows' bytes in row order (one row in parts written
+    before the chunks), read a row at a time into one buffer: a first pass sums their lengths, a second
+    copies them, so no more than one chunk is held beside the buffer."""
+    def chunks() -> Iterator[pa.Array]:
+        for t in bank.iter_read(table, ["history_id", "index"], batch_rows=1, parts=[part]):
+            yield t.filter(pc.equal(t["history_id"], history))["index"]
+
+    total = sum(int(pc.sum(pc.binary_length(c)).as_py() or 0) for c in chunks())
+    out, at = np.empty(total, np.uint8), 0
+    for c in chunks():
+        for v in c:
+            b = np.frombuffer(v.as_buffer(), np.uint8)
+            out[at : at + b.size] = b
+            at += b.size
+    if at != total:
+        raise BankError(f"{bank.path}: {table}/{part} changed while it was read")
+    return out
+
+
+def saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] | None:
+    """The history's saved IVF index for rows from session ``start`` on, its part verified first (a part
+    whose bytes are not those written is never searched: the task rebuilds the index, and the stats
+    count it); None when there is none to use. Every unit of the history in this run starts from the
+    same saved index (it ends at or before the first unit's rows): it is read, verified and counted once
+    (the last history's, kept as bytes; :func:`memgas.jobs.history_index.ivf_units.shipped` shares them with
+    the tasks once)."""
+    run = ivf_run(ctx)
+    saved = run.saved.get(history)  # listed before the run's first unit
+    if start == 0 or saved is None:
+        return None
+    if run.loaded is not None and run.loaded[0] == history:
+        return run.loaded[1]
+    run.loaded = (history, None)  # drops the previous history's bytes first
+    part, sessions, digest = saved
+    if not intact(ctx, "ivf_index", part, history):  # listed intact (current_indexes): changed since
+        return None
+    meta = ctx.bank.read("ivf_index", ["history_id", "sessions", "prefix_digest", "dim"], parts=[part])
+    meta = meta.filter(pc.equal(meta["history_id"], history))
+    if meta.num_rows == 0 or {(s, d) for s, d in zip(meta["sessions"].to_pylist(), meta["prefix_digest"].to_pylist())} \
+            != {(sessions, digest)}:
+        return None
+    data: Any = saved_index_bytes(ctx.bank, part, history)
+    deltas = []
+    for dpart, base, end, _ in run.deltas.get(history, []):
+        if not intact(ctx, "ivf_delta", dpart, history):  # the index up to here, then its blocks added again
+            break
+        deltas.append({"base": base, "sessions": end, "bytes": saved_index_bytes(ctx.bank, dpart, history,
+                                                                                   "ivf_delta")})
+    run.reused += 1
+    run.loaded = (history, {"sessions": deltas[-1]["sessions"] if deltas else sessions,
+                            "full_sessions": sessions, "dim": meta["dim"][0].as_py(), "bytes": data,
+                            "deltas": deltas})
+    return run.loaded[1]

@@ -1,0 +1,242 @@
+"""An IVF unit of the associate stage: what the driver ships (the saved index, or the rows an append
+found in it) and what the task does with it (load, walk, save the index or its delta, check the recall
+sample).
+
+*One IVF history, several units.* The index a row searches holds the complete grid blocks before the row's
+own block, so the units of one history need the index state at their first row. They are not chained (the
+executor runs a plan's units independently, in any order, on any worker, and resumes any subset): each unit
+*rebuilds* that state itself. It starts from the history's saved index when there is one (every unit of a
+run may: it ends at or before the run's first row), else it trains the centroids on the exact prefix (seeded
+k-means, one thread: the same bits in every unit), and then adds the grid blocks between the index's end and
+its rows (coarse lists and add, no search); :func:`~memgas.pipeline.association.ivf_search.ivf_rows` does
+both on its way. Only the history's last unit saves its index: the one a fresh build would save, byte for
+byte. A saved index is read, verified and shared with the tasks once per history and run.
+
+*An append is shipped the rows it found* (:func:`found`): for a unit over a saved index whose blocks before
+the index's end are all stored, the driver walks the grid once and ships the ids each new row found, the
+delta to save, and of each stored block only the rows among them; the task rescores from them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from memgas.jobs import executor, tables
+from memgas.jobs.history_index.ivf_store import ivf_run, saved_index, saves_delta
+from memgas.jobs.history_index.node_blocks import HistoryBlocks
+from memgas.jobs.history_index.prefixes import chains
+from memgas.jobs.stage import StageContext
+from memgas.pipeline.association import blocks
+from memgas.pipeline.association import ivf_search as I
+from memgas.pipeline.association.blocks import NodeBlocks
+from memgas.pipeline.schema import IVF_RECALL, N_GRAN
+
+log = logging.getLogger(__name__)
+
+#: an IVF unit is shipped only the rows it found (:func:`found`) when the blocks from its index's end to its
+#: last row are at most this many: the driver holds them at once to search (an append of up to ~48,000
+#: sessions at 16,384 sessions a block; a longer unit, the later units of a long append, ship every block)
+FOUND_TAIL_BLOCKS = 4
+
+
+def uses_ivf(cfg: Any, end_session: int) -> bool:
+    """Whether a segment ending at ``end_session`` has rows past the exact prefix under ``cfg``."""
+    a = cfg.association
+    return a.search == "ivf" and N_GRAN * end_session > a.ivf_exact_nodes
+
+
+# -- the driver ----------------------------------------------------------------------------------------
+def segment_indexes(ctx: StageContext, segs: list[list[Any]], listed: Any) -> list[dict[str, Any] | None]:
+    """Per segment of a unit: None under the exact search, else the saved index to start from (or None), the
+    IVF grid (module constants are the driver's: a task may run in another process), the identity of the
+    nodes the new index will hold, and whether to save it (only the history's last segment's index is
+    current, and kept) and as a delta. ``listed``: called once per run, before any unit is written, for
+    the indexes and deltas saved before this run (``(current_indexes, current_deltas)``)."""
+    run, chain, grid = ivf_run(ctx), chains(ctx), I.STAGE_BLOCK_SESSIONS
+    if run.saved is None:
+        run.saved, run.deltas = listed()
+    out: list[dict[str, Any] | None] = []
+    for h, a, b, _ in segs:
+        if not uses_ivf(ctx.cfg, b):
+            out.append(None)
+            continue
+        saved, end, save = saved_index(ctx, h, a), I.index_sessions(b, grid), b == len(chain[h]) - 1
+        out.append({"saved": saved, "grid": grid, "save": save, "digest": chain[h][end],
+                    "delta": save and saves_delta(saved, end)})
+    return out
+
+
+def shipped(ctx: StageContext, meta: dict[str, Any] | None, found: tuple | None) -> dict[str, Any] | None:
+    """A segment's index entry as its task gets it: after :func:`found` searched here, the delta to save and
+    no index; else the saved index, under Ray shared through the executor once per run and history (every
+    unit of the history shares the reference)."""
+    if found is not None:
+        return {**meta, "saved": None, "base_sessions": meta["saved"]["sessions"], "found_delta": found[2]}
+    if meta is None or meta["saved"] is None or not ctx.use_ray:
+        return meta
+    run, saved = ivf_run(ctx), meta["saved"]
+    if run.shared is None or run.shared[0] is not saved:
+        run.shared = (saved, executor.share(saved["bytes"]))
+    return {**meta, "saved": {**saved, "bytes": run.shared[1]}}
+
+
+def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
+          ) -> tuple[NodeBlocks, dict, np.ndarray | None] | None:
+    """For an IVF segment of a long history over a saved index (an append): what its rows find in the
+    index (:func:`~memgas.pipeline.association.ivf_search.ivf_found`, searched here once, on the blocks
+    from the index's end), and the node blocks that hold those rows and that tail only
+    (:meth:`~memgas.jobs.history_index.node_blocks.HistoryBlocks.sparse_nodes`). None where the task needs
+    every row: no saved index, rows of the exact prefix, a row of the recall sample (it is checked against
+    the exact search), a block before the index's end not stored (the first append after 10^6 sessions
+    were indexed gathers and stores them), or a full index to save (past the delta limits: the task
+    builds it). The walk adds the complete grid blocks as the task's would, so the delta to save (when
+    this segment saves one) is made here too: third in the tuple, and the task then needs no index."""
+    a, (h, s0, s1, _) = ctx.cfg.association, seg
+    saved = meta["saved"] if meta is not None else None
+    if saved is None or N_GRAN * s0 < a.ivf_exact_nodes:
+        return None
+    params = I.stage_params(a.ivf_nlist, a.ivf_nprobe, a.ivf_exact_nodes, meta["grid"])
+    rows = I.index_rows(N_GRAN * s0, N_GRAN * s1, params, a.min_prior_nodes)
+    sample, _ = I.recall_sample(h, rows, I.RECALL_ROWS, first_row=I.first_ivf_row(a.ivf_exact_nodes,
+                                                                                    a.min_prior_nodes))
+    if not rows.size or sample.size:
+        return None
+    end = I.index_sessions(s1, meta["grid"])
+    if meta["save"] and end > saved["sessions"] and not meta["delta"]:
+        return None
+    B, n = blocks.BLOCK_ROWS, N_GRAN * s1
+    first = N_GRAN * saved["sessions"] // B  # the block holding the index's end
+    if -(-n // B) - first > FOUND_TAIL_BLOCKS:
+        return None
+    hb = HistoryBlocks(ctx, h, B)
+    if not hb.all_stored(first):
+        return None
+    tail = hb.read_blocks(first, n)
+    dim = tail[first].shape[1]
+    index = loaded_index(saved, params, dim)
+    if meta["delta"]:
+        index.start_delta()
+    walk = I.ivf_found(NodeBlocks([None] * first + [tail[i] for i in sorted(tail)], B, n, dim),
+                       N_GRAN * s0, n, index, mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes,
+                       params=params)
+    if index.ntotal != N_GRAN * end:
+        raise RuntimeError(f"associate: the IVF index of history {h} holds {index.ntotal // N_GRAN} sessions "
+                           f"after the walk, expected {end}")
+    delta = I.delta_bytes(index) if meta["delta"] else None
+    del index
+    need = I.found_before(walk, first * B)
+    nodes = hb.sparse_nodes(n, tail, need)
+    if nodes is None:
+        return None
+    log.info("associate: history %s: %d of the %d node rows before row %d shipped (those found), and %d "
+             "blocks whole", h, need.size, first * B, first * B, len(tail))
+    ivf_run(ctx).found_units += 1
+    return nodes, walk, delta
+
+
+# -- the task ------------------------------------------------------------------------------------------
+def loaded_index(saved: dict[str, Any], params: Any, dim: int) -> Any:
+    """The saved index (a :class:`~memgas.pipeline.association.ivf_search.CausalIVF`) with its deltas merged
+    in order, from :func:`~memgas.jobs.history_index.ivf_store.saved_index`'s bytes (a reference the
+    executor shared under Ray)."""
+    data = executor.fetch(saved["bytes"])
+    index = I.index_from_bytes(data, params, d=dim, ntotal=N_GRAN * saved.get("full_sessions", saved["sessions"]))
+    del data
+    for delta in saved.get("deltas", []):
+        index.merge_delta(I.raw_from_bytes(delta["bytes"], d=dim, ntotal=N_GRAN * (delta["sessions"] - delta["base"])))
+    return index
+
+
+def segment_candidates(E: Any, seg: list[Any], meta: dict[str, Any], a: dict[str, Any], out: dict[str, list],
+                       recall_rows: int | None = None, found: dict | None = None) -> Any:
+    """One segment under the IVF search: its candidates; its index (to save, when it is the history's
+    last segment) and recall rows (its IVF rows of the ``recall_rows`` smallest row keys, None:
+    :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS`) go to ``out``. The index at the
+    segment's first row is the saved one (or trained afresh on the exact prefix: the same bits), plus the
+    grid blocks between its end and the segment's rows, which :func:`ivf_rows` adds on its way (coarse
+    lists and add, no search)."""
+    h, s0, s1, _ = seg
+    saved, grid = meta["saved"], meta.get("grid") or I.STAGE_BLOCK_SESSIONS
+    params = I.stage_params(a["ivf_nlist"], a["ivf_nprobe"], a["ivf_exact_nodes"], grid)
+    if found is not None:  # the driver searched (found): rescore, save its delta if any
+        c, _ = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, None, mem_threshold=a["mem_threshold"],
+                          min_prior_nodes=a["min_prior_nodes"], params=params, found=found)
+        recall_table(E, c, seg, a, out, recall_rows)
+        if meta.get("found_delta") is not None:
+            out["delta"].append({"history_id": h, "end_session": s1, "sessions": I.index_sessions(s1, grid),
+                                 "prefix_digest": meta["digest"], "dim": E.shape[1],
+                                 "base_sessions": meta["base_sessions"], "index": meta["found_delta"]})
+        return c
+    index = None
+    if saved is not None:
+        index = loaded_index(saved, params, E.shape[1])
+        if meta.get("delta"):
+            index.start_delta()
+    c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
+                          min_prior_nodes=a["min_prior_nodes"], params=params, found=found)
+    recall_table(E, c, seg, a, out, recall_rows)
+    if meta.get("save", True) and index is not None and index.index is not None:
+        sessions = index.ntotal // N_GRAN
+        if sessions != I.index_sessions(s1, grid):
+            raise RuntimeError(f"associate: the IVF index of history {h} holds {sessions} sessions, "
+                               f"expected {I.index_sessions(s1, grid)}")
+        row = {"history_id": h, "end_session": s1, "sessions": sessions, "prefix_digest": meta["digest"],
+               "dim": E.shape[1]}
+        if saved is not None and sessions == saved["sessions"]:
+            pass  # no grid block was completed: the saved index (and its deltas) stays the current one
+        elif index.delta is not None:
+            out["delta"].append({**row, "base_sessions": saved["sessions"], "index": I.delta_bytes(index)})
+        else:
+            out["index"].append({**row, "index": I.index_bytes(index)})
+    return c  # the faiss index is freed here: only its bytes stay, until the table is written
+
+
+def recall_table(E: Any, c: Any, seg: list[Any], a: dict[str, Any], out: dict[str, list],
+                 recall_rows: int | None) -> None:
+    """The segment's rows of the recall sample, checked against the exact search, into ``out``."""
+    h, s0, s1, _ = seg
+    approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
+    sample, keys = I.recall_sample(h, approx, I.RECALL_ROWS if recall_rows is None else recall_rows,
+                                   first_row=I.first_ivf_row(a["ivf_exact_nodes"], a["min_prior_nodes"]))
+    hits, total = I.candidate_hits(E, c, sample, a["mem_threshold"])
+    n = sample.size
+    out["recall"].append(pa.table([[h] * n, [s0] * n, [s1] * n, sample, keys, hits, total], schema=IVF_RECALL))
+
+
+# -- the report -----------------------------------------------------------------------------------------
+def ivf_recall(ctx: StageContext) -> dict[str, Any]:
+    """The candidate recall of the current IVF segments (empty under the exact search or when no history
+    reached the exact prefix's end): what metrics.json and report.md say the approximation costs.
+
+    Per history, its sample is the :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS` smallest
+    row keys among the rows its current segments stored (each unit stored its own smallest): the same rows,
+    hence the same counts, whether the history was built at once, in several units or by appends."""
+    if ctx.cfg.association.search != "ivf" or ctx.fingerprints.get("associate") in (None, "disabled"):
+        return {}
+    parts = tables.current_parts(ctx, "ivf_recall")
+    if not parts:
+        return {}
+    t = ctx.bank.read("ivf_recall", ["history_id", "key", "hits", "total"], parts=parts)
+    hist = np.asarray(t["history_id"].to_pylist(), dtype=object)
+    keep = I.history_sample(hist, t["key"].to_numpy(), I.RECALL_ROWS)
+    x, n = t["hits"].to_numpy()[keep].astype(np.int64), t["total"].to_numpy()[keep].astype(np.int64)
+    _, code = np.unique(hist[keep], return_inverse=True)
+    per = zip(np.bincount(code, x).tolist(), np.bincount(code, n).tolist())  # exact: integer sums below 2**53
+    worst = min((a / b for a, b in per if b), default=None)
+    hits, total = int(x.sum()), int(n.sum())
+    return {"ivf_recall_k": ctx.cfg.association.mem_threshold, "ivf_recall": hits / total if total else None,
+            "ivf_recall_min_history": worst, "ivf_recall_rows": int(keep.size),
+            "ivf_recall_histories": int(code.max(initial=-1)) + 1}
+
+
+def association_info(ctx: StageContext) -> dict[str, Any]:
+    """The candidate search of this config and, under IVF, its parameters and measured recall
+    (metrics.json ``run.association``, one line of report.md)."""
+    a = ctx.cfg.association
+    if a.search != "ivf":
+        return {"search": a.search}
+    return {"search": a.search, "ivf_nlist": a.ivf_nlist, "ivf_nprobe": a.ivf_nprobe,
+            "ivf_exact_nodes": a.ivf_exact_nodes, **ivf_recall(ctx)}
