@@ -212,6 +212,10 @@ class OpenAIHTTPLLM:
                     reason = f"HTTP {status}: {content.decode('utf-8', 'replace')[:300]}"
                     if not _retryable_status(status):
                         r.error, r.retries = reason, attempt
+                        if status == 400 and _error_code(content) == "context_length_exceeded":
+                            # the server counted the prompt with its own tokenizer (this client only estimates
+                            # 4 characters a token): the same prompt can never fit, as a local backend's PromptTooLong
+                            r.extra[PROMPT_TOO_LONG] = True
                         return r
                     retry_after = _retry_after(headers)
                 if attempt >= self.max_retries:
@@ -258,6 +262,15 @@ class OpenAIHTTPLLM:
         r.text, r.finish_reason = text, finish
         r.prompt_tokens, r.completion_tokens = prompt_tokens, completion_tokens
         return r
+
+
+def _error_code(raw: bytes) -> str | None:
+    """OpenAI's ``error.code`` of an error body, or None when the body is not such an object."""
+    try:
+        code = json.loads(raw)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 #: Largest token count a response's usage may report (far above any context; counts are stored as int64).

@@ -182,7 +182,8 @@ def test_endless_response_body_gives_up_within_the_timeout(echo_server: ChatServ
 
 @pytest.fixture()
 def canned_server() -> Iterator[tuple[list[bytes], str]]:
-    """A real HTTP server answering every POST with 200 and the next body of its list (the last one repeats):
+    """A real HTTP server answering every POST with the next body of its list (the last one repeats), with 200
+    or the status given beside it as ``(status, body)``:
     a backend that speaks HTTP but sends what no OpenAI-compatible server should."""
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -196,8 +197,9 @@ def canned_server() -> Iterator[tuple[list[bytes], str]]:
 
         def do_POST(self) -> None:  # noqa: N802
             self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            raw = bodies.pop(0) if len(bodies) > 1 else bodies[0]
-            self.send_response(200)
+            item = bodies.pop(0) if len(bodies) > 1 else bodies[0]
+            status, raw = item if isinstance(item, tuple) else (200, item)
+            self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(raw)))
             self.end_headers()
@@ -249,3 +251,23 @@ def test_content_that_is_not_text_is_a_malformed_response(canned_server) -> None
                          f"{_completion(content=12345).decode()!r}")
     assert (null.ok, null.text) == (True, "")
     assert (floats.ok, floats.text, floats.prompt_tokens, floats.completion_tokens) == (True, "Paris", 7, 0)
+
+
+def test_a_servers_context_length_exceeded_is_prompt_too_long(canned_server) -> None:
+    """`memgas serve` (and OpenAI) refuse a prompt that cannot fit with 400 `context_length_exceeded`: the item is
+    marked PROMPT_TOO_LONG, as a local backend marks it, so it is not retried as a transient failure; any other
+    400 is not."""
+    import json
+
+    from memgas.pipeline.models.backend_common import PROMPT_TOO_LONG
+
+    too_long = json.dumps({"error": {"message": "too long", "type": "invalid_request_error", "param": "messages",
+                                     "code": "context_length_exceeded"}}).encode()
+    other = json.dumps({"error": {"message": "bad", "type": "invalid_request_error", "param": "stop",
+                                  "code": None}}).encode()
+    bodies, url = canned_server
+    bodies.extend([(400, too_long), (400, other)])
+    llm = OpenAIHTTPLLM(url, "m", max_retries=0, concurrency=1)
+    first, second = llm.generate([_q("a"), _q("b")], P)
+    assert (first.ok, first.extra.get(PROMPT_TOO_LONG), first.error) == (False, True, f"HTTP 400: {too_long.decode()}")
+    assert (second.ok, PROMPT_TOO_LONG in second.extra) == (False, False)
