@@ -18,13 +18,8 @@ import pytest
 
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
-from memgas.pipeline.justmem.extract import (
-    LLM_FREE_EXTRACTOR,
-    card_budget,
-    extract_cards,
-    session_cards_schema,
-    turns_by_session,
-)
+from memgas.pipeline.justmem.extract import LLM_FREE_EXTRACTOR, extract_cards, turns_by_session
+from memgas.pipeline.justmem.llm_cards import card_budget, session_cards_schema
 from memgas.pipeline.models.llms import SMOLLM2_NAME
 
 from .conftest import REPO
