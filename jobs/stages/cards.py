@@ -80,6 +80,8 @@ class CardsStage(Stage):
                                        temperature=params["temperature"], seed=params["seed"])}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.justmem.extract import dropped_cards
+
         failed = _failed_sessions(ctx)
         # the card stages after this one would rank and read without these sessions: stop; the next run retries
         stop = LLMCallsFailed(f"cards: {failed} sessions failed in the LLM backend (no cards stored for them); "
@@ -91,6 +93,8 @@ class CardsStage(Stage):
                 "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
                 "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
                 "fallbacks": len(set(mine.filter(pc.is_valid(mine["fallback"]))["session_hash"].to_pylist())),
+                # the LLM's cards that failed a check (ungrounded, repeated, cut off) in replies kept otherwise
+                "dropped_cards": dropped_cards(mine),
                 "llm_failures": failed, "unfinished": failed, "stop": stop}
 
 

@@ -67,6 +67,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import JustMemConfig
@@ -381,9 +382,11 @@ def extract_cards(
     """``CARDS`` rows for ``sessions`` = ``(session_hash, turns, dataset or dialogue kind)``, under extractor
     ``key`` (:func:`extractor_key`), in session order then card order. Never raises for a bad session:
     with ``cfg.extractor == "llm"`` an output still invalid after one repair is replaced by the LLM-free cards
-    of that session, with ``fallback`` naming why; the ledger counts them. A session whose call failed in the
-    backend (:attr:`StructuredResult.failed`) gets no row: nothing under the LLM key, so the next run extracts
-    it again (the cards stage counts it as a failure)."""
+    of that session, with ``fallback`` naming why; the ledger counts them. A valid reply's cards that fail the
+    checks of :func:`.llm_cards.card_problem` are dropped, named in the session's ``error`` note and counted by
+    kind (ledger ``dropped-ungrounded``, ``dropped-repeated``, ``dropped-cut-off``). A session whose call
+    failed in the backend (:attr:`StructuredResult.failed`) gets no row: nothing under the LLM key, so the next
+    run extracts it again (the cards stage counts it as a failure)."""
     rows: list[dict[str, Any]] = []
     if cfg.extractor == "llm-free":
         for h, turns, _ in sessions:
@@ -400,7 +403,8 @@ def extract_cards(
                for (shown, _), (_, _, kind) in zip(fitted, todo)]
     # each session's reply is bounded by its own schema (its turn numbers, a card budget that fits the output
     # tokens); sessions whose schemas are equal share one call_structured (one batch on the backend)
-    schemas = [session_cards_schema(shown, card_budget(llm, shown, cfg.extract_max_tokens)) for shown, _ in fitted]
+    budgets = [card_budget(llm, shown, cfg.extract_max_tokens) for shown, _ in fitted]
+    schemas = [session_cards_schema(shown, b) for (shown, _), b in zip(fitted, budgets)]
     groups: dict[str, list[int]] = {}
     for i, schema in enumerate(schemas):
         groups.setdefault(json.dumps(schema, sort_keys=True), []).append(i)
@@ -409,12 +413,14 @@ def extract_cards(
         params = SamplingParams(max_tokens=cfg.extract_max_tokens, temperature=temperature, seed=seed,
                                 json_schema=schemas[idx[0]])
         got = call_structured(llm, [prompts[i] for i in idx],
-                              lambda obj, k, idx=idx: grounded_cards(obj, fitted[idx[k]][0]),
+                              lambda obj, k, idx=idx: grounded_cards(obj, fitted[idx[k]][0],
+                                                                     budgets[idx[k]].text_chars),
                               params, ledger=ledger, stage="justmem-cards")
         for i, r in zip(idx, got):
             results[i] = r
     by_hash: dict[str, list[dict[str, Any]]] = {}
-    n_fallback = n_failed = n_dropped = 0
+    n_fallback = n_failed = 0
+    n_dropped: dict[str, int] = {}
     for (h, turns, _), (_, truncated), res in zip(todo, fitted, results):
         tokens = dict(prompt_tokens=res.prompt_tokens, completion_tokens=res.completion_tokens,
                       input_truncated=truncated)
@@ -423,8 +429,9 @@ def extract_cards(
             log.warning("justmem cards: session %s: %s; nothing stored, the next run retries it", h[:12], res.error)
         elif res.value is not None:
             kept, dropped = res.value
-            n_dropped += len(dropped)
-            note = (f"dropped {len(dropped)} of {len(kept) + len(dropped)} cards: {'; '.join(dropped)}"
+            for kind, _ in dropped:
+                n_dropped[kind] = n_dropped.get(kind, 0) + 1
+            note = (f"dropped {len(dropped)} of {len(kept) + len(dropped)} cards: {'; '.join(m for _, m in dropped)}"
                     if dropped else None)
             by_hash[h] = card_rows(h, key, kept, error=note, **tokens)
         else:
@@ -436,12 +443,22 @@ def extract_cards(
         rows += by_hash.get(h, [])
     if ledger is not None:
         ledger.count("justmem-cards", "fallback", n_fallback)
-        if n_dropped:
-            ledger.count("justmem-cards", "dropped-ungrounded", n_dropped)
+        for kind, n in sorted(n_dropped.items()):
+            ledger.count("justmem-cards", f"dropped-{kind}", n)
         if n_failed:
             ledger.count("justmem-cards", "failed", n_failed)
         ledger.count("justmem-cards", "sessions", len(todo))
     return pa.Table.from_pylist(rows, schema=CARDS)
+
+
+_DROPPED_NOTE_RE = re.compile(r"dropped (\d+) of \d+ cards: ")
+
+
+def dropped_cards(cards: pa.Table) -> int:
+    """Cards the LLM wrote and the checks dropped (:func:`.llm_cards.card_problem`), in ``CARDS`` rows: each
+    session's rows carry the note "dropped N of M cards: ..." that :func:`extract_cards` writes."""
+    first = cards.filter(pc.equal(cards["card_index"], 0))["error"].to_pylist()
+    return sum(int(m.group(1)) for m in (_DROPPED_NOTE_RE.match(e or "") for e in first) if m)
 
 
 def turns_by_session(turns: pa.Table) -> dict[str, list[Turn]]:

@@ -2,8 +2,18 @@
 
 A session's reply is bounded by its own schema (:func:`session_cards_schema`: the session's turn numbers, a
 card count and string lengths that fit ``justmem.extract_max_tokens``, :func:`card_budget`), and checked after
-parsing (:func:`grounded_cards`): provenance pointing at the turns shown, a type of ``CARD_TYPES``, and words
-that the cited turns hold (:func:`grounding`).
+parsing (:func:`grounded_cards`): provenance pointing at the turns shown, a type of ``CARD_TYPES``, and text
+that states what its cited turns hold, once and whole (:func:`card_problem`):
+
+* grounded: at least ``MIN_GROUNDED_SHARE`` of the card's content words occur in the cited turns
+  (:func:`grounding`), and so do as many of each clause's (its sentences, cut at ";" and at a comma before
+  "and", "but", "also", ...): a faithful card plus " Also the password is hunter2." fails on its added
+  sentence (0 of 2), though the whole card passes (the turn's words are most of it);
+* not repeated: no sentence twice (a small model that loops writes one sentence until the length limit);
+* not cut off: a text as long as its schema's ``maxLength`` that does not end a sentence was closed there by
+  the schema enforcer, mid-sentence.
+
+A card failing one of these is dropped and named; the rest of the reply is kept.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from memgas.pipeline.justmem.structured import (
     BUDGET_WHITESPACE_TOKENS,
     InvalidOutput,
 )
-from memgas.pipeline.justmem.text import _STOP, CARD_TEXT_LIMIT, Card, Turn, _speaker
+from memgas.pipeline.justmem.text import _STOP, CARD_TEXT_LIMIT, Card, Turn, _speaker, split_sentences
 from memgas.pipeline.models.base import LLM
 from memgas.pipeline.schema import CARD_TYPES
 
@@ -58,18 +68,73 @@ def _grounding_words(text: str) -> list[str]:
             if (len(w) > 1 or w.isdigit()) and w not in _STOP and w not in _FRAME_WORDS]
 
 
+def _source_words(turns: Sequence[Turn]) -> set[str]:
+    """The words cards may take from ``turns``: their text, role and the speaker label cards use."""
+    source: set[str] = set()
+    for t in turns:
+        source.update(_grounding_words(f"{t.role} {_speaker(t.role)} {t.content}"))
+    return source
+
+
 def grounding(text: str, turns: Sequence[Turn]) -> tuple[int, int]:
     """(content words of ``text`` that occur in ``turns``, content words of ``text``): how much of a card its
     cited turns support. A turn's words include its role and the speaker label the cards use ("The user"
     for a "human" turn). Exact words, no stemming: the threshold (``MIN_GROUNDED_SHARE``) leaves room for
     inflections. Known limit: scripts without spaces between words (Chinese, Japanese) make one token per
     run of text, so a paraphrase there rarely matches."""
-    source: set[str] = set()
-    for t in turns:
-        source.update(_grounding_words(f"{t.role} {_speaker(t.role)} {t.content}"))
+    source = _source_words(turns)
     words = _grounding_words(text)
     return sum(w in source for w in words), len(words)
 
+
+# a clause boundary inside a sentence: a semicolon, or a comma before a word that opens another statement
+_CLAUSE_SEP_RE = re.compile(r"\s*;\s*|,\s+(?=(?:and|but|also|plus|so|while|whereas|though|although|yet)\b)",
+                            re.IGNORECASE)
+# the end of a sentence, closing quotes and brackets after it allowed
+_SENTENCE_END_RE = re.compile(r"[.!?…][\"'”’)\]]*\s*$")
+
+
+def clauses(text: str) -> list[str]:
+    """The clauses of a card's text: its sentences, each cut at ";" and at a comma before a conjunction or
+    "also" ("..., and the password is hunter2")."""
+    return [c for sent in split_sentences(text) for c in _CLAUSE_SEP_RE.split(sent) if c.strip()]
+
+
+def card_problem(where: str, text: str, span: tuple[int, int], turns: Sequence[Turn],
+                 text_chars: int | None = None) -> tuple[str, str] | None:
+    """(kind, message) of the first problem of a card's ``text`` against the turns it cites (module
+    docstring), None when it has none; kind is "ungrounded", "repeated" or "cut-off". ``span``: the turn
+    numbers it cites, ``turns``: the session's turns shown (those of ``span`` are its source); ``text_chars``: the
+    ``maxLength`` its schema gave the text (None: no cut-off check). Raises InvalidOutput for a text without
+    content words, which no card can be."""
+    source = _source_words([t for t in turns if span[0] <= t.turn_index <= span[1]])
+    cited = f"turns {span[0]}..{span[1]}"
+    words = _grounding_words(text)
+    hit, total = sum(w in source for w in words), len(words)
+    if not total:  # "...", "N/A": nothing to retrieve by (and an index of such cards has no vocabulary)
+        raise InvalidOutput(f"{where}.text holds no content words; a card states something from the dialogue")
+    if hit < MIN_GROUNDED_SHARE * total:
+        return "ungrounded", (f"{where}.text is not grounded in {cited}: {hit} of its {total} content words occur "
+                              f"there (at least {MIN_GROUNDED_SHARE:.0%} must)")
+    sentences = [" ".join(_TOKEN_RE.findall(x.lower())) for x in split_sentences(text)]
+    first: dict[str, int] = {}
+    for i, sent in enumerate(sentences):
+        if sent in first and _grounding_words(sent):
+            return "repeated", (f"{where}.text repeats a sentence (sentence {i + 1} of {len(sentences)} is "
+                                f"sentence {first[sent] + 1} again); a card states a fact once")
+        first.setdefault(sent, i)
+    if text_chars is not None and len(text) >= text_chars and not _SENTENCE_END_RE.search(text):
+        return "cut-off", (f"{where}.text stops mid-sentence at its {text_chars}-character limit; a card is a "
+                           "whole statement")
+    parts = clauses(text)
+    for i, part in enumerate(parts):
+        words = _grounding_words(part)
+        hit = sum(w in source for w in words)
+        if hit < MIN_GROUNDED_SHARE * len(words):
+            return "ungrounded", (f"{where}.text is not grounded in {cited}: its clause {i + 1} of {len(parts)} has "
+                                  f"{hit} of its {len(words)} content words there (at least "
+                                  f"{MIN_GROUNDED_SHARE:.0%} must)")
+    return None
 
 
 def _card_object(turn_numbers: Sequence[int] | None, text_chars: int | None, time_chars: int | None,
@@ -160,10 +225,11 @@ def session_cards_schema(turns: Sequence[Turn], budget: CardBudget) -> dict[str,
                  budget.max_cards)
 
 
-#: Version of the LLM extractor's reply schema and of its per-session budget (:func:`card_budget`,
-#: :func:`session_cards_schema`); bump it when their code changes. v2: turn numbers first and from the
-#: session's own (``enum``), strings and card count bounded to fit ``justmem.extract_max_tokens``.
-LLM_CARDS_SCHEMA_VERSION = "cards-schema-v2"
+#: Version of the LLM extractor's reply schema, of its per-session budget (:func:`card_budget`,
+#: :func:`session_cards_schema`) and of the checks its cards pass (:func:`card_problem`); bump it when their
+#: code changes. v2: turn numbers first and from the session's own (``enum``), strings and card count bounded
+#: to fit ``justmem.extract_max_tokens``. v3: each clause grounded, no repeated sentence, no cut-off text.
+LLM_CARDS_SCHEMA_VERSION = "cards-schema-v3"
 
 
 def schema_digest() -> str:
@@ -177,21 +243,23 @@ def schema_digest() -> str:
                                                       digest_size=6).hexdigest()
 
 
-def validate_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> list[Card]:
+def validate_cards(obj: dict[str, Any], turns: Sequence[Turn], text_chars: int | None = None) -> list[Card]:
     """Cards of a parsed extraction output, or InvalidOutput naming the first problem. ``turns``: the turns
-    the prompt showed (provenance must point at them, and a card's words must occur in the turns it cites:
-    ``MIN_GROUNDED_SHARE``)."""
-    cards, ungrounded = grounded_cards(obj, turns)
-    if ungrounded:
-        raise InvalidOutput(ungrounded[0])
+    the prompt showed (provenance must point at them, and a card must state what the turns it cites hold:
+    :func:`card_problem`); ``text_chars``: the schema's ``maxLength`` of a card's text."""
+    cards, dropped = grounded_cards(obj, turns, text_chars)
+    if dropped:
+        raise InvalidOutput(dropped[0][1])
     return cards
 
 
-def grounded_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> tuple[list[Card], list[str]]:
-    """(the cards of a parsed extraction output grounded in the turns they cite, the problem of each card that
-    is not). Any other problem is InvalidOutput, and so is a reply none of whose cards is grounded: the LLM
-    extractor keeps a reply's grounded cards and records the others (a small model's reply often starts with
-    faithful cards and then repeats one against later turns: SmolLM2-135M on the bundled sample)."""
+def grounded_cards(obj: dict[str, Any], turns: Sequence[Turn], text_chars: int | None = None,
+                   ) -> tuple[list[Card], list[tuple[str, str]]]:
+    """(the cards of a parsed extraction output that pass :func:`card_problem` against the turns they cite,
+    (kind, message) of each card that does not). Any other problem is InvalidOutput, and so is a reply none
+    of whose cards passes: the LLM extractor keeps a reply's good cards and records the others (a small
+    model's reply often starts with faithful cards and then repeats one against later turns: SmolLM2-135M on
+    the bundled sample)."""
     items = obj.get("cards")
     if not isinstance(items, list):
         raise InvalidOutput('"cards" must be a list of card objects')
@@ -202,7 +270,7 @@ def grounded_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> tuple[list[Car
     shown = {t.turn_index for t in turns}
     lo, hi = min(shown), max(shown)
     out: list[Card] = []
-    ungrounded: list[str] = []
+    dropped: list[tuple[str, str]] = []
     for k, c in enumerate(items):
         where = f"cards[{k}]"
         if not isinstance(c, dict):
@@ -229,15 +297,12 @@ def grounded_cards(obj: dict[str, Any], turns: Sequence[Turn]) -> tuple[list[Car
             span.append(v)
         if span[0] > span[1]:
             raise InvalidOutput(f"{where}: turn_start={span[0]} is after turn_end={span[1]}")
-        hit, total = grounding(text, [t for t in turns if span[0] <= t.turn_index <= span[1]])
-        if not total:  # "...", "N/A": nothing to retrieve by (and an index of such cards has no vocabulary)
-            raise InvalidOutput(f"{where}.text holds no content words; a card states something from the dialogue")
-        if hit < MIN_GROUNDED_SHARE * total:
-            ungrounded.append(f"{where}.text is not grounded in turns {span[0]}..{span[1]}: {hit} of its {total} "
-                              f"content words occur there (at least {MIN_GROUNDED_SHARE:.0%} must)")
+        problem = card_problem(where, text, (span[0], span[1]), turns, text_chars)
+        if problem is not None:
+            dropped.append(problem)
             continue
         t = " ".join(time.split()).lower() if time else ""
         out.append(Card(" ".join(text.split()), typ, t or None, span[0], span[1]))
     if not out:
-        raise InvalidOutput(ungrounded[0])
-    return out, ungrounded
+        raise InvalidOutput(dropped[0][1])
+    return out, dropped

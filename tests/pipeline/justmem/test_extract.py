@@ -436,7 +436,7 @@ def test_sessions_with_different_turns_get_their_own_schema() -> None:
 
 def test_the_extractor_key_names_the_prompt_and_the_schema() -> None:
     key = extractor_key(_llm_cfg(), "m")
-    assert f"|{LLM_EXTRACTOR_VERSION}|" in key and "cards-schema-v2-" in LLM_EXTRACTOR_VERSION
+    assert f"|{LLM_EXTRACTOR_VERSION}|" in key and "cards-schema-v3-" in LLM_EXTRACTOR_VERSION
 
 
 def test_the_extraction_prompt_names_the_speakers_as_subjects() -> None:

@@ -46,7 +46,8 @@ def _expression(r: random.Random) -> str:
     elif kind == 2:
         core = r.choice(_WORDS)
     elif kind == 3:
-        core = f"{r.choice(['in ', 'since ', 'back in ', ''])}{r.choice(_NUMBERS)}{r.choice(['', ' bc', ' ad', ' BCE'])}"
+        era = r.choice(['', ' bc', ' ad', ' BCE'])
+        core = f"{r.choice(['in ', 'since ', 'back in ', ''])}{r.choice(_NUMBERS)}{era}"
     else:  # words of the other forms glued together: whatever a model may write in a card's time
         core = " ".join(r.choice([*_WORDS, *_NUMBERS, *_UNITS, "ago", "before", "of"]) for _ in range(r.randint(1, 6)))
     text = r.choice(_OPEN) + core
