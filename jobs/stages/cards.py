@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pyarrow as pa
@@ -12,6 +13,8 @@ from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.justmem import current_cards, justmem_enabled, justmem_model, session_cards
 from memgas.jobs.units import even_chunks
 from memgas.pipeline.errors import LLMCallsFailed
+
+log = logging.getLogger(__name__)
 
 
 def _this_config(ctx: StageContext) -> pa.Table:
@@ -59,6 +62,11 @@ class CardsStage(Stage):
             have = set(bank.read("cards", ["session_hash"], filter=pc.field("extractor") == keys.cards_key(ctx))
                        ["session_hash"].to_pylist())
         missing = [h for h in sessions if h not in have]
+        from memgas.jobs.preflight import llm_extractor_estimate  # (preflight imports the stages)
+
+        says = llm_extractor_estimate(ctx.cfg, (ctx.resolved.get("llm") or {}).get("device"), len(missing))
+        if says:
+            log.warning("%s", says)
         kind = (bank.manifest.get("datasets") or [{}])[-1].get("format")
         return [{"size": len(b), "kind": kind, "sessions": b} for b in even_chunks(missing, ctx.cfg.ray.generate_unit)]
 
