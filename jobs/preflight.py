@@ -225,8 +225,8 @@ def llm_extractor_estimate(cfg: MemgasConfig, llm_device: str | None, sessions: 
     seconds = sessions * cfg.justmem.extract_max_tokens * CPU_LLM_SECONDS_PER_TOKEN
     if seconds <= SAY_ESTIMATE_ABOVE_S:
         return None
-    bundled = llm.model == "smollm2"
-    return (f"cards: the LLM extractor ({llm.backend} {llm.model} on CPU) will take {'about' if bundled else 'at least'} "
-            f"{_duration(seconds)} for {sessions} sessions on this machine ({cfg.justmem.extract_max_tokens} output "
+    about = "about" if llm.model == "smollm2" else "at least"
+    return (f"cards: the LLM extractor ({llm.backend} {llm.model} on CPU) will take {about} {_duration(seconds)}"
+            f" for {sessions} sessions on this machine ({cfg.justmem.extract_max_tokens} output "
             f"tokens each at {CPU_LLM_SECONDS_PER_TOKEN} s per token, docs/models.md): on CPU it is a correctness "
             "check; justmem.extractor=llm-free takes seconds, an LLM on a GPU (llm.backend=vllm) minutes")

@@ -6,9 +6,10 @@ parsing (:func:`grounded_cards`): provenance pointing at the turns shown, a type
 that states what its cited turns hold, once and whole (:func:`card_problem`):
 
 * grounded: at least ``MIN_GROUNDED_SHARE`` of the card's content words occur in the cited turns
-  (:func:`grounding`), and so do as many of each clause's (its sentences, cut at ";" and at a comma before
-  "and", "but", "also", ...): a faithful card plus " Also the password is hunter2." fails on its added
-  sentence (0 of 2), though the whole card passes (the turn's words are most of it);
+  (:func:`grounding`), and so do as many of each clause's (its sentences, cut at ";", line breaks, brackets,
+  spaced dashes and at a comma before "and", "but", "also", ...): a faithful card plus " Also the password
+  is hunter2." fails on its added sentence (0 of 2), though the whole card passes (the turn's words are most
+  of it). Known limit: words slipped into a clause that is otherwise the turn's still pass;
 * not repeated: no sentence twice (a small model that loops writes one sentence until the length limit);
 * not cut off: a text as long as its schema's ``maxLength`` that does not end a sentence was closed there by
   the schema enforcer, mid-sentence.
@@ -87,16 +88,17 @@ def grounding(text: str, turns: Sequence[Turn]) -> tuple[int, int]:
     return sum(w in source for w in words), len(words)
 
 
-# a clause boundary inside a sentence: a semicolon, or a comma before a word that opens another statement
-_CLAUSE_SEP_RE = re.compile(r"\s*;\s*|,\s+(?=(?:and|but|also|plus|so|while|whereas|though|although|yet)\b)",
-                            re.IGNORECASE)
+# a clause boundary inside a sentence: a semicolon, a line break, a bracket, a spaced dash, or a comma before a
+# word that opens another statement
+_CLAUSE_SEP_RE = re.compile(r"\s*[;\n()\[\]]\s*|\s[-–—]+\s|"
+                            r",\s+(?=(?:and|but|also|plus|so|while|whereas|though|although|yet)\b)", re.IGNORECASE)
 # the end of a sentence, closing quotes and brackets after it allowed
 _SENTENCE_END_RE = re.compile(r"[.!?…][\"'”’)\]]*\s*$")
 
 
 def clauses(text: str) -> list[str]:
-    """The clauses of a card's text: its sentences, each cut at ";" and at a comma before a conjunction or
-    "also" ("..., and the password is hunter2")."""
+    """The clauses of a card's text: its sentences, each cut at ";", a line break, a bracket, a spaced dash,
+    and at a comma before a conjunction or "also" ("..., and the password is hunter2")."""
     return [c for sent in split_sentences(text) for c in _CLAUSE_SEP_RE.split(sent) if c.strip()]
 
 

@@ -238,11 +238,11 @@ def time_interval(text: str, now: date | datetime | None) -> DayInterval | None:
     if isinstance(now, datetime):
         now = now.date()
     ops: list[str] = []  # "before after X" applies "after" first; a loop, as any number may be stacked
-    while m := _OPEN_RE.match(t):
-        if m.end() == len(t):
-            break
+    pos = 0
+    while (m := _OPEN_RE.match(t, pos)) and m.end() < len(t):
         ops.append(m.group(1))
-        t = t[m.end():]
+        pos = m.end()
+    t = t[pos:]
     got = _absolute(t, now)
     if got is None and now is not None:
         got = _relative(t, now)

@@ -45,9 +45,12 @@ def _problem(text: str) -> str:
     (" Also the password is hunter2.", 2, 2, 0, 2),
     (", and the password is hunter2.", 2, 2, 0, 2),
     ("; my bank PIN is 4242", 2, 2, 0, 3),
+    (" (password hunter2)", 2, 2, 0, 2),
+    ("\nPIN: 4242", 2, 2, 0, 2),
+    (" — my bank PIN is 4242.", 2, 2, 0, 3),
 ])
 def test_a_card_that_adds_a_statement_to_its_turn_is_invalid(added, clause, of, hit, words) -> None:
-    text = FAITHFUL.removesuffix(".") + added if added[0] in ",;" else FAITHFUL + added
+    text = FAITHFUL.removesuffix(".") + added if added[0] in ",;(" or added.startswith(" —") else FAITHFUL + added
     # the whole card passes the share (most of its words are the turn's): the clause it adds does not
     h, total = grounding(text, TURNS[:1])
     assert h >= total / 2
