@@ -45,7 +45,7 @@ themselves and the world, once, in few words; per turn:
 
 The card budget of a session thus follows its content: one card per subject a speaker states (restatements
 dropped), one short card per assistant reply, one per code/list block. Every card's words are words of the
-turns its span names (:func:`grounding` is 100% on both bundled samples): cards are cut and joined from the
+turns its span names (:func:`.llm_cards.grounding` is 100% on both bundled samples): cards are cut and joined from the
 turns' own text, never rewritten. On the LongMemEval-S sample: 16.9 cards per session instead of 56 (v2), a
 quarter of v2's encoder input tokens (611,394 against 2,450,385).
 
@@ -53,7 +53,7 @@ Types (first rule that matches): ``interaction`` for code/list cards and assista
 likes/loves/enjoys/prefers/favourite/hates; ``event`` when the card holds a time expression or an event verb
 (went, visited, attended, joined, started, ...); ``state`` for "I am/I'm/I have/I feel/currently/these days";
 ``fact`` otherwise. ``time`` is the card's first time expression ("yesterday", "last week", "two weeks ago",
-"2022"), lower-cased; null means the session's date. :func:`resolve_time` turns it into a date or a phrase
+"2022"), lower-cased; null means the session's date. :func:`.times.resolve_time` turns it into a date or a phrase
 against the session date of the history being read ("yesterday" on 8 May 2023 -> "7 May 2023").
 """
 

@@ -126,7 +126,7 @@ def card_problem(where: str, text: str, span: tuple[int, int], turns: Sequence[T
                                 f"sentence {first[sent] + 1} again); a card states a fact once")
         first.setdefault(sent, i)
     if text_chars is not None and len(text) >= text_chars and not _SENTENCE_END_RE.search(text):
-        return "cut-off", (f"{where}.text stops mid-sentence at its {text_chars}-character limit; a card is a "
+        return "cut-off", (f"{where}.text ends mid-sentence at its {text_chars}-character limit; a card is a "
                            "whole statement")
     parts = clauses(text)
     for i, part in enumerate(parts):

@@ -28,7 +28,7 @@ from .test_justmem_llm_replies import _two_sessions
 TURNS_PER_SESSION = 3
 #: what ``validate_cards`` may still reject in a schema-valid reply
 SEMANTIC_PROBLEMS = ("is not grounded in turns", "holds no content words", "is after turn_end",
-                     "repeats a sentence", "stops mid-sentence")
+                     "repeats a sentence", "ends mid-sentence")
 
 
 def _short_sessions() -> list[dict]:

@@ -66,7 +66,7 @@ def test_repeated_and_cut_off_cards_are_invalid() -> None:
                                 "states a fact once")
     cut = ("Caroline went to the LGBTQ support group yesterday and the stories were so inspiring and so " * 3)
     cut = cut[:LLM_CARD_TEXT_CHARS]
-    assert _problem(cut) == (f"cards[0].text stops mid-sentence at its {LLM_CARD_TEXT_CHARS}-character limit; a card "
+    assert _problem(cut) == (f"cards[0].text ends mid-sentence at its {LLM_CARD_TEXT_CHARS}-character limit; a card "
                              "is a whole statement")
     # a card as long as its limit that ends a sentence is whole; without the schema's limit nothing is cut off
     whole = cut[:LLM_CARD_TEXT_CHARS - 1] + "."
