@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pyarrow as pa
@@ -12,6 +13,8 @@ from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.justmem import current_cards, justmem_enabled, justmem_model, session_cards
 from memgas.jobs.units import even_chunks
 from memgas.pipeline.errors import LLMCallsFailed
+
+log = logging.getLogger(__name__)
 
 
 def _this_config(ctx: StageContext) -> pa.Table:
@@ -59,6 +62,11 @@ class CardsStage(Stage):
             have = set(bank.read("cards", ["session_hash"], filter=pc.field("extractor") == keys.cards_key(ctx))
                        ["session_hash"].to_pylist())
         missing = [h for h in sessions if h not in have]
+        from memgas.jobs.preflight import llm_extractor_estimate  # (preflight imports the stages)
+
+        says = llm_extractor_estimate(ctx.cfg, (ctx.resolved.get("llm") or {}).get("device"), len(missing))
+        if says:
+            log.warning("%s", says)
         kind = (bank.manifest.get("datasets") or [{}])[-1].get("format")
         return [{"size": len(b), "kind": kind, "sessions": b} for b in even_chunks(missing, ctx.cfg.ray.generate_unit)]
 
@@ -80,6 +88,8 @@ class CardsStage(Stage):
                                        temperature=params["temperature"], seed=params["seed"])}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
+        from memgas.pipeline.justmem.extract import dropped_cards
+
         failed = _failed_sessions(ctx)
         # the card stages after this one would rank and read without these sessions: stop; the next run retries
         stop = LLMCallsFailed(f"cards: {failed} sessions failed in the LLM backend (no cards stored for them); "
@@ -91,6 +101,8 @@ class CardsStage(Stage):
                 "prompt_tokens": int(pc.sum(mine["prompt_tokens"]).as_py() or 0),
                 "completion_tokens": int(pc.sum(mine["completion_tokens"]).as_py() or 0),
                 "fallbacks": len(set(mine.filter(pc.is_valid(mine["fallback"]))["session_hash"].to_pylist())),
+                # the LLM's cards that failed a check (ungrounded, repeated, cut off) in replies kept otherwise
+                "dropped_cards": dropped_cards(mine),
                 "llm_failures": failed, "unfinished": failed, "stop": stop}
 
 

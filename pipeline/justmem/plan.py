@@ -32,7 +32,7 @@ from the question's own words; v2): (1) the entity view, a statement in the card
 how cards read; (2) the time view ("<constraints>: <subject> <content words>") when the question has a time
 constraint, else the keyword view (entities and content words). They are built for every question, so the
 fixed Compose profile has them; the adaptive profile uses them only when d = 1. Retrieval
-(:mod:`.retrieve`) reads the entities, the time constraints (:func:`time_interval`) and the operation too;
+(:mod:`.retrieve`) reads the entities, the time constraints (:func:`.times.time_interval`) and the operation too;
 terms fed back from the top cards (RM3) are found there, as they need the cards.
 """
 
@@ -45,14 +45,14 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import date, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
 
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import JustMemConfig
-from memgas.pipeline.justmem.extract import _MONTHS, _NUM, _WEEKDAYS, _WORDNUM, content_words, find_time
+from memgas.pipeline.justmem.text import content_words
+from memgas.pipeline.justmem.times import _PAST_RE, find_time
 from memgas.pipeline.justmem.structured import (
     BUDGET_CHARS_PER_TOKEN,
     BUDGET_WHITESPACE_TOKENS,
@@ -230,133 +230,6 @@ def plan_llm_free(question: str, n_rewrites: int) -> Plan:
     f = bool(_FIDELITY.search(q))
     ents, cons = question_entities(question), question_constraints(question)
     return Plan(ents, cons, op, d, f, rule_rewrites(question, ents, cons, n_rewrites))
-
-
-# --------------------------------------------------------------------------------------------------
-# time constraints as day intervals (read by retrieval)
-# --------------------------------------------------------------------------------------------------
-
-#: an interval of days (``date.toordinal()``), both ends included
-DayInterval = tuple[int, int]
-_MONTH_NO = {m: i + 1 for i, m in enumerate(_MONTHS.split("|"))}
-_WEEKDAY_NO = {d: i for i, d in enumerate(_WEEKDAYS.split("|"))}
-_YEAR = r"((?:19|20)\d\d)"
-_MDY_RE = re.compile(rf"\b({_MONTHS})\s+(\d{{1,2}})(?:st|nd|rd|th)?,?\s+{_YEAR}\b")
-_DMY_RE = re.compile(rf"\b(\d{{1,2}})(?:st|nd|rd|th)?\s+(?:of\s+)?({_MONTHS}),?\s+{_YEAR}\b")
-_MY_RE = re.compile(rf"\b({_MONTHS}),?\s+{_YEAR}\b")
-# a bare "may" is mostly the verb: a month name alone counts except "may"
-_M_RE = re.compile(rf"\b({_MONTHS.replace('may|', '')})\b")
-_Y_RE = re.compile(rf"\b{_YEAR}\b")
-_AGO_RE = re.compile(rf"\b({_NUM})\s+(day|week|month|year)s?\s+ago\b")
-_PAST_RE = re.compile(rf"\b(?:past|last)\s+({_NUM})\s+(day|week|month|year)s\b")
-_LAST_WEEKDAY_RE = re.compile(rf"\blast\s+({_WEEKDAYS})\b")
-#: days each unit spans, and the slack either side of "N units ago" (people round)
-_UNIT_DAYS = {"day": 1, "week": 7, "month": 30, "year": 365}
-_AGO_SLACK = {"day": 1, "week": 3, "month": 15, "year": 0}
-#: "recently" and "the other day": the last month and the last week before now
-_RECENT_DAYS, _OTHER_DAY_DAYS = 31, 7
-_OPEN = (1, date.max.toordinal())
-
-
-def _month(year: int, month: int) -> DayInterval:
-    last = (date(year + month // 12, month % 12 + 1, 1) - timedelta(days=1)).day
-    return date(year, month, 1).toordinal(), date(year, month, last).toordinal()
-
-
-def _year(year: int) -> DayInterval:
-    return date(year, 1, 1).toordinal(), date(year, 12, 31).toordinal()
-
-
-def _number(word: str) -> int:
-    return int(word) if word.isdigit() else _WORDNUM.get(word, 0)
-
-
-def _absolute(t: str, now: date | None) -> DayInterval | None:
-    for rx, order in ((_MDY_RE, "mdy"), (_DMY_RE, "dmy")):
-        m = rx.search(t)
-        if m:
-            a, b, y = m.groups()
-            mon, day = (a, b) if order == "mdy" else (b, a)
-            try:
-                d = date(int(y), _MONTH_NO[mon], int(day)).toordinal()
-            except ValueError:
-                continue
-            return d, d
-    m = _MY_RE.search(t)
-    if m:
-        return _month(int(m.group(2)), _MONTH_NO[m.group(1)])
-    m = _Y_RE.search(t)
-    if m:
-        return _year(int(m.group(1)))
-    m = _M_RE.search(t)
-    if m and now is not None:  # a month without a year: its latest occurrence up to now
-        mon = _MONTH_NO[m.group(1)]
-        return _month(now.year if mon <= now.month else now.year - 1, mon)
-    return None
-
-
-def _relative(t: str, now: date) -> DayInterval | None:
-    n0 = now.toordinal()
-    if re.search(r"\b(?:yesterday|last night)\b", t):
-        return n0 - 1, n0 - 1
-    if re.search(r"\b(?:today|tonight|this (?:morning|afternoon|evening))\b", t):
-        return n0, n0
-    m = _AGO_RE.search(t)
-    if m:
-        n, unit = _number(m.group(1)), m.group(2)
-        if unit == "year":
-            return _year(now.year - n)
-        mid = n0 - n * _UNIT_DAYS[unit]
-        return mid - _AGO_SLACK[unit], mid + _AGO_SLACK[unit]
-    m = _PAST_RE.search(t)
-    if m:
-        return n0 - _number(m.group(1)) * _UNIT_DAYS[m.group(2)], n0
-    m = _LAST_WEEKDAY_RE.search(t)
-    if m:
-        back = (now.weekday() - _WEEKDAY_NO[m.group(1)] - 1) % 7 + 1  # strictly before today
-        return n0 - back, n0 - back
-    if re.search(r"\blast week(?:end)?\b", t):
-        return n0 - 14, n0 - 1
-    if re.search(r"\bthis week\b", t):
-        return n0 - 7, n0
-    if re.search(r"\blast month\b", t):
-        first = now.replace(day=1) - timedelta(days=1)
-        return _month(first.year, first.month)
-    if re.search(r"\bthis month\b", t):
-        return _month(now.year, now.month)
-    if re.search(r"\blast year\b", t):
-        return _year(now.year - 1)
-    if re.search(r"\bthis year\b", t):
-        return _year(now.year)
-    if re.search(r"\brecent(?:ly)?\b", t):
-        return n0 - _RECENT_DAYS, n0
-    if re.search(r"\bthe other day\b", t):
-        return n0 - _OTHER_DAY_DAYS, n0
-    return None
-
-
-def time_interval(text: str, now: date | datetime | None) -> DayInterval | None:
-    """The days a time expression covers, or None when it names no date: explicit dates, months and years
-    ("October 13, 2023", "13 October 2023", "July 2023", "in June", "2022"), and, when ``now`` is known
-    (the question's date, or the session date for a card's own time), relative ones ("yesterday",
-    "last Saturday", "two weeks ago", "last month", "recently", "in the past three months"). "before /
-    after / since / until <date>" open the interval on one side ("before today": every day before now).
-    A month without a year is its latest occurrence up to ``now``."""
-    t = " ".join(text.lower().split())
-    if isinstance(now, datetime):
-        now = now.date()
-    m = re.match(r"^(before|after|since|until)\s+(.+)$", t)
-    if m:
-        inner = time_interval(m.group(2), now)
-        if inner is None:
-            return None
-        lo, hi = inner
-        op = m.group(1)
-        return (_OPEN[0], lo - 1) if op in ("before", "until") else ((hi + 1 if op == "after" else lo), _OPEN[1])
-    got = _absolute(t, now)
-    if got is None and now is not None:
-        got = _relative(t, now)
-    return got
 
 
 # --------------------------------------------------------------------------------------------------

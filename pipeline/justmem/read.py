@@ -18,12 +18,9 @@ from typing import Any
 import pyarrow as pa
 from memgas.pipeline.accounting import TokenLedger
 from memgas.pipeline.config import ReadingConfig
-from memgas.pipeline.justmem.extract import (
-    Turn,
-    fmt_date,
-    resolve_time,
-    turns_by_session,
-)
+from memgas.pipeline.justmem.extract import turns_by_session
+from memgas.pipeline.justmem.text import Turn
+from memgas.pipeline.justmem.times import fmt_date, resolve_time
 from memgas.pipeline.llm_calls import generate_batch
 from memgas.pipeline.models.base import LLM, ChatPrompt, SamplingParams
 from memgas.pipeline.prompts import justmem_answer_prompt, justmem_card_line

@@ -14,7 +14,7 @@ All cards of all sessions of a history compete (several cards of one session may
   same reading budget).
 * **The plan's fields** (every profile, when the caller gives the plans):
   - *entities*: the lexical score is BM25(question) + ``justmem.entity_weight`` x BM25(the entities);
-  - *time constraints*: resolved to days (:func:`~memgas.pipeline.justmem.plan.time_interval`); relative ones
+  - *time constraints*: resolved to days (:func:`~memgas.pipeline.justmem.times.time_interval`); relative ones
     ("recently", "last week", a month without a year) only against the question's own date (LongMemEval's):
     LoCoMo's questions have none, and anchoring them at the last session lost 0.45 R_all@5 there (they
     say "recently" from the evidence session's point of view); a card is about its own time (resolved against
@@ -55,8 +55,9 @@ import numpy as np
 import pyarrow as pa
 
 from memgas.pipeline.config import JustMemConfig
-from memgas.pipeline.justmem.extract import content_words
-from memgas.pipeline.justmem.plan import Plan, profile_for, time_interval
+from memgas.pipeline.justmem.plan import Plan, profile_for
+from memgas.pipeline.justmem.text import content_words
+from memgas.pipeline.justmem.times import time_interval
 from memgas.pipeline.methods import JUSTMEM_METHOD_NAMES
 
 #: Reciprocal-rank fusion constant (Cormack et al., 2009: 60).
@@ -82,7 +83,7 @@ class HistoryCards:
     types: list[str] = field(default_factory=list)
     times: list[str | None] = field(default_factory=list)
     #: int64 [C, 2]: the days (``date.toordinal()``, both ends included) each card is about: its own time
-    #: (:func:`~memgas.pipeline.justmem.plan.time_interval` against its session's date), else its session's
+    #: (:func:`~memgas.pipeline.justmem.times.time_interval` against its session's date), else its session's
     #: date; (-1, -1) when neither is known. Empty when the caller gave no dates (time constraints then
     #: select nothing).
     days: np.ndarray | None = None

@@ -18,13 +18,8 @@ import pytest
 
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
-from memgas.pipeline.justmem.extract import (
-    LLM_FREE_EXTRACTOR,
-    card_budget,
-    extract_cards,
-    session_cards_schema,
-    turns_by_session,
-)
+from memgas.pipeline.justmem.extract import LLM_FREE_EXTRACTOR, extract_cards, turns_by_session
+from memgas.pipeline.justmem.llm_cards import card_budget, session_cards_schema
 from memgas.pipeline.models.llms import SMOLLM2_NAME
 
 from .conftest import REPO
@@ -32,7 +27,8 @@ from .test_justmem_llm_replies import _two_sessions
 
 TURNS_PER_SESSION = 3
 #: what ``validate_cards`` may still reject in a schema-valid reply
-SEMANTIC_PROBLEMS = ("is not grounded in turns", "holds no content words", "is after turn_end")
+SEMANTIC_PROBLEMS = ("is not grounded in turns", "holds no content words", "is after turn_end",
+                     "repeats a sentence", "ends mid-sentence")
 
 
 def _short_sessions() -> list[dict]:

@@ -15,7 +15,7 @@ from memgas.pipeline.evaluate.evidence import (
     evidence_recall,
     score_evidence,
 )
-from memgas.pipeline.justmem.extract import Turn
+from memgas.pipeline.justmem.text import Turn
 from memgas.pipeline.justmem.read import ReadCard, fit_cards, reading_prompt
 from memgas.pipeline.read import build_context, context_turn_keys
 

@@ -7,14 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from memgas.pipeline.justmem.extract import (
-    LLM_FREE_EXTRACTOR,
-    Card,
-    Turn,
-    extract_llm_free,
-    grounding,
-    turns_by_session,
-)
+from memgas.pipeline.justmem.extract import LLM_FREE_EXTRACTOR, extract_llm_free, turns_by_session
+from memgas.pipeline.justmem.llm_cards import grounding
+from memgas.pipeline.justmem.text import Card, Turn
 
 REPO = Path(__file__).resolve().parents[3]
 LME_SAMPLE = REPO / "data" / "sample" / "longmemeval_s_sample3.json"

@@ -15,29 +15,29 @@ from memgas.pipeline.hashing import text_hash
 from memgas.pipeline.data.locomo import CAPTION_SEP
 from memgas.pipeline.justmem import structured
 from memgas.pipeline.justmem.extract import (
-    CARD_TEXT_LIMIT,
     LLM_FREE_EXTRACTOR,
+    LLM_EXTRACTOR_VERSION,
+    card_id,
+    extract_cards,
+    extract_llm_free,
+    extractor_key,
+    turns_by_session,
+)
+from memgas.pipeline.justmem.llm_cards import (
     MAX_CARDS_PER_SESSION,
     MIN_GROUNDED_SHARE,
     LLM_CARD_TEXT_CHARS,
     LLM_CARD_TIME_CHARS,
-    LLM_EXTRACTOR_VERSION,
-    Card,
     CardBudget,
-    Turn,
     card_budget,
-    card_id,
     cards_json_schema,
-    extract_cards,
-    extract_llm_free,
-    extractor_key,
     grounding,
-    resolve_time,
     session_cards_schema,
-    turns_by_session,
     validate_cards,
 )
 from memgas.pipeline.justmem.structured import InvalidOutput
+from memgas.pipeline.justmem.text import CARD_TEXT_LIMIT, Card, Turn
+from memgas.pipeline.justmem.times import resolve_time
 from memgas.pipeline.models.base import GenerationResult
 from memgas.pipeline.schema import CARD_TYPES, CARDS, KEYS, TABLES
 
@@ -436,7 +436,7 @@ def test_sessions_with_different_turns_get_their_own_schema() -> None:
 
 def test_the_extractor_key_names_the_prompt_and_the_schema() -> None:
     key = extractor_key(_llm_cfg(), "m")
-    assert f"|{LLM_EXTRACTOR_VERSION}|" in key and "cards-schema-v2-" in LLM_EXTRACTOR_VERSION
+    assert f"|{LLM_EXTRACTOR_VERSION}|" in key and "cards-schema-v3-" in LLM_EXTRACTOR_VERSION
 
 
 def test_the_extraction_prompt_names_the_speakers_as_subjects() -> None:

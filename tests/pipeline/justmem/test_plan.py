@@ -25,12 +25,12 @@ from memgas.pipeline.justmem.plan import (
     plan_llm_free,
     plan_queries,
     planner_key,
-    time_interval,
     plans_from_table,
     profile_for,
     validate_plan,
 )
 from memgas.pipeline.justmem.structured import InvalidOutput
+from memgas.pipeline.justmem.times import time_interval
 from memgas.pipeline.schema import KEYS, PLANS, TABLES
 
 from .conftest import FakeLLM

@@ -11,8 +11,9 @@ import json
 import jsonschema
 import pytest
 
-from memgas.pipeline.justmem.extract import Turn, card_budget, session_cards_schema
+from memgas.pipeline.justmem.llm_cards import card_budget, session_cards_schema
 from memgas.pipeline.justmem.plan import plan_json_schema, validate_plan
+from memgas.pipeline.justmem.text import Turn
 from memgas.pipeline.models.base import SamplingParams
 from memgas.pipeline.models.openai_http import OpenAIHTTPLLM
 from memgas.pipeline.models.server import serve_in_thread
