@@ -14,7 +14,7 @@ Stages that a command does not run impose nothing: ``answer`` never loads the en
 vectors), ``index`` never the reader.
 
 A setting that works but takes hours is said, not refused: JustMem's LLM extractor on a CPU backend
-(:func:`llm_extractor_estimate`, logged by the cards stage once it knows how many sessions it will extract,
+(:func:`memgas.pipeline.justmem.llm_estimate.llm_extractor_estimate`, logged by the cards stage once it knows how many sessions it will extract,
 before the first of them) is a correctness check at this machine's speed, not a way to extract a dataset.
 """
 
@@ -197,36 +197,3 @@ def check_cluster(cfg: MemgasConfig, command: Command) -> None:
             require_gpus(f"stage {stage.name}", num_gpus(stage, active, ctx), TASK_GPU_HINT)
         else:
             require_gpus(f"stage {stage.name} ({stage.model} actors)", num_gpus(stage, active, ctx), ACTOR_GPU_HINT)
-
-
-#: Seconds per generated token of the bundled CPU LLM (SmolLM2-135M-Instruct GGUF on the transformers backend,
-#: float32, the JSON schema enforced while decoding) on an extraction prompt, as measured in docs/models.md
-#: ("JustMem's LLM extractor on CPU") on this project's 2-core machine, shared (load average about 15).
-CPU_LLM_SECONDS_PER_TOKEN = 2.2
-#: The LLM backends that compute on this machine's CPU (the rate above applies to them)
-CPU_LLM_BACKENDS = ("transformers-gguf", "hf", "llama-cpp")
-#: An extraction estimated to take longer than this is said before it starts
-SAY_ESTIMATE_ABOVE_S = 300.0
-
-
-def _duration(seconds: float) -> str:
-    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.0f} min"
-
-
-def llm_extractor_estimate(cfg: MemgasConfig, llm_device: str | None, sessions: int) -> str | None:
-    """The line a run logs before JustMem's LLM extractor starts on ``sessions`` sessions, when it runs on this
-    machine's CPU and is estimated to take more than ``SAY_ESTIMATE_ABOVE_S``; None otherwise. The estimate:
-    sessions x ``justmem.extract_max_tokens`` (a reply the schema budgets up to that many tokens, and a small
-    model's reply mostly runs to the budget) x ``CPU_LLM_SECONDS_PER_TOKEN``; a repair call adds up to as much
-    again. A model other than the bundled one (bigger, so slower) makes it a lower bound."""
-    llm = cfg.llm
-    if cfg.justmem.extractor != "llm" or llm.backend not in CPU_LLM_BACKENDS or llm_device != "cpu" or sessions <= 0:
-        return None
-    seconds = sessions * cfg.justmem.extract_max_tokens * CPU_LLM_SECONDS_PER_TOKEN
-    if seconds <= SAY_ESTIMATE_ABOVE_S:
-        return None
-    about = "about" if llm.model == "smollm2" else "at least"
-    return (f"cards: the LLM extractor ({llm.backend} {llm.model} on CPU) will take {about} {_duration(seconds)}"
-            f" for {sessions} sessions on this machine ({cfg.justmem.extract_max_tokens} output "
-            f"tokens each at {CPU_LLM_SECONDS_PER_TOKEN} s per token, docs/models.md): on CPU it is a correctness "
-            "check; justmem.extractor=llm-free takes seconds, an LLM on a GPU (llm.backend=vllm) minutes")

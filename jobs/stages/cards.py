@@ -13,6 +13,7 @@ from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.justmem import current_cards, justmem_enabled, justmem_model, session_cards
 from memgas.jobs.units import even_chunks
 from memgas.pipeline.errors import LLMCallsFailed
+from memgas.pipeline.justmem.llm_estimate import llm_extractor_estimate
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,6 @@ class CardsStage(Stage):
             have = set(bank.read("cards", ["session_hash"], filter=pc.field("extractor") == keys.cards_key(ctx))
                        ["session_hash"].to_pylist())
         missing = [h for h in sessions if h not in have]
-        from memgas.jobs.preflight import llm_extractor_estimate  # (preflight imports the stages)
-
         says = llm_extractor_estimate(ctx.cfg, (ctx.resolved.get("llm") or {}).get("device"), len(missing))
         if says:
             log.warning("%s", says)

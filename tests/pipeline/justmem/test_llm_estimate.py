@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from memgas.jobs.placement import resolve_stage_runtimes
-from memgas.jobs.preflight import CPU_LLM_SECONDS_PER_TOKEN, SAY_ESTIMATE_ABOVE_S, llm_extractor_estimate
+from memgas.pipeline.justmem.llm_estimate import CPU_LLM_SECONDS_PER_TOKEN, SAY_ESTIMATE_ABOVE_S, llm_extractor_estimate
 from memgas.jobs.stage import StageContext
 from memgas.jobs.stages.cards import CardsStage
 from memgas.pipeline.config import MemgasConfig
