@@ -1,14 +1,12 @@
 """Append a dataset file to an existing memory bank (``memgas ingest --append``): new sessions of known
 histories, new histories and new questions, committed atomically as new ingest parts beside the old ones.
 
-Importable from :mod:`memgas.pipeline.ingest` too (``from memgas.pipeline.ingest import append``), which
-holds the chunk buffer and row dedup an append shares with an ingest.
+Importable from :mod:`memgas.pipeline.ingest` too (``from memgas.pipeline.ingest import append``); the chunk
+buffer and row dedup an append shares with an ingest are in :mod:`memgas.pipeline.ingest_rows`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import sys
 import time
@@ -24,9 +22,16 @@ from memgas.pipeline import faults
 from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank
 from memgas.pipeline.data import loader
 from memgas.pipeline.data.common import HistoryRecord, Warnings
+from memgas.pipeline.dataset_history import (
+    APPEND_KIND,
+    appends_of,
+    dataset_digest,
+    ingest_history,
+    rebuild_commands_of,
+)
 from memgas.pipeline.errors import BankError, DataError
 from memgas.pipeline.hashing import file_sha256
-from memgas.pipeline.ingest import APPEND_KIND, IngestInterrupted, _add_rows, _check_args, _Chunk
+from memgas.pipeline.ingest_rows import IngestInterrupted, _add_rows, _check_args, _Chunk
 from memgas.pipeline.locks import locked
 from memgas.pipeline.schema import KEYS, schema_for
 
@@ -342,32 +347,10 @@ def append(
     return summary
 
 
-# -- the bank's data: one ingest and the appends after it ---------------------------------------------------
-#: what of a manifest ``datasets`` entry decides the rows it gave (not its path: the same file elsewhere is
-#: the same data)
-_IDENTITY_FIELDS = ("kind", "sha256", "format", "limit", "strict", "allow_reorder")
-
-
-def ingest_history(datasets: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The manifest ``datasets`` entries the bank's data was built from, in order: the last ingest (an
-    entry without ``kind``) and the appends after it."""
-    base = max((i for i, d in enumerate(datasets) if d.get("kind") != APPEND_KIND), default=0)
-    return datasets[base:]
-
-
+# -- the bank's data: one ingest and the appends after it (memgas.pipeline.dataset_history) ----------------
 def appended_files(bank: Bank) -> list[dict[str, Any]]:
     """The appends in the bank's ingest history (empty for a bank ingested from one file)."""
-    return [d for d in ingest_history(bank.manifest.get("datasets") or []) if d.get("kind") == APPEND_KIND]
-
-
-def dataset_digest(datasets: list[dict[str, Any]]) -> str | None:
-    """The ``sha256`` of :func:`dataset_identity` from the manifest's ``datasets`` alone (cheap: the
-    fingerprints hash it): the file's sha256 for a bank from one file, else a digest of the ingest history."""
-    history = ingest_history(datasets)
-    if len(history) <= 1:
-        return history[0].get("sha256") if history else None
-    key = [{f: d.get(f) for f in _IDENTITY_FIELDS} for d in history]
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    return appends_of(bank.manifest.get("datasets") or [])
 
 
 def dataset_identity(bank: Bank) -> dict[str, Any]:
@@ -390,17 +373,8 @@ def dataset_identity(bank: Bank) -> dict[str, Any]:
 
 
 def rebuild_commands(bank: Bank) -> str:
-    """The commands that build the bank's data again from its files: ``memgas ingest`` of its base file,
-    then one ``--append`` per appended file, in order (an ingested dataset cannot be rebuilt from the bank)."""
-    history = ingest_history(bank.manifest.get("datasets") or []) or [{}]
-    base = history[0]
-    limit = f" --limit {base['limit']}" if base.get("limit") is not None else ""
-    replace = " --replace" if len(history) > 1 else ""  # a plain ingest refuses to replace a grown bank
-    cmds = [f"memgas ingest {base.get('path', 'FILE')} --format {base.get('format', 'F')}{limit}"
-            f"{' --strict' if base.get('strict') else ''}{replace} --out {bank.path}"]
-    cmds += [f"memgas ingest {d.get('path')} --format {d.get('format')} --append{' --strict' if d.get('strict') else ''}"
-             f"{' --allow-reorder' if d.get('allow_reorder') else ''} --out {bank.path}" for d in history[1:]]
-    return ", then ".join(cmds)
+    """The commands that build the bank's data again from its files (:func:`rebuild_commands_of`)."""
+    return rebuild_commands_of(bank.manifest.get("datasets") or [], bank.path)
 
 
 def _append_rows(rec: HistoryRecord, hrow: dict[str, Any], n_new: int, chunk: _Chunk, counts: dict[str, int],
