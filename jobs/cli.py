@@ -214,6 +214,9 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 
     if args.allow_reorder and not args.append:
         raise MemgasError("--allow-reorder goes with --append")
+    if args.replace and args.append:  # one adds to the bank's dataset, the other starts it over
+        raise MemgasError("--replace does not go with --append: --append adds the file to the bank, --replace "
+                          "starts the bank over with it")
     if args.append:
         if args.limit is not None:
             raise MemgasError("--limit does not go with --append (an append takes the whole file)")
@@ -235,7 +238,8 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         return 0
     if not args.replace:
         _refuse_to_replace_appends(args.out, args.file)
-    summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit, progress=not args.quiet)
+    summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit, progress=not args.quiet,
+                     replace=args.replace)
     _show(json.dumps(summary, indent=2, default=str) if args.verbose else _ingest_line(summary, args.out))
     return 0
 

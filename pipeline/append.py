@@ -73,6 +73,21 @@ class _BankState:
                 for t in ("turns", "pairs")])),
         }
 
+    def load_marks(self, bank: Bank, hashes: set[str]) -> None:
+        """Read the stored evidence marks (``has_answer``, ``dia_id`` of each turn) of the sessions ``hashes``
+        (a batch's sessions that the bank holds), for :meth:`marks`: one pass over ``turns`` per batch."""
+        self._marks: dict[str, list[tuple[int, bool | None, str | None]]] = {}
+        if not hashes:
+            return
+        t = bank.read("turns", ["session_hash", "turn_index", "has_answer", "dia_id"], batch_rows=1 << 16,
+                      filter=pc.field("session_hash").isin(pa.array(sorted(hashes), pa.string())))
+        for h, i, mark, dia in zip(*(t[c].to_pylist() for c in t.column_names)):
+            self._marks.setdefault(h, []).append((i, mark, dia))
+
+    def marks(self, session_hash: str) -> list[tuple[int, bool | None, str | None]]:
+        """``(turn index, has_answer, dia_id)`` of a stored session's turns, in turn order."""
+        return sorted(set(self._marks.get(session_hash, [])))
+
     def sessions_of(self, history_id: str) -> pa.Table | None:
         """The committed sessions of a history in position order (None: it has none)."""
         span = self._span.get(history_id)
@@ -141,6 +156,22 @@ def _same_session(old: dict[str, Any], new: dict[str, Any]) -> bool:
     date would silently keep the old one (issue 31), so it is "other content" like changed text."""
     place = {"history_id": "", "position": 0}
     return _same_row("sessions", {**old, **place}, {**new, **place})
+
+
+def _same_marks(rec: HistoryRecord, old: pa.Table, state: _BankState, path: Path) -> None:
+    """A session re-sent under a known id of its history carries the evidence marks stored with it
+    (``has_answer`` and ``dia_id`` of every turn): other marks would be dropped silently, since the turns of
+    a stored session are never written again, so they are "other content" like changed text."""
+    stored = dict(zip(old["session_id"].to_pylist(), old["text_hash"].to_pylist()))
+    for s in rec.sessions:
+        if stored.get(s["session_id"]) != s["text_hash"]:  # new, or other text (refused by _merge_history)
+            continue
+        sent = sorted({(t["turn_index"], t["has_answer"], t["dia_id"]) for t in rec.turns
+                       if t["session_hash"] == s["text_hash"]})
+        if sent != state.marks(s["text_hash"]):
+            raise DataError(str(path), f"session {s['session_id']!r} is already in history {rec.history_id!r} "
+                            "with other has_answer or dia_id marks on its turns (an append adds sessions, it "
+                            "never changes one)", index=rec.index, record_id=rec.history_id)
 
 
 def _merge_history(rec: HistoryRecord, old: pa.Table, allow_reorder: bool, path: Path
@@ -267,7 +298,9 @@ def append(
             def records() -> Iterator[HistoryRecord]:
                 for batch in _batches(loader(fmt)(p, warnings), chunk_histories, chunk_chars):
                     seen_texts.update(state.held("texts", {h for r in batch for h in r.texts}))
-                    seen_sessions.update(state.held("sessions", {s["text_hash"] for r in batch for s in r.sessions}))
+                    held = state.held("sessions", {s["text_hash"] for r in batch for s in r.sessions})
+                    seen_sessions.update(held)
+                    state.load_marks(bank, {h.hex() for h in held})
                     yield from batch
 
             for rec in records():
@@ -291,6 +324,7 @@ def append(
                     sessions, from_pos = list(rec.sessions), None
                     hrow = rec.history_row()
                 else:
+                    _same_marks(rec, old, state, p)
                     sessions, from_pos = _merge_history(rec, old, allow_reorder, p)
                     hrow = dict(state.histories[rec.history_id])
                 n_old = 0 if old is None else pc.count_distinct(old["session_id"]).as_py()

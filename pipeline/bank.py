@@ -135,7 +135,7 @@ class Bank(Compacting, IngestCommits):
     Compaction (:mod:`memgas.pipeline.bank_compact`) and the ingest commits
     (:mod:`memgas.pipeline.bank_ingest`) are its mixins."""
 
-    def __init__(self, path: str | Path, *, _create: bool = False) -> None:
+    def __init__(self, path: str | Path, *, _create: bool = False, _replace: bool = False) -> None:
         self.path = Path(path)
         self._mcache: tuple[tuple[int, int, int], dict[str, Any]] | None = None
         manifest = self.path / MANIFEST
@@ -143,8 +143,8 @@ class Bank(Compacting, IngestCommits):
             if self.path.exists() and not self.path.is_dir():
                 raise BankError(f"{self.path}: exists and is not a directory")
             self.path.mkdir(parents=True, exist_ok=True)
-            if not manifest.exists():
-                atomic_write_json(
+            if not manifest.exists() or (_replace and self._manifest_problem() is not None):
+                atomic_write_json(  # a rename: replaces a FIFO or a symlink itself, never writes through it
                     manifest,
                     {
                         "schema_version": SCHEMA_VERSION,
@@ -157,10 +157,13 @@ class Bank(Compacting, IngestCommits):
                     },
                     point="bank:manifest",
                 )
-        if not manifest.is_file():
+        if not manifest.exists():  # symlinks followed, nothing opened: a FIFO or /dev/zero is not waited on
             what = "no such directory" if not self.path.exists() else (
                 "not a directory" if not self.path.is_dir() else f"no {MANIFEST}")
             raise BankError(f"{self.path}: not a memory bank ({what}); create one with `memgas ingest`")
+        problem = self._manifest_problem()
+        if problem is not None:  # there but unreadable (a FIFO, a device, a folder, not JSON): say so
+            raise BankError(f"{problem}; start the bank over with `memgas ingest FILE --replace --out {self.path}`")
         version = self.manifest.get("schema_version")
         if version != SCHEMA_VERSION:
             raise BankError(
@@ -169,8 +172,18 @@ class Bank(Compacting, IngestCommits):
             )
 
     @classmethod
-    def create(cls, path: str | Path) -> Bank:
-        return cls(path, _create=True)
+    def create(cls, path: str | Path, *, replace: bool = False) -> Bank:
+        """Open the bank at ``path``, making an empty one when it has no manifest; ``replace``: also when its
+        manifest cannot be read (``memgas ingest --replace`` starts such a bank over)."""
+        return cls(path, _create=True, _replace=replace)
+
+    def _manifest_problem(self) -> str | None:
+        """Why the manifest that is there cannot be read (one line), or None when it reads."""
+        try:
+            self._manifest()
+        except BankError as exc:
+            return str(exc)
+        return None
 
     # the writes of a part's file, for the mixins (module functions here: tests set ROW_GROUP_ROWS on this module)
     @staticmethod

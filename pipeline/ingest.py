@@ -93,6 +93,7 @@ def ingest(
     chunk_histories: int = 500,
     chunk_chars: int = 16 << 20,
     lock: bool = True,
+    replace: bool = False,
 ) -> dict[str, Any]:
     """Load ``path`` (format ``fmt``, or ``"auto"``) into the bank at ``bank_dir``; returns a summary.
 
@@ -103,6 +104,8 @@ def ingest(
     The bank's lock (:func:`memgas.pipeline.locks.locked`, the one ``memgas run`` takes) is held from
     before the first write to the end, so two ingests into one bank cannot interleave, and the cleanup of
     a failed first ingest can only ever remove what this call wrote. ``lock=False``: the caller holds it.
+``replace``: a bank whose manifest cannot be read (a FIFO, a symlink to a device, not JSON) is started
+over with a new manifest (``memgas ingest --replace``); without it such a bank is refused.
 
     Fault points: ``ingest:after-part`` (each staged part written), then the commit's
     (:meth:`Bank.commit_ingest`): ``ingest:before-commit``, ``ingest:after-commit``.
@@ -113,21 +116,21 @@ def ingest(
     fmt = _check_args(p, fmt, out, limit, chunk_histories, chunk_chars)
     if not lock:
         return _ingest(p, fmt, out, made=False, own_lock=False, strict=strict, limit=limit, progress=progress,
-                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0)
+                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0, replace=replace)
     made = _make_dir(out)
     with locked(out):
         return _ingest(p, fmt, out, made=made, own_lock=True, strict=strict, limit=limit, progress=progress,
-                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0)
+                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0, replace=replace)
 
 
 def _ingest(p: Path, fmt: str, out: Path, *, made: bool, own_lock: bool, strict: bool, limit: int | None,
-            progress: bool, chunk_histories: int, chunk_chars: int, t0: float) -> dict[str, Any]:
+            progress: bool, chunk_histories: int, chunk_chars: int, t0: float, replace: bool) -> dict[str, Any]:
     """The ingest proper, under the bank's lock. ``made``: this call created ``out``."""
     _check_out(out)  # again under the lock: another ingest may have written into it since the first check
     # decided under the lock, from what is there (not from whether the directory existed a moment ago:
     # another ingest may have created it and committed its bank in between)
     created = not (out / MANIFEST).exists()
-    bank = Bank.create(out)
+    bank = Bank.create(out, replace=replace)
     try:
         slot = bank.begin_ingest()
     except BaseException:

@@ -300,3 +300,37 @@ def test_an_append_writes_what_the_bank_lacks_once_in_any_batches(base: tuple[Pa
         assert s["counts"][t] == len(want)
     assert {r["history_id"]: r["n_sessions"] for r in b.read("histories").to_pylist()} == {"u1": 4, "u2": 1, "u3": 1,
                                                                                           "u4": 1}
+
+
+def test_a_known_session_with_other_has_answer_marks_is_refused(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """A session re-sent with other has_answer marks on its turns was "nothing to append" (exit 0) and kept
+    the old marks. Refused like changed text: one line, exit 2, the bank unchanged; the same marks re-sent
+    are still nothing to append."""
+    f0, bank = base
+    files = _files(bank)
+    s2 = _session("s2", "2024-02-01 10:00", "My cat is Tom.")
+    s2["turns"][0]["has_answer"] = True
+    f = _write(tmp_path / "marked.jsonl", [_record("u1", [s2])])
+    p = _append_cli(f, bank)
+    assert (p.returncode, p.stdout, p.stderr.strip()) == (2, "", (
+        f"memgas ingest: error: {f}: record 0 (id=u1): session 's2' is already in history 'u1' with other "
+        "has_answer or dia_id marks on its turns (an append adds sessions, it never changes one)"))
+    assert _files(bank) == files
+    p = _append_cli(f0, bank)
+    assert (p.returncode, p.stdout.strip()) == (
+        0, f"nothing to append to {bank}: every session and question of {f0} is there already"), p.stderr
+    assert _files(bank) == files
+
+
+def test_replace_and_append_together_are_refused(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """`ingest --replace --append` was accepted silently (an append): the pair asks for two opposite things.
+    An argument error (exit 2), the bank unchanged."""
+    _, bank = base
+    files = _files(bank)
+    f = _write(tmp_path / "more.jsonl", [_record("u3", [_session("v1", "2024-03-01 10:00", "I swim.")])])
+    p = subprocess.run([sys.executable, "-m", "memgas", "ingest", str(f), "--replace", "--append", "--out", str(bank)],
+                       capture_output=True, text=True)
+    assert (p.returncode, p.stdout, p.stderr.strip()) == (2, "", (
+        "memgas ingest: error: --replace does not go with --append: --append adds the file to the bank, "
+        "--replace starts the bank over with it"))
+    assert _files(bank) == files

@@ -334,3 +334,34 @@ def test_a_read_in_batches_equals_the_plain_read_and_embeddings_have_small_row_g
         for batch_rows in (1000, 8192):
             assert bank.read("embeddings", cols, filter=flt, batch_rows=batch_rows).equals(plain)
     assert bank.read("embeddings", cols, filter=pc.field("text_hash") == "none", batch_rows=64).num_rows == 0
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "symlink to /dev/zero"])
+def test_a_manifest_that_is_not_a_regular_file_is_named_and_replaced_by_ingest_replace(tmp_path: Path,
+                                                                                       kind: str) -> None:
+    """A manifest.json that is a FIFO or a symlink to /dev/zero made every command, `ingest --replace`
+    included, say "not a memory bank (no manifest.json)". Every command says what is wrong with it, at once
+    (never waiting on it); a plain ingest refuses it and `ingest --replace` starts the bank over."""
+    bank = tmp_path / "b"
+    ingest(SAMPLE3, "longmemeval", bank, progress=False)
+    want = _rows(Bank(bank), "queries")
+    manifest = bank / "manifest.json"
+    manifest.unlink()
+    os.mkfifo(manifest) if kind == "FIFO" else os.symlink("/dev/zero", manifest)
+
+    def memgas(*argv: str) -> tuple[int, str, str]:
+        try:
+            p = subprocess.run([sys.executable, "-m", "memgas", *argv], capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"memgas {argv[0]} waited on a manifest that is a {kind} for 60 s")
+        return p.returncode, p.stdout.strip(), p.stderr.strip()
+
+    why = "a FIFO" if kind == "FIFO" else "a device"
+    line = (f"{manifest}: corrupt manifest: not a regular file: {why}; start the bank over with "
+            f"`memgas ingest FILE --replace --out {bank}`")
+    assert memgas("stats", str(bank)) == (2, "", f"memgas stats: error: {line}")
+    ingest_argv = ["ingest", str(SAMPLE3), "--format", "longmemeval", "--out", str(bank), "-q"]
+    assert memgas(*ingest_argv) == (2, "", f"memgas ingest: error: {line}")
+    code, out, err = memgas(*ingest_argv, "--replace")
+    assert (code, err) == (0, ""), err
+    assert manifest.is_file() and not manifest.is_symlink() and _rows(Bank(bank), "queries") == want
