@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -127,6 +128,29 @@ def atomic_write_parquet(path: Path, table: pa.Table, *, point: str = "bank:writ
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+#: part markers parsed by this process, by (path, mtime, size, inode): a marker is read once while unchanged
+_MARKERS: dict[tuple[str, int, int, int], dict[str, Any] | None] = {}
+
+
+def _marker(path: Path) -> dict[str, Any] | None:
+    """A part's completion marker (a JSON object), or None: missing, not a regular file (never waited on),
+    or not a JSON object."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+    if key not in _MARKERS:
+        try:
+            info = json.loads(read_regular_bytes(path))
+        except (OSError, ValueError):
+            info = None
+        if len(_MARKERS) > 100_000:
+            _MARKERS.clear()
+        _MARKERS[key] = info if isinstance(info, dict) else None
+    return _MARKERS[key]
 
 
 class Bank(Compacting, IngestCommits):
@@ -242,7 +266,7 @@ class Bank(Compacting, IngestCommits):
         done = self._dir(name) / "_done"
         if not done.is_dir():
             return []
-        return sorted(p.stem for p in done.glob("*.json") if (self._dir(name) / f"{p.stem}.parquet").exists())
+        return sorted(p.stem for p in done.glob("*.json") if self.has_part(name, p.stem))
 
     def ingest_parts(self) -> set[str] | None:
         """Names of the committed ingest parts (the same in every ingest table); None for a bank written
@@ -286,23 +310,31 @@ class Bank(Compacting, IngestCommits):
         return not self.missing_ingest_parts()
 
     def has_part(self, name: str, part: str) -> bool:
-        return (self._dir(name) / "_done" / f"{part}.json").exists() and (
-            self._dir(name) / f"{part}.parquet"
-        ).exists()
+        """Whether the part is complete: its marker reads, and its file is a regular file (symlinks followed)
+        of the size the marker records. A part that is not (a FIFO, a symlink to /dev/zero, a truncated or
+        extended file, an unreadable marker) counts as damaged, hence missing: every reader passes it by
+        without opening it, and the stage that wrote it writes it again (its marker's digest, checked
+        before the stage's output is used, no longer matches). Two ``stat`` calls; the marker is parsed
+        once per process while it is unchanged."""
+        d = self._dir(name)
+        info = _marker(d / "_done" / f"{part}.json")
+        if info is None:
+            return False
+        try:
+            st = os.stat(d / f"{part}.parquet")
+        except OSError:
+            return False
+        size = info.get("bytes")
+        return stat.S_ISREG(st.st_mode) and (not isinstance(size, int) or isinstance(size, bool) or size == st.st_size)
 
     def part_digest(self, name: str, part: str) -> str | None:
         """The digest of a completed part's bytes as it was written (its marker; a compacted part's name),
         or None when the part is not there (no marker or no file). Markers of banks written before digests
         existed carry none: then the part's current bytes stand in (nothing to compare against)."""
-        marker = self._dir(name) / "_done" / f"{part}.json"
-        path = self._dir(name) / f"{part}.parquet"
-        try:
-            info = json.loads(read_regular_bytes(marker))
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        if not self.has_part(name, part):  # no marker, no file, or a file that cannot be the one written
             return None
-        if not path.is_file():
-            return None
-        digest = info.get("digest") if isinstance(info, dict) else None
+        info = _marker(self._dir(name) / "_done" / f"{part}.json") or {}
+        digest = info.get("digest")
         if not digest and part.startswith(COMPACT_PREFIX) and len(part) == len(COMPACT_PREFIX) + 16:
             digest = part[len(COMPACT_PREFIX):]
         return str(digest) if digest else self.current_digest(name, part)
@@ -327,10 +359,7 @@ class Bank(Compacting, IngestCommits):
 
     def _recorded_bytes(self, name: str, part: str) -> int | None:
         """A part's size in its marker (markers written before sizes were recorded have none)."""
-        try:
-            size = json.loads(read_regular_bytes(self._dir(name) / "_done" / f"{part}.json")).get("bytes")
-        except (OSError, ValueError, AttributeError):
-            return None
+        size = (_marker(self._dir(name) / "_done" / f"{part}.json") or {}).get("bytes")
         return size if isinstance(size, int) and not isinstance(size, bool) else None
 
     def write_part(

@@ -167,7 +167,8 @@ def test_compaction_keeps_ingest_parts_and_does_not_copy_their_rows(tmp_path: Pa
 # -- unreadable parts: the advice works --------------------------------------------------------------------------
 def test_unreadable_cache_part_delete_and_rerun(tmp_path: Path) -> None:
     bank = _bank_with_parts(tmp_path / "b")
-    (tmp_path / "b" / "texts" / "derived-1.parquet").write_bytes(b"garbage")
+    path = tmp_path / "b" / "texts" / "derived-1.parquet"
+    path.write_bytes(b"garbage".ljust(path.stat().st_size, b"\0"))  # the size written: only a read finds it
     with pytest.raises(BankError, match="unreadable Parquet part .*delete it and re-run"):
         bank.read("texts")
     (tmp_path / "b" / "texts" / "derived-1.parquet").unlink()
@@ -203,13 +204,9 @@ _NOT_A_FILE_PROBE = textwrap.dedent("""
     path = bank.path / "texts" / "derived-1.parquet"
     path.unlink()
     os.symlink("/dev/zero", path) if kind == "symlink to /dev/zero" else os.mkfifo(path)
-    out = {"verify_part": bank.verify_part("texts", "derived-1"), "current_digest": bank.current_digest("texts", "derived-1")}
-    for call in ("count", "read"):
-        try:
-            getattr(bank, call)("texts")
-            out[call] = "no error"
-        except Exception as exc:
-            out[call] = f"{type(exc).__name__}: {exc}"
+    out = {"verify_part": bank.verify_part("texts", "derived-1"), "current_digest": bank.current_digest("texts", "derived-1"),
+           "parts": [p[:4] if p.startswith("all-") else p for p in bank.parts("texts")], "count": bank.count("texts"),
+           "read": sorted(bank.read("texts")["text"].to_pylist())}
     print(json.dumps(out))
 """)
 
@@ -224,13 +221,9 @@ def test_a_part_that_is_not_a_regular_file_is_damaged_not_read_for_ever(tmp_path
         pytest.fail(f"the bank read a part that is a {kind} for 60 s")
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout)
-    path = tmp_path / "b" / "texts" / "derived-1.parquet"
-    why = "not a regular file: " + ("a device" if kind == "symlink to /dev/zero" else "a FIFO")
-    assert got == {
-        "verify_part": False, "current_digest": None,
-        **dict.fromkeys(("count", "read"), f"BankError: {path}: unreadable Parquet part ({why}); "
-                                          "delete it and re-run the stage that wrote it"),
-    }
+    # damaged, hence missing: passed by without being opened, its rows absent until its stage writes it again
+    assert got == {"verify_part": False, "current_digest": None, "parts": ["all-", "derived-2", "queries-1"],
+                   "count": 4, "read": ["alpha", "beta", "epsilon", "zeta?"]}
 
 
 _FIFO_MARKER_PROBE = textwrap.dedent("""
