@@ -149,13 +149,27 @@ def _required_output(stage: Stage, ctx: StageContext, store: Bank, fp: str) -> s
     marker = _marker(store, stage)
     if marker.get("fingerprint") != fp:
         raise BankError(f"{ctx.bank.path}: stage {stage.name!r} was not run with this config "
-                        f"(fingerprint {fp}); run `memgas index` with the same config first")
+                        f"(fingerprint {fp}); {index_advice(ctx)}")
     output = verified_output(stage, ctx, store, marker)
     if output is None:
         raise BankError(f"{store.path}: the output of stage {stage.name!r} is missing or altered "
                         f"({_first_damaged(stage, ctx, store, marker)}); run `memgas index` with "
                         "this config to rebuild it")
     return output
+
+
+def index_advice(ctx: StageContext) -> str:
+    """The `memgas index` that builds what this config answers with. Methods the bank was not indexed for
+    (``--method`` names them, `memgas index` takes the config's list) are named, or that index skips
+    their stages and the answer is refused again."""
+    indexed = (((ctx.bank.manifest.get("index") or {}).get("config") or {}).get("retrieval") or {}).get("methods")
+    want = list(ctx.cfg.retrieval.methods)
+    missing = [m for m in want if isinstance(indexed, list) and m not in indexed]
+    if not missing:
+        return "run `memgas index` with the same config first"
+    both = ",".join(dict.fromkeys([*indexed, *want]))
+    return (f"the bank was indexed for retrieval.methods {indexed}, without {missing}: add them to the config's "
+            f"retrieval.methods and run `memgas index` with it (`--set retrieval.methods=[{both}]`)")
 
 
 def run_report(report: Report, ctx: StageContext, fp: str, prof: Profiler) -> dict[str, Any]:

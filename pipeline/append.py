@@ -7,6 +7,7 @@ buffer and row dedup an append shares with an ingest are in :mod:`memgas.pipelin
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import sys
 import time
@@ -19,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memgas.pipeline import faults
-from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank
+from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank, key_order
 from memgas.pipeline.data import loader
 from memgas.pipeline.data.common import HistoryRecord, Warnings
 from memgas.pipeline.dataset_history import (
@@ -30,15 +31,15 @@ from memgas.pipeline.dataset_history import (
     rebuild_commands_of,
 )
 from memgas.pipeline.errors import BankError, DataError
-from memgas.pipeline.hashing import file_sha256
+from memgas.pipeline.hashing import DigestSink, file_sha256
 from memgas.pipeline.ingest_rows import IngestInterrupted, _add_rows, _check_args, _Chunk
 from memgas.pipeline.locks import locked
 from memgas.pipeline.schema import KEYS, schema_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["APPEND_KIND", "APPEND_TAG", "append", "appended_files", "dataset_digest", "dataset_identity",
-           "ingest_history", "rebuild_commands"]
+__all__ = ["APPEND_KIND", "APPEND_TAG", "append", "appended_files", "content_digest", "dataset_digest",
+           "dataset_identity", "ingest_history", "rebuild_commands"]
 
 #: append parts: ``ingest-<slot>-x<NNNN>-<nnnnn>``, in the committed slot, named after every base part
 APPEND_TAG = "x"
@@ -387,19 +388,46 @@ def appended_files(bank: Bank) -> list[dict[str, Any]]:
     return appends_of(bank.manifest.get("datasets") or [])
 
 
+#: the rows that make a bank's data, whatever files it came in (a table's rows by key, these columns; a
+#: session's text and its turns' texts are in its ``text_hash``): what :func:`content_digest` digests
+CONTENT_COLUMNS: dict[str, list[str] | None] = {
+    "histories": None, "sessions": None, "queries": None,
+    "turns": ["session_hash", "turn_index", "has_answer", "dia_id"],  # the evidence marks, not in the text
+}
+
+
+def content_digest(bank: Bank) -> str:
+    """sha256 of the bank's ingested rows (:data:`CONTENT_COLUMNS`), each table read by key (later parts
+    win, as every reader sees them) in key order: the same for the same data however it was split into an
+    ingest and appends, or ordered in its files. Reads the key and mark columns, not the texts."""
+    h = hashlib.sha256()
+    for name, columns in CONTENT_COLUMNS.items():
+        t = key_order(name, bank.read(name, columns)).combine_chunks()
+        t = t.take(pa.array(range(t.num_rows), pa.int64()))  # one fresh chunk at offset 0: bytes follow the rows
+        sink = DigestSink()
+        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), t.schema) as writer:
+            for batch in t.to_batches():
+                writer.write_batch(batch)
+        h.update(f"{name} {sink.hexdigest()}\n".encode())
+    return h.hexdigest()
+
+
 def dataset_identity(bank: Bank) -> dict[str, Any]:
     """What a run names as its dataset (metrics.json / manifest.json ``dataset``, the fingerprints' dataset
     digest). A bank ingested from one file: that file's entry (``sha256`` is the file's). A grown bank: its
     whole ingest history, so that two runs over the same history compare as the same data and a run over
     another base file with the same append does not: ``sha256`` digests every entry's identity fields in
     order (paths left out), ``appends`` lists the appended files and ``counts`` are the bank's rows (what
-    was evaluated), not the last file's."""
+    was evaluated), not the last file's. Either way ``content_sha256`` (:func:`content_digest`) is the data
+    itself, by which `memgas report A B` compares runs: the same data split otherwise into appends (or
+    ingested as one file) is the same."""
     history = ingest_history(bank.manifest.get("datasets") or [])
     if len(history) <= 1:
-        return history[0] if history else {}
+        return {**history[0], "content_sha256": content_digest(bank)} if history else {}
     base = history[0]
     return {"path": base.get("path"), "format": base.get("format"), "limit": base.get("limit"),
             "strict": base.get("strict"), "sha256": dataset_digest(history), "identity": "ingest history",
+            "content_sha256": content_digest(bank),
             "appends": [{k: d.get(k) for k in ("path", "sha256", "format", "strict", "allow_reorder", "counts")}
                         for d in history[1:]],
             # rows by key: an append rewrites the rows of the histories it extends (later parts win)

@@ -334,3 +334,51 @@ def test_replace_and_append_together_are_refused(base: tuple[Path, Path], tmp_pa
         "memgas ingest: error: --replace does not go with --append: --append adds the file to the bank, "
         "--replace starts the bank over with it"))
     assert _files(bank) == files
+
+
+def test_report_compares_runs_over_the_same_data_split_otherwise_as_comparable(base: tuple[Path, Path],
+                                                                             tmp_path: Path) -> None:
+    """`memgas report A B` called two runs over identical data "not comparable" when their appends were
+    split differently (the dataset's sha256 digests the files in order). Runs are compared by the content
+    of the data (metrics.json ``dataset.content_sha256``, the job's ``dataset_identity``): the same rows
+    in one append, in two, or in one file compare as the same data; other rows do not."""
+    from memgas.pipeline.append import dataset_identity
+
+    f0, _ = base
+    s3 = _session("s3", "2024-03-01 10:00", "I bought a bike.")
+    t2 = _session("t2", "2024-02-05 09:00", "I lost at chess.")
+    u3 = _record("u3", [_session("v1", "2024-03-01 10:00", "I swim.")], [_q("u3:q0", "u3", ["v1"])])
+    both = _write(tmp_path / "both.jsonl", [_record("u1", [s3]), _record("u2", [t2]), u3])
+    first = _write(tmp_path / "first.jsonl", [_record("u1", [s3])])
+    rest = _write(tmp_path / "rest.jsonl", [_record("u2", [t2]), u3])
+    whole = _write(tmp_path / "whole.jsonl", [json.loads(line) for line in f0.read_text().splitlines()])
+    rows = [json.loads(line) for line in whole.read_text().splitlines()]
+    rows[0]["sessions"].append(s3)
+    rows[1]["sessions"].append(t2)
+    whole.write_text("".join(json.dumps(r) + "\n" for r in [*rows, u3]))
+    splits = {"one-append": [both], "two-appends": [first, rest], "one-file": [], "less": [first]}
+    runs = {}
+    for name, appends in splits.items():
+        bank = tmp_path / f"bank-{name}"
+        ingest(whole if name == "one-file" else f0, "jsonl", bank, progress=False)
+        for f in appends:
+            append(f, "jsonl", bank, progress=False)
+        run = runs[name] = tmp_path / f"run-{name}"
+        run.mkdir()
+        metrics = {"run": {"name": name}, "dataset": dataset_identity(Bank(bank)), "retrieval": {"session": {}}}
+        (run / "metrics.json").write_text(json.dumps(metrics, default=str))
+
+    def report(*names: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "memgas", "report", *(str(runs[n]) for n in names)],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    for a, b in (("one-append", "two-appends"), ("one-append", "one-file")):
+        text = report(a, b)
+        assert "different datasets" not in text and "cannot be checked" not in text, (a, b, text)
+    differ = report("two-appends", "less").splitlines()
+    assert [line for line in differ if "not comparable" in line] == [
+        "**Warning: these runs used different datasets; their numbers are not comparable.** run-two-appends: "
+        f"base.jsonl + 2 appended (sha256 {dataset_identity(Bank(tmp_path / 'bank-two-appends'))['sha256'][:12]}); run-less: "
+        f"base.jsonl + 1 appended (sha256 {dataset_identity(Bank(tmp_path / 'bank-less'))['sha256'][:12]})"]
