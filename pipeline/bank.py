@@ -10,7 +10,9 @@ Layout::
 Why parts with markers: every job writes its shard as one part, atomically (temp file + rename), and
 then its marker. A part without a marker (a kill between the two renames) is ignored by readers and
 rewritten by the next run, so a killed job resumes without losing or duplicating rows. Re-writing a
-part with the same name replaces it, which is what makes every stage idempotent.
+part with the same name replaces it, which is what makes every stage idempotent. A marked part whose file
+is not a regular file of the size its marker records (cut short, a FIFO, a symlink to /dev/zero) is damaged
+and ignored the same way, never opened (:meth:`Bank.has_part`): its stage writes it again.
 
 Two commit points make the multi-part operations crash-safe (docs/reliability.md):
 
@@ -279,7 +281,20 @@ class Bank(Compacting, IngestCommits):
     def parts(self, name: str) -> list[str]:
         """Completed parts of a table, in name order (only parts whose marker exists; for the ingest
         tables only the committed ``ingest-*`` parts)."""
-        names = self._marked(name)
+        return self._committed(name, self._marked(name))
+
+    def damaged_parts(self, name: str) -> list[str]:
+        """Marked parts whose file is there but not complete (:meth:`has_part`: not a regular file, another
+        size than recorded, an unreadable marker): invisible to readers, listed for the checks that drop
+        them and rebuild what they held."""
+        done = self._dir(name) / "_done"
+        if not done.is_dir():
+            return []
+        return self._committed(name, sorted(
+            p.stem for p in done.glob("*.json")
+            if os.path.lexists(self._dir(name) / f"{p.stem}.parquet") and not self.has_part(name, p.stem)))
+
+    def _committed(self, name: str, names: list[str]) -> list[str]:
         if name in INGEST_TABLES:
             committed = self.ingest_parts()
             if committed is not None:
