@@ -50,7 +50,8 @@ def locked(directory: Path, *, shared: bool = False) -> Iterator[None]:
             fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
             # a writer's lock names its holder; readers' locks name nobody (several may hold one at once)
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "another memgas process (reading it)"
+            holder = (os.pread(fd, 512, 0).decode(errors="replace").strip()
+                      or "another memgas process (an answer reading it, or one starting)")
             raise MemgasError(f"{directory} is in use by {holder}; wait for it to finish or use another "
                               "directory") from None
         # the holder may have removed the directory (a failed first ingest cleans up after itself) between

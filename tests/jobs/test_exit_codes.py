@@ -261,8 +261,8 @@ def test_answer_takes_the_banks_lock_for_the_whole_answer(tmp_path: Path, capsys
     with locked(bank, shared=True), locked(bank, shared=True):  # two answers read it at once
         rc = cli.main(["ingest", str(SAMPLE3), "--format", "longmemeval", "--append", "--out", str(bank)])
     assert (rc, capsys.readouterr().err.strip()) == (2, (
-        f"memgas ingest: error: {bank} is in use by another memgas process (reading it); wait for it to finish "
-        "or use another directory"))
+        f"memgas ingest: error: {bank} is in use by another memgas process (an answer reading it, or one starting); "
+        "wait for it to finish or use another directory"))
     assert {f: f.read_bytes() for f in bank.rglob("*.*") if f.name != LOCK} == before
 
 
