@@ -20,7 +20,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from memgas.pipeline.errors import MemgasError
+from memgas.pipeline.errors import EXIT_BUG, MemgasError
 from memgas.pipeline.redact import printable
 
 log = logging.getLogger("memgas")
@@ -32,7 +32,7 @@ ENV_ERRNOS = {
     errno.ENETUNREACH, errno.ETIMEDOUT, errno.EBUSY, errno.ETXTBSY,
     errno.EFBIG,  # a file-size limit (`ulimit -f`, a filesystem's maximum): the environment, like a full disk
 }
-EXIT_BUG, EXIT_INPUT, EXIT_ENV, EXIT_INTERRUPTED = 1, 2, 3, 130
+EXIT_INPUT, EXIT_ENV, EXIT_INTERRUPTED = 2, 3, 130
 #: 128 + SIGTERM: what a shell reports for a process that SIGTERM ended (`timeout`, `docker stop`, Kubernetes)
 EXIT_TERMINATED = 128 + signal.SIGTERM
 
@@ -214,6 +214,9 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
 
     if args.allow_reorder and not args.append:
         raise MemgasError("--allow-reorder goes with --append")
+    if args.replace and args.append:  # one adds to the bank's dataset, the other starts it over
+        raise MemgasError("--replace does not go with --append: --append adds the file to the bank, --replace "
+                          "starts the bank over with it")
     if args.append:
         if args.limit is not None:
             raise MemgasError("--limit does not go with --append (an append takes the whole file)")
@@ -235,7 +238,8 @@ def _cmd_ingest(args: argparse.Namespace) -> int:
         return 0
     if not args.replace:
         _refuse_to_replace_appends(args.out, args.file)
-    summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit, progress=not args.quiet)
+    summary = ingest(args.file, args.format, args.out, strict=args.strict, limit=args.limit, progress=not args.quiet,
+                     replace=args.replace)
     _show(json.dumps(summary, indent=2, default=str) if args.verbose else _ingest_line(summary, args.out))
     return 0
 

@@ -27,10 +27,11 @@ from typing import Any
 
 import pyarrow as pa
 from memgas.jobs.placement import Placement, placement
+from memgas.jobs.ray_limits import address_space_checked
 from memgas.jobs.stage import Active, Stage, StageContext, short_hash
 from memgas.pipeline import faults
 from memgas.pipeline.bank import Bank, key_order
-from memgas.pipeline.errors import MemgasError
+from memgas.pipeline.errors import Bug, MemgasError, is_environmental
 from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
@@ -138,16 +139,17 @@ def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         _restore_sigterm(previous)
         return f"cluster:{address}"
-    ray.init(
-        # "local": always a new embedded instance, never a stale or foreign cluster that `ray start` left on
-        # this machine (ray.init() without an address would attach to the latest one)
-        address="local",
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        log_to_driver=True,
-        configure_logging=False,
-        runtime_env=runtime_env,
-    )
+    with address_space_checked():  # `ulimit -v` too small for Ray: one line, exit 3 (not its stack dump)
+        ray.init(
+            # "local": always a new embedded instance, never a stale or foreign cluster that `ray start` left on
+            # this machine (ray.init() without an address would attach to the latest one)
+            address="local",
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+            runtime_env=runtime_env,
+        )
     _restore_sigterm(previous)
     return f"local:{ray.available_resources().get('CPU', 0):.0f}cpu"
 
@@ -426,6 +428,10 @@ def _done(store: Bank, stage: Stage, unit: dict, tables: dict[str, pa.Table], t0
 
 
 def _failed(stage: Stage, unit: dict, exc: BaseException, how: str = "failed") -> MemgasError:
+    cause = getattr(exc, "cause", None) or exc  # a task's own exception inside Ray's RayTaskError
+    if not is_environmental(cause):  # the same input fails the same way: a re-run would not help
+        return Bug(f"{stage.name}: unit {unit['part']} {how} from a bug: {_one_line(cause)} (a re-run fails the "
+                   "same way; re-run with -v for the traceback)")
     return MemgasError(f"{stage.name}: unit {unit['part']} {how}: {_one_line(exc)}. Completed units are kept; "
                        "re-run to resume.")
 

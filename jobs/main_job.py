@@ -158,19 +158,21 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
     preflight.check(cfg, "answer", use_ray)  # devices, backends, GPUs: before any work, before Ray starts
     run_dir = Path(run_dir or cfg.output_dir)
     bank = Bank(bank_path)
-    warn_if_stale_bank(cfg, bank)
-    require_data(bank, "questions")
-    own = start_ray(cfg, use_ray, "answer")
-    try:
-        check_output_dir(run_dir, fresh=False, bank_dir=bank.path)
-        with locked(run_dir):
-            claim_run_dir(run_dir, bank.path)
-            # the dataset was ingested before (memgas ingest / index): recorded as held, with its digests
-            held = [_ingest_entry(IngestSource(), cfg, bank, "held")]
-            return _answer_in(cfg, bank, run_dir, Profiler(), held, use_ray, profile, time.time())
-    finally:
-        if own:
-            shutdown_ray()
+    # a reader's lock for the whole answer: no append or index changes the bank under it ("in use" instead)
+    with locked(bank.path, shared=True):
+        warn_if_stale_bank(cfg, bank)
+        require_data(bank, "questions")
+        own = start_ray(cfg, use_ray, "answer")
+        try:
+            check_output_dir(run_dir, fresh=False, bank_dir=bank.path)
+            with locked(run_dir):
+                claim_run_dir(run_dir, bank.path)
+                # the dataset was ingested before (memgas ingest / index): recorded as held, with its digests
+                held = [_ingest_entry(IngestSource(), cfg, bank, "held")]
+                return _answer_in(cfg, bank, run_dir, Profiler(), held, use_ray, profile, time.time())
+        finally:
+            if own:
+                shutdown_ray()
 
 
 def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ray: bool = True) -> Path:

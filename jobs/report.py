@@ -524,8 +524,11 @@ def write_report(run_dir: str | Path, plots: bool = True) -> Path:
 
 
 def dataset_differences(runs: dict[str, dict[str, Any]]) -> str | None:
-    """A sentence when the runs did not all use the same dataset file (by sha256), else None."""
-    shas = {name: _d(m.get("dataset")).get("sha256") for name, m in runs.items()}
+    """A sentence when the runs did not all use the same data, else None: by ``content_sha256`` (the bank's
+    rows, however they were split into an ingest and appends) when every run records it, else by the
+    dataset file's (or ingest history's) sha256."""
+    content = {name: _d(m.get("dataset")).get("content_sha256") for name, m in runs.items()}
+    shas = content if all(content.values()) else {name: _d(m.get("dataset")).get("sha256") for name, m in runs.items()}
     known = {v for v in shas.values() if v}
     if len(known) <= 1 and all(shas.values()):
         return None

@@ -149,13 +149,27 @@ def _required_output(stage: Stage, ctx: StageContext, store: Bank, fp: str) -> s
     marker = _marker(store, stage)
     if marker.get("fingerprint") != fp:
         raise BankError(f"{ctx.bank.path}: stage {stage.name!r} was not run with this config "
-                        f"(fingerprint {fp}); run `memgas index` with the same config first")
+                        f"(fingerprint {fp}); {index_advice(ctx)}")
     output = verified_output(stage, ctx, store, marker)
     if output is None:
         raise BankError(f"{store.path}: the output of stage {stage.name!r} is missing or altered "
                         f"({_first_damaged(stage, ctx, store, marker)}); run `memgas index` with "
                         "this config to rebuild it")
     return output
+
+
+def index_advice(ctx: StageContext) -> str:
+    """The `memgas index` that builds what this config answers with. Methods the bank was not indexed for
+    (``--method`` names them, `memgas index` takes the config's list) are named, or that index skips
+    their stages and the answer is refused again."""
+    indexed = (((ctx.bank.manifest.get("index") or {}).get("config") or {}).get("retrieval") or {}).get("methods")
+    want = list(ctx.cfg.retrieval.methods)
+    missing = [m for m in want if isinstance(indexed, list) and m not in indexed]
+    if not missing:
+        return "run `memgas index` with the same config first"
+    both = ",".join(dict.fromkeys([*indexed, *want]))
+    return (f"the bank was indexed for retrieval.methods {indexed}, without {missing}: add them to the config's "
+            f"retrieval.methods and run `memgas index` with it (`--set retrieval.methods=[{both}]`)")
 
 
 def run_report(report: Report, ctx: StageContext, fp: str, prof: Profiler) -> dict[str, Any]:
@@ -254,7 +268,7 @@ def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[s
     had and, for content tables, every part verifies and this config's rows digest as recorded (a marker
     from before digests were recorded verifies nothing: the stage runs again, skipping the units whose
     parts exist). ``remember``: the caller holds the store's lock (index, run), so the marker may record
-    content parts that changed since (``memgas answer`` reads the bank without its lock: it never writes it)."""
+    content parts that changed since (``memgas answer`` holds only a reader's lock on the bank: it never writes it)."""
     parts, output = marker.get("parts"), marker.get("output")
     if not isinstance(parts, dict) or not isinstance(output, str):
         return None
@@ -262,6 +276,8 @@ def verified_output(stage: Stage, ctx: StageContext, store: Bank, marker: dict[s
         table, _, part = key.partition("/")
         if not store.verify_part(table, part, digest):
             return None
+    if _damaged_content_part(stage, store) is not None:  # a part cut short or not a file: its rows are gone
+        return None
     if T.has_content(stage):
         if T.damaged_content(stage, ctx) is not None:
             return None
@@ -296,10 +312,21 @@ def _first_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[st
             return f"part {key} is missing"
         if not store.verify_part(table, part, digest):
             return f"part {key} is altered"
-    damaged = T.damaged_content(stage, ctx) if T.has_content(stage) else None
+    damaged = (T.damaged_content(stage, ctx) if T.has_content(stage) else None) or _damaged_content_part(stage, store)
     if damaged is not None:
         return f"part {damaged} is altered"
     return "its rows under this config changed"
+
+
+def _damaged_content_part(stage: Stage, store: Bank) -> str | None:
+    """The first part of the stage's content tables (not ingest's) that the bank counts as damaged and
+    passes by (:meth:`Bank.damaged_parts`), as ``table/part``, or None."""
+    for t in stage.writes:
+        if t.kind == "content":
+            for p in store.damaged_parts(t.physical):
+                if not p.startswith(INGEST_PREFIX):
+                    return f"{t.physical}/{p}"
+    return None
 
 
 def _drop_damaged(stage: Stage, ctx: StageContext, store: Bank, marker: dict[str, Any]) -> list[str]:
@@ -331,7 +358,7 @@ def _drop_altered(stage: Stage, ctx: StageContext, store: Bank) -> list[str]:
     those written; returns their ``table/part``."""
     dropped = []
     for t in stage.writes:
-        for part in store.parts(t.physical):
+        for part in store.parts(t.physical) + store.damaged_parts(t.physical):
             mine = not part.startswith(INGEST_PREFIX) if t.kind == "content" else part.startswith(f"{stage.name}-")
             if mine and not store.verify_part(t.physical, part):
                 store.drop_part(t.physical, part)

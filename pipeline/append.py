@@ -1,14 +1,13 @@
 """Append a dataset file to an existing memory bank (``memgas ingest --append``): new sessions of known
 histories, new histories and new questions, committed atomically as new ingest parts beside the old ones.
 
-Importable from :mod:`memgas.pipeline.ingest` too (``from memgas.pipeline.ingest import append``), which
-holds the chunk buffer and row dedup an append shares with an ingest.
+Importable from :mod:`memgas.pipeline.ingest` too (``from memgas.pipeline.ingest import append``); the chunk
+buffer and row dedup an append shares with an ingest are in :mod:`memgas.pipeline.ingest_rows`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import sys
 import time
@@ -21,19 +20,26 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from memgas.pipeline import faults
-from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank
+from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank, key_order
 from memgas.pipeline.data import loader
 from memgas.pipeline.data.common import HistoryRecord, Warnings
+from memgas.pipeline.dataset_history import (
+    APPEND_KIND,
+    appends_of,
+    dataset_digest,
+    ingest_history,
+    rebuild_commands_of,
+)
 from memgas.pipeline.errors import BankError, DataError
-from memgas.pipeline.hashing import file_sha256
-from memgas.pipeline.ingest import APPEND_KIND, IngestInterrupted, _add_rows, _check_args, _Chunk
+from memgas.pipeline.hashing import DigestSink, file_sha256
+from memgas.pipeline.ingest_rows import IngestInterrupted, _add_rows, _check_args, _Chunk
 from memgas.pipeline.locks import locked
 from memgas.pipeline.schema import KEYS, schema_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["APPEND_KIND", "APPEND_TAG", "append", "appended_files", "dataset_digest", "dataset_identity",
-           "ingest_history", "rebuild_commands"]
+__all__ = ["APPEND_KIND", "APPEND_TAG", "append", "appended_files", "content_digest", "dataset_digest",
+           "dataset_identity", "ingest_history", "rebuild_commands"]
 
 #: append parts: ``ingest-<slot>-x<NNNN>-<nnnnn>``, in the committed slot, named after every base part
 APPEND_TAG = "x"
@@ -67,6 +73,21 @@ class _BankState:
                 bank.read(t, ["session_hash"], dedupe=False)["session_hash"].combine_chunks()
                 for t in ("turns", "pairs")])),
         }
+
+    def load_marks(self, bank: Bank, hashes: set[str]) -> None:
+        """Read the stored evidence marks (``has_answer``, ``dia_id`` of each turn) of the sessions ``hashes``
+        (a batch's sessions that the bank holds), for :meth:`marks`: one pass over ``turns`` per batch."""
+        self._marks: dict[str, list[tuple[int, bool | None, str | None]]] = {}
+        if not hashes:
+            return
+        t = bank.read("turns", ["session_hash", "turn_index", "has_answer", "dia_id"], batch_rows=1 << 16,
+                      filter=pc.field("session_hash").isin(pa.array(sorted(hashes), pa.string())))
+        for h, i, mark, dia in zip(*(t[c].to_pylist() for c in t.column_names)):
+            self._marks.setdefault(h, []).append((i, mark, dia))
+
+    def marks(self, session_hash: str) -> list[tuple[int, bool | None, str | None]]:
+        """``(turn index, has_answer, dia_id)`` of a stored session's turns, in turn order."""
+        return sorted(set(self._marks.get(session_hash, [])))
 
     def sessions_of(self, history_id: str) -> pa.Table | None:
         """The committed sessions of a history in position order (None: it has none)."""
@@ -136,6 +157,22 @@ def _same_session(old: dict[str, Any], new: dict[str, Any]) -> bool:
     date would silently keep the old one, so it is "other content" like changed text."""
     place = {"history_id": "", "position": 0}
     return _same_row("sessions", {**old, **place}, {**new, **place})
+
+
+def _same_marks(rec: HistoryRecord, old: pa.Table, state: _BankState, path: Path) -> None:
+    """A session re-sent under a known id of its history carries the evidence marks stored with it
+    (``has_answer`` and ``dia_id`` of every turn): other marks would be dropped silently, since the turns of
+    a stored session are never written again, so they are "other content" like changed text."""
+    stored = dict(zip(old["session_id"].to_pylist(), old["text_hash"].to_pylist()))
+    for s in rec.sessions:
+        if stored.get(s["session_id"]) != s["text_hash"]:  # new, or other text (refused by _merge_history)
+            continue
+        sent = sorted({(t["turn_index"], t["has_answer"], t["dia_id"]) for t in rec.turns
+                       if t["session_hash"] == s["text_hash"]})
+        if sent != state.marks(s["text_hash"]):
+            raise DataError(str(path), f"session {s['session_id']!r} is already in history {rec.history_id!r} "
+                            "with other has_answer or dia_id marks on its turns (an append adds sessions, it "
+                            "never changes one)", index=rec.index, record_id=rec.history_id)
 
 
 def _merge_history(rec: HistoryRecord, old: pa.Table, allow_reorder: bool, path: Path
@@ -262,7 +299,9 @@ def append(
             def records() -> Iterator[HistoryRecord]:
                 for batch in _batches(loader(fmt)(p, warnings), chunk_histories, chunk_chars):
                     seen_texts.update(state.held("texts", {h for r in batch for h in r.texts}))
-                    seen_sessions.update(state.held("sessions", {s["text_hash"] for r in batch for s in r.sessions}))
+                    held = state.held("sessions", {s["text_hash"] for r in batch for s in r.sessions})
+                    seen_sessions.update(held)
+                    state.load_marks(bank, {h.hex() for h in held})
                     yield from batch
 
             for rec in records():
@@ -286,6 +325,7 @@ def append(
                     sessions, from_pos = list(rec.sessions), None
                     hrow = rec.history_row()
                 else:
+                    _same_marks(rec, old, state, p)
                     sessions, from_pos = _merge_history(rec, old, allow_reorder, p)
                     hrow = dict(state.histories[rec.history_id])
                 n_old = 0 if old is None else pc.count_distinct(old["session_id"]).as_py()
@@ -342,32 +382,34 @@ def append(
     return summary
 
 
-# -- the bank's data: one ingest and the appends after it ---------------------------------------------------
-#: what of a manifest ``datasets`` entry decides the rows it gave (not its path: the same file elsewhere is
-#: the same data)
-_IDENTITY_FIELDS = ("kind", "sha256", "format", "limit", "strict", "allow_reorder")
-
-
-def ingest_history(datasets: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The manifest ``datasets`` entries the bank's data was built from, in order: the last ingest (an
-    entry without ``kind``) and the appends after it."""
-    base = max((i for i, d in enumerate(datasets) if d.get("kind") != APPEND_KIND), default=0)
-    return datasets[base:]
-
-
+# -- the bank's data: one ingest and the appends after it (memgas.pipeline.dataset_history) ----------------
 def appended_files(bank: Bank) -> list[dict[str, Any]]:
     """The appends in the bank's ingest history (empty for a bank ingested from one file)."""
-    return [d for d in ingest_history(bank.manifest.get("datasets") or []) if d.get("kind") == APPEND_KIND]
+    return appends_of(bank.manifest.get("datasets") or [])
 
 
-def dataset_digest(datasets: list[dict[str, Any]]) -> str | None:
-    """The ``sha256`` of :func:`dataset_identity` from the manifest's ``datasets`` alone (cheap: the
-    fingerprints hash it): the file's sha256 for a bank from one file, else a digest of the ingest history."""
-    history = ingest_history(datasets)
-    if len(history) <= 1:
-        return history[0].get("sha256") if history else None
-    key = [{f: d.get(f) for f in _IDENTITY_FIELDS} for d in history]
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+#: the rows that make a bank's data, whatever files it came in (a table's rows by key, these columns; a
+#: session's text and its turns' texts are in its ``text_hash``): what :func:`content_digest` digests
+CONTENT_COLUMNS: dict[str, list[str] | None] = {
+    "histories": None, "sessions": None, "queries": None,
+    "turns": ["session_hash", "turn_index", "has_answer", "dia_id"],  # the evidence marks, not in the text
+}
+
+
+def content_digest(bank: Bank) -> str:
+    """sha256 of the bank's ingested rows (:data:`CONTENT_COLUMNS`), each table read by key (later parts
+    win, as every reader sees them) in key order: the same for the same data however it was split into an
+    ingest and appends, or ordered in its files. Reads the key and mark columns, not the texts."""
+    h = hashlib.sha256()
+    for name, columns in CONTENT_COLUMNS.items():
+        t = key_order(name, bank.read(name, columns)).combine_chunks()
+        t = t.take(pa.array(range(t.num_rows), pa.int64()))  # one fresh chunk at offset 0: bytes follow the rows
+        sink = DigestSink()
+        with pa.ipc.new_stream(pa.PythonFile(sink, mode="w"), t.schema) as writer:
+            for batch in t.to_batches():
+                writer.write_batch(batch)
+        h.update(f"{name} {sink.hexdigest()}\n".encode())
+    return h.hexdigest()
 
 
 def dataset_identity(bank: Bank) -> dict[str, Any]:
@@ -376,13 +418,16 @@ def dataset_identity(bank: Bank) -> dict[str, Any]:
     whole ingest history, so that two runs over the same history compare as the same data and a run over
     another base file with the same append does not: ``sha256`` digests every entry's identity fields in
     order (paths left out), ``appends`` lists the appended files and ``counts`` are the bank's rows (what
-    was evaluated), not the last file's."""
+    was evaluated), not the last file's. Either way ``content_sha256`` (:func:`content_digest`) is the data
+    itself, by which `memgas report A B` compares runs: the same data split otherwise into appends (or
+    ingested as one file) is the same."""
     history = ingest_history(bank.manifest.get("datasets") or [])
     if len(history) <= 1:
-        return history[0] if history else {}
+        return {**history[0], "content_sha256": content_digest(bank)} if history else {}
     base = history[0]
     return {"path": base.get("path"), "format": base.get("format"), "limit": base.get("limit"),
             "strict": base.get("strict"), "sha256": dataset_digest(history), "identity": "ingest history",
+            "content_sha256": content_digest(bank),
             "appends": [{k: d.get(k) for k in ("path", "sha256", "format", "strict", "allow_reorder", "counts")}
                         for d in history[1:]],
             # rows by key: an append rewrites the rows of the histories it extends (later parts win)
@@ -390,17 +435,8 @@ def dataset_identity(bank: Bank) -> dict[str, Any]:
 
 
 def rebuild_commands(bank: Bank) -> str:
-    """The commands that build the bank's data again from its files: ``memgas ingest`` of its base file,
-    then one ``--append`` per appended file, in order (an ingested dataset cannot be rebuilt from the bank)."""
-    history = ingest_history(bank.manifest.get("datasets") or []) or [{}]
-    base = history[0]
-    limit = f" --limit {base['limit']}" if base.get("limit") is not None else ""
-    replace = " --replace" if len(history) > 1 else ""  # a plain ingest refuses to replace a grown bank
-    cmds = [f"memgas ingest {base.get('path', 'FILE')} --format {base.get('format', 'F')}{limit}"
-            f"{' --strict' if base.get('strict') else ''}{replace} --out {bank.path}"]
-    cmds += [f"memgas ingest {d.get('path')} --format {d.get('format')} --append{' --strict' if d.get('strict') else ''}"
-             f"{' --allow-reorder' if d.get('allow_reorder') else ''} --out {bank.path}" for d in history[1:]]
-    return ", then ".join(cmds)
+    """The commands that build the bank's data again from its files (:func:`rebuild_commands_of`)."""
+    return rebuild_commands_of(bank.manifest.get("datasets") or [], bank.path)
 
 
 def _append_rows(rec: HistoryRecord, hrow: dict[str, Any], n_new: int, chunk: _Chunk, counts: dict[str, int],

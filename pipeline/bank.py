@@ -10,7 +10,9 @@ Layout::
 Why parts with markers: every job writes its shard as one part, atomically (temp file + rename), and
 then its marker. A part without a marker (a kill between the two renames) is ignored by readers and
 rewritten by the next run, so a killed job resumes without losing or duplicating rows. Re-writing a
-part with the same name replaces it, which is what makes every stage idempotent.
+part with the same name replaces it, which is what makes every stage idempotent. A marked part whose file
+is not a regular file of the size its marker records (cut short, a FIFO, a symlink to /dev/zero) is damaged
+and ignored the same way, never opened (:meth:`Bank.has_part`): its stage writes it again.
 
 Two commit points make the multi-part operations crash-safe (docs/reliability.md):
 
@@ -30,11 +32,10 @@ holds derived texts, summaries and keywords; those survive a re-ingest).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import tempfile
+import stat
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -46,77 +47,38 @@ import pyarrow.parquet as pq
 
 from memgas import __version__
 from memgas.pipeline import faults
-from memgas.pipeline.compaction import PartUnreadable, SchemasDisagree, merged, regroup, without_keys
+from memgas.pipeline.bank_compact import COMPACT_SCRATCH_PREFIX, TIER_RATIO, Compacting
+from memgas.pipeline.bank_files import (  # re-exported: the bank's public names, one import for its users
+    COMPACT_PREFIX,
+    INGEST_PREFIX,
+    INGEST_TABLES,
+    MANIFEST,
+    STREAM_BUFFER,
+    _file_digest,
+    _mkstemp,
+    _read_streamed,
+    _reason,
+    _sweep_temps,
+    atomic_write_bytes,
+    atomic_write_json,
+    conform,
+    dedupe_last,
+    key_order,
+    parquet_options,
+)
+from memgas.pipeline.bank_ingest import IngestCommits
+from memgas.pipeline.compaction import regroup
+from memgas.pipeline.dataset_history import rebuild_advice
 from memgas.pipeline.errors import BankError
 from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, read_regular_bytes, regular_file_size
-from memgas.pipeline.process_dirs import process_directory
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, VECTOR_TABLES, schema_for
 
+__all__ = ["COMPACT_PREFIX", "COMPACT_SCRATCH_PREFIX", "DEFAULT_ROW_GROUP_ROWS", "INGEST_PREFIX", "INGEST_TABLES",
+           "MANIFEST", "ROW_GROUP_ROWS", "STREAM_BUFFER", "TIER_RATIO", "Bank", "atomic_write_bytes",
+           "atomic_write_json", "atomic_write_parquet", "conform", "dedupe_last", "key_order", "parquet_options",
+           "row_group_rows", "write_groups"]
+
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-_PARQUET_OPTS = dict(compression="zstd", use_dictionary=True, write_statistics=True)
-#: tables written otherwise: stored node blocks are float32 bytes and saved IVF indexes faiss's bytes (SQ8
-#: codes: zstd saved 12% of a 64 MiB chunk), both read whole by the next run; without zstd and dictionaries
-#: a 96 MiB block decodes ~6x faster, and the 1.4 GB index of 10^6 sessions is read at memory speed
-_RAW = dict(compression="none", use_dictionary=False, write_statistics=False)
-_TABLE_PARQUET_OPTS = {"node_blocks": _RAW, "ivf_index": _RAW, "ivf_delta": _RAW}
-
-
-def parquet_options(name: str | None) -> dict[str, Any]:
-    return _TABLE_PARQUET_OPTS.get(name or "", _PARQUET_OPTS)
-
-#: Tables that ``memgas ingest`` writes (it owns their ``ingest-*`` parts).
-INGEST_TABLES: tuple[str, ...] = ("histories", "sessions", "texts", "turns", "pairs", "queries")
-INGEST_PREFIX = "ingest-"
-#: Compacted parts are named ``all-<16 hex digits of a digest of their bytes>``.
-COMPACT_PREFIX = "all-"
-#: :meth:`Bank.compact` leaves a compacted part alone when it holds this many times the rows of the others
-TIER_RATIO = 8
-#: scratch directories of a compaction (sorted copies of parts not in key order), beside the table's parts
-COMPACT_SCRATCH_PREFIX = ".compact-runs-"
-
-
-def _file_mode() -> int:
-    """0666 less the process umask: the mode ``open()`` would give (mkstemp gives 0600)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
-_MODE = _file_mode()
-
-
-def _mkstemp(path: Path) -> tuple[int, str]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, _MODE)
-    except OSError:  # a filesystem without modes: keep what mkstemp gave
-        pass
-    return fd, tmp
-
-
-def atomic_write_bytes(path: Path, data: bytes, *, point: str = "bank:write-file") -> None:
-    """Write ``data`` to ``path`` so that readers see the old file or the new one, never half.
-
-    Fault points: ``<point>:before-rename`` (temp file complete, not yet in place).
-    """
-    fd, tmp = _mkstemp(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        faults.hit(f"{point}:before-rename")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_json(path: Path, obj: Any, *, sort_keys: bool = True, point: str = "bank:write-json") -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=sort_keys, default=str) + "\n").encode(), point=point)
 
 
 #: rows per Parquet row group of a table's parts where the writer's default (1 Mi rows) is too many: a
@@ -170,82 +132,36 @@ def atomic_write_parquet(path: Path, table: pa.Table, *, point: str = "bank:writ
         raise
 
 
-#: bytes buffered per column chunk by a streamed read (:meth:`Bank.read` with ``batch_rows``): its pages
-#: are read as they are decoded, not the whole column chunk first
-STREAM_BUFFER = 1 << 20
+#: part markers parsed by this process, by (path, mtime, size, inode): a marker is read once while unchanged
+_MARKERS: dict[tuple[str, int, int, int], dict[str, Any] | None] = {}
 
 
-def _read_streamed(path: Path, columns: list[str] | None, filter: pc.Expression | None, batch_rows: int) -> pa.Table:
-    """``pq.read_table(path, columns=columns, filters=filter)``, read ``batch_rows`` rows at a time with
-    buffered page reads: memory is about one row group (a nested column is decoded a row group at a
-    time) and the rows kept, not the file."""
-    # no pre-buffering: it reads every row group's column chunks ahead (the whole file, for a small file)
-    f = pq.ParquetFile(path, pre_buffer=False, buffer_size=STREAM_BUFFER)
-    schema = f.schema_arrow if columns is None else pa.schema([f.schema_arrow.field(c) for c in columns])
-    kept = []
-    for batch in f.iter_batches(batch_size=batch_rows, columns=columns, use_threads=False):
-        t = pa.Table.from_batches([batch], schema)
-        kept.append(t.filter(filter) if filter is not None else t)
-    return pa.concat_tables(kept) if kept else schema.empty_table()
-
-
-def _sweep_temps(d: Path, prefix: str) -> None:
-    """Remove temp files ``<prefix>*.tmp`` in ``d``: left by a writer killed before its rename."""
-    if d.is_dir():
-        for f in d.glob(f"{prefix}*.tmp"):
-            f.unlink(missing_ok=True)
-
-
-def _file_digest(path: str | Path) -> str:
-    h = hashlib.blake2b(digest_size=8)
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _reason(exc: BaseException) -> str:
-    """The first line of why a part could not be read (a part that is not a regular file: which kind)."""
-    if isinstance(exc, NotARegularFile):
-        return str(exc.strerror)
-    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-
-
-def conform(table: pa.Table, schema: pa.Schema, name: str) -> pa.Table:
-    """Select and cast ``table``'s columns to ``schema`` (clear error when a column is missing)."""
-    missing = [f.name for f in schema if f.name not in table.column_names]
-    if missing:
-        raise BankError(f"table {name!r}: missing columns {missing}; expected {schema.names}")
+def _marker(path: Path) -> dict[str, Any] | None:
+    """A part's completion marker (a JSON object), or None: missing, not a regular file (never waited on),
+    or not a JSON object."""
     try:
-        return table.select(schema.names).cast(schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-        raise BankError(f"table {name!r}: columns do not match the schema: {exc}") from None
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (str(path), st.st_mtime_ns, st.st_size, st.st_ino)
+    if key not in _MARKERS:
+        try:
+            info = json.loads(read_regular_bytes(path))
+        except (OSError, ValueError):
+            info = None
+        if len(_MARKERS) > 100_000:
+            _MARKERS.clear()
+        _MARKERS[key] = info if isinstance(info, dict) else None
+    return _MARKERS[key]
 
 
-def dedupe_last(table: pa.Table, keys: Iterable[str]) -> pa.Table:
-    """Keep the last row of every key (rows later in ``table`` win), preserving first-seen order."""
-    keys = list(keys)
-    if table.num_rows == 0:
-        return table
-    idx = pa.array(range(table.num_rows), pa.int64())
-    grouped = table.select(keys).append_column("__i", idx).group_by(keys, use_threads=False)
-    last = grouped.aggregate([("__i", "max")]).column("__i_max")
-    if len(last) == table.num_rows:
-        return table
-    return table.take(pc.take(last, pc.sort_indices(last)))
+class Bank(Compacting, IngestCommits):
+    """A memory bank directory. ``Bank.create`` makes one; ``Bank(path)`` opens an existing one.
 
+    Compaction (:mod:`memgas.pipeline.bank_compact`) and the ingest commits
+    (:mod:`memgas.pipeline.bank_ingest`) are its mixins."""
 
-def key_order(name: str, table: pa.Table) -> pa.Table:
-    """``table`` in its key order (:data:`memgas.pipeline.schema.KEYS`): one row order whatever order the
-    rows were computed in (compaction; every results table's parts)."""
-    keys = KEYS.get(name)
-    return table.sort_by([(k, "ascending") for k in keys]) if keys and table.num_rows > 1 else table
-
-
-class Bank:
-    """A memory bank directory. ``Bank.create`` makes one; ``Bank(path)`` opens an existing one."""
-
-    def __init__(self, path: str | Path, *, _create: bool = False) -> None:
+    def __init__(self, path: str | Path, *, _create: bool = False, _replace: bool = False) -> None:
         self.path = Path(path)
         self._mcache: tuple[tuple[int, int, int], dict[str, Any]] | None = None
         manifest = self.path / MANIFEST
@@ -253,8 +169,8 @@ class Bank:
             if self.path.exists() and not self.path.is_dir():
                 raise BankError(f"{self.path}: exists and is not a directory")
             self.path.mkdir(parents=True, exist_ok=True)
-            if not manifest.exists():
-                atomic_write_json(
+            if not manifest.exists() or (_replace and self._manifest_problem() is not None):
+                atomic_write_json(  # a rename: replaces a FIFO or a symlink itself, never writes through it
                     manifest,
                     {
                         "schema_version": SCHEMA_VERSION,
@@ -267,10 +183,13 @@ class Bank:
                     },
                     point="bank:manifest",
                 )
-        if not manifest.is_file():
+        if not manifest.exists():  # symlinks followed, nothing opened: a FIFO or /dev/zero is not waited on
             what = "no such directory" if not self.path.exists() else (
                 "not a directory" if not self.path.is_dir() else f"no {MANIFEST}")
             raise BankError(f"{self.path}: not a memory bank ({what}); create one with `memgas ingest`")
+        problem = self._manifest_problem()
+        if problem is not None:  # there but unreadable (a FIFO, a device, a folder, not JSON): say so
+            raise BankError(f"{problem}; start the bank over with `memgas ingest FILE --replace --out {self.path}`")
         version = self.manifest.get("schema_version")
         if version != SCHEMA_VERSION:
             raise BankError(
@@ -279,8 +198,27 @@ class Bank:
             )
 
     @classmethod
-    def create(cls, path: str | Path) -> Bank:
-        return cls(path, _create=True)
+    def create(cls, path: str | Path, *, replace: bool = False) -> Bank:
+        """Open the bank at ``path``, making an empty one when it has no manifest; ``replace``: also when its
+        manifest cannot be read (``memgas ingest --replace`` starts such a bank over)."""
+        return cls(path, _create=True, _replace=replace)
+
+    def _manifest_problem(self) -> str | None:
+        """Why the manifest that is there cannot be read (one line), or None when it reads."""
+        try:
+            self._manifest()
+        except BankError as exc:
+            return str(exc)
+        return None
+
+    # the writes of a part's file, for the mixins (module functions here: tests set ROW_GROUP_ROWS on this module)
+    @staticmethod
+    def _group_rows(name: str) -> int:
+        return row_group_rows(name)
+
+    @staticmethod
+    def _write_file(path: str | Path, table: pa.Table, name: str | None) -> None:
+        _write_parquet(path, table, name)
 
     # -- manifest -----------------------------------------------------------------------------
     @property
@@ -330,7 +268,7 @@ class Bank:
         done = self._dir(name) / "_done"
         if not done.is_dir():
             return []
-        return sorted(p.stem for p in done.glob("*.json") if (self._dir(name) / f"{p.stem}.parquet").exists())
+        return sorted(p.stem for p in done.glob("*.json") if self.has_part(name, p.stem))
 
     def ingest_parts(self) -> set[str] | None:
         """Names of the committed ingest parts (the same in every ingest table); None for a bank written
@@ -343,7 +281,20 @@ class Bank:
     def parts(self, name: str) -> list[str]:
         """Completed parts of a table, in name order (only parts whose marker exists; for the ingest
         tables only the committed ``ingest-*`` parts)."""
-        names = self._marked(name)
+        return self._committed(name, self._marked(name))
+
+    def damaged_parts(self, name: str) -> list[str]:
+        """Marked parts whose file is there but not complete (:meth:`has_part`: not a regular file, another
+        size than recorded, an unreadable marker): invisible to readers, listed for the checks that drop
+        them and rebuild what they held."""
+        done = self._dir(name) / "_done"
+        if not done.is_dir():
+            return []
+        return self._committed(name, sorted(
+            p.stem for p in done.glob("*.json")
+            if os.path.lexists(self._dir(name) / f"{p.stem}.parquet") and not self.has_part(name, p.stem)))
+
+    def _committed(self, name: str, names: list[str]) -> list[str]:
         if name in INGEST_TABLES:
             committed = self.ingest_parts()
             if committed is not None:
@@ -374,23 +325,31 @@ class Bank:
         return not self.missing_ingest_parts()
 
     def has_part(self, name: str, part: str) -> bool:
-        return (self._dir(name) / "_done" / f"{part}.json").exists() and (
-            self._dir(name) / f"{part}.parquet"
-        ).exists()
+        """Whether the part is complete: its marker reads, and its file is a regular file (symlinks followed)
+        of the size the marker records. A part that is not (a FIFO, a symlink to /dev/zero, a truncated or
+        extended file, an unreadable marker) counts as damaged, hence missing: every reader passes it by
+        without opening it, and the stage that wrote it writes it again (its marker's digest, checked
+        before the stage's output is used, no longer matches). Two ``stat`` calls; the marker is parsed
+        once per process while it is unchanged."""
+        d = self._dir(name)
+        info = _marker(d / "_done" / f"{part}.json")
+        if info is None:
+            return False
+        try:
+            st = os.stat(d / f"{part}.parquet")
+        except OSError:
+            return False
+        size = info.get("bytes")
+        return stat.S_ISREG(st.st_mode) and (not isinstance(size, int) or isinstance(size, bool) or size == st.st_size)
 
     def part_digest(self, name: str, part: str) -> str | None:
         """The digest of a completed part's bytes as it was written (its marker; a compacted part's name),
         or None when the part is not there (no marker or no file). Markers of banks written before digests
         existed carry none: then the part's current bytes stand in (nothing to compare against)."""
-        marker = self._dir(name) / "_done" / f"{part}.json"
-        path = self._dir(name) / f"{part}.parquet"
-        try:
-            info = json.loads(read_regular_bytes(marker))
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        if not self.has_part(name, part):  # no marker, no file, or a file that cannot be the one written
             return None
-        if not path.is_file():
-            return None
-        digest = info.get("digest") if isinstance(info, dict) else None
+        info = _marker(self._dir(name) / "_done" / f"{part}.json") or {}
+        digest = info.get("digest")
         if not digest and part.startswith(COMPACT_PREFIX) and len(part) == len(COMPACT_PREFIX) + 16:
             digest = part[len(COMPACT_PREFIX):]
         return str(digest) if digest else self.current_digest(name, part)
@@ -415,10 +374,7 @@ class Bank:
 
     def _recorded_bytes(self, name: str, part: str) -> int | None:
         """A part's size in its marker (markers written before sizes were recorded have none)."""
-        try:
-            size = json.loads(read_regular_bytes(self._dir(name) / "_done" / f"{part}.json")).get("bytes")
-        except (OSError, ValueError, AttributeError):
-            return None
+        size = (_marker(self._dir(name) / "_done" / f"{part}.json") or {}).get("bytes")
         return size if isinstance(size, int) and not isinstance(size, bool) else None
 
     def write_part(
@@ -464,185 +420,6 @@ class Bank:
         replace = [p for p in self.parts(name) if not (name in INGEST_TABLES and p.startswith(INGEST_PREFIX))]
         return self._commit_compacted(name, table, replace, info)
 
-    def compact(self, name: str, *, dim: int | None = None) -> int:
-        """Merge the table's parts (ingest's own parts excepted) into one part sorted by key; returns the
-        table's rows.
-
-        Tiered: a compacted part that holds at least :data:`TIER_RATIO` times the rows of all the other parts
-        together, and none of their keys, is left as it is, and only the others are merged (into a second
-        compacted part). An append then rewrites what it added, not the table (the ``embeddings`` of a
-        10^6-session history: ~9 GB). The rows read are the same either way: no key is in both parts.
-        Crash-safe like :meth:`write`; a no-op when nothing is left to merge.
-        """
-        own = [p for p in self.parts(name) if not (name in INGEST_TABLES and p.startswith(INGEST_PREFIX))]
-        if not own:
-            return 0
-        if len(own) == 1 and own[0].startswith(COMPACT_PREFIX):
-            return self._rows(name, own[0])
-        if name not in KEYS:  # no key to merge by: the rows in part order, as read
-            table = self.read(name, parts=own)
-            self.write(name, table, dim=dim)
-            return table.num_rows
-        base = self._tier_base(name, own)
-        if base is None:
-            return self._compact_streamed(name, own, dim)
-        rest = [p for p in own if p != base]
-        if len(rest) == 1 and rest[0].startswith(COMPACT_PREFIX):
-            return self._rows(name, base) + self._rows(name, rest[0])
-        return self._rows(name, base) + self._compact_streamed(name, rest, dim)
-
-    def _tier_base(self, name: str, own: list[str]) -> str | None:
-        """The compacted part that :meth:`compact` leaves alone, or None (merge everything)."""
-        compacted = [p for p in own if p.startswith(COMPACT_PREFIX)]
-        if not compacted or len(own) < 2:
-            return None
-        rows = {p: self._rows(name, p) for p in own}
-        base = max(compacted, key=lambda p: (rows[p], p))
-        if rows[base] < TIER_RATIO * sum(n for p, n in rows.items() if p != base):
-            return None
-        return None if self._keys_overlap(name, base, [p for p in own if p != base]) else base
-
-    def _keys_overlap(self, name: str, base: str, others: list[str]) -> bool:
-        """Whether a key of ``others`` is also in ``base`` (read a batch at a time: only key columns). A null
-        key counts as an overlap (merge everything, as before)."""
-        keys = list(KEYS[name])
-
-        def joined(t: pa.Table) -> pa.Array | None:
-            cols = [t.column(k) for k in keys]
-            if any(c.null_count for c in cols):
-                return None
-            if len(cols) == 1:
-                return cols[0].cast(pa.string())
-            return pc.binary_join_element_wise(*[c.cast(pa.string()) for c in cols], "\0")
-
-        theirs = [joined(self._read_part(name, p, keys)) for p in others]
-        if any(k is None for k in theirs):
-            return True
-        wanted = pc.unique(pa.chunked_array(theirs, pa.string()))
-        for batch in self.iter_read(name, keys, batch_rows=1 << 16, parts=[base]):
-            mine = joined(batch)
-            if mine is None or pc.any(pc.is_in(mine, value_set=wanted)).as_py():
-                return True
-        return False
-
-    def _compact_streamed(self, name: str, own: list[str], dim: int | None) -> int:
-        """:meth:`compact` of a keyed table, merged in bounded memory (:mod:`memgas.pipeline.compaction`):
-        the same rows, in the same order, as ``key_order`` of :meth:`read` written by :meth:`write`."""
-        d = self._dir(name)
-        if name == "embeddings" and dim is None:  # the vectors' fixed size is the dimension
-            dim = self._embeddings_dim(own[0], d / f"{own[0]}.parquet")
-        schema = schema_for(name, dim)
-        pinned = self._pinned(name)
-        held = None
-        if pinned and len(KEYS[name]) == 1:  # rows ingest's own parts hold are not written twice (as write)
-            key = KEYS[name][0]
-            held = pc.unique(pa.concat_tables([self._read_part(name, p, [key]) for p in pinned],
-                                              promote_options="permissive").column(key))
-        fd, tmp = _mkstemp(d / "compact.parquet")
-        os.close(fd)
-        try:
-            with pq.ParquetWriter(tmp, schema, **parquet_options(name)) as writer:
-                rows = 0
-                for group in regroup(without_keys(self.iter_merged(name, own), KEYS[name][0], held),
-                                     row_group_rows(name)):
-                    writer.write_table(conform(group, schema, name), row_group_size=group.num_rows)
-                    rows += group.num_rows
-                    faults.hit("bank:compact:merging")  # scratch and temp file in place, nothing committed
-                if rows == 0:
-                    writer.write_table(schema.empty_table())
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        self._commit_file(name, Path(tmp), rows, own, None)
-        return rows
-
-    def iter_merged(self, name: str, parts: list[str] | None = None) -> Iterator[pa.Table]:
-        """The rows of ``parts`` (default: every completed part) of keyed table ``name`` as :meth:`read` gives
-        them (one row per key, the last written), in key order, in batches of any size, without holding the
-        table (:func:`memgas.pipeline.compaction.merged`)."""
-        if parts is None:
-            self._check_ingest(name)
-        own = self.parts(name) if parts is None else parts
-        d = self._dir(name)
-        paths = [d / f"{p}.parquet" for p in own]
-        for part, path in zip(own, paths):
-            try:
-                regular_file_size(path)  # a FIFO would block the reader for ever
-            except OSError as exc:
-                raise self._unreadable(name, part, path, exc) from None
-        if not paths:
-            return
-        with process_directory(COMPACT_SCRATCH_PREFIX, str(d)) as scratch:
-            try:
-                yield from merged(paths, KEYS[name], scratch=Path(scratch))
-            except PartUnreadable as exc:
-                raise self._unreadable(name, own[exc.index], paths[exc.index], exc.exc) from None
-            except SchemasDisagree as exc:
-                raise BankError(f"{d}: the parts of table {name!r} hold a column of different types ({exc}); "
-                                "delete the parts that are not the stage's and re-run") from None
-
-    def _embeddings_dim(self, part: str, path: Path) -> int | None:
-        try:
-            regular_file_size(path)  # a FIFO would block the reader for ever
-            return getattr(pq.read_schema(path).field("vector").type, "list_size", None)
-        except (OSError, pa.ArrowException, KeyError) as exc:
-            raise self._unreadable("embeddings", part, path, exc) from None
-
-    def _pinned(self, name: str) -> list[str]:
-        """Parts of ``name`` that compaction must keep: ingest's own (ingest tables only)."""
-        if name not in INGEST_TABLES:
-            return []
-        return [p for p in self.parts(name) if p.startswith(INGEST_PREFIX)]
-
-    def _commit_compacted(self, name: str, table: pa.Table, replace: list[str], info: dict | None) -> str:
-        """Write ``table`` as a new marked part, then drop ``replace``. Fault points (in order):
-        ``bank:compact:before-rename``, ``bank:compact:before-marker``, ``bank:compact:after-new`` (new
-        part committed, old parts still there), ``bank:compact:dropped`` (after each old part dropped)."""
-        fd, tmp = _mkstemp(self._dir(name) / "compact.parquet")
-        os.close(fd)
-        try:
-            _write_parquet(tmp, table, name)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return self._commit_file(name, Path(tmp), table.num_rows, replace, info)
-
-    def _commit_file(self, name: str, tmp: Path, rows: int, replace: list[str], info: dict | None) -> str:
-        """Commit the written temp file ``tmp`` (``rows`` rows) as the part that replaces ``replace``."""
-        d = self._dir(name)
-        try:
-            part = f"{COMPACT_PREFIX}{_file_digest(tmp)}"
-            faults.hit("bank:compact:before-rename")
-            if self.has_part(name, part):  # the same bytes are committed already (a re-run, or a resumed one)
-                Path(tmp).unlink()
-            else:
-                (d / "_done" / f"{part}.json").unlink(missing_ok=True)
-                os.replace(tmp, d / f"{part}.parquet")
-                faults.hit("bank:compact:before-marker")
-                atomic_write_json(d / "_done" / f"{part}.json",
-                                  {"rows": rows, "digest": part[len(COMPACT_PREFIX):],
-                                   "bytes": (d / f"{part}.parquet").stat().st_size,
-                                   "replaces": sorted(p for p in replace if p != part), **(info or {})},
-                                  point="bank:compact-marker")
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        faults.hit("bank:compact:after-new")
-        for old in replace:
-            if old != part:
-                self.drop_part(name, old)
-                faults.hit("bank:compact:dropped")
-        # leftovers of compactions killed before their marker: unmarked, never read, safe to remove
-        for f in d.glob(f"{COMPACT_PREFIX}*.parquet"):
-            if f.stem != part and not (d / "_done" / f"{f.stem}.json").exists():
-                f.unlink(missing_ok=True)
-        legacy = d / "all.parquet"
-        if legacy.exists() and not (d / "_done" / "all.json").exists():
-            legacy.unlink(missing_ok=True)
-        _sweep_temps(d, ".compact.parquet.")
-        _sweep_temps(d / "_done", f".{COMPACT_PREFIX}")
-        return part
-
     def drop_part(self, name: str, part: str) -> None:
         """Unmark, then delete (a kill in between leaves an unmarked file: ignored)."""
         (self._dir(name) / "_done" / f"{part}.json").unlink(missing_ok=True)
@@ -651,57 +428,6 @@ class Bank:
     def drop(self, name: str) -> None:
         for part in self.parts(name):
             self.drop_part(name, part)
-
-    # -- ingest commits (used by memgas.pipeline.ingest) --------------------------------------------
-    def begin_ingest(self) -> str:
-        """Prepare a new ingest: returns the slot (``a`` or ``b``) its parts must use, the one not committed.
-
-        Removes what earlier killed ingests left (parts not committed, marked or not). A bank written
-        before ingest commits existed first gets its present ``ingest-*`` parts recorded as committed.
-        """
-        committed = self.ingest_parts()
-        if committed is None:  # legacy bank: record what is there, so that new parts stay invisible
-            legacy = sorted({p for name in INGEST_TABLES for p in self._marked(name) if p.startswith(INGEST_PREFIX)})
-            m = self.manifest
-            m["ingest"] = {"parts": legacy}
-            atomic_write_json(self.path / MANIFEST, m, point="bank:manifest")
-            committed = set(legacy)
-        self._drop_uncommitted_ingest(committed)
-        slots = {p[len(INGEST_PREFIX)] for p in committed if p[len(INGEST_PREFIX):][1:2] == "-"}
-        return "b" if slots == {"a"} else "a"
-
-    def _drop_uncommitted_ingest(self, committed: set[str]) -> None:
-        for name in INGEST_TABLES:
-            d = self._dir(name)
-            if not d.is_dir():
-                continue
-            for f in list(d.glob(f"{INGEST_PREFIX}*.parquet")) + list((d / "_done").glob(f"{INGEST_PREFIX}*.json")):
-                if f.stem not in committed:
-                    f.unlink(missing_ok=True)
-
-    def commit_ingest(self, parts: list[str], **manifest_fields: Any) -> None:
-        """Make ``parts`` the bank's ingest (one atomic manifest write, together with ``manifest_fields``),
-        then drop the parts of the previous ingest. Fault points ``ingest:before-commit`` (new parts
-        complete, not committed), ``bank:manifest:before-rename`` and ``ingest:after-commit`` (committed,
-        old parts still on disk; invisible)."""
-        missing = [f"{n}/{p}" for n in INGEST_TABLES for p in parts if not self.has_part(n, p)]
-        if missing:
-            raise BankError(f"{self.path}: cannot commit the ingest: parts {missing[:3]} are not complete")
-        faults.hit("ingest:before-commit")
-        m = self.manifest
-        for k, v in manifest_fields.items():  # merged like update_manifest
-            m[k] = {**m[k], **v} if isinstance(v, dict) and isinstance(m.get(k), dict) else v
-        m["ingest"] = {"parts": list(parts)}
-        atomic_write_json(self.path / MANIFEST, m, point="bank:manifest")
-        faults.hit("ingest:after-commit")
-        self._drop_uncommitted_ingest(set(parts))  # the previous ingest's parts
-        faults.hit("ingest:after-drop-old")
-        self.update_manifest()  # row counts of the new data
-
-    def abort_ingest(self) -> None:
-        """Drop the parts of an ingest that will not be committed (the committed data is untouched)."""
-        committed = self.ingest_parts()
-        self._drop_uncommitted_ingest(committed or set())
 
     # -- reading ------------------------------------------------------------------------------
     def exists(self, name: str) -> bool:
@@ -724,13 +450,11 @@ class Bank:
     def reingest_advice(self) -> str:
         """What rebuilds the ingested dataset (an ingest part cannot be rebuilt from the bank): its ingest and
         every append, spelled out; `memgas run` too, unless the bank was grown (run refuses a grown bank)."""
-        from memgas.pipeline.append import appended_files, rebuild_commands  # append builds on this module
-
         try:
-            cmds, grown = rebuild_commands(self), bool(appended_files(self))
+            datasets = self.manifest.get("datasets") or []
         except BankError:  # the manifest itself is unreadable
             return "re-ingest it (`memgas ingest`)"
-        return f"re-ingest it: {cmds}" + ("" if grown else " (or memgas run, which re-ingests by itself)")
+        return rebuild_advice(datasets, self.path)
 
     def _read_part(self, name: str, part: str, columns: list[str] | None = None, filter: pc.Expression | None = None,
                    batch_rows: int | None = None) -> pa.Table:

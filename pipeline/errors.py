@@ -44,3 +44,33 @@ class LLMCallsFailed(MemgasError):
     incomplete, failures counted"); finished work is kept and the next run retries the rest."""
 
     exit_code = 4
+
+
+class ResourceLimit(MemgasError):
+    """A limit of this process (``ulimit``) is too small for what the command must start: exit 3, the
+    environment's fault, as a full disk."""
+
+    exit_code = 3
+
+
+#: the exit code of a bug (an internal error): the one the command line returns for any exception it did not expect
+EXIT_BUG = 1
+
+
+class Bug(MemgasError):
+    """A unit failed from an exception of the code itself (not I/O, not a resource, not a backend): the same
+    input fails the same way, so the message says "a bug" instead of advising a re-run. Exit 1."""
+
+    exit_code = EXIT_BUG
+
+
+#: modules whose exceptions are a backend's failure (a cluster, a worker, an HTTP server), not a bug
+BACKEND_MODULES = ("ray", "grpc", "httpx", "httpcore", "openai", "vllm")
+
+
+def is_environmental(exc: BaseException) -> bool:
+    """Whether ``exc`` is an I/O, resource or backend failure (a re-run may succeed), or memgas's own
+    one-line error; anything else raised by a unit is a bug."""
+    if isinstance(exc, (OSError, MemoryError, MemgasError, KeyboardInterrupt)):
+        return True
+    return (type(exc).__module__ or "").split(".")[0] in BACKEND_MODULES

@@ -13,7 +13,8 @@ interrupt (SIGINT), a kill or a full disk before that commit leave the bank exac
 caches (generations, embeddings, edges, derived texts) are never touched. The same file gives the same
 Parquet bytes (the part names alternate between two slots).
 
-Appending a file to a bank (``append``, re-exported here) is in :mod:`memgas.pipeline.append`.
+Appending a file to a bank (``append``, re-exported here) is in :mod:`memgas.pipeline.append`; the chunk
+buffer, row dedup and argument checks both share are in :mod:`memgas.pipeline.ingest_rows`.
 """
 
 from __future__ import annotations
@@ -25,60 +26,34 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 from tqdm.auto import tqdm
 
 from memgas.pipeline import faults
+from memgas.pipeline.append import append
 from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank
-from memgas.pipeline.data import AUTO, FORMATS, loader
+from memgas.pipeline.data import FORMATS, loader
 from memgas.pipeline.data.common import HistoryRecord, Warnings
-from memgas.pipeline.errors import BankError, DataError, MemgasError
+from memgas.pipeline.dataset_history import APPEND_KIND
+from memgas.pipeline.errors import BankError
 from memgas.pipeline.hashing import file_sha256
+from memgas.pipeline.ingest_rows import (
+    IngestInterrupted,
+    _add_rows,
+    _check_args,
+    _check_out,
+    _Chunk,
+    detect_format,
+)
 from memgas.pipeline.locks import LOCK, locked
-from memgas.pipeline.schema import schema_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["INGEST_TABLES", "FORMATS", "IngestInterrupted", "append", "detect_format", "ingest", "is_current"]
+__all__ = ["APPEND_KIND", "INGEST_TABLES", "FORMATS", "IngestInterrupted", "append", "detect_format", "ingest",
+           "is_current"]
 
 PART_PREFIX = INGEST_PREFIX
-#: manifest ``datasets`` entries of appends carry ``"kind": APPEND_KIND`` (an ingest's entry has no kind)
-APPEND_KIND = "append"
 
 Loader = Callable[..., Iterator[HistoryRecord]]
-
-
-class IngestInterrupted(KeyboardInterrupt):
-    """SIGINT during ingest; ``message`` says what the bank holds now (the CLI prints it)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
-
-
-def detect_format(path: str | Path) -> str:
-    """Guess the format from the extension and the first keys of the file (cheap: reads 64 KiB)."""
-    p = Path(path)
-    if p.suffix.lower() in (".jsonl", ".ndjson"):
-        return "jsonl"
-    try:
-        with open(p, "rb") as f:
-            head = f.read(1 << 16).decode("utf-8", "replace")
-    except OSError as exc:
-        raise DataError(str(p), f"cannot read: {exc.strerror}") from None
-    body = head.lstrip("\ufeff \t\r\n")
-    if body.startswith("{"):
-        return "jsonl"
-    for key, fmt in (
-        ('"haystack_sessions"', "longmemeval"),
-        ('"question_id"', "longmemeval"),
-        ('"sample_id"', "locomo"),
-        ('"conversation"', "locomo"),
-        ('"conversation_id"', "longmtbench"),
-    ):
-        if key in head:
-            return fmt
-    raise DataError(str(p), f"cannot tell the format; pass one of {list(FORMATS)}")
 
 
 def is_current(bank_dir: str | Path, path: str | Path, fmt: str, limit: int | None = None) -> bool:
@@ -94,50 +69,6 @@ def is_current(bank_dir: str | Path, path: str | Path, fmt: str, limit: int | No
         return False
     want = {"sha256": file_sha256(path), "format": fmt, "limit": limit}
     return all(ds.get(k) == v for k, v in want.items()) and not bank.damaged_ingest_parts() and bank.exists("sessions")
-
-
-class _Chunk:
-    """Rows of the histories buffered since the last flush (deduplicated against the whole file)."""
-
-    def __init__(self) -> None:
-        self.rows: dict[str, list[dict[str, Any]]] = {t: [] for t in INGEST_TABLES}
-        self.histories = 0
-        self.chars = 0
-
-    def table(self, name: str) -> pa.Table:
-        return pa.Table.from_pylist(self.rows[name], schema=schema_for(name))
-
-
-def _check_args(p: Path, fmt: str, out: Path, limit: Any, chunk_histories: Any, chunk_chars: Any) -> str:
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-        raise MemgasError(f"limit must be a whole number >= 0 (or none for all), got {limit!r}")
-    for name, v in (("chunk_histories", chunk_histories), ("chunk_chars", chunk_chars)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise MemgasError(f"{name} must be a whole number >= 1, got {v!r}")
-    if not p.exists():
-        raise DataError(str(p), "no such file")
-    if not p.is_file():
-        raise DataError(str(p), "not a regular file" + (" (a directory)" if p.is_dir() else ""))
-    if fmt == AUTO:
-        fmt = detect_format(p)
-        log.debug("%s: detected format %s", p, fmt)
-    if fmt not in FORMATS:
-        raise DataError(str(p), f"unknown format {fmt!r}; expected one of {[*FORMATS, AUTO]}")
-    _check_out(out)
-    return fmt
-
-
-def _check_out(out: Path) -> None:
-    """``out`` is missing, empty (but for a lock file) or a bank: never write into a user's directory."""
-    if out.exists():
-        if not out.is_dir():
-            raise BankError(f"{out}: exists and is not a directory (the bank to create or replace)")
-        # another ingest creating this bank leaves its lock and, for an instant, the manifest's temp file
-        # (``.manifest.json.*.tmp``) before the manifest: neither makes the directory a user's
-        if not (out / MANIFEST).exists() and any(
-                c.name != LOCK and not (c.name.startswith(f".{MANIFEST}.") and c.name.endswith(".tmp"))
-                for c in out.iterdir()):
-            raise BankError(f"{out}: a non-empty directory that is not a memory bank; choose a new or empty directory")
 
 
 def _make_dir(out: Path) -> bool:
@@ -162,6 +93,7 @@ def ingest(
     chunk_histories: int = 500,
     chunk_chars: int = 16 << 20,
     lock: bool = True,
+    replace: bool = False,
 ) -> dict[str, Any]:
     """Load ``path`` (format ``fmt``, or ``"auto"``) into the bank at ``bank_dir``; returns a summary.
 
@@ -172,6 +104,8 @@ def ingest(
     The bank's lock (:func:`memgas.pipeline.locks.locked`, the one ``memgas run`` takes) is held from
     before the first write to the end, so two ingests into one bank cannot interleave, and the cleanup of
     a failed first ingest can only ever remove what this call wrote. ``lock=False``: the caller holds it.
+``replace``: a bank whose manifest cannot be read (a FIFO, a symlink to a device, not JSON) is started
+over with a new manifest (``memgas ingest --replace``); without it such a bank is refused.
 
     Fault points: ``ingest:after-part`` (each staged part written), then the commit's
     (:meth:`Bank.commit_ingest`): ``ingest:before-commit``, ``ingest:after-commit``.
@@ -182,21 +116,21 @@ def ingest(
     fmt = _check_args(p, fmt, out, limit, chunk_histories, chunk_chars)
     if not lock:
         return _ingest(p, fmt, out, made=False, own_lock=False, strict=strict, limit=limit, progress=progress,
-                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0)
+                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0, replace=replace)
     made = _make_dir(out)
     with locked(out):
         return _ingest(p, fmt, out, made=made, own_lock=True, strict=strict, limit=limit, progress=progress,
-                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0)
+                       chunk_histories=chunk_histories, chunk_chars=chunk_chars, t0=t0, replace=replace)
 
 
 def _ingest(p: Path, fmt: str, out: Path, *, made: bool, own_lock: bool, strict: bool, limit: int | None,
-            progress: bool, chunk_histories: int, chunk_chars: int, t0: float) -> dict[str, Any]:
+            progress: bool, chunk_histories: int, chunk_chars: int, t0: float, replace: bool) -> dict[str, Any]:
     """The ingest proper, under the bank's lock. ``made``: this call created ``out``."""
     _check_out(out)  # again under the lock: another ingest may have written into it since the first check
     # decided under the lock, from what is there (not from whether the directory existed a moment ago:
     # another ingest may have created it and committed its bank in between)
     created = not (out / MANIFEST).exists()
-    bank = Bank.create(out)
+    bank = Bank.create(out, replace=replace)
     try:
         slot = bank.begin_ingest()
     except BaseException:
@@ -333,48 +267,6 @@ def _remove_new_bank(out: Path, made: bool, own_lock: bool) -> None:
                 pass
 
 
-def _add_rows(rec: HistoryRecord, hrow: dict[str, Any], chunk: _Chunk, counts: dict[str, int],
-              seen_texts: set[bytes], seen_sessions: set[bytes]) -> set[str]:
-    """Buffer a record's history row, its session and question rows, and the texts, turns and pairs not
-    written yet (an ingest's first sight of them, or an append's: the bank does not hold them); returns the
-    session hashes first seen here."""
-    rows = chunk.rows
-    rows["histories"].append(hrow)
-    rows["sessions"].extend(rec.sessions)
-    rows["queries"].extend(rec.queries)
-    for h, text in rec.texts.items():
-        key = bytes.fromhex(h)
-        if key not in seen_texts:
-            seen_texts.add(key)
-            rows["texts"].append({"text_hash": h, "text": text})
-            chunk.chars += len(text)
-            counts["texts"] += 1
-    new_sessions: set[str] = set()
-    for s in rec.sessions:
-        key = bytes.fromhex(s["text_hash"])
-        if key not in seen_sessions:
-            seen_sessions.add(key)
-            new_sessions.add(s["text_hash"])
-    # turns/pairs are keyed by the session hash: only the first history that holds a session writes
-    # them, and a session repeated inside one history writes them once
-    done: set[tuple[str, int]] = set()
-    for t in rec.turns:
-        k = (t["session_hash"], t["turn_index"])
-        if t["session_hash"] in new_sessions and k not in done:
-            done.add(k)
-            rows["turns"].append(t)
-            chunk.chars += len(t["content"])
-            counts["turns"] += 1
-    done.clear()
-    for pr in rec.pairs:
-        k = (pr["session_hash"], pr["pair_index"])
-        if pr["session_hash"] in new_sessions and k not in done:
-            done.add(k)
-            rows["pairs"].append(pr)
-            counts["pairs"] += 1
-    return new_sessions
-
-
 def _add(
     rec: HistoryRecord,
     chunk: _Chunk,
@@ -389,13 +281,3 @@ def _add(
     counts["sessions"] += len(rec.sessions)
     counts["unique_sessions"] += len(new_sessions)
     counts["queries"] += len(rec.queries)
-
-
-def __getattr__(name: str) -> Any:
-    """``append`` lives in :mod:`memgas.pipeline.append`, which builds on this module's chunk buffer and row
-    dedup; it is re-exported lazily because an import at the top would be circular."""
-    if name == "append":
-        from memgas.pipeline.append import append  # noqa: PLC0415
-
-        return append
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

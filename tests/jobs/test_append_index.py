@@ -438,3 +438,24 @@ def test_answer_after_an_append_ranks_only_the_changed_histories(tmp_path: Path,
     m = [json.loads((r / "metrics.json").read_text()) for r in (run, fresh_run)]
     assert m[0]["n_queries"] == m[1]["n_queries"] == 9
     assert json.dumps(m[0]["retrieval"]).encode() == json.dumps(m[1]["retrieval"]).encode()
+
+
+@pytest.mark.slow
+def test_answer_with_a_method_the_bank_was_not_indexed_for_names_the_setting(tmp_path: Path, built: dict[str, Any],
+                                                                            cli: Callable) -> None:
+    """`answer --method memgas-cards` on a bank indexed without it said "run `memgas index` with the same
+    config", whose index skipped everything (memgas-cards is not in the config's list), and the answer was
+    refused again. The one line names the setting; the index it spells out makes the answer work."""
+    bank = tmp_path / "bank"
+    shutil.copytree(built["grown"], bank)
+    cmd = ["answer", str(bank), *_config(bank), "--method", "memgas-cards", "--out", str(tmp_path / "run")]
+    p = cli(*cmd, check=False)
+    line = p.stderr.strip().splitlines()[-1]
+    m = re.fullmatch(r"memgas answer: error: (.*): stage '([a-z-]+)' was not run with this config \(fingerprint "
+                     r"[0-9a-f]+\); (.*)", line)
+    assert p.returncode == 2 and m and m[1] == str(bank), (p.returncode, p.stderr[-1500:])
+    assert m[3] == ("the bank was indexed for retrieval.methods ['session', 'memgas', 'memgas-no-gmm'], without "
+                    "['memgas-cards']: add them to the config's retrieval.methods and run `memgas index` with it "
+                    "(`--set retrieval.methods=[session,memgas,memgas-no-gmm,memgas-cards]`)"), line
+    cli("index", str(bank), *_config(bank), "--set", "retrieval.methods=[session,memgas,memgas-no-gmm,memgas-cards]")
+    cli(*cmd)

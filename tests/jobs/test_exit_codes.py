@@ -206,3 +206,79 @@ def test_sigterm_with_ray_is_one_line_exit_143_and_resumable(tmp_path, memgas_ex
     # and the stages it never reached ran now
     assert by_stage["generate"]["units_done"] == 0 and by_stage["generate"]["status"] != "skipped", by_stage["generate"]
     assert by_stage["encode"]["units_done"] > 0, by_stage["encode"]
+
+
+def test_a_unit_that_fails_from_a_bug_says_so_instead_of_advising_a_re_run(capsys: pytest.CaptureFixture,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task's own exception (Ray hands it back inside a RayTaskError) was "unit ... failed ... Completed
+    units are kept; re-run to resume" (exit 2), and the re-run failed the same way. The executor's error for a
+    failed unit, printed by the command line: a bug is exit 1 and says "a bug"; an I/O failure in the task and
+    a crashed worker still advise the re-run (exit 2). Real Ray exception objects, no cluster started."""
+    from ray.exceptions import RayTaskError, WorkerCrashedError
+
+    from memgas.jobs.executor import _failed
+    from memgas.jobs.stages import PIPELINE
+
+    stage = next(s for s in PIPELINE if s.name == "rank")
+    unit = {"part": "rank-0001"}
+
+    def as_cli(exc: BaseException) -> tuple[int, str]:
+        def raise_it(args: object) -> int:  # the command's work: a unit that failed with ``exc``
+            raise _failed(stage, unit, exc) from exc
+        monkeypatch.setattr(cli, "_dispatch", raise_it)
+        rc = cli.main(["stats", "x"])
+        return rc, capsys.readouterr().err.strip()
+
+    def task_error(cause: BaseException) -> BaseException:
+        return RayTaskError("run_task", f"Traceback ...\n{cause!r}", cause).as_instanceof_cause()
+
+    assert as_cli(task_error(ValueError("year -4977 is out of range"))) == (1, (
+        "memgas stats: error: rank: unit rank-0001 failed from a bug: ValueError: year -4977 is out of range "
+        "(a re-run fails the same way; re-run with -v for the traceback)"))
+    rc, line = as_cli(task_error(OSError(5, "Input/output error")))
+    assert rc == 2 and line.endswith("Completed units are kept; re-run to resume."), line
+    rc, line = as_cli(WorkerCrashedError())
+    assert rc == 2 and line.startswith("memgas stats: error: rank: unit rank-0001 failed: WorkerCrashedError") \
+        and line.endswith("re-run to resume."), line
+
+
+def test_answer_takes_the_banks_lock_for_the_whole_answer(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """An append during `answer`, or `answer` during `index`, ended the answer with exit 2 "stage 'generate'
+    was not run with this config": answer read the bank without its lock. It holds a reader's lock from
+    start to end: held by a writer, the answer is refused naming it; while a reader holds it, a writer (an
+    append here) is refused and the bank is unchanged."""
+    from memgas.pipeline.locks import LOCK, locked
+
+    bank = tmp_path / "bank"
+    ingest(SAMPLE3, "longmemeval", bank, progress=False)
+    with locked(bank):  # a writer: `memgas index` or an append
+        holder = (bank / LOCK).read_text()
+        rc = cli.main(["answer", str(bank), "--config", str(DEMO), "--no-ray", "--out", str(tmp_path / "run")])
+    assert holder.startswith(f"pid {os.getpid()} on ")
+    assert (rc, capsys.readouterr().err.strip()) == (2, f"memgas answer: error: {bank} is in use by {holder}; wait "
+                                                        "for it to finish or use another directory")
+    before = {f: f.read_bytes() for f in bank.rglob("*.*") if f.name != LOCK}
+    with locked(bank, shared=True), locked(bank, shared=True):  # two answers read it at once
+        rc = cli.main(["ingest", str(SAMPLE3), "--format", "longmemeval", "--append", "--out", str(bank)])
+    assert (rc, capsys.readouterr().err.strip()) == (2, (
+        f"memgas ingest: error: {bank} is in use by another memgas process (an answer reading it, or one starting); "
+        "wait for it to finish or use another directory"))
+    assert {f: f.read_bytes() for f in bank.rglob("*.*") if f.name != LOCK} == before
+
+
+def test_ray_under_a_small_address_space_limit_is_one_line_exit_3(tmp_path: Path) -> None:
+    """`ulimit -v` too small for Ray: its start waited ~35 s and failed with exit 1 and Ray's stack. Now
+    one line naming the limit, exit 3, before Ray starts."""
+    bank = tmp_path / "bank"
+    ingest(SAMPLE3, "longmemeval", bank, progress=False)
+    limit = 3 << 30
+
+    def small() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    p = subprocess.run([sys.executable, "-m", "memgas", "index", str(bank), "--config", str(DEMO), "-q"],
+                       capture_output=True, text=True, timeout=300, preexec_fn=small)
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert (p.returncode, p.stderr.strip().splitlines()[-1]) == (3, (
+        "memgas index: error: Ray cannot start under this process's address-space limit of 3072 MiB (`ulimit -v`): "
+        "raise it (`ulimit -v unlimited`) or run with --no-ray"))

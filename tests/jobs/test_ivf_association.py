@@ -10,6 +10,7 @@ known. A real `memgas index` process killed inside an IVF build resumes to the b
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -164,6 +165,30 @@ def test_a_damaged_saved_index_is_rebuilt_never_searched(tmp_path: Path, built: 
     assert "saved IVF index of history h0" in p.stderr and "damaged; rebuilding it" in p.stderr, p.stderr[-2000:]
     stats = _associate_stats(bank)
     assert stats["ivf_index_rebuilt"] == 1 and stats["ivf_index_reused"] == 0
+    assert _edges(bank) == _edges(built["fresh"])
+    assert _rows(bank, "ivf_index") == _rows(built["fresh"], "ivf_index")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["truncated", "FIFO", "symlink to /dev/zero"])
+def test_a_saved_index_that_cannot_be_read_is_rebuilt(tmp_path: Path, built: dict[str, Any], cli: Callable,
+                                                      monkeypatch: pytest.MonkeyPatch, damage: str) -> None:
+    """A saved index part that cannot be read (cut short, a FIFO or a symlink to /dev/zero in its place) made
+    `index` after an append work on, then stop with exit 2 "delete it and re-run". It is damaged like a
+    flipped byte: passed by unopened, rebuilt, and the index equals a fresh build's."""
+    small_ivf(monkeypatch)
+    bank = tmp_path / "bank"
+    shutil.copytree(built["appended"], bank)
+    part = next(p for p in Bank(bank).parts("ivf_index") if "h0" in Bank(bank).read("ivf_index", parts=[p])["history_id"].to_pylist())
+    f = bank / "ivf_index" / f"{part}.parquet"
+    if damage == "truncated":
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    else:
+        f.unlink()
+        os.mkfifo(f) if damage == "FIFO" else os.symlink("/dev/zero", f)
+    cli("index", str(bank), *CONFIG)
+    stats = _associate_stats(bank)
+    assert (stats["ivf_index_rebuilt"], stats["ivf_index_reused"]) == (0, 0)  # never a candidate: not there
     assert _edges(bank) == _edges(built["fresh"])
     assert _rows(bank, "ivf_index") == _rows(built["fresh"], "ivf_index")
 

@@ -7,6 +7,7 @@ superseded parts are dropped. Seeded 32-d banks (``test_node_blocks``), the IVF 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import pytest
@@ -124,6 +125,33 @@ def test_a_damaged_delta_is_never_merged(tmp_path: Path, ivf: None, caplog: pyte
         _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
     assert "ivf_delta" in caplog.text and "damaged" in caplog.text
     assert stats["ivf_index_rebuilt"] == 1 and stats["ivf_index_reused"] == 1
+    got, sessions, chain = merged_index(grown, "h")
+    assert (sessions, chain) == (240, [(240, 352)])
+    assert got == merged_index(fresh, "h")[0]
+    assert associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "FIFO"])
+def test_a_delta_that_cannot_be_read_is_never_opened(tmp_path: Path, ivf: None, damage: str) -> None:
+    """The delta 240 -> 288 cut short or a FIFO (its read stopped the stage: "unreadable Parquet part;
+    delete it and re-run", or waited for ever): passed by unopened; the index continues from the full one
+    and saves a delta 240 -> 352 over it, a fresh build's index and edges."""
+    fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 360})
+    run_associate(associate_ctx(fresh, IVF_SMALL))
+    first, _ = seeded_bank(tmp_path / "first", {"h": 250})
+    run_associate(associate_ctx(first, IVF_SMALL))
+    mid, _ = _grow(tmp_path, first, "mid", 300)
+    grown, _ = seeded_bank(tmp_path / "grown", {"h": 360})
+    copy_parts(mid, grown)
+    [part] = grown.parts("ivf_delta")
+    f = grown.path / "ivf_delta" / f"{part}.parquet"
+    if damage == "truncated":
+        f.write_bytes(f.read_bytes()[:-100])
+    else:
+        f.unlink()
+        os.mkfifo(f)
+    _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
+    assert (stats["ivf_index_rebuilt"], stats["ivf_index_reused"]) == (0, 1)
     got, sessions, chain = merged_index(grown, "h")
     assert (sessions, chain) == (240, [(240, 352)])
     assert got == merged_index(fresh, "h")[0]

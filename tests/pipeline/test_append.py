@@ -300,3 +300,85 @@ def test_an_append_writes_what_the_bank_lacks_once_in_any_batches(base: tuple[Pa
         assert s["counts"][t] == len(want)
     assert {r["history_id"]: r["n_sessions"] for r in b.read("histories").to_pylist()} == {"u1": 4, "u2": 1, "u3": 1,
                                                                                           "u4": 1}
+
+
+def test_a_known_session_with_other_has_answer_marks_is_refused(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """A session re-sent with other has_answer marks on its turns was "nothing to append" (exit 0) and kept
+    the old marks. Refused like changed text: one line, exit 2, the bank unchanged; the same marks re-sent
+    are still nothing to append."""
+    f0, bank = base
+    files = _files(bank)
+    s2 = _session("s2", "2024-02-01 10:00", "My cat is Tom.")
+    s2["turns"][0]["has_answer"] = True
+    f = _write(tmp_path / "marked.jsonl", [_record("u1", [s2])])
+    p = _append_cli(f, bank)
+    assert (p.returncode, p.stdout, p.stderr.strip()) == (2, "", (
+        f"memgas ingest: error: {f}: record 0 (id=u1): session 's2' is already in history 'u1' with other "
+        "has_answer or dia_id marks on its turns (an append adds sessions, it never changes one)"))
+    assert _files(bank) == files
+    p = _append_cli(f0, bank)
+    assert (p.returncode, p.stdout.strip()) == (
+        0, f"nothing to append to {bank}: every session and question of {f0} is there already"), p.stderr
+    assert _files(bank) == files
+
+
+def test_replace_and_append_together_are_refused(base: tuple[Path, Path], tmp_path: Path) -> None:
+    """`ingest --replace --append` was accepted silently (an append): the pair asks for two opposite things.
+    An argument error (exit 2), the bank unchanged."""
+    _, bank = base
+    files = _files(bank)
+    f = _write(tmp_path / "more.jsonl", [_record("u3", [_session("v1", "2024-03-01 10:00", "I swim.")])])
+    p = subprocess.run([sys.executable, "-m", "memgas", "ingest", str(f), "--replace", "--append", "--out", str(bank)],
+                       capture_output=True, text=True)
+    assert (p.returncode, p.stdout, p.stderr.strip()) == (2, "", (
+        "memgas ingest: error: --replace does not go with --append: --append adds the file to the bank, "
+        "--replace starts the bank over with it"))
+    assert _files(bank) == files
+
+
+def test_report_compares_runs_over_the_same_data_split_otherwise_as_comparable(base: tuple[Path, Path],
+                                                                             tmp_path: Path) -> None:
+    """`memgas report A B` called two runs over identical data "not comparable" when their appends were
+    split differently (the dataset's sha256 digests the files in order). Runs are compared by the content
+    of the data (metrics.json ``dataset.content_sha256``, the job's ``dataset_identity``): the same rows
+    in one append, in two, or in one file compare as the same data; other rows do not."""
+    from memgas.pipeline.append import dataset_identity
+
+    f0, _ = base
+    s3 = _session("s3", "2024-03-01 10:00", "I bought a bike.")
+    t2 = _session("t2", "2024-02-05 09:00", "I lost at chess.")
+    u3 = _record("u3", [_session("v1", "2024-03-01 10:00", "I swim.")], [_q("u3:q0", "u3", ["v1"])])
+    both = _write(tmp_path / "both.jsonl", [_record("u1", [s3]), _record("u2", [t2]), u3])
+    first = _write(tmp_path / "first.jsonl", [_record("u1", [s3])])
+    rest = _write(tmp_path / "rest.jsonl", [_record("u2", [t2]), u3])
+    whole = _write(tmp_path / "whole.jsonl", [json.loads(line) for line in f0.read_text().splitlines()])
+    rows = [json.loads(line) for line in whole.read_text().splitlines()]
+    rows[0]["sessions"].append(s3)
+    rows[1]["sessions"].append(t2)
+    whole.write_text("".join(json.dumps(r) + "\n" for r in [*rows, u3]))
+    splits = {"one-append": [both], "two-appends": [first, rest], "one-file": [], "less": [first]}
+    runs = {}
+    for name, appends in splits.items():
+        bank = tmp_path / f"bank-{name}"
+        ingest(whole if name == "one-file" else f0, "jsonl", bank, progress=False)
+        for f in appends:
+            append(f, "jsonl", bank, progress=False)
+        run = runs[name] = tmp_path / f"run-{name}"
+        run.mkdir()
+        metrics = {"run": {"name": name}, "dataset": dataset_identity(Bank(bank)), "retrieval": {"session": {}}}
+        (run / "metrics.json").write_text(json.dumps(metrics, default=str))
+
+    def report(*names: str) -> str:
+        out = subprocess.run([sys.executable, "-m", "memgas", "report", *(str(runs[n]) for n in names)],
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    for a, b in (("one-append", "two-appends"), ("one-append", "one-file")):
+        text = report(a, b)
+        assert "different datasets" not in text and "cannot be checked" not in text, (a, b, text)
+    differ = report("two-appends", "less").splitlines()
+    assert [line for line in differ if "not comparable" in line] == [
+        "**Warning: these runs used different datasets; their numbers are not comparable.** run-two-appends: "
+        f"base.jsonl + 2 appended (sha256 {dataset_identity(Bank(tmp_path / 'bank-two-appends'))['sha256'][:12]}); run-less: "
+        f"base.jsonl + 1 appended (sha256 {dataset_identity(Bank(tmp_path / 'bank-less'))['sha256'][:12]})"]
