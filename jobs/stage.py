@@ -38,16 +38,47 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.hashing import DigestSink
 
-if TYPE_CHECKING:
-    from memgas.jobs.tables import Table
+
+Kind = Literal["source", "content", "fingerprint", "segmented"]
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    kind: Kind
+    store: Literal["bank", "results"] = "bank"
+    #: the bank table the rows live in (default: ``name``)
+    stored_in: str | None = None
+    #: rows whose LLM call failed stay in the table, marked by their error, and the next run retries them:
+    #: the run counts its writer's unfinished rows as failures (metrics.json ``run.failures``)
+    retried: bool = False
+    #: content tables: this config's rows (their digest is what the writer committed); None: the table
+    #: adds nothing to the digest (derived texts: a function of the generations and the sessions)
+    rows: Callable[[StageContext], pa.Table] | None = None
+    #: content tables too large to hold: the digest of ``rows`` streamed (:data:`STREAMED_DIGEST`), without
+    #: the rows in memory at once; None: ``table_digest(rows(ctx))``
+    digest: Callable[[StageContext], str] | None = None
+    #: the first digest method (:data:`DIGEST_METHODS`) that streams ``digest``: a marker of an earlier method
+    #: digested the rows at once, and is verified that way
+    digest_since: str = "streamed-1"
+    #: segmented tables: the current parts, given the writer's part prefix
+    current: Callable[[StageContext, str], list[str]] | None = None
+    #: rankings of the retrieval methods of this family (:func:`memgas.pipeline.methods.get_method`): a step
+    #: that reads ``ranking(family)`` (:func:`memgas.jobs.tables.ranking`) reads the last such table written
+    #: before it under the config, so a re-ranker after the ranker takes the ranker's place for its readers
+    ranks: str | None = None
+
+    @property
+    def physical(self) -> str:
+        return self.stored_in or self.name
 
 
 def short_hash(obj: Any, size: int = 6) -> str:

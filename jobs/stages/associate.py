@@ -66,10 +66,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import tables
-from memgas.jobs.stage import Active, StageContext
+from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.block_store import chains
 from memgas.jobs.stages.node_blocks import HistoryBlocks, history_nodes, keep_blocks
-from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix, owned
+from memgas.jobs.stages.shards import kernel_active, matrix_loader, node_matrix, owned
 from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks, segments
@@ -82,11 +82,11 @@ from memgas.pipeline.association.segments import (
     split_segment,
 )
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, IVF_DELTA, IVF_INDEX, IVF_RECALL, N_GRAN
+from memgas.pipeline.schema import EDGE_MODES, EDGE_SEGMENTS, EDGES, IVF_DELTA, IVF_INDEX, IVF_RECALL, N_GRAN
 
 log = logging.getLogger(__name__)
 
-MODES = ("gmm", "topk")  # the method's edges and those of the "no GMM" ablation
+MODES = EDGE_MODES  # the method's edges and those of the "no GMM" ablation
 
 
 # -- which segments are stored and which must be computed ----------------------------------------------
@@ -256,19 +256,19 @@ def association_info(ctx: StageContext) -> dict[str, Any]:
             "ivf_exact_nodes": a.ivf_exact_nodes, **ivf_recall(ctx)}
 
 
-class AssociateStage(HistoryShardStage):
+class AssociateStage(Stage):
     """Per history: GMM association edges (and the top-k edges of the "no GMM" ablation) of the rows not
     yet stored, one batched GMM fit per unit."""
 
     name = "associate"
     version = "2"  # parts per segment, named by config (version 1: one set of parts per upstream state)
-    reads = ("nodes", "node_vectors")  # node matrices: which texts (nodes) and their vectors
+    reads = ("nodes", "node_vectors", "pairs")  # node matrices: which texts (nodes, pairs) and their vectors
     writes = (EDGE_SEGMENTS_TABLE, EDGES_TABLE, IVF_INDEX_TABLE, IVF_DELTA_TABLE, IVF_RECALL_TABLE)
     fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
               "association.search", *IVF_FIELDS, "retrieval.device")
 
     def active(self, ctx: StageContext) -> Active:
-        active = super().active(ctx)
+        active = kernel_active(ctx)
         active.params["association"] = ctx.cfg.association.model_dump()
         if ctx.cfg.association.search != "ivf":
             # the IVF's parameters change nothing under the exact search; nor does the mode itself enter the

@@ -8,14 +8,18 @@ from memgas.jobs import tables
 from memgas.jobs.stage import Active, Report, StageContext
 
 
+#: the rankings of every family's methods (the last table of each written before the report)
+RANKINGS = tuple(tables.ranking(f) for f in ("memgas", "justmem", "memgas-cards"))
+
+
 class EvaluateReport(Report):
     """Retrieval metrics per method (session and turn level), QA metrics and judge accuracy -> metrics, over
     the current rows of every ranking, answer and judgment table."""
 
     name = "evaluate"
     # and what the readers read, to rebuild their contexts (evidence recall of the reader's context, issue 28)
-    reads = ("queries", "rankings", "card_rankings", "card_graph_rankings", "answers", "card_answers", "judgments",
-             "sessions", "texts", "turns", "generations", "card_picks", "cards", "plans")
+    reads = ("queries", *RANKINGS, "answers", "card_answers", "judgments", "sessions", "pairs", "texts", "turns",
+             "generations", "card_picks", "cards", "plans")
     # the reading budgets shape the readers' contexts it rebuilds (justmem.replay_tokens too, declared by
     # card-read only: without JustMem that field changes nothing)
     fields = ("evaluation.ks", "evaluation.bertscore", "reading.top_k", "reading.filter", "reading.context_tokens",
@@ -31,7 +35,7 @@ class EvaluateReport(Report):
         # memgas-cards' rankings are read only where it is ranked: other configs keep their fingerprint; the
         # generations only to charge their tokens to the methods that read them (evaluate_run.method_tokens),
         # so a JustMem-only run leaves MemGAS's generate stage without a reader (runner.unused_stages)
-        drop = set() if both else {"card_graph_rankings"}
+        drop = set() if both else {tables.ranking("memgas-cards")}
         if not both and not any(m in GENERATED_METHODS for m in methods):
             drop.add("generations")
         return Active(reads=tuple(t for t in self.reads if t not in drop)) if drop else Active()
@@ -39,8 +43,9 @@ class EvaluateReport(Report):
     def report(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.jobs.evaluate_run import evaluate_run
 
-        parts = {"rankings": [*tables.current_parts(ctx, "rankings"), *tables.current_parts(ctx, "card_rankings"),
-                              *tables.current_parts(ctx, "card_graph_rankings")],
+        reads = tables.declared_reads(ctx, self, self.active(ctx))
+        ranked = [t for t in (tables.resolve(ctx, r, self) for r in RANKINGS) if t in reads]
+        parts = {"rankings": [p for t in ranked for p in tables.current_parts(ctx, t)],
                  "answers": [*tables.current_parts(ctx, "answers"), *tables.current_parts(ctx, "card_answers")],
                  "judgments": tables.current_parts(ctx, "judgments")}
         metrics = evaluate_run(ctx.cfg, ctx.bank, ctx.results, parts={k: sorted(v) for k, v in parts.items()})
