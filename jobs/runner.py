@@ -81,10 +81,7 @@ def unused_stages(ctx: StageContext) -> frozenset[str]:
     cached = ctx.cache.get("runner:unused")
     if cached is not None and cached[0] == names:
         return cached[1]
-    declared = {t for step in ctx.pipeline if not isinstance(step, Source) for t in getattr(step, "reads", ())}
-    # a role (tables.ranking) is read: every table that can fill it has a reader
-    declared |= {t.name for step in ctx.pipeline for t in getattr(step, "writes", ()) if t.ranks is not None
-                 and T.ranking(t.ranks) in declared}
+    declared = {t for step in ctx.pipeline if not isinstance(step, Source) for t in T.may_fill(ctx, step)}
     read_by_needed: set[str] = set()
     unused: set[str] = set()
     for step in reversed(ctx.pipeline):

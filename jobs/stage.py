@@ -223,6 +223,15 @@ class Stage:
         return {}
 
 
+def command_slices(pipeline: Iterable[Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(``memgas index``'s steps, ``memgas answer``'s) of a pipeline: the stages that write the bank build the
+    index; those that write the run directory's results (rankings, answers, judgments), and the reports,
+    answer. A stage's tables say which it is, so a stage added anywhere needs no list edited."""
+    steps = [s for s in pipeline if not isinstance(s, Source)]
+    index = tuple(s.name for s in steps if isinstance(s, Stage) and s.writes and s.writes[0].store == "bank")
+    return index, tuple(s.name for s in steps if s.name not in index)
+
+
 class Source:
     """Data the bank holds before the runner starts (the ingested dataset, written by ``memgas ingest`` or
     ``memgas run`` under the bank's lock): the runner verifies it and never runs it."""

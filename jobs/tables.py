@@ -121,6 +121,18 @@ def resolve(ctx: StageContext, name: str, reader: Any) -> str:
     return last or first
 
 
+def may_fill(ctx: StageContext, step: Any) -> set[str]:
+    """Every table a declared read of ``step`` may name under some config (a role: every table that can fill it)."""
+    out = set()
+    for name in getattr(step, "reads", ()):
+        if not name.startswith(RANKING_ROLE):
+            out.add(name)
+            continue
+        before = ctx.pipeline[:ctx.pipeline.index(step)] if step in ctx.pipeline else ctx.pipeline
+        out |= {t.name for w in before for t in getattr(w, "writes", ()) if t.ranks == name[len(RANKING_ROLE):]}
+    return out
+
+
 def declared_reads(ctx: StageContext, step: Any, active: Active | None = None) -> tuple[str, ...]:
     """The tables ``step`` reads under this config: its declared reads, narrowed by ``active``, roles
     resolved (what its fingerprint hashes and what its driver code may open)."""
@@ -202,6 +214,11 @@ def unguarded(ctx: StageContext) -> Iterator[None]:
         yield
     finally:
         ctx.bank, ctx.results = bank, results
+
+
+def may_read(ctx: StageContext, name: str) -> bool:
+    """Whether the running step may open table ``name`` (always, outside a step's driver code)."""
+    return not isinstance(ctx.bank, GuardedBank) or name in ctx.bank.names
 
 
 def _check_read(ctx: StageContext, name: str) -> None:

@@ -26,17 +26,16 @@ class EvaluateReport(Report):
               "reading.max_new_tokens", "llm.context_tokens")
 
     def active(self, ctx: StageContext) -> Active:
-        from memgas.pipeline.methods import uses_card_graph
-
-        from memgas.jobs.evaluate_run import GENERATED_METHODS
+        from memgas.pipeline.methods import get_method, uses_card_graph
 
         methods = ctx.cfg.retrieval.methods
         both = uses_card_graph(methods)
         # memgas-cards' rankings are read only where it is ranked: other configs keep their fingerprint; the
-        # generations only to charge their tokens to the methods that read them (evaluate_run.method_tokens),
-        # so a JustMem-only run leaves MemGAS's generate stage without a reader (runner.unused_stages)
+        # generations only with a MemGAS method (their tokens charged to the methods that read them,
+        # evaluate_run.method_tokens; the summaries in a session reader's context, reader_evidence), so a
+        # JustMem-only run leaves MemGAS's generate stage without a reader (runner.unused_stages)
         drop = set() if both else {tables.ranking("memgas-cards")}
-        if not both and not any(m in GENERATED_METHODS for m in methods):
+        if not both and not any(get_method(m).family == "memgas" for m in methods):
             drop.add("generations")
         return Active(reads=tuple(t for t in self.reads if t not in drop)) if drop else Active()
 
