@@ -34,6 +34,16 @@ def default_pipeline() -> tuple[Any, ...]:
     return PIPELINE
 
 
+def source_of(pipeline: Sequence[Any]) -> Any:
+    """The pipeline's source (the ingested dataset)."""
+    return next(step for step in pipeline if isinstance(step, Source))
+
+
+def report_of(ctx: StageContext) -> dict[str, Any]:
+    """The stats of the pipeline's report (its metrics and what it measured) after a run of its slice."""
+    return next(ctx.stats[step.name] for step in ctx.pipeline if isinstance(step, Report))
+
+
 def _marker_path(store: Bank, stage: Stage) -> Path:
     return store.path / "_stages" / f"{stage.name}.json"
 
@@ -170,7 +180,7 @@ def run_report(report: Report, ctx: StageContext, fp: str, prof: Profiler) -> di
     with prof.stage(report.name) as st, T.reading_as(ctx, report, active_of(report, ctx)):
         stats = report.report(ctx)
         st.items = int(stats.pop("items", 1) or 0)
-        st.extra.update({k: v for k, v in stats.items() if k not in ("metrics", "summary")})
+        st.extra.update({k: v for k, v in stats.items() if k not in ("metrics", "summary", "results")})
     ctx.stats[report.name] = stats
     return {"stage": report.name, "fingerprint": fp, "where": "driver", "status": "executed", "units_total": 1,
             "units_done": 1, "units_resumed": 0}

@@ -185,6 +185,8 @@ class StageContext:
     planned: list[dict[str, Any]] = field(default_factory=list)
     #: per stage: (items, seconds) of each unit this run dispatched, in completion order
     unit_seconds: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    #: a run that measures more (``memgas profile``): the report's latency probe times more questions
+    profile: bool = False
 
     @property
     def dataset_sha(self) -> str | None:

@@ -189,7 +189,7 @@ class EncodeStage(Stage):
     a text another config or the JustMem encoder already embedded under the key is not embedded again)."""
 
     name = "encode"
-    version = "2"
+    version = keys.PRODUCER_VERSIONS["encode"]
     reads = ("nodes", "sessions", "pairs", "texts", "derived_texts", "queries")
     writes = (NODE_VECTORS,)
     fields = (*keys.ENCODER_OUTPUT_FIELDS, "encoder.pair_max_tokens", "encoder.session_max_tokens")

@@ -16,7 +16,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import keys, tables
 from memgas.jobs.stage import Active, Stage, StageContext
-from memgas.jobs.stages import read
+from memgas.jobs.stages.read import (
+    READ_FIELDS,
+    answer_sessions,
+    read_units,
+    reader_active,
+    reader_finish,
+    session_inputs,
+    top_rankings,
+)
 from memgas.jobs.stages.encode import embed, encode_inputs, encode_units, vector_rows, vector_rows_digest, vector_stats
 from memgas.jobs.stages.rank import family_methods, query_vectors, ranking_rows
 from memgas.jobs.stages.ranked import Kept, ranked_table, with_history
@@ -291,7 +299,7 @@ class CardReadStage(Stage):
     reads = ("queries", "sessions", "texts", tables.ranking("justmem"), "card_picks", "cards", "plans", "turns",
              "generations")
     writes = (CARD_ANSWERS,)
-    fields = (*read.READ_FIELDS, *keys.LLM_OUTPUT_FIELDS, "justmem.replay_tokens")
+    fields = (*READ_FIELDS, *keys.LLM_OUTPUT_FIELDS, "justmem.replay_tokens")
     where = "actor"
     model = "llm"
 
@@ -299,7 +307,7 @@ class CardReadStage(Stage):
         from memgas.pipeline.methods import reads_cards
         from memgas.pipeline.prompts import JUSTMEM_READ_PROMPT_DIGEST
 
-        active = read.reader_active(ctx, self, "justmem")
+        active = reader_active(ctx, self, "justmem")
         if active is None:
             return None
         active.params["replay_tokens"] = ctx.cfg.justmem.replay_tokens
@@ -313,7 +321,7 @@ class CardReadStage(Stage):
         return active
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        return read.read_units(ctx, self, "justmem")
+        return read_units(ctx, self, "justmem")
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         from memgas.pipeline.justmem.read import card_reading_payloads
@@ -321,8 +329,8 @@ class CardReadStage(Stage):
 
         method, queries = unit["method"], unit["queries"]
         if not reads_cards(method):
-            return read.session_inputs(ctx, self, "justmem", unit)
-        rankings = read.top_rankings(ctx, self, "justmem", method, queries)
+            return session_inputs(ctx, self, "justmem", unit)
+        rankings = top_rankings(ctx, self, "justmem", method, queries)
         picks = tables.read_current(ctx, "card_picks",
                                     filter=(pc.field("method") == method) & pc.field("query_id").isin(queries))
         try:
@@ -338,10 +346,10 @@ class CardReadStage(Stage):
         from memgas.pipeline.justmem.read import read_and_answer_cards
 
         if not payload["cards"]:  # a JustMem method that reads its top-K sessions, as MemGAS's reader
-            return {"answers": read.answer_sessions(model, payload, params)}
+            return {"answers": answer_sessions(model, payload, params)}
         return {"answers": read_and_answer_cards(payload["queries"], model, ReadingConfig(**params["reading"]),
                                                  params["replay_tokens"], payload["method"],
                                                  temperature=params["temperature"], seed=params["seed"])}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        return read.reader_finish(ctx, self)
+        return reader_finish(ctx, self)

@@ -24,6 +24,7 @@ Peak memory per history, Q its questions, S its sessions, d the vectors' size, E
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,12 +32,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import tables
-from memgas.jobs.keys import encoder_key
-from memgas.jobs.keys import encoder_keys
+from memgas.jobs.keys import encoder_key, encoder_keys
+from memgas.jobs.placement import kernel_device
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.node_blocks import READ_BATCH_ROWS, history_nodes, keep_blocks
 from memgas.jobs.stages.ranked import Kept, ranked_table
-from memgas.jobs.stages.shards import kernel_active, matrix_loader, node_matrix, owned
+from memgas.jobs.stages.shards import kernel_active, node_matrix, owned
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks
 from memgas.pipeline.bank import Bank
@@ -169,6 +170,8 @@ class Prepared:
 
 def prepare(ctx: StageContext, history_ids: list[str]) -> Prepared:
     """:class:`Prepared` of ``history_ids`` (in this order)."""
+    from memgas.jobs.stages.shards import matrix_loader  # at call time: a test stands in for it
+
     sids = session_ids(ctx.bank, history_ids)
     long = {h for h, s in sids.items() if N_GRAN * len(s) > blocks.BLOCK_ROWS}
     short = [h for h in history_ids if h not in long]
@@ -291,3 +294,65 @@ def top_rows(cols: dict[str, list], session_ids: list[str], query_ids: list[str]
             cols["rank"] += list(range(1, top + 1))
             cols["session_id"] += sids[order[qi]].tolist()
             cols["score"] += scores[qi].astype(float).tolist()
+
+
+# -- the latency of ranking one question (metrics.json ``latency``) ----------------------------------------------
+def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "memgas") -> dict[str, float]:
+    """Latency of ranking one query at a time (similarities, router, seeds, PPR on its history's stored graph,
+    session order). Each history is prepared once before the timer, as a query server holds it
+    (:func:`prepared_questions`); only the per-question ranking is timed."""
+    import time
+
+    from memgas.jobs.profiling import percentiles_ms
+
+    if method not in ctx.cfg.retrieval.methods:
+        return {}
+    r = ctx.cfg.retrieval
+    samples = []
+    for graph, qv in prepared_questions(ctx, n_queries, method, [r.ppr]):
+        t0 = time.perf_counter()
+        graph.rank(qv, [method], num_seeds=r.num_seeds, damping=r.damping, temp=r.temp, router=r.router, ppr=r.ppr,
+                   ppr_epsilon=r.ppr_epsilon)
+        samples.append(time.perf_counter() - t0)
+    return percentiles_ms(samples)
+
+
+def prepared_questions(ctx: StageContext, n_queries: int, method: str, ppr: list[str]) -> Iterator[tuple[Any, Any]]:
+    """The bank's first ``n_queries`` questions, one at a time, each as (its history's
+    :class:`~memgas.pipeline.prepared.PreparedGraph`, its query vector ``[1, d]``). Every history is prepared
+    first (:func:`prepare`, as the rank stage reads it: its node matrix and the graph of ``method``'s edges,
+    built for each PPR kernel of ``ppr``). A history longer than one node block is read in blocks spilled to
+    files, as the rank stage reads it in-process, never whole: each question reads them through their memory
+    maps (page cache), with the machine's cores (``ray.num_cpus`` if set) sharing the blocks. Questions of a
+    history without nodes are skipped."""
+    import os
+
+    from memgas.jobs.stages.node_blocks import HistoryBlocks
+    from memgas.pipeline.prepared import PreparedGraph
+
+    bank = ctx.bank
+    queries = bank.read("queries", ["query_id", "history_id", "question"]).to_pandas().head(n_queries)
+    if queries.empty:
+        return
+    hids = sorted(set(queries["history_id"]))
+    p = prepare(ctx, hids)
+    device = kernel_device(ctx, ctx.cfg.retrieval.device)
+    # a query server's cores share each question's scan of the node rows (the same bits with any number);
+    # the job's Ray tasks are done by now
+    threads = ctx.cfg.ray.num_cpus or len(os.sched_getaffinity(0))
+    graphs = {}
+    for h in hids:
+        if h in p.long:  # row blocks spilled to files (they live as long as the graph's NodeBlocks)
+            nodes = HistoryBlocks(ctx, h, blocks.BLOCK_ROWS, use_ray=False).nodes(p.rows(h))
+        elif p.loader is not None and h in p.loader.history_ids:
+            nodes = node_matrix(p.loader.get(h))
+        else:
+            continue
+        graphs[h] = PreparedGraph(nodes, p.edges_of(h), device=device, scan_threads=threads)
+        for kind in ppr:
+            graphs[h].prepare([method], ppr=kind)
+    del p  # the loader's vectors: the prepared graphs hold the node matrices
+    qv = query_vectors(bank, queries["question"].tolist(), encoder_key(ctx))
+    for i, q in enumerate(queries.itertuples(index=False)):
+        if q.history_id in graphs:
+            yield graphs[q.history_id], qv[i : i + 1]
