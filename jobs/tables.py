@@ -103,8 +103,9 @@ def _enabled_by_config(ctx: StageContext, step: Any) -> bool:
     return ctx.cache[key]
 
 
-def resolve(ctx: StageContext, name: str, reader: Any) -> str:
-    """The table a declared read of ``reader`` names under this config (a role resolved, a name as it is)."""
+def resolve(ctx: StageContext, name: str, reader: Any) -> str | None:
+    """The table a declared read of ``reader`` names under this config (a role resolved, a name as it is;
+    None for a role no step of the pipeline before it fills: it reads nothing there)."""
     if not name.startswith(RANKING_ROLE):
         return name
     family = name[len(RANKING_ROLE):]
@@ -116,8 +117,6 @@ def resolve(ctx: StageContext, name: str, reader: Any) -> str:
             if t.ranks == family:
                 first = first or t.name
                 last = t.name if _enabled_by_config(ctx, step) else last
-    if first is None:
-        raise KeyError(f"no step before {reader.name!r} writes the rankings of the {family!r} methods")
     return last or first
 
 
@@ -137,7 +136,7 @@ def declared_reads(ctx: StageContext, step: Any, active: Active | None = None) -
     """The tables ``step`` reads under this config: its declared reads, narrowed by ``active``, roles
     resolved (what its fingerprint hashes and what its driver code may open)."""
     reads = step.reads if active is None or active.reads is None else active.reads
-    return tuple(dict.fromkeys(resolve(ctx, t, step) for t in reads))
+    return tuple(t for t in dict.fromkeys(resolve(ctx, r, step) for r in reads) if t is not None)
 
 
 #: Bank methods whose first argument names a bank table

@@ -68,6 +68,8 @@ def top_rankings(ctx: StageContext, stage: Stage, family: str, method: str, quer
     re-ranker's after it)."""
     which = (pc.field("method") == method) & pc.field("query_id").isin(queries)
     name = tables.resolve(ctx, tables.ranking(family), stage)
+    if name is None:
+        raise KeyError(f"no step before {stage.name!r} ranks the {family!r} methods")
     return tables.read_current(ctx, name, filter=which & (pc.field("rank") <= ctx.cfg.reading.top_k))
 
 
