@@ -167,6 +167,8 @@ class GuardedBank:
                                  "declare it in the stage's reads")
 
     def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") or attr in ("raw", "stage", "names", "physical"):  # copy/pickle probe these
+            raise AttributeError(attr)
         value = getattr(self.raw, attr)
         if attr not in TABLE_METHODS:
             return value
