@@ -3,8 +3,9 @@
 A stage declares (the whole contract, twelve members):
 
 * ``name``, ``version`` (bump when its output for the same inputs changes),
-* ``reads``: the tables it reads (names of :class:`memgas.jobs.tables.Table`), ``writes``: the tables it
-  writes (Table objects; the first one's part marks a unit done). Tables are the unit of data flow: the
+* ``reads``: the tables it reads (names of a :class:`Table`, or a role: :func:`memgas.jobs.tables.ranking`),
+  ``writes``: the tables it writes (Table objects; the first one's part marks a unit done). Its driver code
+  opens only what it reads (:class:`memgas.jobs.tables.GuardedBank`). Tables are the unit of data flow: the
   runner fingerprints a stage from the digests of the tables it reads, so no stage asks another for its
   prefix, key or enabled flag. Each table has one kind (content-addressed, per-fingerprint, segmented), and
   part naming, compaction, dropping stale parts and output digests are the kind's, in :mod:`memgas.jobs.tables`,

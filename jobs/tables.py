@@ -1,8 +1,9 @@
 """Tables, the unit of data flow, and their kinds: the one place that names parts, compacts, drops stale
 parts and digests what a stage committed.
 
-A :class:`Table` is declared by the stage that writes it (each table has exactly one writer); stages read
-tables by name. Several tables may be stored in one bank table (``stored_in``): the MemGAS and JustMem
+A :class:`Table` (defined in :mod:`memgas.jobs.stage`) is declared by the stage that writes it (each table
+has exactly one writer); stages read tables by name or by role (:func:`ranking`), and their driver code
+opens only those (:class:`GuardedBank`). Several tables may be stored in one bank table (``stored_in``): the MemGAS and JustMem
 encoders both write ``embeddings``, the MemGAS and JustMem rankers both write ``rankings``. Kinds:
 
 * ``source``: the ingested dataset's tables, held by the bank (:class:`memgas.jobs.stage.Source`);
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pyarrow as pa
-from memgas.jobs.stage import Active, Kind, Report, Stage, StageContext, Table, config_value, short_hash, table_digest
+from memgas.jobs.stage import Active, Report, Stage, StageContext, Table, config_value, short_hash, table_digest
 from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, Bank
 
 # -- who writes what ------------------------------------------------------------------------------------
