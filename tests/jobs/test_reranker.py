@@ -61,6 +61,7 @@ def _with_reverse(pipeline: tuple[Any, ...]) -> tuple[Any, ...]:
 
 PIPELINE = _with_reverse(S.PIPELINE)
 INDEX, ANSWER = command_slices(PIPELINE)
+REVERSE_AT = next(i for i, s in enumerate(PIPELINE) if s.name == "reverse")
 
 
 def _cfg(out: Path, *extra: str) -> MemgasConfig:
@@ -110,15 +111,16 @@ def test_a_reranker_is_one_module_and_one_line(tmp_path: Path, monkeypatch: pyte
     metrics = ctx.stats["evaluate"]["metrics"]["retrieval"]["session"]["session"]
     evaluate = PIPELINE[-1]
     assert "reversed" in tables.declared_reads(ctx, evaluate) and "rankings" not in tables.declared_reads(ctx, evaluate)
-    # a re-run skips it; a declared field changes its fingerprint, what it reads follows rank's output
+    # a re-run skips it; a declared field changes its fingerprint, and so does what it reads
     again_run, _ = _answer(cfg, bank, results)
     assert again_run["reverse"]["status"] == "skipped" and again_run["reverse"]["fingerprint"] == first["fingerprint"]
     seeded, _ = _answer(_cfg(tmp_path, "seed=7"), bank, results)
     assert seeded["rank"]["status"] == "skipped" and seeded["reverse"]["status"] == "executed"
     assert seeded["reverse"]["fingerprint"] != first["fingerprint"]
-    stored, _ = _answer(_cfg(tmp_path, "retrieval.num_seeds=7"), bank, results)
-    assert stored["rank"]["status"] == "executed" and stored["reverse"]["status"] == "executed"
-    # without it in the pipeline, evaluate reads rank's table: other metrics
+    reverse = PIPELINE[REVERSE_AT]
+    ctx.outputs["rank"] = "another"  # what it reads: rank's committed output
+    assert runner.set_fingerprint(reverse, ctx)[0] != first["fingerprint"]
+    # without it in the pipeline, evaluate reads rank's table (rank itself is unchanged: skipped)
     plain = _ctx(cfg, bank, results)
     runner.run_stages(plain, ("rank", "evaluate"), Profiler(), pipeline=S.PIPELINE)
     assert plain.stats["evaluate"]["metrics"]["retrieval"]["session"]["session"] != metrics
