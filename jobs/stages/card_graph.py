@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import keys, tables
 from memgas.jobs.stage import Active, Stage, StageContext
-from memgas.jobs.stages.encode import embed, encode_inputs, encode_units, vector_rows, vector_rows_digest, vector_stats
+from memgas.jobs.stages.encode import embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest
 from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.rank import family_methods, family_ranker_active, query_vectors, ranking_rows
 from memgas.jobs.stages.shards import kernel_active, matrix_loader, node_matrix, shard_units
@@ -83,16 +83,7 @@ class CardGraphEncodeStage(Stage):
         texts = dict(zip(cards["text_hash"].to_pylist(), cards["text"].to_pylist()))
         return {keys.encoder_key(ctx): sorted(texts)}, texts
 
-    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        return encode_units(ctx, self.needed(ctx), lambda todo, bank: sorted(todo))
-
-    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        return encode_inputs(ctx, unit, self.needed)
-
-    run = staticmethod(embed)
-
-    def finish(self, ctx: StageContext) -> dict[str, Any]:
-        return vector_stats(ctx, self.needed(ctx)[0])
+    plan, inputs, finish, run = plan_needed, needed_inputs, needed_stats, staticmethod(embed)
 
 
 def histories(ctx: StageContext) -> list[dict[str, Any]]:

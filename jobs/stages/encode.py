@@ -169,6 +169,20 @@ def embed(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[s
     return {"embeddings": embeddings_table(encoder, payload["hashes"], payload["texts"], payload["key"])}
 
 
+# -- the members of an encoder stage of the texts its ``needed(ctx)`` names, in hash order (card-encode,
+# card-graph-encode): ``plan, inputs, finish = plan_needed, needed_inputs, needed_stats``
+def plan_needed(stage: Any, ctx: StageContext) -> list[dict[str, Any]]:
+    return encode_units(ctx, stage.needed(ctx), lambda todo, bank: sorted(todo))
+
+
+def needed_inputs(stage: Any, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+    return encode_inputs(ctx, unit, stage.needed)
+
+
+def needed_stats(stage: Any, ctx: StageContext) -> dict[str, Any]:
+    return vector_stats(ctx, stage.needed(ctx)[0])
+
+
 def vector_stats(ctx: StageContext, need: dict[str, list[str]]) -> dict[str, Any]:
     """An encoder stage's stats: the rows under its keys, truncated texts and tokens."""
     mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(sorted(set(need))))

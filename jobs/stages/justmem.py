@@ -25,7 +25,7 @@ from memgas.jobs.stages.read import (
     session_inputs,
     top_rankings,
 )
-from memgas.jobs.stages.encode import embed, encode_inputs, encode_units, vector_rows, vector_rows_digest, vector_stats
+from memgas.jobs.stages.encode import embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest
 from memgas.jobs.stages.rank import family_methods, query_vectors, ranking_rows
 from memgas.jobs.stages.ranked import Kept, ranked_table, with_history
 from memgas.jobs.stages.shards import kernel_active, owned
@@ -129,16 +129,7 @@ class CardEncodeStage(Stage):
         texts.update({h: t for h, t in justmem_texts(ctx).items() if h not in texts})
         return {keys.encoder_key(ctx): sorted(texts)}, texts
 
-    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        return encode_units(ctx, self.needed(ctx), lambda todo, bank: sorted(todo))
-
-    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        return encode_inputs(ctx, unit, self.needed)
-
-    run = staticmethod(embed)
-
-    def finish(self, ctx: StageContext) -> dict[str, Any]:
-        return vector_stats(ctx, self.needed(ctx)[0])
+    plan, inputs, finish, run = plan_needed, needed_inputs, needed_stats, staticmethod(embed)
 
 
 # -- ranking the cards ------------------------------------------------------------------------------------
