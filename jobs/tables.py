@@ -154,21 +154,21 @@ class GuardedBank:
     """A bank as a stage's driver code sees it (``ctx.bank``, ``ctx.results`` in its ``active``, ``plan``,
     ``inputs`` and ``finish``): every method of :class:`~memgas.pipeline.bank.Bank`, but those that name a table
     (:data:`TABLE_METHODS`: ``read``, ``iter_read``, ``iter_merged``, ``count``, ``exists``, ``parts``, ...) open
-    only the bank tables that hold what the stage may read under this config (:func:`readable`) or writes;
-    another raises :class:`UndeclaredRead`. The table helpers (:func:`read_current`, :func:`current_parts`) check the
+    only the bank tables that hold what the stage may read under this config (:func:`readable`) or writes, and
+    those no step writes (caches named by their inputs: ``node_blocks``); another raises :class:`UndeclaredRead`. The table helpers (:func:`read_current`, :func:`current_parts`) check the
     declared name itself and then read through the bank."""
 
-    def __init__(self, bank: Bank, stage: str, names: frozenset[str], physical: frozenset[str]) -> None:
-        self.raw, self.stage, self.names, self.physical = bank, stage, names, physical
+    def __init__(self, bank: Bank, stage: str, names: frozenset[str], denied: frozenset[str]) -> None:
+        self.raw, self.stage, self.names, self.denied = bank, stage, names, denied
 
     def check(self, name: str, physical: bool = True) -> None:
-        if name not in (self.physical if physical else self.names):
+        if name in self.denied if physical else name not in self.names:
             raise UndeclaredRead(f"stage {self.stage!r} opened table {name!r}, which it does not read under this "
                                  f"config (it reads or writes: {', '.join(sorted(self.names)) or 'nothing'}); "
                                  "declare it in the stage's reads")
 
     def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__") or attr in ("raw", "stage", "names", "physical"):  # copy/pickle probe these
+        if attr.startswith("__") or attr in ("raw", "stage", "names", "denied"):  # copy/pickle probe these
             raise AttributeError(attr)
         value = getattr(self.raw, attr)
         if attr not in TABLE_METHODS:
@@ -196,11 +196,14 @@ def reading_as(ctx: StageContext, step: Any, active: Active | None = None) -> It
     """Within: ``ctx.bank`` and ``ctx.results`` are :class:`GuardedBank` views that open only what ``step``
     may read under this config (:func:`readable`)."""
     names = readable(ctx, step, active)
-    physical = frozenset(table(ctx, n).physical for n in names)
+    # the bank tables that hold another writer's output; a table no step writes is a cache named by its own
+    # inputs (node_blocks: by the prefix digest of the nodes and the encoder keys), no stage's output
+    written = {t.physical for w in ctx.pipeline for t in getattr(w, "writes", ())}
+    denied = frozenset(written - {table(ctx, n).physical for n in names})
     bank, results = ctx.bank, ctx.results
     raw = getattr(bank, "raw", bank), getattr(results, "raw", results)
-    ctx.bank = GuardedBank(raw[0], step.name, names, physical)
-    ctx.results = None if raw[1] is None else GuardedBank(raw[1], step.name, names, physical)
+    ctx.bank = GuardedBank(raw[0], step.name, names, denied)
+    ctx.results = None if raw[1] is None else GuardedBank(raw[1], step.name, names, denied)
     try:
         yield
     finally:
