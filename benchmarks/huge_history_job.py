@@ -19,7 +19,7 @@ Per size N (sessions), in a fresh work directory:
      recall as the stage reports it (its finish stats, ``ivf_recall``);
    - ``memgas answer --set retrieval.ppr=push`` and ``=exact`` (methods: memgas only): the rank stage's wall
      time, the agreement of the two runs' stored top-10 sessions per question;
-   - query latency p50/p95: the job's own probe (``jobs/main_job.py: ranking_latency``, what ``memgas
+   - query latency p50/p95: the job's own probe (``jobs/stages/rank.py: ranking_latency``, what ``memgas
      profile`` reports), over every question one at a time (query vector -> router -> seeds -> PPR on the
      stored graph -> session order; each history's PreparedGraph, its node matrix and the CSR of its edges,
      is built once before, not timed, as a query server holds it), per PPR mode;
@@ -252,7 +252,8 @@ _LEAN_PARENT = ("import os, subprocess, sys; p = subprocess.Popen(sys.argv[2:]);
 
 def latency(cfg: Any, ppr: str, n_queries: int) -> dict[str, float]:
     """The job's per-query probe over ``n_queries`` questions, one at a time, under ``retrieval.ppr=ppr``."""
-    from memgas.jobs import main_job, runner
+    from memgas.jobs import runner
+    from memgas.jobs.stages import rank
     from memgas.jobs.placement import resolve_stage_runtimes
     from memgas.jobs.stage import StageContext
     from memgas.pipeline.bank import Bank
@@ -262,7 +263,7 @@ def latency(cfg: Any, ppr: str, n_queries: int) -> dict[str, float]:
     resolve_stage_runtimes(ctx)
     runner.compute_fingerprints(ctx)
     cpu, wall = time.process_time(), time.perf_counter()
-    out = main_job.ranking_latency(ctx, n_queries=n_queries)
+    out = rank.ranking_latency(ctx, n_queries=n_queries)
     # CPU seconds of the whole probe (matrices loaded once, then the queries) per query: on shared cores
     # the wall percentiles carry the other processes' load, this does not
     out["probe_cpu_ms_per_query"] = 1e3 * (time.process_time() - cpu) / max(out.get("n", 0), 1)
@@ -273,13 +274,14 @@ def latency(cfg: Any, ppr: str, n_queries: int) -> dict[str, float]:
 
 def agreement_probe(cfg: Any, n_queries: int, method: str = "memgas") -> dict[str, Any]:
     """Push PPR's top-10 against the exact PPR's, one question at a time on the prepared graph (the latency
-    probe's preparation, ``main_job.prepared_questions``), where the exact answer's batch does not fit
+    probe's preparation, ``rank.prepared_questions``), where the exact answer's batch does not fit
     (its ``[Q, 4S]`` iterates). Each question's exact PPR then iterates until its own change is below the
     tolerance, not the whole batch's: the rank stage's exact batch can only iterate more, towards the same
     fixed point."""
     import numpy as np
 
-    from memgas.jobs import main_job, runner
+    from memgas.jobs import runner
+    from memgas.jobs.stages import rank
     from memgas.jobs.placement import resolve_stage_runtimes
     from memgas.jobs.stage import StageContext
     from memgas.pipeline.bank import Bank
@@ -290,7 +292,7 @@ def agreement_probe(cfg: Any, n_queries: int, method: str = "memgas") -> dict[st
     r = cfg.retrieval
     same = n = 0
     wall = time.perf_counter()
-    for graph, qv in main_job.prepared_questions(ctx, n_queries, method, ["push", "exact"]):
+    for graph, qv in rank.prepared_questions(ctx, n_queries, method, ["push", "exact"]):
         tops = [graph.rank(qv, [method], num_seeds=r.num_seeds, damping=r.damping, temp=r.temp, router=r.router,
                            ppr=kind, ppr_epsilon=r.ppr_epsilon)[method][0][0, :10] for kind in ("push", "exact")]
         same += bool(np.array_equal(*tops))

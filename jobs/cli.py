@@ -20,7 +20,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from memgas.pipeline.errors import EXIT_BUG, MemgasError
+from memgas.jobs.cli_args import EXIT_BUG, EXIT_ENV, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_TERMINATED
+from memgas.pipeline.errors import MemgasError
 from memgas.pipeline.redact import printable
 
 log = logging.getLogger("memgas")
@@ -32,9 +33,6 @@ ENV_ERRNOS = {
     errno.ENETUNREACH, errno.ETIMEDOUT, errno.EBUSY, errno.ETXTBSY,
     errno.EFBIG,  # a file-size limit (`ulimit -f`, a filesystem's maximum): the environment, like a full disk
 }
-EXIT_INPUT, EXIT_ENV, EXIT_INTERRUPTED = 2, 3, 130
-#: 128 + SIGTERM: what a shell reports for a process that SIGTERM ended (`timeout`, `docker stop`, Kubernetes)
-EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
 class Terminated(KeyboardInterrupt):

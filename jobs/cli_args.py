@@ -1,13 +1,14 @@
-"""The `memgas` command line's parser: one small function per subcommand, their argument types, and a parser
-whose usage errors are one line with exit 2 (bad input, :mod:`memgas.jobs.cli`)."""
+"""The `memgas` command line's parser: one small function per subcommand, their argument types, a parser
+whose usage errors are one line with exit 2 (bad input), and the exit codes (:mod:`memgas.jobs.cli` maps
+errors to them)."""
 
 from __future__ import annotations
 
 import argparse
+import signal
 import textwrap
 from typing import Any, NoReturn
 
-from memgas.jobs.cli import EXIT_INPUT
 from memgas.pipeline.data import AUTO, FORMATS
 from memgas.pipeline.models.model_queue import MAX_QUEUE
 from memgas.pipeline.data.synth import (
@@ -17,6 +18,13 @@ from memgas.pipeline.data.synth import (
 )
 
 from memgas import __version__
+from memgas.pipeline.errors import EXIT_BUG  # noqa: F401  (re-exported beside the other exit codes)
+
+
+#: the command line's exit codes (a bug's, 1, is ``pipeline.errors.EXIT_BUG``: the errors' own home)
+EXIT_INPUT, EXIT_ENV, EXIT_INTERRUPTED = 2, 3, 130
+#: 128 + SIGTERM: what a shell reports for a process that SIGTERM ended (`timeout`, `docker stop`, Kubernetes)
+EXIT_TERMINATED = 128 + signal.SIGTERM
 
 
 def _fmt(text: str) -> str:

@@ -15,6 +15,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from memgas.jobs import tables
 from memgas.jobs.keys import generation_key
 from memgas.jobs.stage import StageContext
 from memgas.jobs.stages.justmem import bank_session_hashes, current_plans, justmem_enabled, session_cards
@@ -361,7 +362,10 @@ def _session_contexts(ctx: StageContext, ranked: pa.Table, qids: list[str], coun
 
     hist = {r["query_id"]: r["history_id"] for r in ctx.bank.read("queries", ["query_id", "history_id"]).to_pylist()}
     out = {}
-    for q in reading_payloads(ctx.bank, ranked, qids, generation_key=generation_key(ctx)):
+    # the generations only where the report reads them under this config (a run whose ranked methods read no
+    # summary leaves the generate stage without a reader: its rows may be another config's)
+    key = generation_key(ctx) if tables.may_read(ctx, "generations") else None
+    for q in reading_payloads(ctx.bank, ranked, qids, generation_key=key):
         text, kept, cut = reading_context(counter, q, ctx.cfg.reading)
         lengths = [turn_lengths.get(hash_of[(hist[q["query_id"]], s["session_id"])], []) for s in q["sessions"]]
         keys = [f"{sid}:{t}" for sid, t in context_turn_keys(q["sessions"], text, kept, lengths)]

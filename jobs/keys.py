@@ -4,9 +4,8 @@ producers of content-addressed rows (generations, embeddings, cards) and of plan
 A content-addressed row carries its producer's key (``generations.prompt_version``, ``embeddings.encoder``,
 ``cards.extractor``): a function of the config and the resolved runtime facts alone, computed here once,
 so a stage that reads those rows (or the report) computes the same key from its own context and never asks
-the producing stage. Each key hashes a producer tag (``("generate", "2")``, ``("encode", "2")``,
-``("cards", "1")``: the stage name and version that first wrote such rows, kept so the rows stored in
-existing banks stay valid), the values of the fields that can change the rows, and the resolved facts.
+the producing stage. Each key hashes a producer tag (the stage's name and its version, :data:`PRODUCER_VERSIONS`),
+the values of the fields that can change the rows, and the resolved facts.
 """
 
 from __future__ import annotations
@@ -15,6 +14,11 @@ from typing import Any
 
 from memgas.jobs.stage import StageContext, config_value, short_hash
 from memgas.pipeline.config import MemgasConfig
+
+#: The versions of the stages whose rows are content-addressed, their one home (each stage's ``version`` is
+#: its entry): a version bump changes the stage's fingerprint and the key its rows carry, so rows written
+#: before are not reused. The values are those of the stages that wrote the rows banks hold now.
+PRODUCER_VERSIONS: dict[str, str] = {"generate": "2", "encode": "2", "cards": "1"}
 
 #: Settings that never change an output: where and how fast work runs. Never part of a fingerprint.
 #: Batch and unit sizes are here too: an encoder vector is a function of its text alone (the encoder never
@@ -62,6 +66,10 @@ def present_fields(cfg: MemgasConfig, names: tuple[str, ...]) -> tuple[str, ...]
             continue
         out.append(n)
     return tuple(out)
+
+
+def _producer(stage: str) -> tuple[str, str]:
+    return stage, PRODUCER_VERSIONS[stage]
 
 
 def _key(tag: tuple[str, str], cfg: MemgasConfig, fields: tuple[str, ...], resolved: dict[str, Any]) -> str:
@@ -127,7 +135,7 @@ def generation_key(ctx: StageContext) -> tuple[str, str]:
     fields, resolved = generator_identity(ctx)
     model = llm_identity(cfg) if generator_uses_llm(cfg) else LLM_FREE_NAME
     base = cfg.generation.prompt_version if generator_uses_llm(cfg) else "llm-free"
-    return model, f"{base}@{_key(('generate', '2'), cfg, fields, resolved)}"
+    return model, f"{base}@{_key(_producer('generate'), cfg, fields, resolved)}"
 
 
 # -- the encoder (embeddings) ----------------------------------------------------------------------------
@@ -146,7 +154,7 @@ def encoder_key(ctx: StageContext) -> str:
     from memgas.pipeline.generate import slug
 
     fields, resolved = encoder_identity(ctx)
-    return f"{slug(ctx.cfg.encoder.model)}@{_key(('encode', '2'), ctx.cfg, fields, resolved)}"
+    return f"{slug(ctx.cfg.encoder.model)}@{_key(_producer('encode'), ctx.cfg, fields, resolved)}"
 
 
 def window_key(ctx: StageContext, max_tokens: int | None) -> str:
@@ -195,7 +203,7 @@ def cards_key(ctx: StageContext) -> str:
     cfg = ctx.cfg
     fields, resolved = extractor_identity(ctx)
     readable = extractor_key(cfg.justmem, llm_identity(cfg) if extractor_uses_llm(cfg) else None)
-    return f"{readable}@{_key(('cards', '1'), cfg, fields, resolved)}"
+    return f"{readable}@{_key(_producer('cards'), cfg, fields, resolved)}"
 
 
 def planner_identity(ctx: StageContext) -> tuple[tuple[str, ...], dict[str, Any]]:

@@ -15,14 +15,13 @@ import platform
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from memgas.jobs import keys, preflight, tables
-from memgas.jobs import stages as S
+from memgas.jobs.dataset import ingest_output, refuse_grown_bank
 from memgas.jobs.executor import init_ray, ray_running, shutdown_ray
-from memgas.jobs.profiling import Profiler, percentiles_ms
+from memgas.jobs.profiling import Profiler
 from memgas.jobs.run_dir import (
     RUN_MARKER,
     RUN_RECORD,
@@ -33,10 +32,9 @@ from memgas.jobs.run_dir import (
     mark_failed,
     record_own_bank,
 )
-from memgas.jobs.runner import run_stages
-from memgas.jobs.placement import kernel_device, resolve_stage_runtimes
-from memgas.jobs.stage import Report, StageContext
-from memgas.jobs.stages.ingest import IngestSource, ingest_output, refuse_grown_bank
+from memgas.jobs.placement import resolve_stage_runtimes
+from memgas.jobs.runner import default_pipeline, report_of, run_stages, source_of
+from memgas.jobs.stage import StageContext, command_slices
 from memgas.pipeline.append import dataset_identity
 from memgas.pipeline.bank import Bank, atomic_write_json
 from memgas.pipeline.config import MemgasConfig
@@ -51,7 +49,7 @@ log = logging.getLogger(__name__)
 
 def ensure_ingested(cfg: MemgasConfig, prof: Profiler) -> tuple[Bank, dict[str, Any]]:
     """Ingest the config's dataset unless the bank already holds exactly that file (same sha256)."""
-    stage = IngestSource()
+    stage = source_of(default_pipeline())
     path = cfg.bank_path
     try:
         bank = Bank(path)
@@ -69,7 +67,7 @@ def ensure_ingested(cfg: MemgasConfig, prof: Profiler) -> tuple[Bank, dict[str, 
     return bank, _ingest_entry(stage, cfg, bank, "executed", summary=stats.get("summary"))
 
 
-def _ingest_entry(stage: IngestSource, cfg: MemgasConfig, bank: Bank, status: str, **extra: Any) -> dict[str, Any]:
+def _ingest_entry(stage: Any, cfg: MemgasConfig, bank: Bank, status: str, **extra: Any) -> dict[str, Any]:
     """Ingest's run_record.json entry, with the fields every stage's entry has: its fingerprint (what the
     bank holds) and where it ran. Its ``output`` (the verified ingested parts' digest) is filled in from what
     the runner verified (``_answer_in``): hashing the parts here too would read a big bank twice."""
@@ -143,7 +141,7 @@ def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = N
         with locked(bank.path):
             ctx = StageContext(cfg, bank, None, use_ray)
             resolve_stage_runtimes(ctx)
-            record = run_stages(ctx, S.INDEX, prof)
+            record = run_stages(ctx, _slice("index"), prof)
             bank.update_manifest(index={"config": cfg.public_dump(), "stages": prof.to_dict(),
                                         "record": record})
             return record
@@ -168,7 +166,7 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
             with locked(run_dir):
                 claim_run_dir(run_dir, bank.path)
                 # the dataset was ingested before (memgas ingest / index): recorded as held, with its digests
-                held = [_ingest_entry(IngestSource(), cfg, bank, "held")]
+                held = [_ingest_entry(source_of(default_pipeline()), cfg, bank, "held")]
                 return _answer_in(cfg, bank, run_dir, Profiler(), held, use_ray, profile, time.time())
         finally:
             if own:
@@ -202,7 +200,7 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
                 require_data(bank, "questions")
                 ctx = StageContext(cfg, bank, None, use_ray)
                 resolve_stage_runtimes(ctx)
-                record = [ingest_entry, *run_stages(ctx, S.INDEX, prof)]
+                record = [ingest_entry, *run_stages(ctx, _slice("index"), prof)]
                 bank.update_manifest(index={"config": cfg.public_dump(), "record": record[1:]})
                 return _answer_in(cfg, bank, out, prof, record, use_ray, profile, started)
         except BaseException as exc:
@@ -216,25 +214,18 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
 def _answer_in(cfg: MemgasConfig, bank: Bank, run_dir: Path, prof: Profiler, record: list[dict], use_ray: bool,
                profile: bool, started: float) -> Path:
     results = Bank.create(run_dir / "results")
-    ctx = StageContext(cfg, bank, results, use_ray)
+    ctx = StageContext(cfg, bank, results, use_ray, profile=profile)
     resolve_stage_runtimes(ctx)
-    record = [*record, *run_stages(ctx, S.ANSWER, prof)]
+    record = [*record, *run_stages(ctx, _slice("answer"), prof)]
     for entry in record:  # held stages (ingest): the digest the runner verified
         if "output" in entry and entry["output"] is None:
             entry["output"] = ctx.outputs.get(entry["stage"])
-    metrics = next(ctx.stats[s.name]["metrics"] for s in S.PIPELINE if isinstance(s, Report))
-    latency = _latency_probe(ctx, profile)
-    # the readers' per-query latency (their units are batches of queries; the first is the warm-up)
-    per_query = [sec / n for stage, _ in tables.writers(ctx, "answers")
-                 for n, sec in ctx.unit_seconds.get(stage.name, [])[1:] if n]
-    if per_query:
-        latency[f"reading (filter+answer, {cfg.llm.batch_size} query/batch)"] = percentiles_ms(per_query)
     # failures left after retries: the unfinished rows of the retried tables' writers, the stages nearest
     # the answers first (metrics.json and the message list them)
     failures = {stage.name: int(ctx.stats.get(stage.name, {}).get("unfinished", 0))
                 for stage in reversed(ctx.pipeline) for t in getattr(stage, "writes", ())
                 if t.retried and tables.enabled(ctx, stage)}
-    _write_outputs(ctx, run_dir, metrics, prof, latency, started, record, failures)
+    _write_outputs(ctx, run_dir, report_of(ctx), prof, started, record, failures)
     if any(failures.values()):
         what = ", ".join(f"{v} {stage} failures" for stage, v in failures.items() if v)
         raise IncompleteRun(f"{run_dir}: report written, but {what} remain after retries (kept out of the "
@@ -243,80 +234,10 @@ def _answer_in(cfg: MemgasConfig, bank: Bank, run_dir: Path, prof: Profiler, rec
     return run_dir
 
 
-def _latency_probe(ctx: StageContext, profile: bool) -> dict[str, Any]:
-    """Per-query ranking latency (one query at a time, MemGAS method), p50/p95."""
-    n = 200 if profile else 30
-    try:
-        return {"ranking (memgas, 1 query)": ranking_latency(ctx, n_queries=n)}
-    except Exception as exc:  # the probe is informative only; never fail a run over it
-        log.warning("latency probe failed: %s", exc)
-        return {}
-
-
-def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "memgas") -> dict[str, float]:
-    """Latency of ranking one query at a time (similarities, router, seeds, PPR on its history's stored graph,
-    session order). Each history is prepared once before the timer, as a query server holds it
-    (:func:`prepared_questions`); only the per-question ranking is timed."""
-    if method not in ctx.cfg.retrieval.methods:
-        return {}
-    r = ctx.cfg.retrieval
-    samples = []
-    for graph, qv in prepared_questions(ctx, n_queries, method, [r.ppr]):
-        t0 = time.perf_counter()
-        graph.rank(qv, [method], num_seeds=r.num_seeds, damping=r.damping, temp=r.temp, router=r.router, ppr=r.ppr,
-                   ppr_epsilon=r.ppr_epsilon)
-        samples.append(time.perf_counter() - t0)
-    return percentiles_ms(samples)
-
-
-def prepared_questions(ctx: StageContext, n_queries: int, method: str, ppr: list[str]) -> Iterator[tuple[Any, Any]]:
-    """The bank's first ``n_queries`` questions, one at a time, each as (its history's
-    :class:`~memgas.pipeline.prepared.PreparedGraph`, its query vector ``[1, d]``). Every history is prepared
-    first (its node matrix and the graph of ``method``'s edges, built for each PPR kernel of ``ppr``). A history
-    longer than one node block is read in blocks spilled to files, as the rank stage reads it in-process, never
-    whole: each question reads them through their memory maps (page cache), with the machine's cores
-    (``ray.num_cpus`` if set) sharing the blocks. Questions of a history without nodes are skipped."""
-    import numpy as np
-    from memgas.jobs.history_index.node_blocks import HistoryBlocks
-    from memgas.jobs.stages.rank import edges_of, query_vectors, session_ids
-    from memgas.jobs.stages.shards import matrix_loader, node_matrix
-    from memgas.pipeline.association import blocks
-    from memgas.pipeline.prepared import PreparedGraph
-    from memgas.pipeline.schema import N_GRAN
-
-    bank = ctx.bank
-    queries = bank.read("queries", ["query_id", "history_id", "question"]).to_pandas().head(n_queries)
-    if queries.empty:
-        return
-    hids = sorted(set(queries["history_id"]))
-    key = keys.encoder_key(ctx)
-    rows = {h: N_GRAN * len(s) for h, s in session_ids(bank, hids).items()}
-    long = {h for h, n in rows.items() if n > blocks.BLOCK_ROWS}
-    short = [h for h in hids if h in rows and h not in long]
-    loader = matrix_loader(ctx, short) if short else None
-    edges = edges_of(bank, hids, tables.current_parts(ctx, "edges"))
-    empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    device = kernel_device(ctx, ctx.cfg.retrieval.device)
-    # a query server's cores share each question's scan of the node rows (the same bits with any number);
-    # the job's Ray tasks are done by now
-    threads = ctx.cfg.ray.num_cpus or len(os.sched_getaffinity(0))
-    graphs = {}
-    for h in hids:
-        if h in long:  # row blocks spilled to files (they live as long as the graph's NodeBlocks)
-            nodes = HistoryBlocks(ctx, h, blocks.BLOCK_ROWS, use_ray=False).nodes(rows[h])
-        elif loader is not None and h in loader.history_ids:
-            nodes = node_matrix(loader.get(h))
-        else:
-            continue
-        e = {mode: edges.get((h, mode), empty) for mode in ("gmm", "topk")}
-        graphs[h] = PreparedGraph(nodes, e, device=device, scan_threads=threads)
-        for kind in ppr:
-            graphs[h].prepare([method], ppr=kind)
-    del loader, edges  # the loader's vectors: the prepared graphs hold the node matrices
-    qv = query_vectors(bank, queries["question"].tolist(), key)
-    for i, q in enumerate(queries.itertuples(index=False)):
-        if q.history_id in graphs:
-            yield graphs[q.history_id], qv[i : i + 1]
+def _slice(command: str) -> tuple[str, ...]:
+    """The steps of the pipeline that ``memgas index`` / ``memgas answer`` run."""
+    index, answer = command_slices(default_pipeline())
+    return index if command == "index" else answer
 
 
 def _git_commit() -> str:
@@ -327,12 +248,14 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profiler, latency: dict, started: float,
+def _write_outputs(ctx: StageContext, run_dir: Path, report: dict[str, Any], prof: Profiler, started: float,
                    record: list[dict], failures: dict[str, int]) -> Path:
+    """metrics.json (the report's evaluation and measurements, with this run's information), run_record.json,
+    manifest.json, config.yaml and report.md."""
     from memgas.jobs.report import write_report
-    from memgas.jobs.history_index.ivf_units import association_info
 
     cfg, bank = ctx.cfg, ctx.bank
+    measured = report["results"]
     ended = time.time()
     ds = dataset_identity(bank)  # a grown bank: its whole ingest history, with the bank's counts
     model, version = keys.generation_key(ctx)
@@ -341,19 +264,14 @@ def _write_outputs(ctx: StageContext, run_dir: Path, metrics: dict, prof: Profil
         "encoder_runtime": ctx.resolved.get("encoder"),
         "generator": f"{cfg.generation.generator} ({model}, {version}; summary_source={cfg.generation.summary_source})",
         "llm": f"{cfg.llm.backend}:{cfg.llm.model}", "router": cfg.retrieval.router,
-        "topk_edges": cfg.association.topk_edges, "association": association_info(ctx), "wall_s": ended - started,
-        # answers written by this run's readers
-        "answered": sum(int(ctx.stats.get(s.name, {}).get("answers", 0)) for s, _ in tables.writers(ctx, "answers")),
+        "topk_edges": cfg.association.topk_edges, "association": measured["run"]["association"],
+        "wall_s": ended - started,
+        "answered": measured["run"]["answered"],  # answers written by this run's readers
         "failures": failures,
         "fingerprints": dict(ctx.fingerprints),
     }
-    from memgas.jobs.evaluate_run import justmem_text_groups, method_tokens, plan_profiles
-    from memgas.pipeline.encode import encoding_accounting
-
-    encoding = encoding_accounting(bank, **keys.accounting_keys(ctx), extra=justmem_text_groups(ctx))
-    metrics = {"run": run_info, "dataset": ds, **metrics, "stages": prof.to_dict(), "encoding": encoding,
-               "tokens": method_tokens(ctx),
-               "profiles": plan_profiles(ctx), "latency": latency, "record": record}
+    metrics = {"run": run_info, "dataset": ds, **report["metrics"], "stages": prof.to_dict(),
+               **{k: measured[k] for k in ("encoding", "tokens", "profiles", "latency")}, "record": record}
     manifest = {
         "config": cfg.public_dump(), "memgas_version": __version__, "git_commit": run_info["git_commit"],
         "dataset": ds, "models": _model_manifest(ctx), "host": {"hostname": socket.gethostname(),

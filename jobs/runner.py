@@ -34,6 +34,16 @@ def default_pipeline() -> tuple[Any, ...]:
     return PIPELINE
 
 
+def source_of(pipeline: Sequence[Any]) -> Any:
+    """The pipeline's source (the ingested dataset)."""
+    return next(step for step in pipeline if isinstance(step, Source))
+
+
+def report_of(ctx: StageContext) -> dict[str, Any]:
+    """The stats of the pipeline's report (its metrics and what it measured) after a run of its slice."""
+    return next(ctx.stats[step.name] for step in ctx.pipeline if isinstance(step, Report))
+
+
 def _marker_path(store: Bank, stage: Stage) -> Path:
     return store.path / "_stages" / f"{stage.name}.json"
 
@@ -52,13 +62,21 @@ def set_fingerprint(step: Any, ctx: StageContext) -> tuple[str, Active | None]:
     if isinstance(step, Source):
         fp = ctx.fingerprints[step.name] = step.fingerprint(ctx)
         return fp, None
-    active = step.active(ctx) if isinstance(step, (Stage, Report)) else Active()
+    active = active_of(step, ctx)
     if active is None or step.name in unused_stages(ctx):
         ctx.fingerprints[step.name] = "disabled"
         return "disabled", None
     ctx.keys[step.name] = T.stage_key(step, ctx, active)
     fp = ctx.fingerprints[step.name] = T.fingerprint(step, ctx, active)
     return fp, active
+
+
+def active_of(step: Any, ctx: StageContext) -> Active | None:
+    """What this config makes of ``step`` (:meth:`Stage.active`), computed under its declared reads."""
+    if not isinstance(step, (Stage, Report)):
+        return Active()
+    with T.reading_as(ctx, step):
+        return step.active(ctx)
 
 
 def unused_stages(ctx: StageContext) -> frozenset[str]:
@@ -73,20 +91,20 @@ def unused_stages(ctx: StageContext) -> frozenset[str]:
     cached = ctx.cache.get("runner:unused")
     if cached is not None and cached[0] == names:
         return cached[1]
-    declared = {t for step in ctx.pipeline if not isinstance(step, Source) for t in getattr(step, "reads", ())}
+    declared = {t for step in ctx.pipeline if not isinstance(step, Source) for t in T.may_fill(ctx, step)}
     read_by_needed: set[str] = set()
     unused: set[str] = set()
     for step in reversed(ctx.pipeline):
         if isinstance(step, Source):
             continue
-        active = step.active(ctx)
+        active = active_of(step, ctx)
         if active is None:
             continue
         if (isinstance(step, Stage) and any(t.name in declared for t in step.writes)
                 and not any(t.name in read_by_needed for t in step.writes)):
             unused.add(step.name)
             continue
-        read_by_needed.update(active.reads if active.reads is not None else step.reads)
+        read_by_needed.update(T.declared_reads(ctx, step, active))
     out = frozenset(unused)
     ctx.cache["runner:unused"] = (names, out)
     return out
@@ -135,7 +153,7 @@ def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler,
             # need the CPUs the actors hold, and at the end
             later = ctx.pipeline[ctx.pipeline.index(step) + 1:]
             nxt = next((s for s in later if s.name in names and isinstance(s, Stage) and s.where != "driver"
-                        and s.active(ctx) is not None), None)
+                        and active_of(s, ctx) is not None), None)
             if "current" in pools and (nxt is None or nxt.where != "actor"):
                 pools.pop("current").close()
     finally:
@@ -173,10 +191,10 @@ def index_advice(ctx: StageContext) -> str:
 
 
 def run_report(report: Report, ctx: StageContext, fp: str, prof: Profiler) -> dict[str, Any]:
-    with prof.stage(report.name) as st:
+    with prof.stage(report.name) as st, T.reading_as(ctx, report, active_of(report, ctx)):
         stats = report.report(ctx)
         st.items = int(stats.pop("items", 1) or 0)
-        st.extra.update({k: v for k, v in stats.items() if k not in ("metrics", "summary")})
+        st.extra.update({k: v for k, v in stats.items() if k not in ("metrics", "summary", "results")})
     ctx.stats[report.name] = stats
     return {"stage": report.name, "fingerprint": fp, "where": "driver", "status": "executed", "units_total": 1,
             "units_done": 1, "units_resumed": 0}
@@ -203,11 +221,13 @@ def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: 
     ctx.scratch = {}
     with prof.stage(stage.name) as st:
         plan_name = f"{stage.name}-{fp}"
-        units = load_or_make_plan(store, plan_name, lambda: T.name_units(stage, ctx, stage.plan(ctx)))
-        ctx.planned = units
-        counts = execute_units(stage, ctx, active, units, store, pools=pools)
+        with T.reading_as(ctx, stage, active):  # a stage's driver code opens only what it declares
+            units = load_or_make_plan(store, plan_name, lambda: T.name_units(stage, ctx, stage.plan(ctx)))
+            ctx.planned = units
+            counts = execute_units(stage, ctx, active, units, store, pools=pools)
         dropped = T.finish_tables(stage, ctx)
-        stats = stage.finish(ctx)
+        with T.reading_as(ctx, stage, active):
+            stats = stage.finish(ctx)
         entry.update(stats.pop("record", None) or {})
         ctx.planned = []
         if any(t.kind != "content" for t in stage.writes):

@@ -3,8 +3,9 @@
 A stage declares (the whole contract, twelve members):
 
 * ``name``, ``version`` (bump when its output for the same inputs changes),
-* ``reads``: the tables it reads (names of :class:`memgas.jobs.tables.Table`), ``writes``: the tables it
-  writes (Table objects; the first one's part marks a unit done). Tables are the unit of data flow: the
+* ``reads``: the tables it reads (names of a :class:`Table`, or a role: :func:`memgas.jobs.tables.ranking`),
+  ``writes``: the tables it writes (Table objects; the first one's part marks a unit done). Its driver code
+  opens only what it reads (:class:`memgas.jobs.tables.GuardedBank`). Tables are the unit of data flow: the
   runner fingerprints a stage from the digests of the tables it reads, so no stage asks another for its
   prefix, key or enabled flag. Each table has one kind (content-addressed, per-fingerprint, segmented), and
   part naming, compaction, dropping stale parts and output digests are the kind's, in :mod:`memgas.jobs.tables`,
@@ -38,16 +39,47 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar, Literal
 
 import pyarrow as pa
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.hashing import DigestSink
 
-if TYPE_CHECKING:
-    from memgas.jobs.tables import Table
+
+Kind = Literal["source", "content", "fingerprint", "segmented"]
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    kind: Kind
+    store: Literal["bank", "results"] = "bank"
+    #: the bank table the rows live in (default: ``name``)
+    stored_in: str | None = None
+    #: rows whose LLM call failed stay in the table, marked by their error, and the next run retries them:
+    #: the run counts its writer's unfinished rows as failures (metrics.json ``run.failures``)
+    retried: bool = False
+    #: content tables: this config's rows (their digest is what the writer committed); None: the table
+    #: adds nothing to the digest (derived texts: a function of the generations and the sessions)
+    rows: Callable[[StageContext], pa.Table] | None = None
+    #: content tables too large to hold: the digest of ``rows`` streamed (:data:`STREAMED_DIGEST`), without
+    #: the rows in memory at once; None: ``table_digest(rows(ctx))``
+    digest: Callable[[StageContext], str] | None = None
+    #: the first digest method (:data:`DIGEST_METHODS`) that streams ``digest``: a marker of an earlier method
+    #: digested the rows at once, and is verified that way
+    digest_since: str = "streamed-1"
+    #: segmented tables: the current parts, given the writer's part prefix
+    current: Callable[[StageContext, str], list[str]] | None = None
+    #: rankings of the retrieval methods of this family (:func:`memgas.pipeline.methods.get_method`): a step
+    #: that reads ``ranking(family)`` (:func:`memgas.jobs.tables.ranking`) reads the last such table written
+    #: before it under the config, so a re-ranker after the ranker takes the ranker's place for its readers
+    ranks: str | None = None
+
+    @property
+    def physical(self) -> str:
+        return self.stored_in or self.name
 
 
 def short_hash(obj: Any, size: int = 6) -> str:
@@ -154,6 +186,8 @@ class StageContext:
     planned: list[dict[str, Any]] = field(default_factory=list)
     #: per stage: (items, seconds) of each unit this run dispatched, in completion order
     unit_seconds: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    #: a run that measures more (``memgas profile``): the report's latency probe times more questions
+    profile: bool = False
 
     @property
     def dataset_sha(self) -> str | None:
@@ -190,6 +224,15 @@ class Stage:
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         return {}
+
+
+def command_slices(pipeline: Iterable[Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(``memgas index``'s steps, ``memgas answer``'s) of a pipeline: the stages that write the bank build the
+    index; those that write the run directory's results (rankings, answers, judgments), and the reports,
+    answer. A stage's tables say which it is, so a stage added anywhere needs no list edited."""
+    steps = [s for s in pipeline if not isinstance(s, Source)]
+    index = tuple(s.name for s in steps if isinstance(s, Stage) and s.writes and s.writes[0].store == "bank")
+    return index, tuple(s.name for s in steps if s.name not in index)
 
 
 class Source:

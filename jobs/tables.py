@@ -1,8 +1,9 @@
 """Tables, the unit of data flow, and their kinds: the one place that names parts, compacts, drops stale
 parts and digests what a stage committed.
 
-A :class:`Table` is declared by the stage that writes it (each table has exactly one writer); stages read
-tables by name. Several tables may be stored in one bank table (``stored_in``): the MemGAS and JustMem
+A :class:`Table` (defined in :mod:`memgas.jobs.stage`) is declared by the stage that writes it (each table
+has exactly one writer); stages read tables by name or by role (:func:`ranking`), and their driver code
+opens only those (:class:`GuardedBank`). Several tables may be stored in one bank table (``stored_in``): the MemGAS and JustMem
 encoders both write ``embeddings``, the MemGAS and JustMem rankers both write ``rankings``. Kinds:
 
 * ``source``: the ingested dataset's tables, held by the bank (:class:`memgas.jobs.stage.Source`);
@@ -22,43 +23,13 @@ encoders both write ``embeddings``, the MemGAS and JustMem rankers both write ``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pyarrow as pa
-from memgas.jobs.stage import Active, Report, Stage, StageContext, config_value, short_hash, table_digest
+from memgas.jobs.stage import Active, Report, Stage, StageContext, Table, config_value, short_hash, table_digest
 from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, Bank
-
-Kind = Literal["source", "content", "fingerprint", "segmented"]
-
-
-@dataclass(frozen=True)
-class Table:
-    name: str
-    kind: Kind
-    store: Literal["bank", "results"] = "bank"
-    #: the bank table the rows live in (default: ``name``)
-    stored_in: str | None = None
-    #: rows whose LLM call failed stay in the table, marked by their error, and the next run retries them:
-    #: the run counts its writer's unfinished rows as failures (metrics.json ``run.failures``)
-    retried: bool = False
-    #: content tables: this config's rows (their digest is what the writer committed); None: the table
-    #: adds nothing to the digest (derived texts: a function of the generations and the sessions)
-    rows: Callable[[StageContext], pa.Table] | None = None
-    #: content tables too large to hold: the digest of ``rows`` streamed (:data:`STREAMED_DIGEST`), without
-    #: the rows in memory at once; None: ``table_digest(rows(ctx))``
-    digest: Callable[[StageContext], str] | None = None
-    #: the first digest method (:data:`DIGEST_METHODS`) that streams ``digest``: a marker of an earlier method
-    #: digested the rows at once, and is verified that way
-    digest_since: str = "streamed-1"
-    #: segmented tables: the current parts, given the writer's part prefix
-    current: Callable[[StageContext, str], list[str]] | None = None
-
-    @property
-    def physical(self) -> str:
-        return self.stored_in or self.name
-
 
 # -- who writes what ------------------------------------------------------------------------------------
 def enabled(ctx: StageContext, step: Any) -> bool:
@@ -109,8 +80,155 @@ def read_digest(ctx: StageContext, name: str) -> str | None:
 
 def fingerprint(stage: Stage | Report, ctx: StageContext, active: Active) -> str:
     """hash(the stage's key, the digest of each table it reads)."""
-    reads = stage.reads if active.reads is None else active.reads
+    reads = declared_reads(ctx, stage, active)
     return short_hash([stage_key(stage, ctx, active), {t: read_digest(ctx, t) for t in sorted(reads)}])
+
+
+# -- what a step reads ------------------------------------------------------------------------------------
+#: the prefix of a declared read that names a role, not a table (:func:`ranking`)
+RANKING_ROLE = "ranking:"
+
+
+def ranking(family: str) -> str:
+    """A declared read: the rankings of ``family``'s retrieval methods, i.e. the last table declared with
+    ``ranks=family`` by a step before the reader whose config enables it (the ranker's, or a re-ranker's
+    after it): readers name the role, so a stage added between the ranker and them needs no edit of theirs."""
+    return f"{RANKING_ROLE}{family}"
+
+
+def _enabled_by_config(ctx: StageContext, step: Any) -> bool:
+    key = ("tables:active", step.name)
+    if key not in ctx.cache:
+        with unguarded(ctx):
+            ctx.cache[key] = not isinstance(step, Stage) or step.active(ctx) is not None
+    return ctx.cache[key]
+
+
+def resolve(ctx: StageContext, name: str, reader: Any) -> str | None:
+    """The table a declared read of ``reader`` names under this config (a role resolved, a name as it is;
+    None for a role no step of the pipeline before it fills: it reads nothing there)."""
+    if not name.startswith(RANKING_ROLE):
+        return name
+    family = name[len(RANKING_ROLE):]
+    first = last = None
+    for step in ctx.pipeline:
+        if step is reader:
+            break
+        for t in getattr(step, "writes", ()):
+            if t.ranks == family:
+                first = first or t.name
+                last = t.name if _enabled_by_config(ctx, step) else last
+    return last or first
+
+
+def may_fill(ctx: StageContext, step: Any) -> set[str]:
+    """Every table a declared read of ``step`` may name under some config (a role: every table that can fill it)."""
+    out = set()
+    for name in getattr(step, "reads", ()):
+        if not name.startswith(RANKING_ROLE):
+            out.add(name)
+            continue
+        before = ctx.pipeline[:ctx.pipeline.index(step)] if step in ctx.pipeline else ctx.pipeline
+        out |= {t.name for w in before for t in getattr(w, "writes", ()) if t.ranks == name[len(RANKING_ROLE):]}
+    return out
+
+
+def declared_reads(ctx: StageContext, step: Any, active: Active | None = None) -> tuple[str, ...]:
+    """The tables ``step`` reads under this config: its declared reads, narrowed by ``active``, roles
+    resolved (what its fingerprint hashes and what its driver code may open)."""
+    reads = step.reads if active is None or active.reads is None else active.reads
+    return tuple(t for t in dict.fromkeys(resolve(ctx, r, step) for r in reads) if t is not None)
+
+
+#: Bank methods whose first argument names a bank table
+TABLE_METHODS = frozenset({"read", "iter_read", "iter_groups", "iter_merged", "count", "exists", "parts", "has_part",
+                           "part_digest", "current_digest", "verify_part", "compact", "write", "write_part",
+                           "drop_part", "drop", "_read_part", "_rows", "_dir"})
+
+
+class UndeclaredRead(RuntimeError):
+    """A stage's driver code opened a table it does not declare (its fingerprint would not follow it)."""
+
+
+class GuardedBank:
+    """A bank as a stage's driver code sees it (``ctx.bank``, ``ctx.results`` in its ``active``, ``plan``,
+    ``inputs`` and ``finish``): every method of :class:`~memgas.pipeline.bank.Bank`, but those that name a table
+    (:data:`TABLE_METHODS`: ``read``, ``iter_read``, ``iter_merged``, ``count``, ``exists``, ``parts``, ...) open
+    only the bank tables that hold what the stage may read under this config (:func:`readable`) or writes, and
+    those no step writes (caches named by their inputs: ``node_blocks``); another raises :class:`UndeclaredRead`. The table helpers (:func:`read_current`, :func:`current_parts`) check the
+    declared name itself and then read through the bank."""
+
+    def __init__(self, bank: Bank, stage: str, names: frozenset[str], denied: frozenset[str]) -> None:
+        self.raw, self.stage, self.names, self.denied = bank, stage, names, denied
+
+    def check(self, name: str, physical: bool = True) -> None:
+        if name in self.denied if physical else name not in self.names:
+            raise UndeclaredRead(f"stage {self.stage!r} opened table {name!r}, which it does not read under this "
+                                 f"config (it reads or writes: {', '.join(sorted(self.names)) or 'nothing'}); "
+                                 "declare it in the stage's reads")
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__") or attr in ("raw", "stage", "names", "denied"):  # copy/pickle probe these
+            raise AttributeError(attr)
+        value = getattr(self.raw, attr)
+        if attr not in TABLE_METHODS:
+            return value
+
+        def guarded(name: str, *args: Any, **kwargs: Any) -> Any:
+            self.check(name)
+            return value(name, *args, **kwargs)
+
+        return guarded
+
+
+def readable(ctx: StageContext, step: Any, active: Active | None = None) -> frozenset[str]:
+    """The tables ``step``'s driver code may open under this config: those it reads (``active`` narrows its
+    declared reads; None: all of them) and every other table of their writers (a writer's committed digest,
+    which the fingerprint hashes, covers all its tables: the dataset's six, associate's edges and segments),
+    and those it writes."""
+    writers = {writer_of(ctx, t).name for t in declared_reads(ctx, step, active)}
+    return frozenset({t.name for w in ctx.pipeline if w.name in writers for t in getattr(w, "writes", ())}
+                     | {t.name for t in getattr(step, "writes", ())})
+
+
+@contextmanager
+def reading_as(ctx: StageContext, step: Any, active: Active | None = None) -> Iterator[None]:
+    """Within: ``ctx.bank`` and ``ctx.results`` are :class:`GuardedBank` views that open only what ``step``
+    may read under this config (:func:`readable`)."""
+    names = readable(ctx, step, active)
+    # the bank tables that hold another writer's output; a table no step writes is a cache named by its own
+    # inputs (node_blocks: by the prefix digest of the nodes and the encoder keys), no stage's output
+    written = {t.physical for w in ctx.pipeline for t in getattr(w, "writes", ())}
+    denied = frozenset(written - {table(ctx, n).physical for n in names})
+    bank, results = ctx.bank, ctx.results
+    raw = getattr(bank, "raw", bank), getattr(results, "raw", results)
+    ctx.bank = GuardedBank(raw[0], step.name, names, denied)
+    ctx.results = None if raw[1] is None else GuardedBank(raw[1], step.name, names, denied)
+    try:
+        yield
+    finally:
+        ctx.bank, ctx.results = bank, results
+
+
+@contextmanager
+def unguarded(ctx: StageContext) -> Iterator[None]:
+    """Within: the banks themselves (the tables' own machinery: a writer's ``current`` parts, its rows)."""
+    bank, results = ctx.bank, ctx.results
+    ctx.bank, ctx.results = getattr(bank, "raw", bank), getattr(results, "raw", results)
+    try:
+        yield
+    finally:
+        ctx.bank, ctx.results = bank, results
+
+
+def may_read(ctx: StageContext, name: str) -> bool:
+    """Whether the running step may open table ``name`` (always, outside a step's driver code)."""
+    return not isinstance(ctx.bank, GuardedBank) or name in ctx.bank.names
+
+
+def _check_read(ctx: StageContext, name: str) -> None:
+    if isinstance(ctx.bank, GuardedBank):
+        ctx.bank.check(name, physical=False)
 
 
 # -- parts ------------------------------------------------------------------------------------------------
@@ -153,8 +271,12 @@ def stage_parts(stage: Stage, ctx: StageContext, t: Table) -> list[str]:
 
 def current_parts(ctx: StageContext, name: str) -> list[str]:
     """The current parts of table ``name`` (its writer's, when the writer is enabled)."""
+    _check_read(ctx, name)
     w = writer_of(ctx, name)
-    return stage_parts(w, ctx, table(ctx, name)) if enabled(ctx, w) else []
+    if not enabled(ctx, w):
+        return []
+    with unguarded(ctx):
+        return stage_parts(w, ctx, table(ctx, name))
 
 
 def read_current(ctx: StageContext, name: str, *, filter: Any = None, columns: list[str] | None = None) -> pa.Table:
@@ -162,12 +284,13 @@ def read_current(ctx: StageContext, name: str, *, filter: Any = None, columns: l
     from memgas.pipeline.schema import schema_for
 
     t = table(ctx, name)
-    store = store_of(ctx, writer_of(ctx, name))
     parts = current_parts(ctx, name)
     if not parts:
         empty = schema_for(t.physical).empty_table()
         return empty.select(columns) if columns else empty
-    return store.read(t.physical, columns, parts=parts, filter=filter)
+    with unguarded(ctx):
+        store = store_of(ctx, writer_of(ctx, name))
+        return store.read(t.physical, columns, parts=parts, filter=filter)
 
 
 def finish_tables(stage: Stage, ctx: StageContext) -> int:

@@ -1,12 +1,10 @@
-"""Units of work: chunking a stage's items into units, history shards, retry attempts in part names (the
+"""Units of work: chunking a stage's items into units, retry attempts in part names (the
 parts themselves are named by :func:`memgas.jobs.tables.name_units`)."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
-
-from memgas.pipeline.bank import Bank
 
 
 def chunk(items: list[Any], size: int) -> list[list[Any]]:
@@ -46,8 +44,3 @@ def attempt_of(part: str) -> int:
     """The retry attempt a read part belongs to (``...-<method>-a0003-00001-<digest>``)."""
     found = re.search(r"-a(\d+)-\d{5}(?:-|$)", part)
     return int(found.group(1)) if found else 0
-
-
-def history_shards(bank: Bank, size: int) -> list[list[str]]:
-    ids = sorted(set(bank.read("histories", columns=["history_id"])["history_id"].to_pylist()))
-    return chunk(ids, size)

@@ -32,6 +32,7 @@ from memgas.kernels.ppr_push import personalized_pagerank_push
 from memgas.kernels.router import entropy_router
 from memgas.kernels.topk import stable_argsort_desc, topk
 from memgas.pipeline.association.nodes import Candidates, _rescore
+from memgas.pipeline.config import PPR_EPSILON
 from memgas.pipeline.schema import CARD_GRAPH_GRANULARITIES, N_GRAN
 
 #: index of the cards in CARD_GRAPH_GRANULARITIES
@@ -136,7 +137,7 @@ def card_graph_edges(g: CardGraph, *, mem_threshold: int, min_prior_nodes: int,
 
 def rank_card_graph(g: CardGraph, queries: np.ndarray, src: np.ndarray, dst: np.ndarray, *, num_seeds: int,
                     damping: float, temp: float, router: str, device: str = "cpu", ppr: str = "exact",
-                    ppr_epsilon: float = 1e-8, entropy: str = "normalised") -> tuple[np.ndarray, np.ndarray]:
+                    ppr_epsilon: float = PPR_EPSILON, entropy: str = "normalised") -> tuple[np.ndarray, np.ndarray]:
     """(order int64 [Q, S], session scores float64 [Q, S]) of one history's queries (module docstring).
     ``entropy``: "normalised" (H_g / log N_g, the default of ``retrieval.card_graph_entropy``) or "raw" (the
     router's H_g, as MemGAS's)."""

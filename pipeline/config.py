@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import os
 import re
-import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -17,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from memgas.pipeline.config_yaml import MAX_CONFIG_BYTES, DuplicateKey, read_yaml, safe_load, yaml_problem  # noqa: F401
 from memgas.pipeline.data import FORMATS
 from memgas.pipeline.errors import ConfigError
 from memgas.pipeline.methods import CARD_GRAPH_METHOD_NAMES, KNOWN_METHOD_NAMES, METHOD_NAMES
@@ -199,6 +199,10 @@ class AssociationConfig(_Strict):
         return data
 
 
+#: push PPR's default residual threshold (``retrieval.ppr_epsilon``; the library's rankers default to it too)
+PPR_EPSILON = 1e-8
+
+
 class RetrievalConfig(_Strict):
     methods: list[str] = Field(default_factory=lambda: list(ALL_METHODS), min_length=1)
     num_seeds: int = Field(15, ge=1, le=MAX_COUNT)
@@ -220,8 +224,8 @@ class RetrievalConfig(_Strict):
     ppr: Literal["exact", "push"] = "exact"
     #: push's residual threshold per unit of degree (error < ppr_epsilon * degree / (1 - damping) per node).
     #: 1e-8: the top-10 equals the exact PPR's on every LoCoMo question from 1e-7 on (96% at 1e-6), one decade
-    #: of margin; docs/benchmarks.md, "PPR: batched, exact and push" (benchmarks/bench_ppr_push.py)
-    ppr_epsilon: float = Field(1e-8, gt=0, lt=1)
+    #: of margin; docs/benchmarks.md, "Push PPR" (benchmarks/bench_ppr_push.py)
+    ppr_epsilon: float = Field(PPR_EPSILON, gt=0, lt=1)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     #: how many ranked sessions to store per query (at least the largest evaluation.ks)
     store_top: int = Field(50, ge=1, le=MAX_RANKED)
@@ -369,7 +373,7 @@ class MemgasConfig(_Strict):
         ``--set KEY=VALUE`` that gave it, else the file. A relative ``data.path`` from the file that does
         not exist from the working directory is looked up from the file's directory (docs/reliability.md).
         """
-        raw = _read_yaml(path) if path is not None else {}
+        raw = read_yaml(path) if path is not None else {}
         origin: dict[str, str] = {}
         for item in overrides or []:
             key = _apply_override(raw, item)
@@ -446,94 +450,8 @@ def cross_field_problems(cfg: MemgasConfig) -> list[tuple[tuple[str, ...], str]]
     return out
 
 
-#: Largest config file read (bytes). The shipped configs are ~2 KB; a bound keeps `--config /dev/zero`-like
-#: input (a huge or endless file) from reading until memory runs out.
-MAX_CONFIG_BYTES = 1 << 20
-
-
-class _DuplicateKey(yaml.YAMLError):
-    """A mapping that names one key twice (YAML forbids it; PyYAML silently keeps the last value)."""
-
-    def __init__(self, key: Any, first: yaml.Mark, again: yaml.Mark) -> None:
-        super().__init__(f"duplicate key {key!r}")
-        self.key, self.first, self.again = key, first, again
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses a key repeated in one mapping: a second ``retrieval:`` section
-    would otherwise replace the first one's settings without a word."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, yaml.Mark] = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` overrides are the point of merges
-                    continue
-                key = self.construct_object(key_node, deep=True)
-                try:
-                    first = seen.get(key)
-                except TypeError:  # an unhashable key: the base class reports it
-                    continue
-                if first is not None:
-                    raise _DuplicateKey(key, first, key_node.start_mark)
-                seen[key] = key_node.start_mark
-        return super().construct_mapping(node, deep=deep)
-
-
-def _safe_load(text: str) -> Any:
-    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-def _read_yaml(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    try:
-        st = p.stat()
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    if stat.S_ISDIR(st.st_mode):
-        raise ConfigError(f"{path}: is a directory, expected a YAML config file")
-    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the open for ever, /dev/zero never ends
-        raise ConfigError(f"{path}: not a regular file ({_file_kind(st.st_mode)}); expected a YAML config file")
-    if st.st_size > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: {st.st_size} bytes, larger than a config can be ({MAX_CONFIG_BYTES} bytes)")
-    with open(p, "rb") as f:
-        data = f.read(MAX_CONFIG_BYTES + 1)  # bounded even if the file grows while it is read
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: larger than a config can be ({MAX_CONFIG_BYTES} bytes)")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: not a text file (invalid UTF-8 at byte {exc.start}); expected a YAML config") from None
-    if "\x00" in text:
-        raise ConfigError(f"{path}: not a text file (NUL bytes); expected a YAML config")
-    try:
-        raw = _safe_load(text)
-    except _DuplicateKey as exc:
-        raise ConfigError(f"{path}: duplicate key {exc.key!r} on line {exc.again.line + 1} (first on line "
-                          f"{exc.first.line + 1}); the second would replace the first's settings: keep one") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
-    if raw is None:
-        return {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (data:, retrieval:, ...) at the top level, "
-                          f"got {type(raw).__name__}")
-    return raw
-
-
-def _file_kind(mode: int) -> str:
-    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return "not a file"
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    return f"{where}{problem}"
+#: the reader's names as this module's callers know them (tests: the file's bounds)
+_read_yaml = read_yaml
 
 
 def _apply_override(raw: dict[str, Any], item: str) -> str:
@@ -547,11 +465,11 @@ def _apply_override(raw: dict[str, Any], item: str) -> str:
     if not key or any(not p for p in parts):
         raise ConfigError(f"--set {item}: expected KEY=VALUE with a dotted key, e.g. retrieval.num_seeds=10")
     try:
-        parsed = _safe_load(value)
-    except _DuplicateKey as exc:
+        parsed = safe_load(value)
+    except DuplicateKey as exc:
         raise ConfigError(f"--set {item}: duplicate key {exc.key!r} in the value") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--set {item}: the value is not valid YAML: {_yaml_problem(exc)}") from None
+        raise ConfigError(f"--set {item}: the value is not valid YAML: {yaml_problem(exc)}") from None
     node = raw
     for i, p in enumerate(parts[:-1]):
         if p not in node or node[p] is None:

@@ -34,15 +34,13 @@ from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import BankError
 from memgas.pipeline.generate import hybrid_text
 from memgas.pipeline.hashing import text_hash
-from memgas.pipeline.schema import NODES
+from memgas.pipeline.schema import NODE_GRANULARITIES, NODES
 
 if TYPE_CHECKING:
     from memgas.pipeline.spilled_vectors import SpilledVectors
 
 log = logging.getLogger(__name__)
 
-#: Node rows per session: the four MemGAS granularities plus the hybrid baseline's text.
-NODE_GRANULARITIES: tuple[str, ...] = ("session", "turn", "summary", "keyword", "hybrid")
 _KIND_OF = {"summary": "summary", "keyword": "keywords"}
 
 

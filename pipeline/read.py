@@ -174,9 +174,10 @@ def is_failed_answer(error: Any) -> bool:
 
 
 def reading_payloads(bank: Any, rankings: pa.Table, query_ids: Sequence[str], *,
-                     generation_key: tuple[str, str]) -> list[dict[str, Any]]:
+                     generation_key: tuple[str, str] | None) -> list[dict[str, Any]]:
     """Inputs of the reading step: per query (in ``query_ids`` order) its ranked sessions (``rankings`` holds
-    the top-K of one method) with date, text, summary and keywords (generations under ``generation_key``)."""
+    the top-K of one method) with date, text, summary and keywords (generations under ``generation_key``; None:
+    without summaries and keywords)."""
     import pyarrow.compute as pc
 
     queries = bank.read("queries", ["query_id", "history_id", "question", "question_date_raw"],
@@ -188,11 +189,13 @@ def reading_payloads(bank: Any, rankings: pa.Table, query_ids: Sequence[str], *,
     sessions = bank.read("sessions", ["history_id", "session_id", "date_raw", "text_hash"],
                          filter=pc.field("history_id").isin(hids)).to_pandas()
     hashes = sorted(set(sessions["text_hash"]))
-    model, version = generation_key
-    gens = bank.read("generations", ["text_hash", "kind", "output"],
-                     filter=(pc.field("model") == model) & (pc.field("prompt_version") == version)
-                     & pc.field("text_hash").isin(hashes)).to_pandas()
-    gen = {(h, k): o for h, k, o in gens.itertuples(index=False)}
+    gen: dict[tuple[str, str], Any] = {}
+    if generation_key is not None:  # None: a caller that does not read the generations (no summaries)
+        model, version = generation_key
+        gens = bank.read("generations", ["text_hash", "kind", "output"],
+                         filter=(pc.field("model") == model) & (pc.field("prompt_version") == version)
+                         & pc.field("text_hash").isin(hashes)).to_pandas()
+        gen = {(h, k): o for h, k, o in gens.itertuples(index=False)}
     texts = bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(hashes)).to_pandas()
     text = dict(zip(texts["text_hash"], texts["text"]))
     info = {(r.history_id, r.session_id): r for r in sessions.itertuples(index=False)}

@@ -47,6 +47,10 @@ N_GRAN: int = len(GRANULARITIES)
 #: memgas-cards' granularities: the four above, then JustMem's cards (any number per session),
 #: their index in this tuple the node's granularity in ``card_graph_edges`` and the router.
 CARD_GRAPH_GRANULARITIES: tuple[str, ...] = (*GRANULARITIES, "card")
+#: Node rows per session in ``nodes``: the four granularities, then the hybrid baseline's text.
+NODE_GRANULARITIES: tuple[str, ...] = (*GRANULARITIES, "hybrid")
+#: ``edges.mode``: a graph method's edges ("gmm") and those of the "no GMM" ablation ("topk")
+EDGE_MODES: tuple[str, ...] = ("gmm", "topk")
 
 #: Generation kinds stored in ``generations``.
 GENERATION_KINDS: tuple[str, ...] = ("summary", "keywords")
@@ -171,7 +175,7 @@ EDGES = pa.schema(
         pa.field("src", pa.int32(), nullable=False),  # node id = 4 * position + granularity index
         pa.field("dst", pa.int32(), nullable=False),
         pa.field("similarity", pa.float32(), nullable=False),
-        pa.field("mode", pa.string(), nullable=False),  # gmm | topk
+        pa.field("mode", pa.string(), nullable=False),  # one of EDGE_MODES
     ]
 )
 

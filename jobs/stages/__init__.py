@@ -1,10 +1,12 @@
 """The pipeline: the dataset (a source), MemGAS's branch, JustMem's branch, the answers' judge and the
 evaluation (a report). Each step declares the tables it reads and writes (:mod:`memgas.jobs.stage`,
 :mod:`memgas.jobs.tables`); the runner derives the data flow from them, so a new stage is one module here
-and one entry below. ``memgas index`` runs the steps ``INDEX``, ``memgas answer`` the steps ``ANSWER``."""
+and one entry below. ``memgas index`` runs the steps ``INDEX``, ``memgas answer`` the steps ``ANSWER``
+(:func:`memgas.jobs.stage.command_slices`: by where a stage's tables live)."""
 
 from __future__ import annotations
 
+from memgas.jobs.stage import command_slices
 from memgas.jobs.stages.associate import AssociateStage
 from memgas.jobs.stages.card_graph import CardGraphAssociateStage, CardGraphEncodeStage, CardGraphRankStage
 from memgas.jobs.stages.cards import CardsStage
@@ -26,6 +28,4 @@ __all__ = ["ANSWER", "INDEX", "PIPELINE"]
 PIPELINE = (IngestSource(), GenerateStage(), CardsStage(), PlanStage(), NodesStage(), EncodeStage(),
             CardEncodeStage(), CardGraphEncodeStage(), AssociateStage(), CardGraphAssociateStage(), RankStage(),
             CardRankStage(), CardGraphRankStage(), ReadStage(), CardReadStage(), JudgeStage(), EvaluateReport())
-INDEX: tuple[str, ...] = ("generate", "cards", "plan", "nodes", "encode", "card-encode", "card-graph-encode",
-                          "associate", "card-graph-associate")
-ANSWER: tuple[str, ...] = ("rank", "card-rank", "card-graph-rank", "read", "card-read", "judge", "evaluate")
+INDEX, ANSWER = command_slices(PIPELINE)

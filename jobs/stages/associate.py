@@ -28,8 +28,8 @@ import pyarrow.compute as pc
 from memgas.jobs import tables
 from memgas.jobs.history_index import history_nodes, ivf_store, ivf_units, keep_blocks
 from memgas.jobs.history_index.prefixes import chains
-from memgas.jobs.stage import Active, StageContext
-from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix, owned
+from memgas.jobs.stage import Active, Stage, StageContext
+from memgas.jobs.stages.shards import kernel_active, matrix_loader, node_matrix, owned
 from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline import association
@@ -37,9 +37,9 @@ from memgas.pipeline.association import blocks, ivf_search, segments
 from memgas.pipeline.association.edges import edges_from
 from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.association.segments import Coverage, Segment, coverage, split_every, split_segment
-from memgas.pipeline.schema import EDGE_SEGMENTS, EDGES, IVF_DELTA, N_GRAN
+from memgas.pipeline.schema import EDGE_MODES, EDGE_SEGMENTS, EDGES, IVF_DELTA, N_GRAN
 
-MODES = ("gmm", "topk")  # the method's edges and those of the "no GMM" ablation
+MODES = EDGE_MODES  # the method's edges and those of the "no GMM" ablation
 
 
 # -- which segments are stored and which must be computed ----------------------------------------------
@@ -96,19 +96,19 @@ IVF_RECALL_TABLE = tables.Table("ivf_recall", "segmented", current=_current_reca
 IVF_FIELDS = ("association.ivf_nlist", "association.ivf_nprobe", "association.ivf_exact_nodes")
 
 
-class AssociateStage(HistoryShardStage):
+class AssociateStage(Stage):
     """Per history: GMM association edges (and the top-k edges of the "no GMM" ablation) of the rows not
     yet stored, one batched GMM fit per unit."""
 
     name = "associate"
     version = "2"  # parts per segment, named by config (version 1: one set of parts per upstream state)
-    reads = ("nodes", "node_vectors")  # node matrices: which texts (nodes) and their vectors
+    reads = ("nodes", "node_vectors", "pairs")  # node matrices: which texts (nodes, pairs) and their vectors
     writes = (EDGE_SEGMENTS_TABLE, EDGES_TABLE, IVF_INDEX_TABLE, IVF_DELTA_TABLE, IVF_RECALL_TABLE)
     fields = ("association.mem_threshold", "association.min_prior_nodes", "association.topk_edges",
               "association.search", *IVF_FIELDS, "retrieval.device")
 
     def active(self, ctx: StageContext) -> Active:
-        active = super().active(ctx)
+        active = kernel_active(ctx)
         active.params["association"] = ctx.cfg.association.model_dump()
         if ctx.cfg.association.search != "ivf":
             # the IVF's parameters change nothing under the exact search; nor does the mode itself enter the

@@ -25,11 +25,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import keys, tables
-from memgas.jobs.stage import Active, StageContext
-from memgas.jobs.stages.encode import EncodeStage, vector_rows, vector_rows_digest
+from memgas.jobs.stage import Active, Stage, StageContext
+from memgas.jobs.stages.encode import embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest
 from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.rank import family_methods, family_ranker_active, query_vectors, ranking_rows
-from memgas.jobs.stages.shards import HistoryShardStage, matrix_loader, node_matrix
+from memgas.jobs.stages.shards import kernel_active, matrix_loader, node_matrix, shard_units
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.config import MemgasConfig
 
@@ -59,15 +59,17 @@ CARD_GRAPH_VECTORS = tables.Table("card_graph_vectors", "content", stored_in="em
                                   digest=lambda ctx: vector_rows_digest(ctx, CardGraphEncodeStage.needed(ctx)[0]))
 
 
-class CardGraphEncodeStage(EncodeStage):
+class CardGraphEncodeStage(Stage):
     """Embed this config's card texts under the main encoder key (what another encoder stage embedded is
     reused: rows are keyed by text and encoder)."""
 
     name = "card-graph-encode"
     version = "1"
-    reads = ("cards",)
+    reads = ("cards", "sessions")  # the cards of the bank's sessions
     writes = (CARD_GRAPH_VECTORS,)
     fields = keys.ENCODER_OUTPUT_FIELDS
+    where = "actor"
+    model = "encoder"
 
     def active(self, ctx: StageContext) -> Active | None:
         if not card_graph_enabled(ctx.cfg):
@@ -81,9 +83,12 @@ class CardGraphEncodeStage(EncodeStage):
         texts = dict(zip(cards["text_hash"].to_pylist(), cards["text"].to_pylist()))
         return {keys.encoder_key(ctx): sorted(texts)}, texts
 
-    @staticmethod
-    def _grouped(todo: list[str], bank: Any) -> list[str]:
-        return sorted(todo)
+    plan, inputs, finish, run = plan_needed, needed_inputs, needed_stats, staticmethod(embed)
+
+
+def histories(ctx: StageContext) -> list[dict[str, Any]]:
+    """Units of ``ray.shard_size`` of the dataset's histories."""
+    return shard_units(ctx, ctx.bank.read("histories", columns=["history_id"])["history_id"].to_pylist())
 
 
 # -- one history's five-granularity graph ----------------------------------------------------------------------
@@ -137,22 +142,25 @@ def history_card_graph(ctx: StageContext, history_ids: list[str] | None = None) 
 CARD_GRAPH_EDGES = tables.Table("card_graph_edges", "fingerprint")
 
 
-class CardGraphAssociateStage(HistoryShardStage):
+class CardGraphAssociateStage(Stage):
     """Per shard of histories: the GMM association edges of each history's five-granularity graph (one batched
     GMM fit per unit, as the associate stage)."""
 
     name = "card-graph-associate"
-    reads = ("nodes", "node_vectors", "cards", "card_graph_vectors")
+    reads = ("nodes", "node_vectors", "pairs", "cards", "card_graph_vectors", "histories")
     writes = (CARD_GRAPH_EDGES,)
     fields = ("association.mem_threshold", "association.min_prior_nodes", "retrieval.device")
 
     def active(self, ctx: StageContext) -> Active | None:
         if not card_graph_enabled(ctx.cfg):
             return None
-        active = super().active(ctx)
+        active = kernel_active(ctx)
         a = ctx.cfg.association
         active.params.update(mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes)
         return active
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        return histories(ctx)
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         graphs = card_graphs(ctx, unit["histories"])
@@ -185,16 +193,18 @@ class CardGraphAssociateStage(HistoryShardStage):
 
 
 # -- ranking ------------------------------------------------------------------------------------------------------
-CARD_GRAPH_RANKINGS = tables.Table("card_graph_rankings", "fingerprint", "results", stored_in="rankings")
+CARD_GRAPH_RANKINGS = tables.Table("card_graph_rankings", "fingerprint", "results", stored_in="rankings",
+                                   ranks=FAMILY)
 
 
-class CardGraphRankStage(HistoryShardStage):
+class CardGraphRankStage(Stage):
     """Per shard of histories: every query ranked by memgas-cards (router over five granularities, seeds, PPR
     over the card graph's edges)."""
 
     name = "card-graph-rank"
     version = "2"  # the exact PPR converges per question (kernels/ppr.py): other bits than version 1
-    reads = ("queries", "nodes", "node_vectors", "cards", "card_graph_vectors", "card_graph_edges")
+    reads = ("queries", "nodes", "node_vectors", "pairs", "cards", "card_graph_vectors", "card_graph_edges",
+             "histories")
     writes = (CARD_GRAPH_RANKINGS,)
     fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp", "retrieval.router",
               "retrieval.card_graph_entropy", "retrieval.ppr", "retrieval.ppr_epsilon", "retrieval.store_top",
@@ -204,7 +214,10 @@ class CardGraphRankStage(HistoryShardStage):
         methods = family_methods(ctx.cfg.retrieval.methods, FAMILY)
         if not methods:
             return None
-        return family_ranker_active(super().active(ctx), self.fields, ctx, methods)
+        return family_ranker_active(kernel_active(ctx), self.fields, ctx, methods)
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        return histories(ctx)
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         ids = unit["histories"]

@@ -37,6 +37,7 @@ class CardsStage(Stage):
     """
 
     name = "cards"
+    version = keys.PRODUCER_VERSIONS["cards"]
     reads = ("sessions", "turns")
     writes = (CARDS,)
     fields = keys.EXTRACTOR_FIELDS

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -85,6 +85,114 @@ def _node_vector_digest(ctx: StageContext) -> str:
     return vector_rows_digest(ctx, EncodeStage.needed(ctx)[0])
 
 
+# -- what the encoders share (MemGAS's, JustMem's, the card graph's): each says which texts it needs --------
+Needed = Callable[[StageContext], tuple[dict[str, list[str]], dict[str, str]]]
+
+
+def encode_units(ctx: StageContext, needed: tuple[dict[str, list[str]], dict[str, str]],
+                 grouped: Callable[[list[str], Any], list[str]]) -> list[dict[str, Any]]:
+    """Units of the ``needed`` texts (hashes per encoder key, the questions' texts by hash) not yet embedded
+    under their key, in ``grouped`` order, balanced by their estimated tokens (``ray.encode_unit``)."""
+    bank = ctx.bank
+    need, questions = needed
+    e = ctx.cfg.encoder
+    windows = {keys.window_key(ctx, n): n for n in (e.pair_max_tokens, e.session_max_tokens) if n is not None}
+    todo: dict[str, list[str]] = {}
+    for key, hashes in need.items():
+        have: set[str] = set()
+        if bank.exists("embeddings"):
+            have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == key)
+                       ["text_hash"].to_pylist())
+        todo[key] = grouped([h for h in hashes if h not in have], bank)
+    chars = text_chars(ctx, {h for hs in todo.values() for h in hs}, questions)
+    units = []
+    for key, hashes in todo.items():
+        cap = windows.get(key) or ctx.cfg.encoder.max_tokens or 512
+        costs = [est_tokens(chars.get(h, 0), cap, ctx.cfg.encoder.long_text) for h in hashes]
+        units += [{"key": key, "max_tokens": windows.get(key), "hashes": b}
+                  for b in cost_chunks(hashes, costs, ctx.cfg.ray.encode_unit)]
+    return [{"size": len(u["hashes"]), **u} for u in units]
+
+
+def text_chars(ctx: StageContext, hashes: set[str], questions: dict[str, str]) -> dict[str, int]:
+    """Characters of each text to encode (questions from the queries, the rest from ``texts``), to
+    balance units. One filtered read of ``texts`` per plan (a scan: 1.0-1.7 s at LongMemEval-S scale,
+    see TextBlocks); only the lengths become Python values."""
+    if not hashes:
+        return {}
+    t = ctx.bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(sorted(hashes)))
+    out = dict(zip(t["text_hash"].to_pylist(), pc.utf8_length(t["text"]).to_pylist()))
+    del t
+    for h, q in questions.items():
+        out.setdefault(h, len(q))
+    return out
+
+
+def est_tokens(chars: int, cap: int, long_text: str) -> float:
+    """A text's encoder cost, estimated from its length (~4 characters a token in English): capped at
+    the window when texts are truncated, every window when they are averaged."""
+    tokens = chars / 4 + 2
+    return min(tokens, cap) if long_text == "truncate" else tokens
+
+
+#: texts per read of the bank (TextBlocks)
+READ_BLOCK_TEXTS = 8192
+
+
+def encode_inputs(ctx: StageContext, unit: dict[str, Any], needed: Needed) -> dict[str, Any]:
+    """A unit's texts (read from ``texts`` in blocks of consecutive units; questions from ``needed``)."""
+    # stage objects are shared by every run in a process: per-run caches live on the context
+    if "questions" not in ctx.scratch:
+        ctx.scratch["questions"] = needed(ctx)[1]
+        ctx.scratch["texts"] = TextBlocks(ctx.units, lambda u: u["hashes"], READ_BLOCK_TEXTS)
+    questions = ctx.scratch["questions"]
+    stored = [h for h in unit["hashes"] if h not in questions]
+    texts = unit_texts(ctx, unit, unit["hashes"]) if stored else {}
+    texts.update({h: q for h, q in questions.items() if h not in texts})
+    absent = [h for h in unit["hashes"] if h not in texts]
+    if absent:  # a deleted texts part: summaries/keywords/hybrids can be rebuilt from the generations
+        texts.update(rederive_texts(ctx, absent))
+        absent = [h for h in unit["hashes"] if h not in texts]
+    if absent:
+        raise BankError(f"{ctx.bank.path}: {len(absent)} texts to encode are missing from 'texts' (first "
+                        f"text_hash {absent[0]}); re-run the generate stage (memgas index)")
+    # units of plans stored before pair windows existed carry no key: the encoder's own
+    return {"hashes": unit["hashes"], "texts": [texts[h] for h in unit["hashes"]],
+            "key": unit.get("key") or keys.encoder_key(ctx), "max_tokens": unit.get("max_tokens")}
+
+
+def embed(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+    """An encoder stage's ``run``: the unit's texts embedded (under the window of its key)."""
+    from memgas.pipeline.encode import embeddings_table
+
+    encoder = model.with_max_tokens(payload["max_tokens"]) if payload.get("max_tokens") else model
+    return {"embeddings": embeddings_table(encoder, payload["hashes"], payload["texts"], payload["key"])}
+
+
+# -- the members of an encoder stage of the texts its ``needed(ctx)`` names, in hash order (card-encode,
+# card-graph-encode): ``plan, inputs, finish = plan_needed, needed_inputs, needed_stats``
+def plan_needed(stage: Any, ctx: StageContext) -> list[dict[str, Any]]:
+    return encode_units(ctx, stage.needed(ctx), lambda todo, bank: sorted(todo))
+
+
+def needed_inputs(stage: Any, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+    return encode_inputs(ctx, unit, stage.needed)
+
+
+def needed_stats(stage: Any, ctx: StageContext) -> dict[str, Any]:
+    return vector_stats(ctx, stage.needed(ctx)[0])
+
+
+def vector_stats(ctx: StageContext, need: dict[str, list[str]]) -> dict[str, Any]:
+    """An encoder stage's stats: the rows under its keys, truncated texts and tokens."""
+    mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(sorted(set(need))))
+    stats: dict[str, Any] = {"rows": mine.num_rows}
+    for col in ("truncated", "tokens", "tokens_dropped"):
+        if col in mine.column_names:
+            stats[col] = int(pc.sum(pc.cast(mine[col], pa.int64())).as_py() or 0)
+    return stats
+
+
 #: the vectors of MemGAS's node texts, turn pairs and questions (rows of ``embeddings``)
 NODE_VECTORS = Table("node_vectors", "content", stored_in="embeddings", rows=_node_vector_rows,
                      digest=_node_vector_digest)
@@ -95,7 +203,7 @@ class EncodeStage(Stage):
     a text another config or the JustMem encoder already embedded under the key is not embedded again)."""
 
     name = "encode"
-    version = "2"
+    version = keys.PRODUCER_VERSIONS["encode"]
     reads = ("nodes", "sessions", "pairs", "texts", "derived_texts", "queries")
     writes = (NODE_VECTORS,)
     fields = (*keys.ENCODER_OUTPUT_FIELDS, "encoder.pair_max_tokens", "encoder.session_max_tokens")
@@ -130,48 +238,6 @@ class EncodeStage(Stage):
             need.setdefault(by_role[role], set()).update(hashes)
         return {k: sorted(hs) for k, hs in need.items()}, questions
 
-    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        bank = ctx.bank
-        need, questions = self.needed(ctx)
-        e = ctx.cfg.encoder
-        windows = {keys.window_key(ctx, n): n for n in (e.pair_max_tokens, e.session_max_tokens) if n is not None}
-        todo: dict[str, list[str]] = {}
-        for key, hashes in need.items():
-            have: set[str] = set()
-            if bank.exists("embeddings"):
-                have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == key)
-                           ["text_hash"].to_pylist())
-            todo[key] = self._grouped([h for h in hashes if h not in have], bank)
-        chars = self._text_chars(ctx, {h for hs in todo.values() for h in hs}, questions)
-        units = []
-        for key, hashes in todo.items():
-            cap = windows.get(key) or ctx.cfg.encoder.max_tokens or 512
-            costs = [self._est_tokens(chars.get(h, 0), cap, ctx.cfg.encoder.long_text) for h in hashes]
-            units += [{"key": key, "max_tokens": windows.get(key), "hashes": b}
-                      for b in cost_chunks(hashes, costs, ctx.cfg.ray.encode_unit)]
-        return [{"size": len(u["hashes"]), **u} for u in units]
-
-    @staticmethod
-    def _text_chars(ctx: StageContext, hashes: set[str], questions: dict[str, str]) -> dict[str, int]:
-        """Characters of each text to encode (questions from the queries, the rest from ``texts``), to
-        balance units. One filtered read of ``texts`` per plan (a scan: 1.0-1.7 s at LongMemEval-S scale,
-        see TextBlocks); only the lengths become Python values."""
-        if not hashes:
-            return {}
-        t = ctx.bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(sorted(hashes)))
-        out = dict(zip(t["text_hash"].to_pylist(), pc.utf8_length(t["text"]).to_pylist()))
-        del t
-        for h, q in questions.items():
-            out.setdefault(h, len(q))
-        return out
-
-    @staticmethod
-    def _est_tokens(chars: int, cap: int, long_text: str) -> float:
-        """A text's encoder cost, estimated from its length (~4 characters a token in English): capped at
-        the window when texts are truncated, every window when they are averaged."""
-        tokens = chars / 4 + 2
-        return min(tokens, cap) if long_text == "truncate" else tokens
-
     @staticmethod
     def _grouped(todo: list[str], bank: Any) -> list[str]:
         """``todo`` with each session's texts together: the session, its turn pairs, then its summary,
@@ -203,40 +269,13 @@ class EncodeStage(Stage):
                     out.append(h)
         return out + sorted(left)
 
-    #: texts per read of the bank (TextBlocks)
-    read_block_texts = 8192
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        return encode_units(ctx, self.needed(ctx), self._grouped)
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        # stage objects are shared by every run in a process: per-run caches live on the context
-        if "questions" not in ctx.scratch:
-            ctx.scratch["questions"] = self.needed(ctx)[1]
-            ctx.scratch["texts"] = TextBlocks(ctx.units, lambda u: u["hashes"], self.read_block_texts)
-        questions = ctx.scratch["questions"]
-        stored = [h for h in unit["hashes"] if h not in questions]
-        texts = unit_texts(ctx, unit, unit["hashes"]) if stored else {}
-        texts.update({h: q for h, q in questions.items() if h not in texts})
-        absent = [h for h in unit["hashes"] if h not in texts]
-        if absent:  # a deleted texts part: summaries/keywords/hybrids can be rebuilt from the generations
-            texts.update(rederive_texts(ctx, absent))
-            absent = [h for h in unit["hashes"] if h not in texts]
-        if absent:
-            raise BankError(f"{ctx.bank.path}: {len(absent)} texts to encode are missing from 'texts' (first "
-                            f"text_hash {absent[0]}); re-run the generate stage (memgas index)")
-        # units of plans stored before pair windows existed carry no key: the encoder's own
-        return {"hashes": unit["hashes"], "texts": [texts[h] for h in unit["hashes"]],
-                "key": unit.get("key") or keys.encoder_key(ctx), "max_tokens": unit.get("max_tokens")}
+        return encode_inputs(ctx, unit, self.needed)
 
-    @staticmethod
-    def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
-        from memgas.pipeline.encode import embeddings_table
-
-        encoder = model.with_max_tokens(payload["max_tokens"]) if payload.get("max_tokens") else model
-        return {"embeddings": embeddings_table(encoder, payload["hashes"], payload["texts"], payload["key"])}
+    run = staticmethod(embed)
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(sorted(set(self.needed(ctx)[0]))))
-        stats: dict[str, Any] = {"rows": mine.num_rows}
-        for col in ("truncated", "tokens", "tokens_dropped"):
-            if col in mine.column_names:
-                stats[col] = int(pc.sum(pc.cast(mine[col], pa.int64())).as_py() or 0)
-        return stats
+        return vector_stats(ctx, self.needed(ctx)[0])

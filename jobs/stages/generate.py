@@ -64,7 +64,7 @@ class GenerateStage(Stage):
     """
 
     name = "generate"
-    version = "2"
+    version = keys.PRODUCER_VERSIONS["generate"]
     reads = ("sessions", "texts")
     writes = (GENERATIONS, DERIVED_TEXTS)
     fields = keys.GENERATOR_FIELDS

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from memgas.jobs.stage import Source, StageContext, short_hash
-from memgas.jobs.tables import Table
-from memgas.pipeline.bank import INGEST_TABLES, Bank
-from memgas.pipeline.config import MemgasConfig
-from memgas.pipeline.errors import BankError
+from memgas.jobs.dataset import ingest_output, refuse_grown_bank
+from memgas.jobs.stage import Source, StageContext, Table, short_hash
+from memgas.pipeline.bank import INGEST_TABLES
+
+__all__ = ["IngestSource", "ingest_output", "refuse_grown_bank"]
 
 
 class IngestSource(Source):
@@ -58,46 +57,3 @@ class IngestSource(Source):
             ctx.bank.update_manifest(datasets=[{**ds, "limit": cfg.data.limit}])
         counts = summary.get("counts", {}) if isinstance(summary, dict) else {}
         return {"items": int(counts.get("sessions", 0)), "summary": summary}
-
-
-def ingest_output(bank: Bank) -> str:
-    """Digest of the bank's ingested dataset: its committed parts' bytes (verified) and the dataset record.
-    The ingested data cannot be rebuilt from the bank: a missing or altered part is refused, naming a
-    command that re-ingests."""
-    from memgas.pipeline.append import dataset_digest
-
-    damaged = bank.damaged_ingest_parts()
-    if damaged:
-        # a grown bank is rebuilt by its ingest and every append, in order (`run` refuses a grown bank)
-        raise BankError(f"{bank.path}: the ingested dataset is damaged ({damaged[0]} is missing or altered"
-                        + (f", and {len(damaged) - 1} more" if len(damaged) > 1 else "") + "); "
-                        + bank.reingest_advice())
-    digests = sorted(f"{t}:{bank.part_digest(t, p)}" for t in INGEST_TABLES for p in (bank.ingest_parts() or [])
-                     if bank.has_part(t, p))
-    # the parts' bytes are the data: a re-ingest that writes the same bytes (another slot, data.strict
-    # changed on a clean file) changes nothing downstream
-    return short_hash([digests, dataset_digest(bank.manifest.get("datasets") or [])], 12)
-
-
-def refuse_grown_bank(cfg: MemgasConfig, bank: Bank | None = None) -> None:
-    """`memgas run` ingests ``data.path`` into its bank (``cfg.bank_path`` unless ``bank`` is given),
-    replacing what the bank holds. A bank grown by ``memgas ingest --append`` holds data no config names:
-    re-ingesting would delete the appended sessions and questions, so `run` refuses it, naming
-    the commands that use it as it is. No bank there yet: nothing to refuse."""
-    from memgas.pipeline.append import ingest_history
-
-    if bank is None:
-        try:
-            bank = Bank(cfg.bank_path)
-        except BankError:
-            return
-    history = ingest_history(bank.manifest.get("datasets") or [])
-    appends = history[1:]
-    if not appends:
-        return
-    names = ", ".join(Path(str(d.get("path"))).name for d in appends)
-    raise BankError(f"{bank.path}: the bank holds {Path(str(history[0].get('path'))).name} and "
-                    f"{len(appends)} appended file{'s' if len(appends) > 1 else ''} ({names}); memgas run would "
-                    f"re-ingest {cfg.data.path} and lose what was appended: use the grown bank with `memgas index "
-                    f"{bank.path} --config CONFIG` then `memgas answer {bank.path} --config CONFIG`, or set bank_dir "
-                    "to a new directory")

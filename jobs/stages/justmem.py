@@ -15,12 +15,20 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import keys, tables
-from memgas.jobs.stage import Active, StageContext
-from memgas.jobs.stages.encode import EncodeStage, vector_rows, vector_rows_digest
+from memgas.jobs.stage import Active, Stage, StageContext
+from memgas.jobs.stages.read import (
+    READ_FIELDS,
+    answer_sessions,
+    read_units,
+    reader_active,
+    reader_finish,
+    session_inputs,
+    top_rankings,
+)
+from memgas.jobs.stages.encode import embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest
 from memgas.jobs.stages.rank import family_methods, query_vectors, ranking_rows
-from memgas.jobs.stages.ranked import RankedShardStage, kept_parts, ranked_table, with_history
-from memgas.jobs.stages.read import READ_FIELDS, ReadStage
-from memgas.jobs.stages.shards import owned
+from memgas.jobs.stages.ranked import Kept, ranked_table, with_history
+from memgas.jobs.stages.shards import kernel_active, owned
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import BankError
@@ -95,7 +103,7 @@ CARD_VECTORS = tables.Table("card_vectors", "content", stored_in="embeddings", r
                             digest=lambda ctx: vector_rows_digest(ctx, CardEncodeStage.needed(ctx)[0]))
 
 
-class CardEncodeStage(EncodeStage):
+class CardEncodeStage(Stage):
     """Embed every card text, plan rewrite and question under the main encoder key (what MemGAS's encoder
     embedded already is not embedded again: the rows are keyed by text and encoder)."""
 
@@ -104,6 +112,8 @@ class CardEncodeStage(EncodeStage):
     reads = ("cards", "plans", "queries")
     writes = (CARD_VECTORS,)
     fields = keys.ENCODER_OUTPUT_FIELDS
+    where = "actor"
+    model = "encoder"
 
     def active(self, ctx: StageContext) -> Active | None:
         if not justmem_enabled(ctx.cfg):
@@ -119,22 +129,75 @@ class CardEncodeStage(EncodeStage):
         texts.update({h: t for h, t in justmem_texts(ctx).items() if h not in texts})
         return {keys.encoder_key(ctx): sorted(texts)}, texts
 
-    @staticmethod
-    def _grouped(todo: list[str], bank: Any) -> list[str]:
-        return sorted(todo)
+    plan, inputs, finish, run = plan_needed, needed_inputs, needed_stats, staticmethod(embed)
 
 
 # -- ranking the cards ------------------------------------------------------------------------------------
+def card_history_tables(ctx: StageContext, queries: pa.Table) -> dict[str, pa.Table]:
+    """A history's questions, sessions, their cards and the questions' plans (the card and question vectors
+    follow from those texts and the encoder's key)."""
+    sessions = ctx.bank.read("sessions")
+    return {"queries": queries, "sessions": sessions,
+            "cards": with_history(session_cards(ctx), "session_hash", sessions, "text_hash"),
+            "plans": with_history(current_plans(ctx), "query_id", queries, "query_id")}
+
+
 #: JustMem's rankings (rows of ``rankings``) and each card reader's chosen cards, kept per history across
 #: appends as MemGAS's are (:mod:`memgas.jobs.stages.ranked`), with what each part's histories were ranked from
-_KEPT = kept_parts("card_ranked_histories")
+KEPT = Kept("card_ranked_histories", card_history_tables)
 CARD_RANKED = tables.Table("card_ranked_histories", "segmented", "results", stored_in="ranked_histories",
-                           current=_KEPT)
-CARD_RANKINGS = tables.Table("card_rankings", "segmented", "results", stored_in="rankings", current=_KEPT)
-CARD_PICKS = tables.Table("card_picks", "segmented", "results", current=_KEPT)
+                           current=KEPT.current)
+CARD_RANKINGS = tables.Table("card_rankings", "segmented", "results", stored_in="rankings", current=KEPT.current,
+                             ranks="justmem")
+CARD_PICKS = tables.Table("card_picks", "segmented", "results", current=KEPT.current)
 
 
-class CardRankStage(RankedShardStage):
+def card_rank_inputs(ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+    """A unit's payload: per history with questions, its sessions, cards, plans and their vectors."""
+    from memgas.pipeline.hashing import text_hash
+
+    bank, ids, key = ctx.bank, unit["histories"], keys.encoder_key(ctx)
+    queries = bank.read("queries", ["query_id", "history_id", "question", "question_date"],
+                        filter=pc.field("history_id").isin(ids))
+    if queries.num_rows == 0:
+        return {"histories": []}
+    qdf = queries.to_pandas()
+    qv = query_vectors(bank, qdf["question"].tolist(), key)
+    sess = bank.read("sessions", ["history_id", "session_id", "position", "text_hash", "date"],
+                     filter=pc.field("history_id").isin(ids)).sort_by([("history_id", "ascending"),
+                                                                       ("position", "ascending")])
+    order: dict[str, list[tuple[str, str]]] = {}
+    dates: dict[str, list[Any]] = {}
+    for h, s, t, d in zip(*(sess[c].to_pylist() for c in ("history_id", "session_id", "text_hash", "date"))):
+        order.setdefault(h, []).append((s, t))
+        dates.setdefault(h, []).append(d)
+    cards = current_cards(ctx, sorted({t for pairs in order.values() for _, t in pairs}))
+    plans = {r["query_id"]: r for r in current_plans(ctx, qdf["query_id"].tolist()).to_pylist()}
+    rewrites = sorted({r for p in plans.values() for r in (p["rewrites"] or [])})
+    texts = sorted(set(cards["text"].to_pylist()) | set(rewrites))
+    vecs = query_vectors(bank, texts, key) if texts else np.zeros((0, 0), np.float32)
+    vectors = {text_hash(t): vecs[i] for i, t in enumerate(texts)}
+    out = []
+    for h, g in qdf.groupby("history_id", sort=True):
+        if h not in order:
+            continue
+        hashes = [t for _, t in order[h]]
+        mine = cards.filter(pc.field("session_hash").isin(sorted(set(hashes))))
+        qplans = [plans.get(q) for q in g["query_id"].tolist()]
+        missing = [q for q, p in zip(g["query_id"].tolist(), qplans) if p is None]
+        if missing:
+            raise BankError(f"no JustMem plan for query {missing[0]!r}: run `memgas index` with this config")
+        out.append({"history_id": h, "session_ids": [s for s, _ in order[h]], "query_ids": g["query_id"].tolist(),
+                    "queries": qv[g.index.to_numpy()], "session_hashes": hashes, "cards": mine,
+                    "card_vectors": {t: vectors[t] for t in mine["text_hash"].to_pylist()},
+                    "questions": g["question"].tolist(), "plans": qplans, "session_dates": dates[h],
+                    "question_dates": [None if d != d else d.to_pydatetime() for d in g["question_date"]],
+                    "rewrite_vectors": [np.stack([vectors[text_hash(r)] for r in p["rewrites"]])
+                                        if p["rewrites"] else None for p in qplans]})
+    return {"histories": out}
+
+
+class CardRankStage(Stage):
     """Per shard of histories: every query ranked by every JustMem method from the history's cards (session
     rankings from the card order keep its metrics comparable with MemGAS's), and the cards each card reader
     reads (``card_picks``). Only the histories whose questions, sessions, cards or plans changed since the
@@ -147,70 +210,28 @@ class CardRankStage(RankedShardStage):
     version = "3"
     reads = ("queries", "sessions", "cards", "plans", "card_vectors")
     writes = (CARD_RANKED, CARD_RANKINGS, CARD_PICKS)
-    sidecar = "card_ranked_histories"
+    where = "task"
     fields = ("retrieval.methods", "retrieval.store_top", "retrieval.device", *JUSTMEM_RANK_FIELDS)
 
     def active(self, ctx: StageContext) -> Active | None:
         methods = family_methods(ctx.cfg.retrieval.methods, "justmem")
         if not methods:
             return None
-        active = super().active(ctx)
+        active = kernel_active(ctx)
         active.fields = tuple(f for f in self.fields if f != "retrieval.methods")
         active.resolved["methods"] = methods
         active.params.update(retrieval={**ctx.cfg.retrieval.model_dump(), "methods": methods},
                              justmem=ctx.cfg.justmem.model_dump())
         return active
 
-    def history_tables(self, ctx: StageContext, queries: pa.Table) -> dict[str, pa.Table]:
-        """A history's questions, sessions, their cards and the questions' plans (the card and question
-        vectors follow from those texts and the encoder's key)."""
-        sessions = ctx.bank.read("sessions")
-        return {"queries": queries, "sessions": sessions,
-                "cards": with_history(session_cards(ctx), "session_hash", sessions, "text_hash"),
-                "plans": with_history(current_plans(ctx), "query_id", queries, "query_id")}
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        return KEPT.plan(self, ctx)
 
-    def shard_inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        from memgas.pipeline.hashing import text_hash
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        return KEPT.inputs(card_rank_inputs(ctx, unit), unit)
 
-        bank, ids, key = ctx.bank, unit["histories"], keys.encoder_key(ctx)
-        queries = bank.read("queries", ["query_id", "history_id", "question", "question_date"],
-                            filter=pc.field("history_id").isin(ids))
-        if queries.num_rows == 0:
-            return {"histories": []}
-        qdf = queries.to_pandas()
-        qv = query_vectors(bank, qdf["question"].tolist(), key)
-        sess = bank.read("sessions", ["history_id", "session_id", "position", "text_hash", "date"],
-                         filter=pc.field("history_id").isin(ids)).sort_by([("history_id", "ascending"),
-                                                                           ("position", "ascending")])
-        order: dict[str, list[tuple[str, str]]] = {}
-        dates: dict[str, list[Any]] = {}
-        for h, s, t, d in zip(*(sess[c].to_pylist() for c in ("history_id", "session_id", "text_hash", "date"))):
-            order.setdefault(h, []).append((s, t))
-            dates.setdefault(h, []).append(d)
-        cards = current_cards(ctx, sorted({t for pairs in order.values() for _, t in pairs}))
-        plans = {r["query_id"]: r for r in current_plans(ctx, qdf["query_id"].tolist()).to_pylist()}
-        rewrites = sorted({r for p in plans.values() for r in (p["rewrites"] or [])})
-        texts = sorted(set(cards["text"].to_pylist()) | set(rewrites))
-        vecs = query_vectors(bank, texts, key) if texts else np.zeros((0, 0), np.float32)
-        vectors = {text_hash(t): vecs[i] for i, t in enumerate(texts)}
-        out = []
-        for h, g in qdf.groupby("history_id", sort=True):
-            if h not in order:
-                continue
-            hashes = [t for _, t in order[h]]
-            mine = cards.filter(pc.field("session_hash").isin(sorted(set(hashes))))
-            qplans = [plans.get(q) for q in g["query_id"].tolist()]
-            missing = [q for q, p in zip(g["query_id"].tolist(), qplans) if p is None]
-            if missing:
-                raise BankError(f"no JustMem plan for query {missing[0]!r}: run `memgas index` with this config")
-            out.append({"history_id": h, "session_ids": [s for s, _ in order[h]], "query_ids": g["query_id"].tolist(),
-                        "queries": qv[g.index.to_numpy()], "session_hashes": hashes, "cards": mine,
-                        "card_vectors": {t: vectors[t] for t in mine["text_hash"].to_pylist()},
-                        "questions": g["question"].tolist(), "plans": qplans, "session_dates": dates[h],
-                        "question_dates": [None if d != d else d.to_pydatetime() for d in g["question_date"]],
-                        "rewrite_vectors": [np.stack([vectors[text_hash(r)] for r in p["rewrites"]])
-                                            if p["rewrites"] else None for p in qplans]})
-        return {"histories": out}
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        return KEPT.finish(self, ctx)
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
@@ -260,25 +281,27 @@ class CardRankStage(RankedShardStage):
 CARD_ANSWERS = tables.Table("card_answers", "fingerprint", "results", stored_in="answers", retried=True)
 
 
-class CardReadStage(ReadStage):
+class CardReadStage(Stage):
     """The JustMem methods' answers: the card readers (``methods.reads_cards``) from the card ranker's
     ``card_picks`` (:mod:`memgas.pipeline.justmem.read`: cards with their dates, the planner's operation,
     Replay's source turns within ``justmem.replay_tokens``); the others from their top-K sessions."""
 
     name = "card-read"
-    reads = ("queries", "sessions", "texts", "card_rankings", "card_picks", "cards", "plans", "turns", "generations")
+    reads = ("queries", "sessions", "texts", tables.ranking("justmem"), "card_picks", "cards", "plans", "turns",
+             "generations")
     writes = (CARD_ANSWERS,)
     fields = (*READ_FIELDS, *keys.LLM_OUTPUT_FIELDS, "justmem.replay_tokens")
-    family = "justmem"
-    ranked_in = "card_rankings"
+    where = "actor"
+    model = "llm"
 
     def active(self, ctx: StageContext) -> Active | None:
         from memgas.pipeline.methods import reads_cards
         from memgas.pipeline.prompts import JUSTMEM_READ_PROMPT_DIGEST
 
-        active = super().active(ctx)
+        active = reader_active(ctx, self, "justmem")
         if active is None:
             return None
+        active.params["replay_tokens"] = ctx.cfg.justmem.replay_tokens
         methods = active.resolved["methods"]
         if any(reads_cards(m) for m in methods):
             # justmem.replay_tokens shapes only the card readers' prompt; they name the planner's operation
@@ -288,14 +311,17 @@ class CardReadStage(ReadStage):
             active.reads = tuple(t for t in self.reads if t != "generations")
         return active
 
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        return read_units(ctx, self, "justmem")
+
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         from memgas.pipeline.justmem.read import card_reading_payloads
         from memgas.pipeline.methods import reads_cards
 
         method, queries = unit["method"], unit["queries"]
         if not reads_cards(method):
-            return super().inputs(ctx, unit)
-        rankings = self._rankings(ctx, method, queries)
+            return session_inputs(ctx, self, "justmem", unit)
+        rankings = top_rankings(ctx, self, "justmem", method, queries)
         picks = tables.read_current(ctx, "card_picks",
                                     filter=(pc.field("method") == method) & pc.field("query_id").isin(queries))
         try:
@@ -304,3 +330,17 @@ class CardReadStage(ReadStage):
         except KeyError as e:
             raise BankError(f"read: {e.args[0]}: run `memgas index` with this config") from None
         return {"method": method, "cards": True, "queries": payload}
+
+    @staticmethod
+    def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        from memgas.pipeline.config import ReadingConfig
+        from memgas.pipeline.justmem.read import read_and_answer_cards
+
+        if not payload["cards"]:  # a JustMem method that reads its top-K sessions, as MemGAS's reader
+            return {"answers": answer_sessions(model, payload, params)}
+        return {"answers": read_and_answer_cards(payload["queries"], model, ReadingConfig(**params["reading"]),
+                                                 params["replay_tokens"], payload["method"],
+                                                 temperature=params["temperature"], seed=params["seed"])}
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        return reader_finish(ctx, self)

@@ -24,28 +24,38 @@ Peak memory per history, Q its questions, S its sessions, d the vectors' size, E
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import tables
-from memgas.jobs.keys import encoder_key
-from memgas.jobs.stage import Active, StageContext
-from memgas.jobs.stages.ranked import RankedShardStage, kept_parts, ranked_table
-from memgas.jobs.keys import encoder_keys
+from memgas.jobs.keys import encoder_key, encoder_keys
+from memgas.jobs.placement import kernel_device
+from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.history_index import READ_BATCH_ROWS, history_nodes, keep_blocks
-from memgas.jobs.stages.shards import matrix_loader, node_matrix, owned
+from memgas.jobs.stages.ranked import Kept, ranked_table
+from memgas.jobs.stages.shards import kernel_active, node_matrix, owned
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.schema import N_GRAN
+from memgas.pipeline.schema import EDGE_MODES, N_GRAN
+
+
+def rank_history_tables(ctx: StageContext, queries: pa.Table) -> dict[str, pa.Table]:
+    """A history's questions and its nodes (the vectors and edges of a history follow from its nodes and the
+    keys of the encoder and the associate stage)."""
+    return {"queries": queries, "nodes": tables.read_current(ctx, "nodes")}
+
 
 #: kept per history across appends (:mod:`memgas.jobs.stages.ranked`): what each part's histories were ranked
 #: from, and their rankings
-RANKED = tables.Table("ranked_histories", "segmented", "results", current=kept_parts("ranked_histories"))
-RANKINGS = tables.Table("rankings", "segmented", "results", current=kept_parts("ranked_histories"))
+KEPT = Kept("ranked_histories", rank_history_tables)
+RANKED = tables.Table("ranked_histories", "segmented", "results", current=KEPT.current)
+RANKINGS = tables.Table("rankings", "segmented", "results", current=KEPT.current, ranks="memgas")
 
 
 def family_methods(methods: list[str], family: str) -> list[str]:
@@ -139,7 +149,66 @@ def family_ranker_active(active: Active, fields: tuple[str, ...], ctx: StageCont
     return active
 
 
-class RankStage(RankedShardStage):
+@dataclass
+class Prepared:
+    """What ranking a set of histories starts from, as the rank stage reads it (and the latency probe):
+    per history its session ids; the histories longer than one node block (read a block at a time, never
+    whole) and a loader of the others' node matrices; the current association edges of all of them."""
+
+    session_ids: dict[str, list[str]]
+    long: set[str]
+    loader: Any
+    edges: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]]
+
+    def rows(self, history: str) -> int:
+        return N_GRAN * len(self.session_ids[history])
+
+    def edges_of(self, history: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        return {mode: self.edges.get((history, mode), empty) for mode in EDGE_MODES}
+
+
+def prepare(ctx: StageContext, history_ids: list[str]) -> Prepared:
+    """:class:`Prepared` of ``history_ids`` (in this order)."""
+    from memgas.jobs.stages.shards import matrix_loader  # at call time: a test stands in for it
+
+    sids = session_ids(ctx.bank, history_ids)
+    long = {h for h, s in sids.items() if N_GRAN * len(s) > blocks.BLOCK_ROWS}
+    short = [h for h in history_ids if h not in long]
+    loader = matrix_loader(ctx, short) if short else None
+    return Prepared(sids, long, loader, edges_of(ctx.bank, history_ids, tables.current_parts(ctx, "edges")))
+
+
+def rank_inputs(ctx: StageContext, ids: list[str]) -> dict[str, Any]:
+    """A unit's payload: per history with questions, its node matrices (or blocks), edges and query vectors."""
+    bank = ctx.bank
+    queries = bank.read("queries", ["query_id", "history_id", "question"], filter=pc.field("history_id").isin(ids))
+    # in id order, not the files' order: a history's questions are ranked as one batch, whose float
+    # sums depend on the rows' order (the same data ingested in another order gives the same bits)
+    queries = queries.sort_by("query_id")
+    if queries.num_rows == 0:
+        return {"histories": []}
+    p = prepare(ctx, ids)
+    keep_blocks(ctx, p.long)
+    qdf = queries.to_pandas()
+    qv = query_vectors(bank, qdf["question"].tolist(), encoder_key(ctx))
+    hybrid = "hybrid" in family_methods(ctx.cfg.retrieval.methods, "memgas")
+    out = []
+    for h, g in qdf.groupby("history_id", sort=True):
+        if h in p.long:  # row blocks: the driver holds one block at a time (module docstring)
+            nodes = {"nodes": history_nodes(ctx, h, p.rows(h)), "session_ids": p.session_ids[h],
+                     "hybrid": hybrid_vectors(bank, encoder_keys(ctx)["main"], h) if hybrid else None}
+        elif p.loader is not None and h in p.loader.history_ids:
+            nodes = {"matrices": p.loader.get(h)}
+        else:
+            continue
+        out.append({"history_id": h, **nodes, "query_ids": g["query_id"].tolist(),
+                    "queries": qv[g.index.to_numpy()],
+                    "edges": p.edges_of(h)})
+    return {"histories": out}
+
+
+class RankStage(Stage):
     """Per shard of histories: every query ranked by every MemGAS method (router + seeds + batched PPR).
     The JustMem methods are the card ranker's (:class:`memgas.jobs.stages.justmem.CardRankStage`): which of
     them are selected, and their settings, change nothing here. Only the histories whose questions or nodes
@@ -149,8 +218,9 @@ class RankStage(RankedShardStage):
     # 3: the exact PPR converges per question (kernels/ppr.py), so its bits no longer depend on the batch;
     # 2: parts per shard of changed histories, named by config (version 1: by fingerprint)
     version = "3"
-    reads = ("queries", "nodes", "node_vectors", "edges")
+    reads = ("queries", "nodes", "node_vectors", "edges", "pairs")
     writes = (RANKED, RANKINGS)
+    where = "task"
     fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp", "retrieval.router",
               "retrieval.ppr", "retrieval.ppr_epsilon", "retrieval.store_top", "retrieval.device")
 
@@ -158,45 +228,16 @@ class RankStage(RankedShardStage):
         methods = family_methods(ctx.cfg.retrieval.methods, "memgas")
         if not methods:
             return None
-        return family_ranker_active(super().active(ctx), self.fields, ctx, methods)
+        return family_ranker_active(kernel_active(ctx), self.fields, ctx, methods)
 
-    def history_tables(self, ctx: StageContext, queries: pa.Table) -> dict[str, pa.Table]:
-        """A history's questions and its nodes (the vectors and edges of a history follow from its nodes and
-        the keys of the encoder and the associate stage)."""
-        return {"queries": queries, "nodes": tables.read_current(ctx, "nodes")}
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        return KEPT.plan(self, ctx)
 
-    def shard_inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        bank, ids = ctx.bank, unit["histories"]
-        queries = bank.read("queries", ["query_id", "history_id", "question"], filter=pc.field("history_id").isin(ids))
-        # in id order, not the files' order: a history's questions are ranked as one batch, whose float
-        # sums depend on the rows' order (the same data ingested in another order gives the same bits)
-        queries = queries.sort_by("query_id")
-        if queries.num_rows == 0:
-            return {"histories": []}
-        sids = session_ids(bank, ids)
-        counts = {h: len(v) for h, v in sids.items()}
-        long = sorted(h for h, n in counts.items() if N_GRAN * n > blocks.BLOCK_ROWS)
-        short = [h for h in ids if h not in long]
-        loader = matrix_loader(ctx, short) if short else None
-        keep_blocks(ctx, set(long))
-        all_edges = edges_of(bank, ids, tables.current_parts(ctx, "edges"))
-        qdf = queries.to_pandas()
-        qv = query_vectors(bank, qdf["question"].tolist(), encoder_key(ctx))
-        hybrid = "hybrid" in family_methods(ctx.cfg.retrieval.methods, "memgas")
-        out = []
-        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-        for h, g in qdf.groupby("history_id", sort=True):
-            if h in long:  # row blocks: the driver holds one block at a time (module docstring)
-                nodes = {"nodes": history_nodes(ctx, h, N_GRAN * counts[h]), "session_ids": sids[h],
-                         "hybrid": hybrid_vectors(bank, encoder_keys(ctx)["main"], h) if hybrid else None}
-            elif loader is not None and h in loader.history_ids:
-                nodes = {"matrices": loader.get(h)}
-            else:
-                continue
-            out.append({"history_id": h, **nodes, "query_ids": g["query_id"].tolist(),
-                        "queries": qv[g.index.to_numpy()],
-                        "edges": {mode: all_edges.get((h, mode), empty) for mode in ("gmm", "topk")}})
-        return {"histories": out}
+    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+        return KEPT.inputs(rank_inputs(ctx, unit["histories"]), unit)
+
+    def finish(self, ctx: StageContext) -> dict[str, Any]:
+        return KEPT.finish(self, ctx)
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
@@ -253,3 +294,65 @@ def top_rows(cols: dict[str, list], session_ids: list[str], query_ids: list[str]
             cols["rank"] += list(range(1, top + 1))
             cols["session_id"] += sids[order[qi]].tolist()
             cols["score"] += scores[qi].astype(float).tolist()
+
+
+# -- the latency of ranking one question (metrics.json ``latency``) ----------------------------------------------
+def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "memgas") -> dict[str, float]:
+    """Latency of ranking one query at a time (similarities, router, seeds, PPR on its history's stored graph,
+    session order). Each history is prepared once before the timer, as a query server holds it
+    (:func:`prepared_questions`); only the per-question ranking is timed."""
+    import time
+
+    from memgas.jobs.profiling import percentiles_ms
+
+    if method not in ctx.cfg.retrieval.methods:
+        return {}
+    r = ctx.cfg.retrieval
+    samples = []
+    for graph, qv in prepared_questions(ctx, n_queries, method, [r.ppr]):
+        t0 = time.perf_counter()
+        graph.rank(qv, [method], num_seeds=r.num_seeds, damping=r.damping, temp=r.temp, router=r.router, ppr=r.ppr,
+                   ppr_epsilon=r.ppr_epsilon)
+        samples.append(time.perf_counter() - t0)
+    return percentiles_ms(samples)
+
+
+def prepared_questions(ctx: StageContext, n_queries: int, method: str, ppr: list[str]) -> Iterator[tuple[Any, Any]]:
+    """The bank's first ``n_queries`` questions, one at a time, each as (its history's
+    :class:`~memgas.pipeline.prepared.PreparedGraph`, its query vector ``[1, d]``). Every history is prepared
+    first (:func:`prepare`, as the rank stage reads it: its node matrix and the graph of ``method``'s edges,
+    built for each PPR kernel of ``ppr``). A history longer than one node block is read in blocks spilled to
+    files, as the rank stage reads it in-process, never whole: each question reads them through their memory
+    maps (page cache), with the machine's cores (``ray.num_cpus`` if set) sharing the blocks. Questions of a
+    history without nodes are skipped."""
+    import os
+
+    from memgas.jobs.history_index.node_blocks import HistoryBlocks
+    from memgas.pipeline.prepared import PreparedGraph
+
+    bank = ctx.bank
+    queries = bank.read("queries", ["query_id", "history_id", "question"]).to_pandas().head(n_queries)
+    if queries.empty:
+        return
+    hids = sorted(set(queries["history_id"]))
+    p = prepare(ctx, hids)
+    device = kernel_device(ctx, ctx.cfg.retrieval.device)
+    # a query server's cores share each question's scan of the node rows (the same bits with any number);
+    # the job's Ray tasks are done by now
+    threads = ctx.cfg.ray.num_cpus or len(os.sched_getaffinity(0))
+    graphs = {}
+    for h in hids:
+        if h in p.long:  # row blocks spilled to files (they live as long as the graph's NodeBlocks)
+            nodes = HistoryBlocks(ctx, h, blocks.BLOCK_ROWS, use_ray=False).nodes(p.rows(h))
+        elif p.loader is not None and h in p.loader.history_ids:
+            nodes = node_matrix(p.loader.get(h))
+        else:
+            continue
+        graphs[h] = PreparedGraph(nodes, p.edges_of(h), device=device, scan_threads=threads)
+        for kind in ppr:
+            graphs[h].prepare([method], ppr=kind)
+    del p  # the loader's vectors: the prepared graphs hold the node matrices
+    qv = query_vectors(bank, queries["question"].tolist(), encoder_key(ctx))
+    for i, q in enumerate(queries.itertuples(index=False)):
+        if q.history_id in graphs:
+            yield graphs[q.history_id], qv[i : i + 1]

@@ -5,7 +5,7 @@ A ranking of a history's questions is a function of that history's inputs alone:
 So the rankers' tables are *segmented* (:mod:`memgas.jobs.tables`): parts named by the ranker's key (its
 config), not by its fingerprint, each holding the rankings of a shard of histories, and beside them a
 ``ranked_histories`` part of the same name that records, per history, the digest of the inputs it was ranked
-from (:meth:`RankedShardStage.history_inputs`). A part is current while every history in it still has that
+from (:meth:`Kept.history_inputs`). A part is current while every history in it still has that
 digest. After ``memgas ingest --append`` + ``memgas index`` the fingerprint of a ranker changes (what it reads
 changed), so it runs, but its plan holds only the histories that no current part covers: those whose
 sessions or questions changed, and new ones. The other parts stay as they are (the same files).
@@ -18,25 +18,17 @@ digest of ``nodes`` or ``edges`` changes with any history; the rows of one histo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from memgas.jobs import tables
-from memgas.jobs.stage import StageContext, short_hash
-from memgas.jobs.stages.shards import HistoryShardStage
+from memgas.jobs.stage import Source, Stage, StageContext, short_hash
 from memgas.jobs.units import chunk
 from memgas.pipeline.hashing import DigestSink
 from memgas.pipeline.schema import KEYS, RANKED_HISTORIES
-
-
-def kept_parts(sidecar: str) -> Callable[[StageContext, str], list[str]]:
-    """The ``current`` of a ranker's tables: the parts of its sidecar table ``sidecar`` still current."""
-    def current(ctx: StageContext, prefix: str) -> list[str]:
-        return list(tables.writer_of(ctx, sidecar).current_rows(ctx, prefix))
-
-    return current
 
 
 def by_history(t: pa.Table, keys: tuple[str, ...]) -> dict[str, str]:
@@ -70,31 +62,33 @@ def with_history(t: pa.Table, column: str, owners: pa.Table, owner_column: str) 
     return t.take(j["_row"]).append_column("history_id", j["history_id"])
 
 
-class RankedShardStage(HistoryShardStage):
-    """A ranker over shards of histories whose rankings are kept per history (see the module docstring).
-    A subclass says which rows of a history it ranks from (:meth:`history_tables`), reads a unit's inputs in
-    :meth:`shard_inputs` and adds :func:`ranked_table` of its payload to what its ``run`` returns."""
+@dataclass(frozen=True)
+class Kept:
+    """How a ranker keeps its rankings per history (see the module docstring): its sidecar table (first in
+    its ``writes``: its part, written last, marks a unit done) and which rows of the tables it reads a
+    history's rankings depend on (``history_tables(ctx, queries)``: each with ``history_id``; of the other
+    tables it reads, the writer's key goes into every digest: their rows of a history are a function of that
+    key and these rows, as vectors of texts and edges of nodes). A ranker stage calls these functions from its
+    own members; its tables' ``current`` is :meth:`current`."""
 
-    #: the sidecar table (first in ``writes``: its part, written last, marks a unit done)
-    sidecar: ClassVar[str] = "ranked_histories"
+    sidecar: str
+    history_tables: Callable[[StageContext, pa.Table], dict[str, pa.Table]]
 
-    def history_tables(self, ctx: StageContext, queries: pa.Table) -> dict[str, pa.Table]:
-        """The rows of the tables it reads that a history's rankings depend on, each with ``history_id``. Of
-        the other tables it reads, the writer's key goes into every digest: their rows of a history are a
-        function of that key and these rows (vectors of texts, edges of nodes)."""
-        return {"queries": queries}
+    def current(self, ctx: StageContext, prefix: str) -> list[str]:
+        """The ``current`` of the ranker's tables: the parts of its sidecar still current."""
+        return list(self.current_rows(tables.writer_of(ctx, self.sidecar), ctx, prefix))
 
-    def shard_inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def history_inputs(self, ctx: StageContext) -> dict[str, tuple[str, int]]:
+    def history_inputs(self, stage: Stage, ctx: StageContext) -> dict[str, tuple[str, int]]:
         """{history_id: (digest of its inputs, number of questions)} of every history with questions."""
-        cache_key = ("ranked:inputs", self.name, tuple((t, tables.read_digest(ctx, t)) for t in sorted(self.reads)))
+        reads = sorted(tables.declared_reads(ctx, stage))
+        cache_key = ("ranked:inputs", stage.name, tuple((t, tables.read_digest(ctx, t)) for t in reads))
         if cache_key in ctx.cache:
             return ctx.cache[cache_key]
         queries = ctx.bank.read("queries")
         rows = self.history_tables(ctx, queries)
-        keyed = {t: ctx.keys.get(tables.writer_of(ctx, t).name) for t in sorted(self.reads) if t not in rows}
+        # a source's tables have no key: their rows of a history are among ``rows`` or follow from them
+        keyed = {t: ctx.keys.get(w.name) for t in reads if t not in rows
+                 for w in [tables.writer_of(ctx, t)] if not isinstance(w, Source)}
         digests = {t: by_history(v, KEYS.get(tables.table(ctx, t).physical, ())) for t, v in rows.items()}
         ids, counts = np.unique(queries["history_id"].to_numpy(zero_copy_only=False), return_counts=True)
         out = {str(h): (short_hash([keyed, {t: d.get(str(h)) for t, d in sorted(digests.items())}], 8), int(n))
@@ -111,57 +105,61 @@ class RankedShardStage(HistoryShardStage):
             ctx.cache[key] = list(zip(*(t[c].to_pylist() for c in RANKED_HISTORIES.names)))
         return ctx.cache[key]
 
-    def current_rows(self, ctx: StageContext, prefix: str) -> dict[str, list[tuple[str, str, int]]]:
+    def current_rows(self, stage: Stage, ctx: StageContext, prefix: str) -> dict[str, list[tuple[str, str, int]]]:
         """{part: its sidecar rows} of the parts of ``prefix`` (this config) whose every table's part is there
         and whose every history still has the inputs it was ranked from."""
-        store = ctx.results
-        physical = tables.table(ctx, self.sidecar).physical
-        if store is None or not store.exists(physical):
-            return {}
-        now = self.history_inputs(ctx)
-        out = {}
-        for part in store.parts(physical):
-            if not part.startswith(prefix) or not all(store.has_part(t.physical, part) for t in self.writes):
-                continue
-            rows = self._part_rows(ctx, part)
-            if all(now.get(h, (None,))[0] == d for h, d, _ in rows):
-                out[part] = rows
-        return out
+        with tables.unguarded(ctx):
+            store = ctx.results
+            physical = tables.table(ctx, self.sidecar).physical
+            if store is None or not store.exists(physical):
+                return {}
+            now = self.history_inputs(stage, ctx)
+            out = {}
+            for part in store.parts(physical):
+                if not part.startswith(prefix) or not all(store.has_part(t.physical, part) for t in stage.writes):
+                    continue
+                rows = self._part_rows(ctx, part)
+                if all(now.get(h, (None,))[0] == d for h, d, _ in rows):
+                    out[part] = rows
+            return out
 
-    def _drop_unverified(self, ctx: StageContext, prefix: str) -> None:
+    @staticmethod
+    def _drop_unverified(stage: Stage, ctx: StageContext, prefix: str) -> None:
         """A part kept from an earlier run is used only if its bytes are those written: an altered one goes,
         with the parts of the same name in the stage's other tables (its histories are ranked again)."""
         store = ctx.results
-        for t in self.writes if store is not None else ():
+        for t in stage.writes if store is not None else ():
             if not store.exists(t.physical):
                 continue
             for part in store.parts(t.physical):
                 if part.startswith(prefix) and not store.verify_part(t.physical, part):
-                    for other in self.writes:
+                    for other in stage.writes:
                         if store.has_part(other.physical, part):
                             store.drop_part(other.physical, part)
 
-    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+    def plan(self, stage: Stage, ctx: StageContext) -> list[dict[str, Any]]:
         """Shards of the histories that no current part covers (``ray.shard_size`` to a unit)."""
-        prefix = tables.prefix(self, ctx)
-        self._drop_unverified(ctx, prefix)
-        covered = {h for rows in self.current_rows(ctx, prefix).values() for h, _, _ in rows}
-        now = self.history_inputs(ctx)
+        prefix = tables.prefix(stage, ctx)
+        self._drop_unverified(stage, ctx, prefix)
+        covered = {h for rows in self.current_rows(stage, ctx, prefix).values() for h, _, _ in rows}
+        now = self.history_inputs(stage, ctx)
         todo = [h for h in sorted(now) if h not in covered]
         return [{"size": len(ids), "histories": ids, "inputs": [now[h][0] for h in ids],
                  "questions": [now[h][1] for h in ids]} for ids in chunk(todo, ctx.cfg.ray.shard_size)]
 
-    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
+    @staticmethod
+    def inputs(payload: dict[str, Any], unit: dict[str, Any]) -> dict[str, Any]:
+        """A unit's payload (the stage's shard inputs) with what its histories are ranked from."""
         ranked = {"history_id": unit["histories"], "inputs": unit["inputs"], "questions": unit["questions"]}
-        return {**self.shard_inputs(ctx, unit), "ranked": ranked}
+        return {**payload, "ranked": ranked}
 
-    def finish(self, ctx: StageContext) -> dict[str, Any]:
+    def finish(self, stage: Stage, ctx: StageContext) -> dict[str, Any]:
         """What this answer ranked (its plan's histories, whether or not a killed run did some of them) and
         what it kept (the current parts of earlier answers): in run_record.json and report.md."""
         planned = {u["part"] for u in ctx.planned}
         ranked = [n for u in ctx.planned for n in u["questions"]]
-        kept = [n for part, rows in self.current_rows(ctx, tables.prefix(self, ctx)).items() if part not in planned
-                for _, _, n in rows]
+        kept = [n for part, rows in self.current_rows(stage, ctx, tables.prefix(stage, ctx)).items()
+                if part not in planned for _, _, n in rows]
         return {"queries": ctx.bank.count("queries"),
                 "record": {"histories_ranked": len(ranked), "questions_ranked": sum(ranked),
                            "histories_kept": len(kept), "questions_kept": sum(kept)}}

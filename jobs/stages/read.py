@@ -1,5 +1,6 @@
-"""The read stage: answers from the top-ranked sessions of the MemGAS methods (the JustMem methods are the
-card reader's, :class:`memgas.jobs.stages.justmem.CardReadStage`, which shares this code)."""
+"""The read stage: answers from the top-ranked sessions of the MemGAS methods, and what the readers share
+(the JustMem methods are the card reader's, :class:`memgas.jobs.stages.justmem.CardReadStage`, which calls
+these functions)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,91 @@ READ_FIELDS = ("reading.enabled", "reading.methods", "reading.top_k", "reading.f
 ANSWERS = tables.Table("answers", "fingerprint", "results", retried=True)
 
 
+def reader_active(ctx: StageContext, stage: Stage, family: str) -> Active | None:
+    """A reader's activity: None unless reading is on and ``family`` has a method to read; its key holds its
+    own methods (``reading.methods`` of another family changes nothing here)."""
+    from memgas.pipeline.prompts import READING_PROMPT_DIGEST
+
+    cfg = ctx.cfg
+    methods = family_methods(cfg.reading.methods, family)
+    if not cfg.reading.enabled or not methods:
+        return None
+    return Active(fields=tuple(f for f in stage.fields if f not in ("reading.methods", "justmem.replay_tokens")),
+                  resolved={**keys.llm_resolved(ctx, READING_PROMPT_DIGEST), "methods": methods},
+                  params={"reading": cfg.reading.model_dump(), "temperature": cfg.llm.temperature, "seed": cfg.seed,
+                          "methods": methods},
+                  model={"llm": cfg.llm.model_dump(), "llm_runtime": ctx.resolved.get("llm"), "seed": cfg.seed})
+
+
+def read_units(ctx: StageContext, stage: Stage, family: str) -> list[dict[str, Any]]:
+    """Per method of ``family``, batches (``llm.batch_size``) of the questions not yet answered without a
+    failure; a re-plan after failures is the next attempt (its parts tagged ``a0001``, ...)."""
+    from memgas.pipeline.read import is_failed_answer
+
+    cfg = ctx.cfg
+    queries = ctx.bank.read("queries", ["query_id"])["query_id"].to_pylist()
+    if cfg.reading.max_questions is not None:
+        queries = queries[: cfg.reading.max_questions]
+    done: set[tuple[str, str]] = set()
+    attempt = 0
+    own = stage.writes[0].name
+    prev = current_answers(ctx, (own,))
+    if prev.num_rows:
+        for m, q, e in zip(prev["method"].to_pylist(), prev["query_id"].to_pylist(), prev["error"].to_pylist()):
+            if not is_failed_answer(e):
+                done.add((m, q))
+        attempt = 1 + max((attempt_of(p) for p in tables.current_parts(ctx, own)), default=-1)
+    units = []
+    for method in family_methods(cfg.reading.methods, family):
+        todo = [q for q in queries if (method, q) not in done]
+        for batch in chunk(todo, cfg.llm.batch_size):
+            units.append({"tag": f"{method}-a{attempt:04d}", "size": len(batch), "method": method, "queries": batch})
+    return units
+
+
+def top_rankings(ctx: StageContext, stage: Stage, family: str, method: str, queries: list[str]) -> pa.Table:
+    """The top ``reading.top_k`` sessions of ``method`` for ``queries``, from the table that holds the
+    rankings of ``family`` before ``stage`` (:func:`memgas.jobs.tables.ranking`: the ranker's, or a
+    re-ranker's after it)."""
+    which = (pc.field("method") == method) & pc.field("query_id").isin(queries)
+    name = tables.resolve(ctx, tables.ranking(family), stage)
+    if name is None:
+        raise KeyError(f"no step before {stage.name!r} ranks the {family!r} methods")
+    return tables.read_current(ctx, name, filter=which & (pc.field("rank") <= ctx.cfg.reading.top_k))
+
+
+def session_inputs(ctx: StageContext, stage: Stage, family: str, unit: dict[str, Any]) -> dict[str, Any]:
+    """A unit's reading payloads from its questions' top-ranked sessions."""
+    from memgas.pipeline.read import reading_payloads
+
+    method, queries = unit["method"], unit["queries"]
+    rankings = top_rankings(ctx, stage, family, method, queries)
+    payload = reading_payloads(ctx.bank, rankings, queries, generation_key=keys.generation_key(ctx))
+    return {"method": method, "cards": False, "queries": payload}
+
+
+def answer_sessions(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> pa.Table:
+    """Filter the payload's sessions, then answer (in the worker)."""
+    from memgas.pipeline.config import ReadingConfig
+    from memgas.pipeline.read import read_and_answer
+
+    return read_and_answer(payload["queries"], model, ReadingConfig(**params["reading"]), method=payload["method"],
+                           temperature=params["temperature"], seed=params["seed"])
+
+
+def reader_finish(ctx: StageContext, stage: Stage) -> dict[str, Any]:
+    """A reader's stats: its answers, failures (left for the next run: ``unfinished``), notes and tokens."""
+    from memgas.pipeline.read import is_failed_answer
+
+    ans = current_answers(ctx, (stage.writes[0].name,))
+    errors = ans["error"].to_pylist()
+    failed = sum(is_failed_answer(e) for e in errors)
+    return {"answers": ans.num_rows, "failed": failed,
+            "prompt_tokens": int(pc.sum(ans["prompt_tokens"]).as_py() or 0),
+            "completion_tokens": int(pc.sum(ans["completion_tokens"]).as_py() or 0),
+            "notes": sum(e is not None for e in errors) - failed, "unfinished": failed}
+
+
 class ReadStage(Stage):
     """Filter the top-K retrieved sessions, then answer (one LLM actor, batched across queries).
 
@@ -27,90 +113,27 @@ class ReadStage(Stage):
     """
 
     name = "read"
-    reads = ("queries", "sessions", "texts", "rankings", "generations")
+    reads = ("queries", "sessions", "texts", tables.ranking("memgas"), "generations")
     writes = (ANSWERS,)
     fields = (*READ_FIELDS, *keys.LLM_OUTPUT_FIELDS)
     where = "actor"
     model = "llm"
-    #: the retrieval methods this reader answers for (:func:`memgas.pipeline.methods.get_method` family)
-    family = "memgas"
-    #: the table of their rankings
-    ranked_in = "rankings"
 
     def active(self, ctx: StageContext) -> Active | None:
-        from memgas.pipeline.prompts import READING_PROMPT_DIGEST
-
-        cfg = ctx.cfg
-        methods = family_methods(cfg.reading.methods, self.family)
-        if not cfg.reading.enabled or not methods:
-            return None
-        return Active(fields=tuple(f for f in self.fields if f not in ("reading.methods", "justmem.replay_tokens")),
-                      resolved={**keys.llm_resolved(ctx, READING_PROMPT_DIGEST), "methods": methods},
-                      params={"reading": cfg.reading.model_dump(), "temperature": cfg.llm.temperature, "seed": cfg.seed,
-                              "replay_tokens": cfg.justmem.replay_tokens, "methods": methods},
-                      model={"llm": cfg.llm.model_dump(), "llm_runtime": ctx.resolved.get("llm"), "seed": cfg.seed})
+        return reader_active(ctx, self, "memgas")
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        from memgas.pipeline.read import is_failed_answer
-
-        cfg = ctx.cfg
-        queries = ctx.bank.read("queries", ["query_id"])["query_id"].to_pylist()
-        if cfg.reading.max_questions is not None:
-            queries = queries[: cfg.reading.max_questions]
-        done: set[tuple[str, str]] = set()
-        attempt = 0
-        own = self.writes[0].name
-        prev = current_answers(ctx, (own,))
-        if prev.num_rows:
-            for m, q, e in zip(prev["method"].to_pylist(), prev["query_id"].to_pylist(), prev["error"].to_pylist()):
-                if not is_failed_answer(e):
-                    done.add((m, q))
-            attempt = 1 + max((attempt_of(p) for p in tables.current_parts(ctx, own)), default=-1)
-        units = []
-        for method in family_methods(cfg.reading.methods, self.family):
-            todo = [q for q in queries if (method, q) not in done]
-            for batch in chunk(todo, cfg.llm.batch_size):
-                units.append({"tag": f"{method}-a{attempt:04d}", "size": len(batch), "method": method,
-                              "queries": batch})
-        return units
+        return read_units(ctx, self, "memgas")
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        from memgas.pipeline.read import reading_payloads
-
-        method, queries = unit["method"], unit["queries"]
-        rankings = self._rankings(ctx, method, queries)
-        payload = reading_payloads(ctx.bank, rankings, queries, generation_key=keys.generation_key(ctx))
-        return {"method": method, "cards": False, "queries": payload}
-
-    def _rankings(self, ctx: StageContext, method: str, queries: list[str]) -> pa.Table:
-        which = (pc.field("method") == method) & pc.field("query_id").isin(queries)
-        return tables.read_current(ctx, self.ranked_in, filter=which & (pc.field("rank") <= ctx.cfg.reading.top_k))
+        return session_inputs(ctx, self, "memgas", unit)
 
     @staticmethod
     def run(model: Any, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
-        from memgas.pipeline.config import ReadingConfig
-        from memgas.pipeline.justmem.read import read_and_answer_cards
-        from memgas.pipeline.read import read_and_answer
-
-        reading = ReadingConfig(**params["reading"])
-        if payload["cards"]:
-            table = read_and_answer_cards(payload["queries"], model, reading, params["replay_tokens"],
-                                          payload["method"], temperature=params["temperature"], seed=params["seed"])
-        else:
-            table = read_and_answer(payload["queries"], model, reading, method=payload["method"],
-                                    temperature=params["temperature"], seed=params["seed"])
-        return {"answers": table}
+        return {"answers": answer_sessions(model, payload, params)}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        from memgas.pipeline.read import is_failed_answer
-
-        ans = current_answers(ctx, (self.writes[0].name,))
-        errors = ans["error"].to_pylist()
-        failed = sum(is_failed_answer(e) for e in errors)
-        return {"answers": ans.num_rows, "failed": failed,
-                "prompt_tokens": int(pc.sum(ans["prompt_tokens"]).as_py() or 0),
-                "completion_tokens": int(pc.sum(ans["completion_tokens"]).as_py() or 0),
-                "notes": sum(e is not None for e in errors) - failed, "unfinished": failed}
+        return reader_finish(ctx, self)
 
 
 #: the tables of answers, MemGAS's and JustMem's

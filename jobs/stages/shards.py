@@ -1,4 +1,5 @@
-"""Kernel stages over shards of histories (associate, rank) and the node matrices they read."""
+"""What the kernel stages over shards of histories (associate, rank, the card-graph stages) share: their
+activity, their units and the node matrices they read."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from typing import Any
 import numpy as np
 from memgas.jobs.keys import encoder_keys
 from memgas.jobs.placement import kernel_device
-from memgas.jobs.stage import Active, Stage, StageContext
-from memgas.jobs.units import history_shards
+from memgas.jobs.stage import Active, StageContext
+from memgas.jobs.units import chunk
 
 
 def owned(a: Any, dtype: Any = None) -> np.ndarray:
@@ -34,15 +35,13 @@ def matrix_loader(ctx: StageContext, history_ids: list[str]) -> Any:
                         session_encoder=keys["session"])
 
 
-class HistoryShardStage(Stage):
-    """A kernel stage run as Ray tasks over shards of histories, on the CPU or a GPU (``retrieval.device``:
-    the resolved device keys its output and goes to ``run`` in ``params["device"]``)."""
+def kernel_active(ctx: StageContext) -> Active:
+    """A kernel stage's activity (Ray tasks over shards of histories, on the CPU or a GPU): the resolved
+    ``retrieval.device`` keys its output and goes to ``run`` in ``params["device"]``."""
+    device = kernel_device(ctx, ctx.cfg.retrieval.device)
+    return Active(resolved={"device": device}, params={"device": device})
 
-    where = "task"
 
-    def active(self, ctx: StageContext) -> Active | None:
-        device = kernel_device(ctx, ctx.cfg.retrieval.device)
-        return Active(resolved={"device": device}, params={"device": device})
-
-    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        return [{"size": len(ids), "histories": ids} for ids in history_shards(ctx.bank, ctx.cfg.ray.shard_size)]
+def shard_units(ctx: StageContext, history_ids: list[str]) -> list[dict[str, Any]]:
+    """Units of ``ray.shard_size`` histories of ``history_ids`` (sorted)."""
+    return [{"size": len(ids), "histories": ids} for ids in chunk(sorted(set(history_ids)), ctx.cfg.ray.shard_size)]

@@ -124,10 +124,9 @@ def test_edges_of_groups_as_pandas_did(tmp_path: Any) -> None:
 
 def test_the_latency_probe_reads_a_long_history_in_blocks(bank: tuple[Bank, StageContext],
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """`memgas answer`'s probe (main_job.ranking_latency) prepares a long history from row blocks spilled to
+    """`memgas answer`'s probe (rank.ranking_latency) prepares a long history from row blocks spilled to
     files, as the rank stage does in-process: the matrix loader is asked for the short history only (it held
     the whole matrix of a 10^6-session history, ~6 GB and its copies), and every question is timed."""
-    from memgas.jobs import main_job
     from memgas.jobs.history_index import node_blocks
     from memgas.jobs.stages import shards
 
@@ -149,6 +148,6 @@ def test_the_latency_probe_reads_a_long_history_in_blocks(bank: tuple[Bank, Stag
 
     monkeypatch.setattr(shards, "matrix_loader", loader)
     monkeypatch.setattr(node_blocks, "HistoryBlocks", Blocks)
-    out = main_job.ranking_latency(ctx, n_queries=10)
+    out = rank.ranking_latency(ctx, n_queries=10)
     assert asked == [["g"]] and spilled == [("h", False)]
     assert out["n"] == 10 and out["p50_ms"] > 0

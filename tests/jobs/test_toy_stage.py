@@ -117,3 +117,47 @@ def test_the_contract_stays_small_and_the_library_never_needs_jobs() -> None:
     offenders = [str(p.relative_to(REPO)) for d in ("pipeline", "kernels") for p in (REPO / d).rglob("*.py")
                  if "memgas.jobs" in p.read_text() or "from memgas import jobs" in p.read_text()]
     assert offenders == []
+
+
+class CountStage(Stage):
+    """Counts the toy stage's rows: it reads ``toy_counts``, and a subclass here forgets to say so."""
+
+    name = "count"
+    reads: tuple[str, ...] = ("sessions", "toy_counts")
+    writes = (tables.Table("toy_totals", "fingerprint"),)
+
+    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
+        return [{"rows": ctx.bank.read("toy_counts", parts=tables.current_parts(ctx, "toy_counts")).num_rows}]
+
+    @staticmethod
+    def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
+        return {"toy_totals": pa.table({"session_id": ["all"], "position": [payload["rows"]], "seed": [0]},
+                                       schema=TOY)}
+
+
+class UndeclaredCountStage(CountStage):
+    reads = ("sessions",)
+
+
+@pytest.mark.parametrize("stage", [UndeclaredCountStage(), CountStage()], ids=["undeclared", "declared"])
+def test_a_stage_opens_only_what_it_declares(bank_cfg, monkeypatch, stage) -> None:
+    """A stage's driver code sees a bank that opens only the tables of what it reads (and writes): a read of
+    a table it does not declare is refused with one line, before anything is written; declared, the table's
+    output enters its fingerprint."""
+    monkeypatch.setitem(schema.TABLES, "toy_totals", TOY)
+    bank, cfg = bank_cfg
+    pipeline = (*PIPELINE, stage)
+    ctx = StageContext(cfg, bank, None, use_ray=False)
+    resolve_stage_runtimes(ctx)
+    if stage.reads == ("sessions",):
+        with pytest.raises(tables.UndeclaredRead, match="stage 'count' opened table 'toy_counts', which it does "
+                                                        "not read under this config"):
+            runner.run_stages(ctx, ["toy", "count"], Profiler(), pipeline=pipeline)
+        assert not bank.exists("toy_totals")
+        return
+    entry = {e["stage"]: e for e in runner.run_stages(ctx, ["toy", "count"], Profiler(), pipeline=pipeline)}
+    assert entry["count"]["status"] == "executed"
+    seeded = StageContext(_cfg(bank.path.parent, "seed=7"), bank, None, use_ray=False)
+    resolve_stage_runtimes(seeded)
+    again = {e["stage"]: e for e in runner.run_stages(seeded, ["toy", "count"], Profiler(), pipeline=pipeline)}
+    assert again["count"]["status"] == "executed" and again["count"]["fingerprint"] != entry["count"]["fingerprint"]
