@@ -66,13 +66,13 @@ def segments(bank: Path) -> list[tuple]:
     return sorted(zip(*(t[c].to_pylist() for c in ("history_id", "first_session", "end_session"))))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=300)
     ap.add_argument("--append", type=int, default=30)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from memgas.pipeline.append import append
     from memgas.pipeline.config import MemgasConfig

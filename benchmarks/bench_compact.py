@@ -103,7 +103,7 @@ def run(bank_dir: Path, mode: str, table: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, required=True, help="scratch directory (deleted first)")
     ap.add_argument("--parts", type=int, default=32, help="parts of the made table")
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--bank", type=Path, help="copy this bank's table instead of making one")
     ap.add_argument("--table", default="embeddings")
     ap.add_argument("--streamed-only", action="store_true", help="skip the in-memory compaction")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     shutil.rmtree(args.work, ignore_errors=True)
     source = args.work / "source"
     if args.bank:

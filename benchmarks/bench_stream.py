@@ -40,7 +40,7 @@ def _child(path: str, bank: str) -> None:
     print(json.dumps(out))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target-mb", type=float, default=1024.0, help="approximate size of the synthetic file")
     ap.add_argument("--sessions", type=int, default=50, help="sessions per history (LME-S has ~50)")
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where to put the file and bank (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the file and bank")
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args._child:
         _child(*args._child)
         return
