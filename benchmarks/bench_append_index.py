@@ -82,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_append_") as tmp:
         d = Path(tmp)
         cfg = MemgasConfig.load(REPO / "configs" / "demo.yaml",
-                                ["reading.enabled=false", f"data.path={d / 'a.jsonl'}", "data.format=jsonl"])
+                                ["reading.enabled=false", f"data.path={d / 'a.jsonl'}", "data.format=jsonl",
+                                 # MemGAS's methods only: the index stages named above, not JustMem's cards
+                                 "retrieval.methods=[session,turn,summary,keyword,hybrid,memgas]"])
         synth(d / "lme.json", questions=1, sessions_per_history=args.sessions, turns_per_session=args.turns,
               reuse_share=0.0)
         n_a, n_all = to_jsonl(d / "lme.json", d / "a.jsonl", d / "b.jsonl", args.append)
