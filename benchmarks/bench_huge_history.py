@@ -426,8 +426,9 @@ def main(argv: list[str] | None = None) -> None:
               f"query top-10 == score_with_edges: {r['query']['top10_same_as_score_with_edges']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    checks = ("append_split_identical", "append_equals_fresh_build")
     failed = [r["sessions"] for r in results if not r.get("sampled") and False in (
-        r.get("append_split_identical"), r.get("append_equals_fresh_build"), r["query"]["top10_same_as_score_with_edges"])]
+        *(r.get(c) for c in checks), r["query"]["top10_same_as_score_with_edges"])]
     if failed:
         sys.exit(f"a correctness check failed at {failed} sessions (the lines above)")
 

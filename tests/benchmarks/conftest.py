@@ -19,6 +19,11 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 def bench_module(name: str) -> ModuleType:
     """The script ``benchmarks/<name>.py`` as a module (the scripts import each other by file name)."""
+    from memgas.jobs.worker_path import installed_packages_first
+
+    # `python -m pytest` puts the repository first on the path, whose kernels/ folder shadows the installed
+    # `kernels` that transformers imports: scripts that load a model themselves (not through the job) need this
+    installed_packages_first()
     if str(BENCH) not in sys.path:
         sys.path.insert(0, str(BENCH))
     return importlib.import_module(name)

@@ -33,7 +33,8 @@ def test_end_to_end_runs_every_stage_through_the_job(e2e: tuple[str, Path]) -> N
     assert {"ingest", "generate", "cards", "plan", "nodes", "encode", "card-encode", "associate",
             "card-graph-associate", "rank", "card-rank", "card-graph-rank", "evaluate"} <= set(executed)
     for stage in executed:  # one row per stage, from the run's own profile
-        assert re.search(rf"\n  {re.escape(stage)} +\d+ +items +[\d.]+ +[\d.na]+  cpu [\d.]+ s, peak RSS \d+ MB", out), stage
+        row = rf"\n  {re.escape(stage)} +\d+ +items +[\d.]+ +[\d.na]+  cpu [\d.]+ s, peak RSS \d+ MB"
+        assert re.search(row, out), stage
     assert re.search(rf"memgas run \(whole\) +3 +questions .* {len(executed)} stages executed", out), out
     assert list(m["retrieval"]["session"]) == METHODS
     assert f"methods scored (session level)             8: {', '.join(METHODS)}" in out
@@ -48,7 +49,8 @@ def test_headline_reads_a_finished_run(run_bench: Run, e2e: tuple[str, Path]) ->
     rc, out = run_bench("headline", "--run", str(run))
     m = json.loads((run / "metrics.json").read_text())["retrieval"]["session"]
     lines = out.splitlines()
-    assert rc == 0 and lines[0].startswith(f"{run}: commit ") and lines[1] == "| method | R_all@5 | NDCG@10 | questions |"
+    assert rc == 0 and lines[0].startswith(f"{run}: commit ")
+    assert lines[1] == "| method | R_all@5 | NDCG@10 | questions |"
     want = [f"| {x} | {100 * m[x]['overall']['recall_all@5']:.1f} | {100 * m[x]['overall']['ndcg@10']:.1f} | 3 |"
             for x in ("session", "turn", "hybrid", "memgas", "memgas-no-ppr", "cards", "justmem")]
     assert lines[3:] == want
