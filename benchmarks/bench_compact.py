@@ -36,8 +36,8 @@ bank, mode, name = B.Bank(sys.argv[1]), sys.argv[2], sys.argv[3]
 own = bank.parts(name)
 start = time.perf_counter()
 if mode in ("streamed", "untiered"):
-    if mode == "untiered":  # every part merged, as before tiers
-        B.TIER_RATIO = float("inf")
+    if mode == "untiered":  # every part merged, as before tiers (the ratio of the module that compacts)
+        sys.modules[B.Bank.compact.__module__].TIER_RATIO = float("inf")
     rows = bank.compact(name)
 else:  # the compaction before: Bank.read of every part (dedupe_last), key_order, Bank.write
     table = B.key_order(name, bank.read(name, parts=own))
