@@ -37,8 +37,10 @@ PYTEST_WORKERS ?= 2
 test: $(STAMP)
 	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20 $(PYTEST_ARGS)
 
+# Every script of benchmarks/ at a tiny size (its own checks and printed comparison, not its speed); the
+# full-size commands are in docs/benchmarks.md.
 bench: $(STAMP)
-	for b in benchmarks/bench_*.py; do echo "== $$b"; $(VENV)/bin/python $$b || exit 1; done
+	$(VENV)/bin/pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests/benchmarks
 
 clean-demo:
 	rm -rf runs/demo

@@ -69,14 +69,14 @@ def rankings(run: Path) -> tuple[list, dict]:
     return rows, json.loads((run / "metrics.json").read_text())["retrieval"]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--histories", type=int, default=60)
     ap.add_argument("--sessions", type=int, default=20)
     ap.add_argument("--append", type=int, default=2)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from memgas.jobs import main_job
     from memgas.pipeline.append import append

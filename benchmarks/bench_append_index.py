@@ -66,13 +66,13 @@ def segments(bank: Path) -> list[tuple]:
     return sorted(zip(*(t[c].to_pylist() for c in ("history_id", "first_session", "end_session"))))
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=300)
     ap.add_argument("--append", type=int, default=30)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--json", type=Path, help="also write the results here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from memgas.pipeline.append import append
     from memgas.pipeline.config import MemgasConfig
@@ -82,7 +82,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="bench_append_") as tmp:
         d = Path(tmp)
         cfg = MemgasConfig.load(REPO / "configs" / "demo.yaml",
-                                ["reading.enabled=false", f"data.path={d / 'a.jsonl'}", "data.format=jsonl"])
+                                ["reading.enabled=false", f"data.path={d / 'a.jsonl'}", "data.format=jsonl",
+                                 # MemGAS's methods only: the index stages named above, not JustMem's cards
+                                 "retrieval.methods=[session,turn,summary,keyword,hybrid,memgas]"])
         synth(d / "lme.json", questions=1, sessions_per_history=args.sessions, turns_per_session=args.turns,
               reuse_share=0.0)
         n_a, n_all = to_jsonl(d / "lme.json", d / "a.jsonl", d / "b.jsonl", args.append)

@@ -10,7 +10,7 @@ Also printed: the candidate search alone (blocked causal top-k, the default, vs 
 that ran before; best of 3, identical candidates checked), and "association + ranking" end to end:
 ``rank_sessions(method="memgas")`` for ``--queries`` questions of the synthetic history (LongMemEval asks
 one question per haystack) vs the authors' loop: per-node association above + per-query igraph PPR
-(bench_ppr.baseline) on the same edges.
+(``ppr_baseline``) on the same edges.
 """
 from __future__ import annotations
 
@@ -110,6 +110,37 @@ def compare(name: str, hists: list[np.ndarray], device: str, baseline_rows: int 
     return (name, total_rows, n_edges, t_ours, t_base_full, rows_done, same, total)
 
 
+def ppr_baseline(nodes: np.ndarray, q: np.ndarray, src, dst, num_seeds: int, damping: float, temp: float, rule: str):
+    """The authors' ranking per query: NumPy router (the same formula), top-``num_seeds`` reset,
+    ``igraph.Graph.personalized_pagerank(implementation="prpack")``, session sums."""
+    import igraph as ig
+
+    n = nodes.shape[0]
+    g = ig.Graph(n=n, edges=list(zip(src.tolist(), dst.tolist())), directed=False)
+    S = n // 4
+    orders, scores = [], []
+    t0 = time.perf_counter()
+    for qi in q:
+        sims = nodes.astype(np.float64) @ qi.astype(np.float64)
+        w = []
+        for gr in range(4):
+            z = sims[gr::4] / temp
+            p = np.exp(z - z.max())
+            p /= p.sum()
+            H = -(p[p > 0] * np.log(p[p > 0])).sum()
+            w.append(1 / max(H, 1e-12) if rule == "paper" else 1 - H)
+        w = np.array(w) / np.sum(w)
+        ns = sims * np.tile(w, S)
+        kth = np.sort(ns)[::-1][num_seeds - 1]
+        reset = np.maximum(np.where(ns >= kth, ns, 0), 0)
+        pr = np.array(g.personalized_pagerank(directed=False, damping=damping, reset=reset.tolist(),
+                                              implementation="prpack"))
+        sc = pr.reshape(S, 4).sum(1)
+        scores.append(sc)
+        orders.append(np.argsort(-sc, kind="stable"))
+    return np.array(orders), np.array(scores), time.perf_counter() - t0
+
+
 def candidate_search(hist: np.ndarray, device: str, repeats: int = 3) -> tuple[float, float, bool]:
     """Best-of-``repeats`` seconds of the dense and the causal candidate search, and whether they agree."""
     from memgas.pipeline import association as A
@@ -121,7 +152,7 @@ def candidate_search(hist: np.ndarray, device: str, repeats: int = 3) -> tuple[f
     for name, f in (("dense", A._dense_candidates), ("causal", A._causal_candidates)):
         best = float("inf")
         for _ in range(repeats):
-            with A._small_blas([hist], device, "causal"):  # both under the threading associate() uses
+            with A._small_blas([hist], device, "causal", None):  # both under the threading associate() uses
                 t0 = time.perf_counter()
                 out[name] = f(E, rows, 30, device)
                 best = min(best, time.perf_counter() - t0)
@@ -132,11 +163,6 @@ def candidate_search(hist: np.ndarray, device: str, repeats: int = 3) -> tuple[f
 
 def end_to_end(hist: np.ndarray, n_queries: int, device: str, baseline_rows: int | None, repeats: int = 3):
     """(ours s, authors' s (extrapolated when baseline_rows cuts it), association rows done, same top-10 share)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_ppr import baseline as ppr_baseline  # noqa: PLC0415
-
     from memgas.pipeline.retrieve import rank_sessions
 
     nodes = hist.reshape(-1, hist.shape[-1])
@@ -167,7 +193,7 @@ def end_to_end(hist: np.ndarray, n_queries: int, device: str, baseline_rows: int
     return best, t_assoc_full + t_ppr, done, same
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sessions", type=int, default=500, help="sessions of the synthetic LME-m-sized history")
     ap.add_argument("--baseline-rows", type=int, default=None,
@@ -175,7 +201,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
     ap.add_argument("--skip-locomo", action="store_true")
     ap.add_argument("--queries", type=int, default=1, help="questions ranked in the end-to-end row")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     from memgas.pipeline.association import associate_many
 

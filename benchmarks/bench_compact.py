@@ -36,8 +36,8 @@ bank, mode, name = B.Bank(sys.argv[1]), sys.argv[2], sys.argv[3]
 own = bank.parts(name)
 start = time.perf_counter()
 if mode in ("streamed", "untiered"):
-    if mode == "untiered":  # every part merged, as before tiers
-        B.TIER_RATIO = float("inf")
+    if mode == "untiered":  # every part merged, as before tiers (the ratio of the module that compacts)
+        sys.modules[B.Bank.compact.__module__].TIER_RATIO = float("inf")
     rows = bank.compact(name)
 else:  # the compaction before: Bank.read of every part (dedupe_last), key_order, Bank.write
     table = B.key_order(name, bank.read(name, parts=own))
@@ -103,7 +103,7 @@ def run(bank_dir: Path, mode: str, table: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, required=True, help="scratch directory (deleted first)")
     ap.add_argument("--parts", type=int, default=32, help="parts of the made table")
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--bank", type=Path, help="copy this bank's table instead of making one")
     ap.add_argument("--table", default="embeddings")
     ap.add_argument("--streamed-only", action="store_true", help="skip the in-memory compaction")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     shutil.rmtree(args.work, ignore_errors=True)
     source = args.work / "source"
     if args.bank:

@@ -202,7 +202,7 @@ def compare_batching(texts: list[str], batch_size: int, repeats: int, unit: int,
         print(f"memgas at {threads} workers vs the padded engine at 1 thread: {min(wall[b]) / min(wall[a]):.2f}x (best)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--locomo", default="/work/shared/data/locomo/locomo10.json")
     ap.add_argument("--limit", type=int, default=1000)
@@ -214,7 +214,7 @@ def main() -> None:
     ap.add_argument("--unit", type=int, default=512, help="--batching: texts per encode call (0: one call)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="--batching: threads / workers")
     ap.add_argument("--max-tokens", type=int, default=None, help="--batching: the encoder's window (default the model's)")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     p = Path(a.locomo)
     if a.longmemeval:
         texts = longmemeval_texts(Path(a.longmemeval), a.limit)

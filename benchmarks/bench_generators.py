@@ -55,7 +55,7 @@ def load_sessions(path: str, n: int) -> list[tuple[str, str]]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default="/work/shared/data/locomo/locomo10.json")
     ap.add_argument("--n", type=int, default=12)
@@ -64,7 +64,7 @@ def main() -> None:
     ap.add_argument("--max-input-tokens", type=int, default=1024)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--skip-llm", action="store_true", help="only the LLM-free generators")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
 
     sessions = load_sessions(args.data, args.n)

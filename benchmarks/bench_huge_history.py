@@ -392,8 +392,8 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main() -> None:
-    args = parser().parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
     if args.through_job:
         args.queries = args.queries or 200
         huge_history_job.main(args)
@@ -408,7 +408,7 @@ def main() -> None:
         return
     results = []
     for S in [int(x) for x in args.sizes.split(",")]:
-        cmd = [sys.executable, __file__, "--one", str(S)] + [a for a in sys.argv[1:]]
+        cmd = [sys.executable, __file__, "--one", str(S), *(sys.argv[1:] if argv is None else argv)]
         t = time.perf_counter()
         p = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, text=True, env=os.environ)  # progress: stderr
         if p.returncode:
@@ -426,6 +426,11 @@ def main() -> None:
               f"query top-10 == score_with_edges: {r['query']['top10_same_as_score_with_edges']}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    checks = ("append_split_identical", "append_equals_fresh_build")
+    failed = [r["sessions"] for r in results if not r.get("sampled") and False in (
+        *(r.get(c) for c in checks), r["query"]["top10_same_as_score_with_edges"])]
+    if failed:
+        sys.exit(f"a correctness check failed at {failed} sessions (the lines above)")
 
 
 if __name__ == "__main__":

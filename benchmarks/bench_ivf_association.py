@@ -104,7 +104,7 @@ def timing_run(n0: int, rows: int, nlist: int, nprobe: int, dim: int) -> dict:
             "ivf_setup_s": round(t_setup, 2), "ivf_s_per_row": max(0.0, t_all - t_setup) / rows}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bank", type=Path)
     ap.add_argument("--synthetic", type=int, help="sessions of a synthetic history")
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--nprobe", default="6")
     ap.add_argument("--sample", type=int, default=4096)
     ap.add_argument("--dim", type=int, default=384)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     probes = [int(x) for x in args.nprobe.split(",")]
     if args.timing:
         for n0 in (int(x) for x in args.timing.split(",")):

@@ -25,7 +25,7 @@ from test_node_blocks import associate_ctx, associate_rows, run_associate, seede
 from memgas.pipeline.association import segments  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sessions", type=int, default=16384)
     ap.add_argument("--unit", type=int, default=4096, help="sessions per unit of the cut run")
@@ -33,13 +33,15 @@ def main() -> None:
     ap.add_argument("--nlist", type=int, default=128)
     ap.add_argument("--nprobe", type=int, default=4)
     ap.add_argument("--tmp", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     assoc = {"search": "ivf", "ivf_exact_nodes": args.exact_nodes, "ivf_nlist": args.nlist, "ivf_nprobe": args.nprobe}
     d = Path(tempfile.mkdtemp(dir=args.tmp))
+    unit_sessions = segments.IVF_UNIT_SESSIONS
     rows = {}
     try:
-        warm, _ = seeded_bank(d / "warm", {"h": 600}, dim=384)  # untimed: lazy imports and faiss's first calls
-        run_associate(associate_ctx(warm, {**assoc, "ivf_exact_nodes": 800, "ivf_nlist": 8}))
+        warm_sessions = min(600, args.sessions)  # untimed: lazy imports and faiss's first calls
+        warm, _ = seeded_bank(d / "warm", {"h": warm_sessions}, dim=384)
+        run_associate(associate_ctx(warm, {**assoc, "ivf_exact_nodes": 4 * warm_sessions // 3, "ivf_nlist": 8}))
         for name, unit in (("one unit", 1 << 40), (f"units of {args.unit}", args.unit)):
             segments.IVF_UNIT_SESSIONS = unit
             bank, _ = seeded_bank(d / str(unit), {"h": args.sessions}, dim=384)
@@ -52,8 +54,12 @@ def main() -> None:
                          "recall": stats.get("ivf_recall")}, flush=True)
             rows[name] = associate_rows(bank)
         one, cut = rows.values()
-        print("edges equal:", one["edges"] == cut["edges"], "saved index equal:", one["ivf_index"] == cut["ivf_index"])
+        same = (one["edges"] == cut["edges"], one["ivf_index"] == cut["ivf_index"])
+        print("edges equal:", same[0], "saved index equal:", same[1])
+        if not all(same):
+            raise SystemExit("the cut run's edges or saved index differ from the one-unit run's")
     finally:
+        segments.IVF_UNIT_SESSIONS = unit_sessions  # the module's own value again (main may run in a test)
         shutil.rmtree(d)
 
 

@@ -11,7 +11,7 @@ Data (real association with the default AssociationConfig, real router and seeds
 - kernel only: a random graph of ``--kernel-nodes`` nodes (10^5 sessions by default) with the association
   graphs' mean degree, exact over all queries at once vs push per query;
 - scale: one synthetic history of ``--sessions`` sessions (benchmarks/bench_association.synthetic_history),
-  queries = perturbed node vectors (as bench_ppr.py).
+  queries = perturbed node vectors (as bench_association.py's end-to-end row).
 
 Agreement: the top-10 sessions in order, per question, under push at each epsilon equal the exact PPR's
 (the issue's goal: >= 99.9% of questions at the default ``retrieval.ppr_epsilon``). Latency: the rank path
@@ -181,7 +181,7 @@ def measure(name: str, hists: list[tuple[np.ndarray, np.ndarray]], eps_list: lis
     return rows
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--eps", default="1e-6,1e-7,1e-8,1e-9", help="comma-separated push thresholds")
     ap.add_argument("--lme", default="/work/shared/data/longmemeval/longmemeval_s_sample.json")
@@ -190,7 +190,7 @@ def main() -> int:
     ap.add_argument("--sessions", type=int, default=2000, help="synthetic history size (0: skip)")
     ap.add_argument("--queries", type=int, default=64)
     ap.add_argument("--kernel-nodes", type=int, default=400_000, help="kernel-only random graph size (0: skip)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from memgas.pipeline.config import RetrievalConfig
 
     default = RetrievalConfig().ppr_epsilon

@@ -19,7 +19,7 @@ from memgas.pipeline.association.exact_search import CAUSAL_BLOCK_SESSIONS, _cau
 from memgas.pipeline.association.nodes import MEM_THRESHOLD, N_GRAN
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=400_000)
     ap.add_argument("--dim", type=int, default=384)
@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=4000, help="sample among the last WINDOW rows (0: all rows)")
     ap.add_argument("--k", type=int, default=MEM_THRESHOLD)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rng = np.random.default_rng(args.seed)
     E = rng.standard_normal((args.nodes, args.dim), dtype=np.float32)
     E /= np.linalg.norm(E, axis=1, keepdims=True)

@@ -22,6 +22,15 @@ import time
 from pathlib import Path
 
 
+def _hwm_kib() -> int:
+    """This process's peak RSS (KiB): ``VmHWM``, the high-water mark of its own memory since exec. Not
+    ``ru_maxrss``: Linux starts a child's at its parent's RSS at fork, so a large parent inflated it."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux (no /proc: an upper bound)
+
+
 def _child(path: str, bank: str) -> None:
     """Run in a child process so that its peak RSS is the ingest's alone."""
     import logging
@@ -29,18 +38,18 @@ def _child(path: str, bank: str) -> None:
     from memgas.pipeline.ingest import ingest
 
     logging.basicConfig(level=logging.WARNING)
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    base = _hwm_kib()
     t0 = time.perf_counter()
     summary = ingest(path, "longmemeval", bank, progress=False)
     secs = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = _hwm_kib()
     keys = ("histories", "sessions", "unique_sessions", "texts", "turns", "pairs", "queries", "parts")
     out = {k: summary[k] for k in keys}
     out.update(ingest_s=round(secs, 1), rss_after_import_mb=round(base / 1024, 1), peak_rss_mb=round(peak / 1024, 1))
     print(json.dumps(out))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target-mb", type=float, default=1024.0, help="approximate size of the synthetic file")
     ap.add_argument("--sessions", type=int, default=50, help="sessions per history (LME-S has ~50)")
@@ -49,7 +58,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None, help="where to put the file and bank (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the file and bank")
     ap.add_argument("--_child", nargs=2, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args._child:
         _child(*args._child)
         return

@@ -212,7 +212,7 @@ def evaluate(records, gens: dict[str, tuple[str, str]], enc, cache: VecCache, me
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--data", default=str(DEFAULT_DATA))
     ap.add_argument("--format", default="locomo", choices=("locomo", "longmemeval"))
@@ -223,7 +223,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N conversations")
     ap.add_argument("--make-lme-mix", metavar="OUT", default=None,
                     help="write the LongMemEval oracle+distractors probe file to OUT and exit")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if args.make_lme_mix:
         make_lme_mix(Path(args.make_lme_mix))

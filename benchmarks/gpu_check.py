@@ -630,7 +630,7 @@ def table(outs: list[Outcome], dev: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cuda (default) or cpu: smoke test of the runner and CPU paths at small sizes")
@@ -644,7 +644,7 @@ def main() -> int:
         ap.add_argument(f"--{k}", type=int, default=None)
     ap.add_argument("--part", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     for k, v in OFFLINE_ENV.items():
         os.environ.setdefault(k, v)
     if args.part:

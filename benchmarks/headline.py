@@ -48,13 +48,13 @@ def rows(metrics: dict) -> list[tuple[str, float, float, int]]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", nargs="?", help="a config of configs/ (omit with --run)")
     ap.add_argument("--run", type=Path, help="read this finished run directory instead of running")
     ap.add_argument("--out", type=Path, help="run directory (default runs/headline-<config name>)")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE passed to memgas run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.run is None and args.config is None:
         ap.error("give a config or --run")
     run_dir = args.run

@@ -10,11 +10,12 @@ router weight of each granularity, the share of PPR's reset mass on the cards, a
 metrics (the job's metric code, pipeline/evaluate/retrieval.py: R_all@3/5/10, NDCG@10 overall and R_all@5 per
 question type). The run's own setting is marked; its row equals metrics.json's (a check that the rebuilt
 graph is the run's). Nothing is written: the other setting is what `--set retrieval.card_graph_entropy=...`
-would rank (card-graph-rank only re-runs).
+would rank (card-graph-rank only re-runs). Exit 1 if the run's own row differs from metrics.json's.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -38,11 +39,15 @@ SETTINGS = ("raw", "normalised")
 KS = (3, 5, 10)
 
 
-def main(run: Path) -> None:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("run", type=Path, help="the output_dir of a memgas run that ranked memgas-cards")
+    run = ap.parse_args(argv).run
     cfg = MemgasConfig.load(run / "config.yaml", [])
     ctx = StageContext(cfg, Bank(run / "bank"), Bank(run / "results"), use_ray=False, pipeline=S.PIPELINE)
     resolve_stage_runtimes(ctx)
-    ctx.fingerprints.update(json.loads((run / "metrics.json").read_text())["run"]["fingerprints"])
+    metrics = json.loads((run / "metrics.json").read_text())
+    ctx.fingerprints.update(metrics["run"]["fingerprints"])
     queries = {r["query_id"]: r for r in ctx.bank.read(
         "queries", ["query_id", "evidence_session_ids", "is_abstention", "question_type"]).to_pylist()}
     edges = tables.read_current(ctx, "card_graph_edges").to_pandas()
@@ -67,6 +72,7 @@ def main(run: Path) -> None:
                 records[s].append({"query_id": qid, "ranked_ids": [sids[i] for i in order[qi, :r.store_top]],
                                    "evidence_ids": list(q["evidence_session_ids"] or []),
                                    "is_abstention": bool(q["is_abstention"]), "question_type": q["question_type"]})
+    same = None
     for s in SETTINGS:
         mark = " (the run's setting)" if s == r.card_graph_entropy else ""
         w = np.concatenate(weights[s]).mean(0)
@@ -80,7 +86,13 @@ def main(run: Path) -> None:
               f"R_all@10 {100 * o['recall_all@10']:.1f}, NDCG@10 {100 * o['ndcg@10']:.1f}")
         for t, row in agg.drop(index="overall").iterrows():
             print(f"    {t}: n {int(row['n'])}, R_all@5 {100 * row['recall_all@5']:.1f}, NDCG@10 {100 * row['ndcg@10']:.1f}")
+        if mark:
+            ran = metrics["retrieval"]["session"]["memgas-cards"]["overall"]
+            keys = ("n", "recall_all@3", "recall_all@5", "recall_all@10", "ndcg@10")
+            same = all(float(o[k]) == float(ran[k]) for k in keys)
+    print(f"the run's setting equals metrics.json's memgas-cards row: {same}")
+    return 0 if same else 1
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    sys.exit(main())
