@@ -53,6 +53,8 @@ SAMPLE_COUNTS: dict[str, int] = _locomo_counts(SAMPLE_LOCOMO)
 #: is not listed: collected last, its resolver test then finds pip's background resolution (below) finished.
 LONGEST_FIRST = (
     "tests/jobs/test_ray_cluster.py",
+    "tests/benchmarks/test_bench_models.py",
+    "tests/benchmarks/test_bench_job.py",
     "tests/jobs/test_resume.py",
     # before the first file that loads SmolLM2: its fixture fills the suite's model cache (see that file)
     "tests/pipeline/models/test_gguf_cache.py",

@@ -6,7 +6,7 @@ by content: :func:`card_id` hashes (session_hash, extractor key, card_index), so
 histories is extracted once, and a changed extractor (method version, model, prompt) writes new keys.
 
 LLM-free method (``LLM_FREE_EXTRACTOR``, v3 "compact cards"; measured on LoCoMo and LongMemEval-S in
-docs/benchmarks.md and ``benchmarks/justmem_quality.py``). A card should hold what a speaker states about
+docs/benchmarks.md, through the job). A card should hold what a speaker states about
 themselves and the world, once, in few words; per turn:
 
 1. Code blocks (```` ``` ```` fences) and lists (two or more consecutive lines starting with ``-``, ``*``,
@@ -258,7 +258,7 @@ def extract_llm_free(turns: Sequence[Turn], *, merge_chars: int = MERGE_CARD_CHA
                      assistant_chars: int = ASSISTANT_CARD_CHARS) -> list[Card]:
     """Cards of one session by the documented rules (module docstring). Deterministic; at least one card when
     any turn has text. ``merge_chars``/``assistant_chars``: the alternatives measured against the defaults
-    (benchmarks/justmem_quality.py); the extractor key names the defaults only."""
+    (docs/benchmarks.md); the extractor key names the defaults only."""
     cards: list[Card] = []
     prev_question: tuple[Turn, str] | None = None  # the previous turn's last question, for short replies
     seen: dict[str, dict[str, list[frozenset[str]]]] = {}  # statements kept so far (:func:`_said_before`)

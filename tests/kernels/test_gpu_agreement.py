@@ -2,7 +2,7 @@
 
 cuBLAS and OpenBLAS round float32 products differently, so nothing computed from a float32 matmul can be
 demanded bit-equal. Rankings are compared "identical up to ties" (``memgas.kernels.backend.same_up_to_ties``,
-as benchmarks/bench_ppr.py does): at every rank both sides pick items whose reference (CPU) scores are equal
+as benchmarks/bench_association.py does): at every rank both sides pick items whose reference (CPU) scores are equal
 within the rounding error of the computation. Where no rounding differs (top-k of one array), ties are exact
 (tol 0); float64 elementwise kernels (router) are compared to 1e-10.
 """

@@ -75,7 +75,7 @@ def test_build_csr_dedup_and_selfloops() -> None:
 
 def scipy_csr(src: np.ndarray, dst: np.ndarray, n: int, index_dtype: type = np.int32) -> sp.csr_matrix:
     """The old construction, the oracle: scipy's COO -> CSR and sum_duplicates over both directions (also the
-    baseline of benchmarks/bench_build_csr.py)."""
+    baseline of the CSR construction it replaced)."""
     keep = src != dst
     a, b = np.minimum(src[keep], dst[keep]), np.maximum(src[keep], dst[keep])
     key = np.unique(a * n + b)
