@@ -109,9 +109,9 @@ def test_past_the_limit_a_full_index_is_saved_and_the_deltas_dropped(tmp_path: P
     assert associate_rows(grown)["ivf_index"] == associate_rows(fresh)["ivf_index"]
 
 
-def test_a_damaged_delta_is_never_merged(tmp_path: Path, ivf: None, caplog: pytest.LogCaptureFixture) -> None:
-    """The delta 240 -> 288 damaged: the next append continues the index from the full one (240), adds the
-    sessions since again from the node blocks, and saves a delta 240 -> 352 over it: a fresh build's index."""
+def _fresh_and_grown_with_a_delta(tmp_path: Path) -> tuple[Bank, Bank, str]:
+    """A fresh build of 360 sessions, and a bank grown 250 -> 300 -> 360 whose index is the full one of 240
+    sessions and one delta 240 -> 288 (its part, returned third), before its last association."""
     fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 360})
     run_associate(associate_ctx(fresh, IVF_SMALL))
     first, _ = seeded_bank(tmp_path / "first", {"h": 250})
@@ -120,6 +120,13 @@ def test_a_damaged_delta_is_never_merged(tmp_path: Path, ivf: None, caplog: pyte
     grown, _ = seeded_bank(tmp_path / "grown", {"h": 360})
     copy_parts(mid, grown)
     [part] = grown.parts("ivf_delta")
+    return fresh, grown, part
+
+
+def test_a_damaged_delta_is_never_merged(tmp_path: Path, ivf: None, caplog: pytest.LogCaptureFixture) -> None:
+    """The delta 240 -> 288 damaged: the next append continues the index from the full one (240), adds the
+    sessions since again from the node blocks, and saves a delta 240 -> 352 over it: a fresh build's index."""
+    fresh, grown, part = _fresh_and_grown_with_a_delta(tmp_path)
     damage_part(grown, "ivf_delta", part)
     with caplog.at_level(logging.WARNING):
         _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
@@ -136,14 +143,7 @@ def test_a_delta_that_cannot_be_read_is_never_opened(tmp_path: Path, ivf: None, 
     """The delta 240 -> 288 cut short or a FIFO (its read stopped the stage: "unreadable Parquet part;
     delete it and re-run", or waited for ever): passed by unopened; the index continues from the full one
     and saves a delta 240 -> 352 over it, a fresh build's index and edges."""
-    fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 360})
-    run_associate(associate_ctx(fresh, IVF_SMALL))
-    first, _ = seeded_bank(tmp_path / "first", {"h": 250})
-    run_associate(associate_ctx(first, IVF_SMALL))
-    mid, _ = _grow(tmp_path, first, "mid", 300)
-    grown, _ = seeded_bank(tmp_path / "grown", {"h": 360})
-    copy_parts(mid, grown)
-    [part] = grown.parts("ivf_delta")
+    fresh, grown, part = _fresh_and_grown_with_a_delta(tmp_path)
     f = grown.path / "ivf_delta" / f"{part}.parquet"
     if damage == "truncated":
         f.write_bytes(f.read_bytes()[:-100])
