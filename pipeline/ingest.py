@@ -34,7 +34,7 @@ from memgas.pipeline.bank import INGEST_PREFIX, INGEST_TABLES, MANIFEST, Bank
 from memgas.pipeline.data import FORMATS, loader
 from memgas.pipeline.data.common import HistoryRecord, Warnings
 from memgas.pipeline.dataset_history import APPEND_KIND
-from memgas.pipeline.errors import BankError
+from memgas.pipeline.errors import BankError, DataError
 from memgas.pipeline.hashing import file_sha256
 from memgas.pipeline.ingest_rows import (
     IngestInterrupted,

@@ -223,8 +223,8 @@ def score_retrieval(
     (bool; also inferred from a ``_abs`` id suffix), ``question_type``, and optionally ``corpus_ids``.
 
     Skipped: abstention questions (``"abstention"``) and questions without evidence (``"no_evidence"``),
-    as LongMemEval's retrieval evaluation does. The returned dict always has both keys (the caller logs it:
-    :func:`memgas.jobs.evaluate_run.log_skipped` once per run, not once per method).
+    as LongMemEval's retrieval evaluation does. The returned dict always has both keys (the caller logs it once per run, not once per
+    method: every method is scored over the same questions).
 
     Columns: query_id, question_type, level, n_relevant, n_ranked, and for each K
     ``recall_any@K``, ``recall_all@K``, ``ndcg_any@K`` (LongMemEval discount) and, if ``standard_ndcg``,
