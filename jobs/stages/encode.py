@@ -234,7 +234,12 @@ class EncodeStage(Stage):
         return {"embeddings": embeddings_table(encoder, payload["hashes"], payload["texts"], payload["key"])}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(sorted(set(self.needed(ctx)[0]))))
+        from memgas.pipeline.models.synthetic import manifest_entry
+
+        need = sorted(set(self.needed(ctx)[0]))
+        # the bank names the encoder behind each key of its vectors (a synthetic one says what its vectors are)
+        ctx.bank.update_manifest(encoders={k: manifest_entry(ctx.cfg.encoder.model) for k in need})
+        mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(need))
         stats: dict[str, Any] = {"rows": mine.num_rows}
         for col in ("truncated", "tokens", "tokens_dropped"):
             if col in mine.column_names:
