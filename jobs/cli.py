@@ -267,12 +267,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from memgas.pipeline.data.synth import synth
+    from memgas.pipeline.data.synth import CLI_DEFAULTS, SHAPES, synth
 
-    path = synth(
-        args.out, questions=args.questions, sessions_per_history=args.sessions, turns_per_session=args.turns,
-        reuse_share=args.reuse, multi_session_share=args.multi_session, seed=args.seed,
-    )
+    given = dict(questions=args.questions, sessions_per_history=args.sessions, turns_per_session=args.turns,
+                 reuse_share=args.reuse, multi_session_share=args.multi_session, pool_size=args.pool)
+    kw = {**CLI_DEFAULTS, **SHAPES.get(args.shape or "", {}), **{k: v for k, v in given.items() if v is not None}}
+    path = synth(args.out, seed=args.seed, **kw)
     print(f"wrote {path}")
     return 0
 
