@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from memgas.pipeline.bank import Bank
+from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.encode import encode_texts, query_hash
+from memgas.pipeline.errors import ConfigError
 from memgas.pipeline.hashing import text_hash
 from memgas.pipeline.models.synthetic import SYNTHETIC_NOTE, SyntheticEncoder, synthetic_vectors
 
@@ -86,3 +88,8 @@ def test_headline_refuses_a_synthetic_run_or_config(synthetic_run: Path) -> None
             if args[0] != "--run" else
             "the run used encoder.model=synthetic: vectors from text hashes make every quality number meaningless; "
             "refused"), line
+
+
+def test_a_synthetic_encoder_on_a_gpu_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="encoder.model=synthetic hashes texts on the CPU"):
+        MemgasConfig.load(None, ["encoder.model=synthetic", "encoder.device=cuda"])
