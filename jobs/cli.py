@@ -379,7 +379,8 @@ def _headline(run_dir) -> str:
         m = json.loads((Path(run_dir) / "metrics.json").read_text())
     except (OSError, ValueError):
         return "(no metrics.json to summarise)"
-    lines = ["method                    R_all@5  NDCG@10   (session level, %)"]
+    lines = ["method                    R_all@5  NDCG@10   (session level, %"
+             + ("; meaningless: synthetic encoder)" if m.get("synthetic_encoder") else ")")]
     for method, r in ((m.get("retrieval") or {}).get("session") or {}).items():
         o = (r or {}).get("overall") or {}
         lines.append(f"{method:25} {_pct(o.get('recall_all@5'))}  {_pct(o.get('ndcg_any@10'))}")

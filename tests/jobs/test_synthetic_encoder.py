@@ -21,7 +21,7 @@ from memgas.pipeline.models.synthetic import SYNTHETIC_NOTE, SyntheticEncoder, s
 
 from .conftest import REPO, memgas_env, run_memgas
 
-SMALL = ["--no-ray", "-q", "--set", "data.path=tests/fixtures/locomo_small.json", "--set", "data.limit=1",
+SMALL = ["-q", "--no-ray", "--set", "data.path=tests/fixtures/locomo_small.json", "--set", "data.limit=1",
          "--set", "reading.enabled=false", "--set", "evaluation.plots=false",
          "--set", "retrieval.methods=[session,memgas,cards]", "--set", "encoder.model=synthetic"]
 HEADLINE = [sys.executable, str(REPO / "benchmarks" / "headline.py")]
@@ -45,7 +45,8 @@ def test_vectors_are_a_function_of_the_text_and_dimension() -> None:
 @pytest.fixture(scope="module")
 def synthetic_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("synthetic") / "run"
-    run_memgas("run", "configs/demo.yaml", "--set", f"output_dir={out}", *SMALL)
+    proc = run_memgas("run", "configs/demo.yaml", "--set", f"output_dir={out}", *SMALL[1:])  # without -q
+    assert "(session level, %; meaningless: synthetic encoder)" in proc.stdout, proc.stdout[-2000:]
     return out
 
 
