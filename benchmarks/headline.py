@@ -48,6 +48,24 @@ def rows(metrics: dict) -> list[tuple[str, float, float, int]]:
     return out
 
 
+def synthetic_refusal(config: str | None, sets: list[str], metrics: dict | None) -> str | None:
+    """Why this table must not be printed (None: it may): a run with the synthetic encoder (vectors from
+    hashes, pipeline/models/synthetic.py) has retrieval numbers that measure nothing."""
+    from memgas.pipeline.config import MemgasConfig
+    from memgas.pipeline.models.synthetic import SYNTHETIC_MODEL, is_synthetic
+
+    what = None
+    if metrics is not None:
+        encoder = str((metrics.get("run") or {}).get("encoder") or "")
+        if metrics.get("synthetic_encoder") or encoder.startswith(f"{SYNTHETIC_MODEL}@"):
+            what = "the run used encoder.model=synthetic"
+    elif is_synthetic(MemgasConfig.load(config, sets).encoder.model):
+        what = f"{config} {' '.join(sets)}".strip() + " sets encoder.model=synthetic"
+    if what is None:
+        return None
+    return f"headline.py: {what}: vectors from text hashes make every quality number meaningless; refused"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config", nargs="?", help="a config of configs/ (omit with --run)")
@@ -58,12 +76,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.run is None and args.config is None:
         ap.error("give a config or --run")
     run_dir = args.run
+    from memgas.pipeline.errors import ConfigError
+
+    try:
+        refusal = synthetic_refusal(args.config, args.set, None) if run_dir is None else None
+    except ConfigError as exc:  # the run would refuse it too: say so before starting it
+        print(f"headline.py: {exc}", file=sys.stderr)
+        return 2
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     if run_dir is None:
         run_dir = args.out or REPO / "runs" / f"headline-{Path(args.config).stem}"
         t0 = time.perf_counter()
         run_job(args.config, run_dir, args.set)
         print(f"memgas run: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     metrics = json.loads((run_dir / "metrics.json").read_text())
+    refusal = synthetic_refusal(None, [], metrics)
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     commit = (metrics.get("run") or {}).get("git_commit") or "?"
     print(f"{run_dir}: commit {commit}, {time.strftime('%Y-%m-%d')}")
     print("| method | R_all@5 | NDCG@10 | questions |")

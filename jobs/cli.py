@@ -269,12 +269,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from memgas.pipeline.data.synth import synth
+    from memgas.pipeline.data.synth import CLI_DEFAULTS, SHAPES, synth
 
-    path = synth(
-        args.out, questions=args.questions, sessions_per_history=args.sessions, turns_per_session=args.turns,
-        reuse_share=args.reuse, multi_session_share=args.multi_session, seed=args.seed,
-    )
+    given = dict(questions=args.questions, sessions_per_history=args.sessions, turns_per_session=args.turns,
+                 reuse_share=args.reuse, multi_session_share=args.multi_session, pool_size=args.pool)
+    kw = {**CLI_DEFAULTS, **SHAPES.get(args.shape or "", {}), **{k: v for k, v in given.items() if v is not None}}
+    path = synth(args.out, seed=args.seed, **kw)
     print(f"wrote {path}")
     return 0
 
@@ -381,7 +381,8 @@ def _headline(run_dir) -> str:
         m = json.loads((Path(run_dir) / "metrics.json").read_text())
     except (OSError, ValueError):
         return "(no metrics.json to summarise)"
-    lines = ["method                    R_all@5  NDCG@10   (session level, %)"]
+    lines = ["method                    R_all@5  NDCG@10   (session level, %"
+             + ("; meaningless: synthetic encoder)" if m.get("synthetic_encoder") else ")")]
     for method, r in ((m.get("retrieval") or {}).get("session") or {}).items():
         o = (r or {}).get("overall") or {}
         lines.append(f"{method:25} {_pct(o.get('recall_all@5'))}  {_pct(o.get('ndcg_any@10'))}")

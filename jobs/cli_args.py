@@ -12,6 +12,8 @@ from typing import Any, NoReturn
 from memgas.pipeline.data import AUTO, FORMATS
 from memgas.pipeline.models.model_queue import MAX_QUEUE
 from memgas.pipeline.data.synth import (
+    SHAPES,
+    SYNTH_MAX_POOL,
     SYNTH_MAX_QUESTIONS,
     SYNTH_MAX_SESSIONS,
     SYNTH_MAX_TURNS,
@@ -150,16 +152,21 @@ def _add_synth(sub: Any) -> None:
         Seeded synthetic histories with planted facts and known evidence sessions, for scale tests.
 
         Examples:
-          memgas synth synth_m.json --questions 500 --sessions 500          # LME-m sized
+          memgas synth synth_m.json --shape m                             # LongMemEval-M's shape
+          memgas synth m100.json --shape m --questions 100                 # its first 100 questions
           memgas synth big.json --questions 1 --sessions 100000 --turns 4   # one huge history
         """)
     p.add_argument("out", help="output .json path")
-    p.add_argument("--questions", type=_int_at_least(0, SYNTH_MAX_QUESTIONS), default=20, help="questions (= histories)")
-    p.add_argument("--sessions", type=_int_at_least(1, SYNTH_MAX_SESSIONS), default=40, help="sessions per history")
-    p.add_argument("--turns", type=_int_at_least(1, SYNTH_MAX_TURNS), default=6, help="utterances per session")
-    p.add_argument("--reuse", type=_share, default=0.5, help="share of sessions drawn from a pool shared across histories")
-    p.add_argument("--multi-session", type=_share, default=0.3,
-                   help="share of questions whose fact is split over two sessions")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a published split's shape (m: LongMemEval-M, docs/data.md); "
+                   "the options below override its values")
+    p.add_argument("--questions", type=_int_at_least(0, SYNTH_MAX_QUESTIONS), help="questions (= histories; default 20)")
+    p.add_argument("--sessions", type=_int_at_least(1, SYNTH_MAX_SESSIONS), help="sessions per history (default 40)")
+    p.add_argument("--turns", type=_int_at_least(1, SYNTH_MAX_TURNS), help="utterances per session (default 6)")
+    p.add_argument("--reuse", type=_share, help="share of sessions drawn from a pool shared across histories (default 0.5)")
+    p.add_argument("--pool", type=_int_at_least(1, SYNTH_MAX_POOL),
+                   help="sessions in the shared pool (default four histories' worth)")
+    p.add_argument("--multi-session", type=_share,
+                   help="share of questions whose fact is split over two sessions (default 0.3)")
     p.add_argument("--seed", type=int, default=0)
 
 

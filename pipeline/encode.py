@@ -138,9 +138,10 @@ def embeddings_table(encoder: Encoder, hashes: Sequence[str], texts: Sequence[st
         "vector": pa.FixedSizeListArray.from_arrays(pa.array(vecs.reshape(-1), pa.float32()), dim),
         "truncated": pa.array(np.asarray(trunc, dtype=bool)),
     }
-    for name, values in extra.items():
-        if name in schema.names:
-            cols[name] = pa.array(np.asarray(values, dtype=np.int32))
+    for name in ("tokens", "tokens_dropped"):  # null where the encoder cannot count (never a guess)
+        values = extra.get(name)
+        cols[name] = (pa.array(np.asarray(values, dtype=np.int32)) if values is not None
+                      else pa.nulls(len(hashes), pa.int32()))
     return pa.table({n: cols[n] for n in schema.names if n in cols}).cast(
         pa.schema([schema.field(n) for n in schema.names if n in cols]))
 

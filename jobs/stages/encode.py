@@ -13,6 +13,7 @@ from memgas.jobs.stages.texts import TextBlocks, rederive_texts, unit_texts
 from memgas.jobs.tables import Table
 from memgas.jobs.units import cost_chunks
 from memgas.pipeline.errors import BankError
+from memgas.pipeline.models.synthetic import manifest_entry
 
 
 def vector_rows(ctx: StageContext, need: dict[str, list[str]]) -> pa.Table:
@@ -278,4 +279,7 @@ class EncodeStage(Stage):
     run = staticmethod(embed)
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        return vector_stats(ctx, self.needed(ctx)[0])
+        need = self.needed(ctx)[0]
+        # the bank names the encoder behind each key of its vectors (a synthetic one says what its vectors are)
+        ctx.bank.update_manifest(encoders={k: manifest_entry(ctx.cfg.encoder.model) for k in sorted(set(need))})
+        return vector_stats(ctx, need)

@@ -34,6 +34,8 @@ SYNTH_MAX_QUESTIONS = 100_000_000
 SYNTH_MAX_SESSIONS = 1_000_000
 SYNTH_MAX_TURNS = 10_000
 SYNTH_MAX_UTTERANCES = 1_000_000
+#: pool ids are written with 6 digits at least; a pool past this adds nothing a test needs
+SYNTH_MAX_POOL = 100_000_000
 
 DATE_FMT = "%Y/%m/%d (%a) %H:%M"  # LongMemEval's date format
 _BASE_DATE = datetime(2023, 1, 2, 9, 0)
@@ -139,12 +141,18 @@ def _plant(r: random.Random, n_turns: int, statement: str) -> list[dict[str, Any
 class _Pool:
     """Shared distractor sessions, generated on demand from their index (same text in every history)."""
 
+    #: pool sessions kept generated (a session is a function of its index: the cache only saves time, and a
+    #: bound keeps a LongMemEval-M-sized pool of tens of thousands of sessions out of memory)
+    CACHE = 8192
+
     def __init__(self, seed: int, size: int, n_turns: int) -> None:
         self.seed, self.size, self.n_turns = seed, size, n_turns
         self._cache: dict[int, list[dict[str, Any]]] = {}
 
     def get(self, k: int) -> tuple[str, list[dict[str, Any]]]:
         if k not in self._cache:
+            if len(self._cache) >= self.CACHE:
+                self._cache.clear()
             self._cache[k] = _chitchat(random.Random(f"memgas-synth:{self.seed}:pool:{k}"), self.n_turns)
         return f"pool_{k:06d}", self._cache[k]
 
@@ -207,6 +215,21 @@ def _question(i: int, *, seed: int, pool: _Pool, sessions: int, n_turns: int, re
     }
 
 
+#: ``memgas synth``'s defaults (a small file for tests and demos)
+CLI_DEFAULTS: dict[str, Any] = dict(questions=20, sessions_per_history=40, turns_per_session=6, reuse_share=0.5,
+                                    multi_session_share=0.3, pool_size=None)
+#: Published splits' shapes (``memgas synth --shape NAME``; docs/data.md says how each number was derived).
+#: m = LongMemEval-M: 500 questions, 500 sessions a history (the official sampler draws 500 filler sessions
+#: per question, each uniformly from shared pools, plus 1-6 evidence sessions: 1.9 per question in the oracle
+#: file, so 90% of the questions here have two), ~10 utterances a session (10.3 in the LongMemEval-S sample),
+#: every distractor drawn from one shared pool, whose size makes 82% of the references repeat a session seen
+#: before (~45k unique sessions in 250k references), the share derived from LongMemEval-S's measured reuse.
+SHAPES: dict[str, dict[str, Any]] = {
+    "m": dict(questions=500, sessions_per_history=500, turns_per_session=10, reuse_share=1.0,
+              multi_session_share=0.9, pool_size=43_000),
+}
+
+
 def synth(
     out_path: str | Path,
     *,
@@ -216,8 +239,10 @@ def synth(
     reuse_share: float = 0.5,
     multi_session_share: float = 0.3,
     seed: int = 0,
+    pool_size: int | None = None,
 ) -> Path:
-    """Write a LongMemEval-format JSON file of ``questions`` synthetic histories; returns its path."""
+    """Write a LongMemEval-format JSON file of ``questions`` synthetic histories; returns its path.
+    ``pool_size``: sessions in the shared distractor pool (None: four haystacks' worth)."""
     if questions < 0 or sessions_per_history < 1 or turns_per_session < 1:
         raise MemgasError("questions >= 0, sessions_per_history >= 1 and turns_per_session >= 1 are required")
     if questions > SYNTH_MAX_QUESTIONS or sessions_per_history > SYNTH_MAX_SESSIONS or turns_per_session > SYNTH_MAX_TURNS:
@@ -229,6 +254,8 @@ def synth(
                           f"{SYNTH_MAX_UTTERANCES:,} (one history is built in memory): use fewer sessions or turns")
     if not (0.0 <= reuse_share <= 1.0 and 0.0 <= multi_session_share <= 1.0):
         raise MemgasError("reuse_share and multi_session_share must lie in [0, 1]")
+    if pool_size is not None and not 1 <= pool_size <= SYNTH_MAX_POOL:
+        raise MemgasError(f"pool_size must lie in [1, {SYNTH_MAX_POOL:,}]")
     out = Path(out_path)
     if out.is_dir():
         raise MemgasError(f"{out}: is a directory; give the path of the .json file to write")
@@ -239,7 +266,7 @@ def synth(
             break
     out.parent.mkdir(parents=True, exist_ok=True)
     # a pool a few times one haystack: sessions recur across histories but rarely within one
-    pool = _Pool(seed, max(4 * sessions_per_history, 16), turns_per_session)
+    pool = _Pool(seed, pool_size or max(4 * sessions_per_history, 16), turns_per_session)
     tmp = out.with_name(f".{out.name}.tmp")
     try:  # written beside and renamed: an interrupted or failed write (a full disk) leaves no half file
         with open(tmp, "w", encoding="utf-8", newline="\n") as f:

@@ -12,7 +12,12 @@ logger = logging.getLogger(__name__)
 
 def make_encoder(cfg: EncoderConfig) -> Encoder:
     """``sentence-transformers`` (own pooling/normalisation; "minilm" = the embedded default) or ``hf``
-    (AutoModel + mean pooling over the attention mask, no normalisation: Contriever's recipe)."""
+    (AutoModel + mean pooling over the attention mask, no normalisation: Contriever's recipe); ``model:
+    synthetic``: vectors from each text's hash, for scale runs only (pipeline/models/synthetic.py)."""
+    from memgas.pipeline.models.synthetic import SyntheticEncoder, is_synthetic
+
+    if is_synthetic(cfg.model):  # no model to load, whatever the backend
+        return SyntheticEncoder(max_tokens=cfg.max_tokens)
     from memgas.pipeline.models.encoders import HFMeanPoolingEncoder, SentenceTransformerEncoder
 
     kw = dict(device=cfg.device, dtype=cfg.dtype, batch_size=cfg.batch_size, max_tokens=cfg.max_tokens,
