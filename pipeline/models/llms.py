@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import threading
 import time
 from pathlib import Path
