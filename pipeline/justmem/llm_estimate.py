@@ -7,7 +7,7 @@ from memgas.pipeline.config import MemgasConfig
 
 #: Seconds per generated token of the bundled CPU LLM (SmolLM2-135M-Instruct GGUF on the transformers backend,
 #: float32, the JSON schema enforced while decoding) on an extraction prompt, as measured in docs/models.md
-#: ("JustMem's LLM extractor on CPU") on this project's 2-core machine, shared (load average about 15).
+#: ("JustMem's LLM extractor on CPU") on a 2-core, 24 GiB machine at load average about 15.
 CPU_LLM_SECONDS_PER_TOKEN = 2.2
 #: The LLM backends that compute on this machine's CPU (the rate above applies to them)
 CPU_LLM_BACKENDS = ("transformers-gguf", "hf", "llama-cpp")
