@@ -237,7 +237,7 @@ def serve_until_stopped(srv: ChatServer) -> None:
             pass
         logger.info("stopping: answering the requests in progress")
         if not srv.queue.stop(SHUTDOWN_GRACE_S):
-            logger.warning("requests still running %g s after the stop; exiting without their answers",
+            logger.warning("requests still running %g s after the shutdown signal; exiting without their answers",
                            SHUTDOWN_GRACE_S)
         logger.info("stopped serving at %s", srv.url)
     finally:
