@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from memgas.jobs.stage import command_slices
 from memgas.jobs.stages.associate import AssociateStage
-from memgas.jobs.stages.card_graph import CardGraphAssociateStage, CardGraphEncodeStage, CardGraphRankStage
+from memgas.jobs.stages.card_graph import CardGraphEncodeStage
+from memgas.jobs.stages.card_graph_associate import CardGraphAssociateStage
+from memgas.jobs.stages.card_graph_rank import CardGraphRankStage
 from memgas.jobs.stages.cards import CardsStage
 from memgas.jobs.stages.encode import EncodeStage
 from memgas.jobs.stages.evaluate import EvaluateReport

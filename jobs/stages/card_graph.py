@@ -6,12 +6,12 @@ re-run plain MemGAS's association and rank, and selecting memgas-cards would cha
 fingerprints and bytes. Here the card graph reads MemGAS's nodes and vectors and JustMem's cards, and nothing of
 MemGAS's reads it back:
 
-- ``card-graph-encode``: the cards' vectors under the one encoder key (rows of ``embeddings`` shared by content
+- ``card-graph-encode`` (here): the cards' vectors under the one encoder key (rows of ``embeddings`` shared by content
   with card-encode and encode: a card text either encoder embedded is not embedded again);
-- ``card-graph-associate``: per history, the GMM edges of the five-granularity graph
+- ``card-graph-associate`` (:mod:`~memgas.jobs.stages.card_graph_associate`): per history, the GMM edges of the five-granularity graph
   (:mod:`memgas.pipeline.card_graph`), a per-fingerprint table (no segments: an append re-associates the
   histories of the changed dataset, unlike MemGAS's segmented edges);
-- ``card-graph-rank``: memgas-cards' rankings (rows of ``rankings``).
+- ``card-graph-rank`` (:mod:`~memgas.jobs.stages.card_graph_rank`): memgas-cards' rankings (rows of ``rankings``).
 
 They exist only while memgas-cards is in ``retrieval.methods`` (it has no reader yet: ``reading.methods`` refuses
 it). The cards stage runs for it too; JustMem's planner and card ranker do not.
@@ -28,9 +28,8 @@ from memgas.jobs import keys, tables
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.encode import embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest
 from memgas.jobs.stages.justmem import current_cards
-from memgas.jobs.stages.rank import family_methods, family_ranker_active, query_vectors, ranking_rows
-from memgas.jobs.stages.shards import kernel_active, matrix_loader, node_matrix, shard_units
-from memgas.kernels.backend import one_blas_thread
+from memgas.jobs.stages.rank import query_vectors
+from memgas.jobs.stages.shards import matrix_loader, node_matrix, shard_units
 from memgas.pipeline.config import MemgasConfig
 
 FAMILY = "memgas-cards"
@@ -136,116 +135,3 @@ def history_card_graph(ctx: StageContext, history_ids: list[str] | None = None) 
             graph, sids = graphs[h]
             out.append((h, graph, sids, g["query_id"].tolist(), qv[g.index.to_numpy()]))
     return out
-
-
-# -- association ------------------------------------------------------------------------------------------------
-CARD_GRAPH_EDGES = tables.Table("card_graph_edges", "fingerprint")
-
-
-class CardGraphAssociateStage(Stage):
-    """Per shard of histories: the GMM association edges of each history's five-granularity graph (one batched
-    GMM fit per unit, as the associate stage)."""
-
-    name = "card-graph-associate"
-    reads = ("nodes", "node_vectors", "pairs", "cards", "card_graph_vectors", "histories")
-    writes = (CARD_GRAPH_EDGES,)
-    fields = ("association.mem_threshold", "association.min_prior_nodes", "retrieval.device")
-
-    def active(self, ctx: StageContext) -> Active | None:
-        if not card_graph_enabled(ctx.cfg):
-            return None
-        active = kernel_active(ctx)
-        a = ctx.cfg.association
-        active.params.update(mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes)
-        return active
-
-    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        return histories(ctx)
-
-    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        graphs = card_graphs(ctx, unit["histories"])
-        return {"histories": [{"history_id": h, "graph": g.to_arrays()} for h, (g, _) in graphs.items()]}
-
-    @staticmethod
-    def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
-        from memgas.pipeline.association.edges import edges_from
-        from memgas.pipeline.card_graph import CardGraph, card_graph_candidates
-        from memgas.pipeline.schema import EDGES
-
-        hs = payload["histories"]
-        with one_blas_thread():
-            cands = [card_graph_candidates(CardGraph.from_arrays(h["graph"]), mem_threshold=params["mem_threshold"],
-                                           min_prior_nodes=params["min_prior_nodes"], device=params["device"])
-                     for h in hs]
-            edges = edges_from(cands, "gmm", None, params["device"])
-        cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
-        for h, e in zip(hs, edges):
-            n = len(e.src)
-            cols["history_id"] += [h["history_id"]] * n
-            cols["src"] += e.src.tolist()
-            cols["dst"] += e.dst.tolist()
-            cols["similarity"] += e.sim.tolist()
-            cols["mode"] += ["gmm"] * n
-        return {"card_graph_edges": pa.table(cols, schema=EDGES)}
-
-    def finish(self, ctx: StageContext) -> dict[str, Any]:
-        return {"edges_gmm": tables.read_current(ctx, "card_graph_edges", columns=["src"]).num_rows}
-
-
-# -- ranking ------------------------------------------------------------------------------------------------------
-CARD_GRAPH_RANKINGS = tables.Table("card_graph_rankings", "fingerprint", "results", stored_in="rankings",
-                                   ranks=FAMILY)
-
-
-class CardGraphRankStage(Stage):
-    """Per shard of histories: every query ranked by memgas-cards (router over five granularities, seeds, PPR
-    over the card graph's edges)."""
-
-    name = "card-graph-rank"
-    version = "2"  # the exact PPR converges per question (kernels/ppr.py): other bits than version 1
-    reads = ("queries", "nodes", "node_vectors", "pairs", "cards", "card_graph_vectors", "card_graph_edges",
-             "histories")
-    writes = (CARD_GRAPH_RANKINGS,)
-    fields = ("retrieval.methods", "retrieval.num_seeds", "retrieval.damping", "retrieval.temp", "retrieval.router",
-              "retrieval.card_graph_entropy", "retrieval.ppr", "retrieval.ppr_epsilon", "retrieval.store_top",
-              "retrieval.device")
-
-    def active(self, ctx: StageContext) -> Active | None:
-        methods = family_methods(ctx.cfg.retrieval.methods, FAMILY)
-        if not methods:
-            return None
-        return family_ranker_active(kernel_active(ctx), self.fields, ctx, methods)
-
-    def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        return histories(ctx)
-
-    def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        ids = unit["histories"]
-        rows = history_card_graph(ctx, ids)
-        edges = tables.read_current(ctx, "card_graph_edges", filter=pc.field("history_id").isin(ids),
-                                    columns=["history_id", "src", "dst"]).to_pandas()
-        by_h = {h: (g["src"].to_numpy(np.int64), g["dst"].to_numpy(np.int64)) for h, g in edges.groupby("history_id")}
-        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
-        return {"histories": [{"graph": g.to_arrays(), "session_ids": sids, "query_ids": qids, "queries": qv,
-                               "edges": by_h.get(h, empty)} for h, g, sids, qids, qv in rows]}
-
-    @staticmethod
-    def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
-        from memgas.pipeline.card_graph import CardGraph, rank_card_graph
-        from memgas.pipeline.schema import RANKINGS as SCHEMA
-
-        r = params["retrieval"]
-        cols: dict[str, list] = {"method": [], "query_id": [], "rank": [], "session_id": [], "score": []}
-        for h in payload["histories"]:
-            src, dst = (np.require(a, np.int64, ["C", "A", "W", "O"]) for a in h["edges"])
-            queries = np.require(h["queries"], np.float32, ["C", "A", "W", "O"])
-            with one_blas_thread():
-                ranked = rank_card_graph(CardGraph.from_arrays(h["graph"]), queries, src, dst,
-                                         num_seeds=r["num_seeds"], damping=r["damping"], temp=r["temp"],
-                                         router=r["router"], device=params["device"], ppr=r["ppr"],
-                                         ppr_epsilon=r["ppr_epsilon"], entropy=r["card_graph_entropy"])
-            ranking_rows(cols, h["session_ids"], h["query_ids"], {m: ranked for m in r["methods"]}, r["store_top"])
-        return {"rankings": pa.table(cols, schema=SCHEMA)}
-
-    def finish(self, ctx: StageContext) -> dict[str, Any]:
-        return {"queries": ctx.bank.count("queries")}

@@ -142,7 +142,7 @@ def test_reading_memgas_cards_is_refused_in_one_line(tmp_path) -> None:
 def test_the_rank_stage_ranks_with_the_configured_entropy() -> None:
     """card-graph-rank's worker passes ``retrieval.card_graph_entropy`` to the library: its rows under
     "normalised" are rank_card_graph's with entropy="normalised" (and differ from "raw" on this graph)."""
-    from memgas.jobs.stages.card_graph import CardGraphRankStage
+    from memgas.jobs.stages.card_graph_rank import CardGraphRankStage
     from memgas.pipeline.card_graph import rank_card_graph
     from memgas.pipeline.config import RetrievalConfig
     from tests.pipeline.test_card_graph import _graph
