@@ -15,8 +15,10 @@ not ``4*s + g``: :class:`CardGraph` carries each node's granularity and session,
   edges, session score = the sum of its nodes' PPR values (its four nodes and its cards), ties by lower
   session index.
 
-Every product is over one whole history, its shape a function of that history alone, so a ranking does not
-depend on which histories share a Ray task, nor on the number of workers.
+The association's products have canonical shapes (a tile of node ids against a padded prefix), so a row's
+candidates do not depend on which other rows or histories one call computes (a segment of an append gives the
+rows of a fresh build); the ranking's products are over one whole history, their shape a function of that
+history alone, so a ranking does not depend on which histories share a Ray task, nor on the number of workers.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from memgas.pipeline.schema import CARD_GRAPH_GRANULARITIES, N_GRAN
 
 #: index of the cards in CARD_GRAPH_GRANULARITIES
 CARD = CARD_GRAPH_GRANULARITIES.index("card")
-#: rows per similarity block of the candidate search (a block grid fixed by node ids)
+#: rows per similarity block of the dense reference search (a block grid fixed by node ids)
 ROW_BLOCK = 256
 
 
@@ -97,19 +99,48 @@ def build_card_graph(four: np.ndarray, card_pos: np.ndarray, card_vectors: np.nd
     return CardGraph(nodes, gran, np.repeat(np.arange(S, dtype=np.int64), sizes), starts)
 
 
+def _eligible(g: CardGraph, min_prior_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, before): the nodes that take candidates (their session has at least ``min_prior_nodes`` nodes,
+    and one, before it) and, per node of the graph, how many nodes precede its session."""
+    before = g.starts[g.session] if g.n_sessions else np.zeros(0, np.int64)
+    return np.flatnonzero((before >= min_prior_nodes) & (before > 0)).astype(np.int64), before
+
+
 def card_graph_candidates(g: CardGraph, *, mem_threshold: int, min_prior_nodes: int,
-                          device: str = "cpu") -> Candidates:
-    """Each eligible node's ``mem_threshold`` most similar nodes of earlier sessions (module docstring)."""
+                          device: str = "cpu", sessions: tuple[int, int] | None = None) -> Candidates:
+    """Each eligible node's ``mem_threshold`` most similar nodes of earlier sessions (module docstring).
+
+    MemGAS's blocked causal search (:func:`memgas.pipeline.association.exact_search._causal_candidates`) with
+    each row's prefix given (``g.starts[g.session]``): the lower triangle only, canonical product shapes, so a
+    row's candidates do not depend on which other rows are asked. ``sessions=(a, b)``: the rows of sessions
+    ``[a, b)`` only (a segment; they read the nodes of sessions ``[0, b)`` only), the same as those rows of
+    the whole graph's result."""
+    from memgas.pipeline.association.exact_search import _causal_candidates
+
+    rows, before = _eligible(g, min_prior_nodes)
+    if sessions is not None:
+        a, b = sessions
+        lo, hi = (int(g.starts[s]) if s < g.n_sessions else g.nodes.shape[0] for s in (a, b))
+        rows = rows[(rows >= lo) & (rows < hi)]
+    cand, valid = _causal_candidates(g.nodes, rows, int(mem_threshold), device, before=before[rows])
+    cand, valid, sc = _rescore(g.nodes, rows, cand, valid)
+    return Candidates(rows, cand, valid, sc)
+
+
+def dense_card_graph_candidates(g: CardGraph, *, mem_threshold: int, min_prior_nodes: int,
+                                device: str = "cpu") -> Candidates:
+    """The reference of :func:`card_graph_candidates`: per block of ``ROW_BLOCK`` node ids, one dense
+    [rows, N] product masked to each row's prefix and one full-width top-k (the search before the blocked one;
+    tests and ``benchmarks/bench_card_graph_associate.py`` check the two agree)."""
     xp, _ = get_xp(device)
-    before = g.starts[g.session] if g.n_sessions else np.zeros(0, np.int64)  # nodes before each node's session
-    rows = np.flatnonzero((before >= min_prior_nodes) & (before > 0)).astype(np.int64)
+    rows, before = _eligible(g, min_prior_nodes)
     k = int(mem_threshold)
     cand = np.full((rows.size, k), -1, np.int64)
     valid = np.zeros((rows.size, k), bool)
     n = g.nodes.shape[0]
     if rows.size:
         E = xp.asarray(g.nodes)
-        block = rows // ROW_BLOCK  # the grid is fixed by node ids: a block's product has one shape per history
+        block = rows // ROW_BLOCK
         for b in np.unique(block):
             sel = np.flatnonzero(block == b)
             r = rows[sel]

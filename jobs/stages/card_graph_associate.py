@@ -22,6 +22,7 @@ class CardGraphAssociateStage(Stage):
     GMM fit per unit, as the associate stage)."""
 
     name = "card-graph-associate"
+    version = "2"  # MemGAS's blocked causal search (canonical shapes): other float32 bits than the dense one at near-ties
     reads = ("nodes", "node_vectors", "pairs", "cards", "card_graph_vectors", "histories")
     writes = (CARD_GRAPH_EDGES,)
     fields = ("association.mem_threshold", "association.min_prior_nodes", "retrieval.device")

@@ -104,8 +104,9 @@ def _pad(n: int) -> int:
     return max(COL_PAD, -(-n // COL_PAD) * COL_PAD)
 
 
-def _query_blocks(rows: np.ndarray, T: int, pack: bool) -> list[np.ndarray]:
-    """Positions in ``rows`` (sorted node ids) of each query block of :func:`_causal_candidates`.
+def _query_blocks(rows: np.ndarray, T: int, pack: bool, before: np.ndarray | None = None) -> list[np.ndarray]:
+    """Positions in ``rows`` (sorted node ids) of each query block of :func:`_causal_candidates`
+    (``before``: the nodes each row may see, as there).
 
     A block holds rows with distinct slots ``row % T``; each row sits at its slot of a ``[T, d]`` query
     block, so every row's product is the canonical one whatever block it is in. Blocks are the tiles
@@ -124,7 +125,7 @@ def _query_blocks(rows: np.ndarray, T: int, pack: bool) -> list[np.ndarray]:
     if rows.size == 0:
         return []
     tile = rows // T
-    lim = (rows // N_GRAN) * N_GRAN
+    lim = _before(rows, before)
     cuts = np.flatnonzero(np.diff(tile)) + 1  # rows are sorted (node order): cut where the tile changes
     tiles = np.split(np.arange(rows.size), cuts)
     if not pack:
@@ -146,9 +147,21 @@ def _query_blocks(rows: np.ndarray, T: int, pack: bool) -> list[np.ndarray]:
     return [t for t in tiles if t.size >= T // PACK_BELOW] + packs
 
 
+def _before(rows: np.ndarray, before: np.ndarray | None) -> np.ndarray:
+    """Per row, how many nodes it may see (the nodes of earlier sessions: a prefix ``[0, before)``): MemGAS's
+    four nodes a session unless given."""
+    if before is None:
+        return (rows // N_GRAN) * N_GRAN
+    before = np.asarray(before, np.int64)
+    if before.shape != rows.shape or (before.size and (before.min() < 0 or np.any(before > rows))):
+        raise ValueError("before must give each row a prefix [0, before) that ends at or before the row")
+    return before
+
+
 def _causal_candidates(
     E: Any, rows: np.ndarray, k: int, device: str, block_sessions: int = CAUSAL_BLOCK_SESSIONS,
     col_chunk: int = COL_CHUNK, group_tiles: int = GROUP_TILES, pack: bool = True,
+    before: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Blocked causal top-k: the same candidates as :func:`_dense_candidates` at about half the work.
 
@@ -178,6 +191,11 @@ def _causal_candidates(
     :class:`~memgas.pipeline.association.blocks.NodeBlocks` (read in blocks: only one column chunk and
     ``group_tiles`` query blocks are in memory at a time). Written against ``xp``: NumPy on CPU, CuPy
     on GPU (the GPU candidate search; there is no GPU faiss path).
+
+    ``before`` (int64, one per row; non-decreasing in the row, at most the row): the nodes a row may see,
+    ``[0, before)``. By default a MemGAS history's, four nodes a session (``(row // 4) * 4``); a graph whose
+    sessions hold other numbers of nodes (memgas-cards', :mod:`memgas.pipeline.card_graph`) gives its own.
+    The tile grid stays ``4*block_sessions`` rows of node ids either way.
     """
     xp, _ = get_xp(device)
     R = rows.size
@@ -186,8 +204,8 @@ def _causal_candidates(
     if R == 0:
         return cand, valid
     T = block_sessions * N_GRAN  # rows of a full tile
-    lim_all = (rows // N_GRAN) * N_GRAN  # nodes before each row's session
-    blocks = _query_blocks(rows, T, pack)
+    lim_all = _before(rows, before)  # nodes before each row's session
+    blocks = _query_blocks(rows, T, pack, lim_all)
     for g in range(0, len(blocks), group_tiles):
         tiles = []
         for pos in blocks[g : g + group_tiles]:

@@ -1,4 +1,5 @@
-"""memgas-cards' ranking (pipeline/card_graph.py): the router's entropy setting."""
+"""memgas-cards (pipeline/card_graph.py): the router's entropy setting; the candidate search against its dense
+reference."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import numpy as np
 import pytest
 
 from memgas.kernels.router import entropy_router
-from memgas.pipeline.card_graph import CARD, build_card_graph, rank_card_graph
+from memgas.pipeline.card_graph import (CARD, build_card_graph, card_graph_candidates, dense_card_graph_candidates,
+                                        rank_card_graph)
 from memgas.pipeline.retrieve import seed_reset
+from memgas.pipeline.schema import N_GRAN
 
 
 def _graph(seed: int = 0):  # noqa: ANN202
@@ -52,3 +55,31 @@ def test_unknown_entropy_setting_is_refused() -> None:
     none = np.zeros(0, np.int64)
     with pytest.raises(ValueError, match="entropy must be 'raw' or 'normalised'"):
         rank_card_graph(g, q, none, none, num_seeds=4, damping=0.1, temp=0.2, router="paper", entropy="log")
+
+
+def _cards_graph(sessions: int, seed: int = 0):  # noqa: ANN202
+    """``sessions`` sessions with 0 to 9 cards each (some sessions without), 16 dimensions."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(N_GRAN * sessions + 9 * sessions, 16))
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    pos = np.repeat(np.arange(sessions), rng.integers(0, 10, sessions))
+    return build_card_graph(x[: N_GRAN * sessions], pos, x[N_GRAN * sessions : N_GRAN * sessions + pos.size])
+
+
+@pytest.mark.parametrize("min_prior_nodes", [0, 20, 57])
+def test_blocked_candidates_equal_the_dense_search(min_prior_nodes: int) -> None:
+    """The blocked causal search (MemGAS's, each row's prefix given by its session's first node) gives the dense
+    reference's candidates, validity and float64 scores exactly, over more than one 256-row tile; and the rows
+    of a session range alone (a segment) are those rows of the whole graph's result."""
+    g = _cards_graph(90)
+    assert g.nodes.shape[0] > 2 * 256 and g.n_cards > 0
+    kw = dict(mem_threshold=12, min_prior_nodes=min_prior_nodes)
+    got, ref = card_graph_candidates(g, **kw), dense_card_graph_candidates(g, **kw)
+    assert ref.rows.size > 0
+    for f in ("rows", "cand", "valid", "scores"):
+        assert np.array_equal(getattr(got, f), getattr(ref, f)), f
+    for a, b in ((0, 31), (31, 90), (45, 46)):
+        part = card_graph_candidates(g, **kw, sessions=(a, b))
+        sel = (ref.rows >= g.starts[a]) & (ref.rows < (g.starts[b] if b < g.n_sessions else g.nodes.shape[0]))
+        for f in ("rows", "cand", "valid", "scores"):
+            assert np.array_equal(getattr(part, f), getattr(ref, f)[sel]), (a, b, f)
