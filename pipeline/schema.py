@@ -361,6 +361,8 @@ TABLES: dict[str, pa.Schema] = {
     "card_picks": CARD_PICKS,
     # memgas-cards' association edges: node ids of the five-granularity graph (pipeline/card_graph.py)
     "card_graph_edges": EDGES,
+    # ... and which sessions' rows each of its parts holds (segments of the card graph's prefixes)
+    "card_graph_edge_segments": EDGE_SEGMENTS,
 }
 
 #: Key columns per table: rows sharing a key are one row (the last written wins on merge).
@@ -384,6 +386,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "plans": ("query_id", "planner"),
     "card_picks": ("method", "query_id", "rank"),
     "card_graph_edges": ("history_id", "src", "dst", "mode"),
+    "card_graph_edge_segments": ("history_id", "first_session", "end_session"),
 }
 
 

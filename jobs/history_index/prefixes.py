@@ -12,7 +12,8 @@ from __future__ import annotations
 from memgas.jobs import tables
 from memgas.jobs.keys import encoder_keys
 from memgas.jobs.stage import StageContext
-from memgas.pipeline.association.segments import prefix_digests
+from memgas.pipeline.association.segments import Segment, prefix_digests
+from memgas.pipeline.schema import EDGE_SEGMENTS
 
 
 def chains(ctx: StageContext) -> dict[str, list[str]]:
@@ -30,4 +31,17 @@ def chains(ctx: StageContext) -> dict[str, list[str]]:
     out = prefix_digests(ctx.bank.read("nodes", ["history_id", "position", "granularity", "text_hash"]), seed)
     if key[1] is not None:
         ctx.cache[key] = out
+    return out
+
+
+def stored_segments(ctx: StageContext, prefix: str, segments: str = "edge_segments",
+                    edges: str = "edges") -> dict[str, list[Segment]]:
+    """Segments of every part of ``segments`` (a table of :data:`EDGE_SEGMENTS` rows) named with ``prefix``
+    whose part of ``edges`` is there too: the association's (associate's ``edge_segments`` and ``edges``, or
+    memgas-cards' ``card_graph_edge_segments`` and ``card_graph_edges``)."""
+    bank, out = ctx.bank, {}
+    for part in bank.parts(segments):
+        if part.startswith(prefix) and bank.has_part(edges, part):
+            t = bank.read(segments, parts=[part])
+            out[part] = list(zip(*(t[c].to_pylist() for c in EDGE_SEGMENTS.names)))
     return out

@@ -27,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import tables
 from memgas.jobs.history_index import history_nodes, ivf_store, ivf_units, keep_blocks
+from memgas.jobs.history_index import prefixes
 from memgas.jobs.history_index.prefixes import chains
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.shards import kernel_active, matrix_loader, node_matrix, owned
@@ -45,12 +46,7 @@ MODES = EDGE_MODES  # the method's edges and those of the "no GMM" ablation
 # -- which segments are stored and which must be computed ----------------------------------------------
 def stored_segments(ctx: StageContext, prefix: str) -> dict[str, list[Segment]]:
     """Segments of every part of this config whose edges part is there too."""
-    bank, out = ctx.bank, {}
-    for part in bank.parts("edge_segments"):
-        if part.startswith(prefix) and bank.has_part("edges", part):
-            t = bank.read("edge_segments", parts=[part])
-            out[part] = list(zip(*(t[c].to_pylist() for c in EDGE_SEGMENTS.names)))
-    return out
+    return prefixes.stored_segments(ctx, prefix)
 
 
 def current_coverage(ctx: StageContext, prefix: str) -> Coverage:

@@ -9,8 +9,8 @@ MemGAS's reads it back:
 - ``card-graph-encode`` (here): the cards' vectors under the one encoder key (rows of ``embeddings`` shared by content
   with card-encode and encode: a card text either encoder embedded is not embedded again);
 - ``card-graph-associate`` (:mod:`~memgas.jobs.stages.card_graph_associate`): per history, the GMM edges of the five-granularity graph
-  (:mod:`memgas.pipeline.card_graph`), a per-fingerprint table (no segments: an append re-associates the
-  histories of the changed dataset, unlike MemGAS's segmented edges);
+  (:mod:`memgas.pipeline.card_graph`), segmented like MemGAS's (valid while the graph's prefix is unchanged:
+  :func:`card_chains`), so an append associates only the new sessions' rows;
 - ``card-graph-rank`` (:mod:`~memgas.jobs.stages.card_graph_rank`): memgas-cards' rankings (rows of ``rankings``).
 
 They exist only while memgas-cards is in ``retrieval.methods`` (it has no reader yet: ``reading.methods`` refuses
@@ -83,6 +83,39 @@ class CardGraphEncodeStage(Stage):
         return {keys.encoder_key(ctx): sorted(texts)}, texts
 
     plan, inputs, finish, run = plan_needed, needed_inputs, needed_stats, staticmethod(embed)
+
+
+def card_chains(ctx: StageContext) -> dict[str, list[str]]:
+    """Per history, the prefix digests of its card graph (:func:`memgas.pipeline.association.segments.card_prefix_digests`:
+    MemGAS's chain with each session's cards folded in): what a segment of ``card_graph_edges`` is valid under.
+    Computed once per run and state of the nodes and the cards (their committed digests)."""
+    from memgas.jobs.history_index.prefixes import chains
+    from memgas.pipeline.association.segments import card_prefix_digests
+
+    try:
+        digests = (tables.read_digest(ctx, "nodes"), tables.read_digest(ctx, "cards"))
+    except KeyError:  # a context without the job's pipeline (a library caller): computed, not cached
+        digests = (None, None)
+    seed = f"cards={keys.cards_key(ctx)}|encoder={keys.encoder_key(ctx)}"
+    key = ("card-graph:chains", digests, seed)
+    if None not in digests and key in ctx.cache:
+        return ctx.cache[key]
+    sess = ctx.bank.read("nodes", ["history_id", "position", "text_hash"],
+                         filter=pc.field("granularity") == "session")
+    sess = sess.sort_by([("history_id", "ascending"), ("position", "ascending")])
+    sessions: dict[str, list[str]] = {}
+    for h, t in zip(sess["history_id"].to_pylist(), sess["text_hash"].to_pylist()):
+        sessions.setdefault(h, []).append(t)
+    cards = current_cards(ctx, sorted({t for ts in sessions.values() for t in ts}))
+    cards = cards.select(["session_hash", "card_index", "text_hash"]).sort_by(
+        [("session_hash", "ascending"), ("card_index", "ascending")])
+    by_session: dict[str, list[str]] = {}
+    for sh, th in zip(cards["session_hash"].to_pylist(), cards["text_hash"].to_pylist()):
+        by_session.setdefault(sh, []).append(th)
+    out = card_prefix_digests(chains(ctx), sessions, {sh: ",".join(v) for sh, v in by_session.items()}, seed)
+    if None not in digests:
+        ctx.cache[key] = out
+    return out
 
 
 def histories(ctx: StageContext) -> list[dict[str, Any]]:

@@ -1,30 +1,63 @@
 """card-graph-associate: per history, the GMM edges of memgas-cards' five-granularity graph
-(:mod:`memgas.jobs.stages.card_graph` holds the graph's loading and the stages' shared functions)."""
+(:mod:`memgas.jobs.stages.card_graph` holds the graph's loading and the stages' shared functions).
+
+The edges are segmented as MemGAS's (:mod:`memgas.jobs.stages.associate`, the same machinery): a part holds
+the edges of the rows of sessions ``[a, b)`` of its histories, valid while the card graph of sessions
+``[0, b)`` (each session's MemGAS nodes and cards, in order: :func:`~memgas.jobs.stages.card_graph.card_chains`)
+is unchanged. Parts are named by the stage's key, so after ``memgas ingest --append`` the old sessions'
+segments stay current and only the new sessions' rows are searched; the search's canonical shapes make a
+row's candidates independent of which rows one call computes, so an append equals a fresh build byte for byte.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 from memgas.jobs import tables
+from memgas.jobs.history_index.prefixes import stored_segments
 from memgas.jobs.stage import Active, Stage, StageContext
-from memgas.jobs.stages.card_graph import card_graph_enabled, card_graphs, histories
+from memgas.jobs.stages.card_graph import card_chains, card_graph_enabled, card_graphs
 from memgas.jobs.stages.shards import kernel_active
+from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
+from memgas.pipeline.association import segments
+from memgas.pipeline.association.segments import Coverage, coverage, split_segment
+from memgas.pipeline.schema import EDGE_SEGMENTS
 
 
-# -- association ------------------------------------------------------------------------------------------------
-CARD_GRAPH_EDGES = tables.Table("card_graph_edges", "fingerprint")
+# -- which segments are stored and which must be computed ------------------------------------------------------
+def card_coverage(ctx: StageContext, prefix: str) -> Coverage:
+    """The current parts of the card graph's edges under ``prefix`` and the sessions they cover per history."""
+    return coverage(stored_segments(ctx, prefix, "card_graph_edge_segments", "card_graph_edges"), card_chains(ctx))
+
+
+def _current(ctx: StageContext, prefix: str) -> list[str]:
+    return list(card_coverage(ctx, prefix).parts)
+
+
+#: which rows' edges a part holds (written after the part's edges: a unit is done when it is there)
+CARD_GRAPH_EDGE_SEGMENTS = tables.Table("card_graph_edge_segments", "segmented", current=_current)
+CARD_GRAPH_EDGES = tables.Table("card_graph_edges", "segmented", current=_current)
+
+
+def graph_prefix(g: Any, end: int) -> dict[str, np.ndarray]:
+    """The arrays of the card graph ``g`` of sessions ``[0, end)``: all a segment ending at ``end`` reads."""
+    n = int(g.starts[end]) if end < g.n_sessions else g.nodes.shape[0]
+    return {"nodes": g.nodes[:n], "gran": g.gran[:n], "session": g.session[:n], "starts": g.starts[:end]}
 
 
 class CardGraphAssociateStage(Stage):
-    """Per shard of histories: the GMM association edges of each history's five-granularity graph (one batched
-    GMM fit per unit, as the associate stage)."""
+    """Per unit of new segments: the GMM association edges of their rows of each history's five-granularity
+    graph (one batched GMM fit per unit, as the associate stage)."""
 
     name = "card-graph-associate"
-    version = "2"  # MemGAS's blocked causal search (canonical shapes): other float32 bits than the dense one at near-ties
+    # 2: MemGAS's blocked causal search (canonical shapes: other float32 bits than the dense one at near-ties)
+    # and segmented parts named by config (version 1: one per-fingerprint table)
+    version = "2"
     reads = ("nodes", "node_vectors", "pairs", "cards", "card_graph_vectors", "histories")
-    writes = (CARD_GRAPH_EDGES,)
+    writes = (CARD_GRAPH_EDGE_SEGMENTS, CARD_GRAPH_EDGES)
     fields = ("association.mem_threshold", "association.min_prior_nodes", "retrieval.device")
 
     def active(self, ctx: StageContext) -> Active | None:
@@ -36,11 +69,31 @@ class CardGraphAssociateStage(Stage):
         return active
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
-        return histories(ctx)
+        """Units of new segments: each history's rows from the end of its current segments to its last session;
+        small ones ``ray.shard_size`` histories to a unit, a long one cut into several (the cuts count four
+        nodes a session: they change the units, never the edges)."""
+        cov = card_coverage(ctx, tables.prefix(self, ctx))
+        chain = card_chains(ctx)
+        small: list[list[Any]] = []
+        large: list[list[list[Any]]] = []
+        for h in sorted(chain):
+            c = chain[h]
+            a, s = cov.covered.get(h, 0), len(c) - 1
+            if a >= s:
+                continue
+            segs = [[h, x, y, c[y]] for x, y in split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS)]
+            if len(segs) == 1:
+                small.append(segs[0])
+            else:
+                large += [[seg] for seg in segs]
+        groups = chunk(small, ctx.cfg.ray.shard_size) + large
+        return [{"size": len(g), "segments": g} for g in groups]
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        graphs = card_graphs(ctx, unit["histories"])
-        return {"histories": [{"history_id": h, "graph": g.to_arrays()} for h, (g, _) in graphs.items()]}
+        """Each segment's graph of sessions ``[0, end)``: only the prefix its rows see."""
+        segs = unit["segments"]
+        graphs = card_graphs(ctx, sorted({s[0] for s in segs}))
+        return {"segments": segs, "graphs": [graph_prefix(graphs[h][0], b) for h, _, b, _ in segs]}
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
@@ -48,21 +101,28 @@ class CardGraphAssociateStage(Stage):
         from memgas.pipeline.card_graph import CardGraph, card_graph_candidates
         from memgas.pipeline.schema import EDGES
 
-        hs = payload["histories"]
+        segs = payload["segments"]
         with one_blas_thread():
-            cands = [card_graph_candidates(CardGraph.from_arrays(h["graph"]), mem_threshold=params["mem_threshold"],
-                                           min_prior_nodes=params["min_prior_nodes"], device=params["device"])
-                     for h in hs]
+            cands = [card_graph_candidates(CardGraph.from_arrays(g), mem_threshold=params["mem_threshold"],
+                                           min_prior_nodes=params["min_prior_nodes"], device=params["device"],
+                                           sessions=(a, b))
+                     for g, (_, a, b, _) in zip(payload["graphs"], segs)]
             edges = edges_from(cands, "gmm", None, params["device"])
         cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
-        for h, e in zip(hs, edges):
+        for (h, *_), e in zip(segs, edges):
             n = len(e.src)
-            cols["history_id"] += [h["history_id"]] * n
+            cols["history_id"] += [h] * n
             cols["src"] += e.src.tolist()
             cols["dst"] += e.dst.tolist()
             cols["similarity"] += e.sim.tolist()
             cols["mode"] += ["gmm"] * n
-        return {"card_graph_edges": pa.table(cols, schema=EDGES)}
+        segs_table = pa.table([list(c) for c in zip(*segs)] if segs else [[] for _ in EDGE_SEGMENTS.names],
+                              schema=EDGE_SEGMENTS)
+        return {"card_graph_edges": pa.table(cols, schema=EDGES), "card_graph_edge_segments": segs_table}
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
-        return {"edges_gmm": tables.read_current(ctx, "card_graph_edges", columns=["src"]).num_rows}
+        """Count the current edges (the segmented table's kind dropped every part that is not current)."""
+        current = sorted(tables.current_parts(ctx, "card_graph_edges"))
+        # dedupe=False: current segments never share an edge
+        n = ctx.bank.read("card_graph_edges", ["src"], parts=current, dedupe=False).num_rows if current else 0
+        return {"edges_gmm": n}

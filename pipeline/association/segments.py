@@ -9,6 +9,7 @@ stores its edges per *segment* ``(history, a, b, prefix digest of sessions [0, b
 * :func:`prefix_digests`: per history, the digest of the node identities of sessions ``[0, p)`` for every
   ``p`` (a chain: each session's four text hashes added to the previous digest, seeded with the encoder
   keys, since a node's vector is a function of its text and the encoder key alone);
+* :func:`card_prefix_digests`: the same chain for memgas-cards' graph, each session's cards folded in;
 * :func:`coverage`: which stored parts are current (every segment they hold continues its history's
   chain of valid segments from session 0) and how many sessions of each history they cover;
 * :func:`split_segment`: a huge history's new rows cut into row blocks of about equal causal work (one
@@ -75,6 +76,32 @@ def prefix_digests(nodes: pa.Table, seed: str) -> dict[str, list[str]]:
         session[order[g]] = th
     if cur is not None:
         close()
+    return out
+
+
+def card_prefix_digests(chains: Mapping[str, list[str]], sessions: Mapping[str, list[str]],
+                        cards: Mapping[str, str], seed: str) -> dict[str, list[str]]:
+    """Per history, ``[C_0, ..., C_S]``: ``C_p`` the identity of memgas-cards' graph of sessions ``[0, p)``, its
+    MemGAS nodes *and* its cards. ``chains``: :func:`prefix_digests` (the MemGAS nodes); ``sessions``: per
+    history its session hashes in position order; ``cards``: per session hash the identity of its cards in
+    card order (their text hashes; absent: none); ``seed``: what else names the cards (their extractor's and
+    encoder's keys). A session hash repeated in a history adds its cards at its first position only, as the
+    graph does (:class:`memgas.pipeline.justmem.retrieve.HistoryCards`). ``C_{p+1}`` chains ``C_p`` with
+    ``D_{p+1}`` (which names the MemGAS nodes of the whole prefix) and the cards session ``p`` adds, so an
+    append adds digests and changes none, and a changed card changes every digest from its session on."""
+    out: dict[str, list[str]] = {}
+    for h, chain in chains.items():
+        hashes = sessions.get(h, [])
+        if len(hashes) != len(chain) - 1:
+            raise ValueError(f"history {h!r}: {len(hashes)} session hashes for {len(chain) - 1} sessions of nodes")
+        hasher = hashlib.blake2b(f"{seed}|{chain[0]}".encode(), digest_size=12)
+        seen: set[str] = set()
+        digests = [hasher.hexdigest()]
+        for d, s in zip(chain[1:], hashes):
+            hasher.update(f"{d}|{'' if s in seen else cards.get(s, '')};".encode())
+            seen.add(s)
+            digests.append(hasher.hexdigest())
+        out[h] = digests
     return out
 
 
