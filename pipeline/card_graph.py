@@ -47,7 +47,7 @@ ROW_BLOCK = 256
 class CardGraph:
     """The five-granularity nodes of one history."""
 
-    nodes: np.ndarray  # float32 [N, d]
+    nodes: np.ndarray  # float32 [N, d] (or NodeBlocks: a long history's, read in blocks)
     gran: np.ndarray  # int64 [N]: index in CARD_GRAPH_GRANULARITIES
     session: np.ndarray  # int64 [N]: position of the node's session
     starts: np.ndarray  # int64 [S]: first node of each session
@@ -66,10 +66,29 @@ class CardGraph:
     @classmethod
     def from_arrays(cls, a: dict[str, Any]) -> CardGraph:
         """From :meth:`to_arrays` (possibly read-only views out of Ray's object store: copied, aligned)."""
+        from memgas.pipeline.association.nodes import ReadInBlocks
+
         def own(x: Any, dt: Any) -> np.ndarray:
             return np.require(x, dtype=dt, requirements=["C", "A", "W", "O"])
-        return cls(own(a["nodes"], np.float32), own(a["gran"], np.int64), own(a["session"], np.int64),
+        nodes = a["nodes"] if isinstance(a["nodes"], ReadInBlocks) else own(a["nodes"], np.float32)  # blocks: read as needed
+        return cls(nodes, own(a["gran"], np.int64), own(a["session"], np.int64),
                    own(a["starts"], np.int64))
+
+
+def card_graph_layout(n_sessions: int, card_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(gran [N], session [N], starts [S]) of a graph of ``n_sessions`` sessions whose cards sit at the session
+    positions ``card_pos`` (non-decreasing): the node layout without the vectors (a long history's graph is
+    built in blocks, :mod:`memgas.jobs.history_index.card_blocks`)."""
+    S = int(n_sessions)
+    card_pos = np.asarray(card_pos, np.int64)
+    if len(card_pos) and (np.any(np.diff(card_pos) < 0) or card_pos[0] < 0 or card_pos[-1] >= S):
+        raise ValueError(f"card positions must be non-decreasing within 0..{S - 1}")
+    counts = np.bincount(card_pos, minlength=S) if S else np.zeros(0, np.int64)
+    sizes = N_GRAN + counts
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if S else np.zeros(0, np.int64)
+    gran = np.full(int(sizes.sum()), CARD, np.int64)
+    gran[(starts[:, None] + np.arange(N_GRAN)[None, :]).reshape(-1)] = np.tile(np.arange(N_GRAN), S)
+    return gran, np.repeat(np.arange(S, dtype=np.int64), sizes), starts
 
 
 def build_card_graph(four: np.ndarray, card_pos: np.ndarray, card_vectors: np.ndarray) -> CardGraph:
@@ -81,22 +100,12 @@ def build_card_graph(four: np.ndarray, card_pos: np.ndarray, card_vectors: np.nd
     if four.shape[0] != N_GRAN * S or len(card_pos) != len(card_vectors):
         raise ValueError(f"{four.shape[0]} MemGAS nodes (not 4 per session) or {len(card_pos)} card positions "
                          f"for {len(card_vectors)} card vectors")
-    if len(card_pos) and (np.any(np.diff(card_pos) < 0) or card_pos[0] < 0 or card_pos[-1] >= S):
-        raise ValueError(f"card positions must be non-decreasing within 0..{S - 1}")
-    counts = np.bincount(card_pos, minlength=S) if S else np.zeros(0, np.int64)
-    sizes = N_GRAN + counts
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64) if S else np.zeros(0, np.int64)
-    n = int(sizes.sum())
-    nodes = np.empty((n, d), np.float32)
-    gran = np.empty(n, np.int64)
-    four_at = (starts[:, None] + np.arange(N_GRAN)[None, :]).reshape(-1)
-    nodes[four_at] = four
-    gran[four_at] = np.tile(np.arange(N_GRAN), S)
-    first_card = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if S else np.zeros(0, np.int64)
-    card_at = starts[card_pos] + N_GRAN + (np.arange(len(card_pos)) - first_card[card_pos])
-    nodes[card_at] = np.asarray(card_vectors, np.float32).reshape(-1, d)
-    gran[card_at] = CARD
-    return CardGraph(nodes, gran, np.repeat(np.arange(S, dtype=np.int64), sizes), starts)
+    gran, session, starts = card_graph_layout(S, card_pos)
+    nodes = np.empty((len(gran), d), np.float32)
+    is_card = gran == CARD
+    nodes[~is_card] = four  # a session's four nodes, then its cards: both in node order
+    nodes[is_card] = np.asarray(card_vectors, np.float32).reshape(-1, d)
+    return CardGraph(nodes, gran, session, starts)
 
 
 def _eligible(g: CardGraph, min_prior_nodes: int) -> tuple[np.ndarray, np.ndarray]:

@@ -16,15 +16,17 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from memgas.jobs import tables
+from memgas.jobs.history_index.card_blocks import card_graph_blocks, matrix_blocks
 from memgas.jobs.history_index.prefixes import stored_segments
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.card_graph import card_chains, card_graph_enabled, card_graphs
+from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.shards import kernel_active
 from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
-from memgas.pipeline.association import segments
+from memgas.pipeline.association import blocks, segments
 from memgas.pipeline.association.segments import Coverage, coverage, split_segment
-from memgas.pipeline.schema import EDGE_SEGMENTS
+from memgas.pipeline.schema import EDGE_SEGMENTS, N_GRAN
 
 
 # -- which segments are stored and which must be computed ------------------------------------------------------
@@ -90,10 +92,26 @@ class CardGraphAssociateStage(Stage):
         return [{"size": len(g), "segments": g} for g in groups]
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
-        """Each segment's graph of sessions ``[0, end)``: only the prefix its rows see."""
+        """Each segment's graph of sessions ``[0, end)``: only the prefix its rows see. A prefix longer than one
+        block (``blocks.BLOCK_ROWS`` rows) goes as :class:`~memgas.pipeline.association.blocks.NodeBlocks`:
+        built a block at a time where its MemGAS nodes pass one block
+        (:class:`~memgas.jobs.history_index.card_blocks.CardGraphBlocks`), else cut from the graph built
+        whole; a shorter one as one matrix."""
         segs = unit["segments"]
-        graphs = card_graphs(ctx, sorted({s[0] for s in segs}))
-        return {"segments": segs, "graphs": [graph_prefix(graphs[h][0], b) for h, _, b, _ in segs]}
+        B = blocks.BLOCK_ROWS
+        long = {s[0] for s in segs if N_GRAN * s[2] > B}
+        whole = sorted({s[0] for s in segs} - long)
+        graphs = card_graphs(ctx, whole) if whole else {}
+        out = []
+        for h, _, b, _ in segs:
+            if h in long:
+                out.append(card_graph_blocks(ctx, h, B, lambda hashes: current_cards(ctx, hashes)).graph(b))
+                continue
+            g = graph_prefix(graphs[h][0], b)
+            if g["nodes"].shape[0] > B:
+                g["nodes"] = matrix_blocks(ctx, g["nodes"], B)
+            out.append(g)
+        return {"segments": segs, "graphs": out}
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:

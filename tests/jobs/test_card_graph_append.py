@@ -41,10 +41,21 @@ def _rankings(run: Path) -> list[dict]:
     return sorted(rows, key=lambda r: (r["query_id"], r["rank"]))
 
 
-def test_an_append_associates_only_new_rows_and_equals_a_fresh_build(tmp_path: Path, cli: Callable) -> None:
-    a = _file(tmp_path / "a.jsonl", {0: range(0, 6), 1: range(0, 4)}, {0: [2, 5], 1: [3]})
-    b = _file(tmp_path / "b.jsonl", {0: range(6, 9), 1: range(4, 6), 2: range(0, 5)}, {0: [7], 2: [1, 4]})
-    grown, fresh = tmp_path / "grown", tmp_path / "fresh"
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory: pytest.TempPathFactory, cli: Callable) -> dict[str, Path]:
+    """Files A and B (B: more sessions of A's histories and a new one) and a bank of A + B indexed once."""
+    d = tmp_path_factory.mktemp("cards_append")
+    a = _file(d / "a.jsonl", {0: range(0, 6), 1: range(0, 4)}, {0: [2, 5], 1: [3]})
+    b = _file(d / "b.jsonl", {0: range(6, 9), 1: range(4, 6), 2: range(0, 5)}, {0: [7], 2: [1, 4]})
+    cli("ingest", str(a), "--format", "jsonl", "--out", str(d / "fresh"))
+    cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(d / "fresh"))
+    cli("index", str(d / "fresh"), *_config())
+    return {"a": a, "b": b, "bank": d / "fresh"}
+
+
+def test_an_append_associates_only_new_rows_and_equals_a_fresh_build(tmp_path: Path, cli: Callable,
+                                                                      fresh: dict[str, Path]) -> None:
+    a, b, grown = fresh["a"], fresh["b"], tmp_path / "grown"
     cli("ingest", str(a), "--format", "jsonl", "--out", str(grown))
     cli("index", str(grown), *_config())
     before, seg_before = _edges(grown), _segments(grown)
@@ -54,14 +65,51 @@ def test_an_append_associates_only_new_rows_and_equals_a_fresh_build(tmp_path: P
     # only the new sessions' rows were computed: the old segments are still there, new ones start where they end
     assert _segments(grown) == [("h0", 0, 6), ("h0", 6, 9), ("h1", 0, 4), ("h1", 4, 6), ("h2", 0, 5)]
     assert set(before) <= set(_edges(grown))
-    cli("ingest", str(a), "--format", "jsonl", "--out", str(fresh))
-    cli("ingest", str(b), "--format", "jsonl", "--append", "--out", str(fresh))
-    cli("index", str(fresh), *_config())
-    assert _segments(fresh) == [("h0", 0, 9), ("h1", 0, 6), ("h2", 0, 5)]
+    assert _segments(fresh["bank"]) == [("h0", 0, 9), ("h1", 0, 6), ("h2", 0, 5)]
     after = _edges(grown)
-    assert after == _edges(fresh)
+    assert after == _edges(fresh["bank"])
     assert len(after) > len(before) > 0 and {e[0] for e in after} == {"h0", "h1", "h2"}
     cli("answer", str(grown), *_config(), "--out", str(tmp_path / "run_grown"))
-    cli("answer", str(fresh), *_config(), "--out", str(tmp_path / "run_fresh"))
+    cli("answer", str(fresh["bank"]), *_config(), "--out", str(tmp_path / "run_fresh"))
     got = _rankings(tmp_path / "run_grown")
     assert got and got == _rankings(tmp_path / "run_fresh")
+
+
+def test_long_prefixes_go_in_node_blocks_and_give_the_same_edges(tmp_path: Path, cli: Callable,
+                                                                  fresh: dict[str, Path],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With blocks of 32 rows (8 sessions of MemGAS nodes), h0's prefix (9 sessions) is built a block at a time,
+    h2's (5 sessions, more than 32 nodes with its cards) is cut into blocks from the graph built whole, and
+    the tasks read both as NodeBlocks: the edges are those of the whole matrices."""
+    from memgas.jobs.history_index import card_blocks
+    from memgas.pipeline.association import blocks
+    from memgas.pipeline.card_graph import CardGraph
+
+    monkeypatch.setattr(blocks, "BLOCK_ROWS", 32)
+    seen: dict[str, list[int]] = {"built": [], "cut": [], "read": []}
+    build, cut, read = card_blocks.CardGraphBlocks.graph, card_blocks.matrix_blocks, CardGraph.from_arrays.__func__
+
+    def spy_build(self, end):  # noqa: ANN001, ANN202
+        seen["built"].append(end)
+        return build(self, end)
+
+    def spy_cut(ctx, m, block_rows):  # noqa: ANN001, ANN202
+        seen["cut"].append(m.shape[0])
+        return cut(ctx, m, block_rows)
+
+    def spy_read(cls, a):  # noqa: ANN001, ANN202
+        seen["read"].append(isinstance(a["nodes"], blocks.NodeBlocks))
+        return read(cls, a)
+
+    monkeypatch.setattr(card_blocks.CardGraphBlocks, "graph", spy_build)
+    monkeypatch.setattr(card_blocks, "matrix_blocks", spy_cut)
+    monkeypatch.setattr("memgas.jobs.stages.card_graph_associate.matrix_blocks", spy_cut)
+    monkeypatch.setattr(CardGraph, "from_arrays", classmethod(spy_read))
+    bank = tmp_path / "bank"
+    cli("ingest", str(fresh["a"]), "--format", "jsonl", "--out", str(bank))
+    cli("ingest", str(fresh["b"]), "--format", "jsonl", "--append", "--out", str(bank))
+    cli("index", str(bank), *_config())
+    assert seen["built"] == [9] and len(seen["cut"]) >= 1 and all(n > 32 for n in seen["cut"]), seen
+    assert sum(seen["read"]) == 1 + len(seen["cut"]), seen
+    assert _segments(bank) == _segments(fresh["bank"])
+    assert _edges(bank) == _edges(fresh["bank"])

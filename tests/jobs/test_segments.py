@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from memgas.pipeline.association.segments import causal_work, coverage, prefix_digests, split_every, split_segment
+from memgas.pipeline.association.segments import (card_prefix_digests, causal_work, coverage, prefix_digests, split_every,
+                                                  split_segment)
 from memgas.pipeline.association import split_rows
 from memgas.pipeline.schema import NODES
 
@@ -35,6 +36,27 @@ def test_prefix_digests_follow_the_sessions_and_the_seed() -> None:
             r["text_hash"] = "other"
     assert prefix_digests(pa.Table.from_pylist(hybrid_only, schema=NODES), "enc1")["a"] == d["a"], \
         "hybrid rows are not association nodes"
+
+
+def test_card_prefix_digests_follow_the_nodes_and_the_cards() -> None:
+    """memgas-cards' chain: an appended session keeps every digest; a changed card, a changed node or another
+    seed changes the digests from its session on; a repeated session adds its cards once, as the graph does."""
+    hist = {"a": ["x", "y", "x", "z"]}
+    base = prefix_digests(_nodes(hist), "enc")
+    cards = {"x": "c1,c2", "z": "c3"}
+    d = card_prefix_digests(base, hist, cards, "k")["a"]
+    assert len(d) == 5 and len(set(d)) == 5
+    grown = card_prefix_digests(prefix_digests(_nodes({"a": [*hist["a"], "w"]}), "enc"), {"a": [*hist["a"], "w"]},
+                                cards, "k")["a"]
+    assert grown[:5] == d, "appending a session keeps every earlier digest"
+    changed = card_prefix_digests(base, hist, {**cards, "z": "c4"}, "k")["a"]
+    assert changed[:4] == d[:4] and changed[4] != d[4], "a card of the last session changes its digest alone"
+    assert card_prefix_digests(base, hist, {**cards, "x": "c1"}, "k")["a"][1] != d[1]
+    # the repeated "x" (position 2) adds no cards; another session there with the same cards adds them
+    assert card_prefix_digests(base, {"a": ["x", "y", "q", "z"]}, {**cards, "q": "c1,c2"}, "k")["a"][3] != d[3]
+    nodes_changed = prefix_digests(_nodes({"a": ["x", "Y", "x", "z"]}), "enc")
+    assert card_prefix_digests(nodes_changed, hist, cards, "k")["a"][2] != d[2]
+    assert card_prefix_digests(base, hist, cards, "k2")["a"][0] != d[0], "another extractor or encoder key"
 
 
 def test_coverage_keeps_only_parts_on_a_valid_chain() -> None:
