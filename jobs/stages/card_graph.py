@@ -87,10 +87,21 @@ class CardGraphEncodeStage(Stage):
 
 def card_chains(ctx: StageContext) -> dict[str, list[str]]:
     """Per history, the prefix digests of its card graph (:func:`memgas.pipeline.association.segments.card_prefix_digests`:
-    MemGAS's chain with each session's cards folded in): what a segment of ``card_graph_edges`` is valid under.
-    Computed once per run and state of the nodes and the cards (their committed digests)."""
+    MemGAS's chain with each session's cards folded in): what a segment of ``card_graph_edges`` is valid under."""
+    return _card_state(ctx)[0]
+
+
+def card_sizes(ctx: StageContext) -> dict[str, np.ndarray]:
+    """Per history, the nodes of each session of its card graph (four, plus the cards it adds), in position order."""
+    return _card_state(ctx)[1]
+
+
+def _card_state(ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, np.ndarray]]:
+    """(:func:`card_chains`, :func:`card_sizes`): computed once per run and state of the nodes and the cards
+    (their committed digests)."""
     from memgas.jobs.history_index.prefixes import chains
     from memgas.pipeline.association.segments import card_prefix_digests
+    from memgas.pipeline.schema import N_GRAN
 
     try:
         digests = (tables.read_digest(ctx, "nodes"), tables.read_digest(ctx, "cards"))
@@ -112,7 +123,15 @@ def card_chains(ctx: StageContext) -> dict[str, list[str]]:
     by_session: dict[str, list[str]] = {}
     for sh, th in zip(cards["session_hash"].to_pylist(), cards["text_hash"].to_pylist()):
         by_session.setdefault(sh, []).append(th)
-    out = card_prefix_digests(chains(ctx), sessions, {sh: ",".join(v) for sh, v in by_session.items()}, seed)
+    sizes = {}
+    for h, hashes in sessions.items():
+        seen: set[str] = set()
+        n = []
+        for t in hashes:  # a repeated session hash adds its cards at its first position only
+            n.append(N_GRAN + (0 if t in seen else len(by_session.get(t, ()))))
+            seen.add(t)
+        sizes[h] = np.array(n, np.int64)
+    out = card_prefix_digests(chains(ctx), sessions, {sh: ",".join(v) for sh, v in by_session.items()}, seed), sizes
     if None not in digests:
         ctx.cache[key] = out
     return out

@@ -19,13 +19,13 @@ from memgas.jobs import tables
 from memgas.jobs.history_index.card_blocks import card_graph_blocks, matrix_blocks
 from memgas.jobs.history_index.prefixes import stored_segments
 from memgas.jobs.stage import Active, Stage, StageContext
-from memgas.jobs.stages.card_graph import card_chains, card_graph_enabled, card_graphs
+from memgas.jobs.stages.card_graph import card_chains, card_graph_enabled, card_graphs, card_sizes
 from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.shards import kernel_active
 from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks, segments
-from memgas.pipeline.association.segments import Coverage, coverage, split_segment
+from memgas.pipeline.association.segments import Coverage, coverage, split_sized
 from memgas.pipeline.schema import EDGE_SEGMENTS, N_GRAN
 
 
@@ -72,10 +72,10 @@ class CardGraphAssociateStage(Stage):
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         """Units of new segments: each history's rows from the end of its current segments to its last session;
-        small ones ``ray.shard_size`` histories to a unit, a long one cut into several (the cuts count four
-        nodes a session: they change the units, never the edges)."""
+        small ones ``ray.shard_size`` histories to a unit, a long one cut into several of about equal work
+        (:func:`~memgas.pipeline.association.segments.split_sized`: the cuts change the units, never the edges)."""
         cov = card_coverage(ctx, tables.prefix(self, ctx))
-        chain = card_chains(ctx)
+        chain, sizes = card_chains(ctx), card_sizes(ctx)
         small: list[list[Any]] = []
         large: list[list[list[Any]]] = []
         for h in sorted(chain):
@@ -83,7 +83,7 @@ class CardGraphAssociateStage(Stage):
             a, s = cov.covered.get(h, 0), len(c) - 1
             if a >= s:
                 continue
-            segs = [[h, x, y, c[y]] for x, y in split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS)]
+            segs = [[h, x, y, c[y]] for x, y in split_sized(a, s, sizes[h], segments.UNIT_WORK, segments.TILE_SESSIONS)]
             if len(segs) == 1:
                 small.append(segs[0])
             else:

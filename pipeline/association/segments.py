@@ -13,7 +13,7 @@ stores its edges per *segment* ``(history, a, b, prefix digest of sessions [0, b
 * :func:`coverage`: which stored parts are current (every segment they hold continues its history's
   chain of valid segments from session 0) and how many sessions of each history they cover;
 * :func:`split_segment`: a huge history's new rows cut into row blocks of about equal causal work (one
-  Ray task each; the edges do not depend on the cuts); :func:`split_every`: the cut of the rows searched
+  Ray task each; the edges do not depend on the cuts), :func:`split_sized` the same for sessions of any size; :func:`split_every`: the cut of the rows searched
   by IVF (``association.search: ivf``), at fixed multiples of :data:`IVF_UNIT_SESSIONS` sessions.
 
 Everything here is a pure function of tables and lists, so it is tested without running a stage.
@@ -22,9 +22,10 @@ Everything here is a pure function of tables and lists, so it is tested without 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -165,6 +166,28 @@ def split_segment(a: int, b: int, unit_work: int = UNIT_WORK, tile: int = TILE_S
     cuts = {a, b}
     for j in range(1, pieces):
         s = int(((a * a) + (b * b - a * a) * j / pieces) ** 0.5)  # equal steps of the quadratic work
+        s = (s // tile) * tile
+        if a < s < b:
+            cuts.add(s)
+    c = sorted(cuts)
+    return list(zip(c[:-1], c[1:]))
+
+
+def split_sized(a: int, b: int, sizes: Sequence[int], unit_work: int = UNIT_WORK,
+                tile: int = TILE_SESSIONS) -> list[tuple[int, int]]:
+    """:func:`split_segment` for sessions of any number of nodes (``sizes``: each session's, memgas-cards'
+    graph): ``[a, b)`` cut into session ranges of about ``unit_work`` causal work each (a row sees every node of
+    the sessions before its own), cut on multiples of ``tile`` sessions. One range when the work is below
+    ``unit_work``. The cuts change the units only, never a row's candidates."""
+    n = np.asarray(sizes, np.int64)[:b]
+    starts = np.concatenate([[0], np.cumsum(n)])
+    work = np.concatenate([[0], np.cumsum(n * starts[:-1])])  # work[s]: rows of sessions [0, s)
+    pieces = -(-int(work[b] - work[a]) // max(1, unit_work))
+    if pieces <= 1:
+        return [(a, b)]
+    cuts = {a, b}
+    for j in range(1, pieces):
+        s = int(np.searchsorted(work, work[a] + (work[b] - work[a]) * j / pieces))
         s = (s // tile) * tile
         if a < s < b:
             cuts.add(s)

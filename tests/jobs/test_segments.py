@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 
 from memgas.pipeline.association.segments import (card_prefix_digests, causal_work, coverage, prefix_digests, split_every,
-                                                  split_segment)
+                                                  split_segment, split_sized)
 from memgas.pipeline.association import split_rows
 from memgas.pipeline.schema import NODES
 
@@ -98,6 +98,19 @@ def test_split_segment_cuts_on_tiles_into_equal_work_and_agrees_with_split_rows(
     # the same cuts as the library's row blocks (in nodes, 4 per session)
     assert [(4 * a, 4 * b) for a, b in pieces] == split_rows(40_000, 4)
     assert split_segment(9_000, 10_000, unit_work=causal_work(9_000, 10_000) // 2)[0][0] == 9_000
+
+
+def test_split_sized_weighs_each_session_by_its_nodes() -> None:
+    """memgas-cards' cut: four nodes a session gives MemGAS's cut; sessions of 20 nodes (25x the work) give
+    more units, each of about the unit's work, cut on tile edges and covering the range."""
+    for a, b, u in ((0, 10000, 1 << 28), (3000, 20000, 1 << 29), (0, 100, 1 << 33)):
+        assert split_sized(a, b, [4] * b, u) == split_segment(a, b, u)
+    sizes = [20] * 3000
+    got = split_sized(500, 3000, sizes, 1 << 27)
+    assert got[0][0] == 500 and got[-1][1] == 3000 and all(x[1] == y[0] for x, y in zip(got, got[1:]))
+    assert len(got) > len(split_segment(500, 3000, 1 << 27)) and all(y % 64 == 0 for _, y in got[:-1])
+    work = [sum(20 * 20 * s for s in range(x, y)) for x, y in got]
+    assert max(work) < 1.5 * (1 << 27) and min(work[:-1]) > 0.5 * (1 << 27), work
 
 
 def test_split_every_cuts_at_fixed_multiples() -> None:
