@@ -78,7 +78,7 @@ class CardGraph:
 def card_graph_layout(n_sessions: int, card_pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(gran [N], session [N], starts [S]) of a graph of ``n_sessions`` sessions whose cards sit at the session
     positions ``card_pos`` (non-decreasing): the node layout without the vectors (a long history's graph is
-    built in blocks, :mod:`memgas.jobs.history_index.card_blocks`)."""
+    built a block at a time by the job's card-graph-associate stage)."""
     S = int(n_sessions)
     card_pos = np.asarray(card_pos, np.int64)
     if len(card_pos) and (np.any(np.diff(card_pos) < 0) or card_pos[0] < 0 or card_pos[-1] >= S):
