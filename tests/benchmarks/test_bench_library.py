@@ -106,5 +106,5 @@ def test_card_graph_associate_blocked_equals_dense(run_bench: Run) -> None:
     _, out = run_bench("bench_card_graph_associate", "--histories", "2", "--sessions", "40", "--cards", "6",
                        "--dim", "32")
     assert re.search(r"histories=2 sessions=40 nodes/history=\d+ cards/history=\d+ dim=32 k=30", out), out
-    assert re.search(r"dense [\d.]+ s/history  blocked [\d.]+ s/history  ratio [\d.]+x  identical=True "
+    assert re.search(r"dense [\d.]+ CPU s/history  blocked [\d.]+ CPU s/history  ratio [\d.]+x  identical=True "
                      r"edges_identical=True", out), out
