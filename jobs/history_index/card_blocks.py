@@ -6,8 +6,9 @@ The card graph's node ``i`` is MemGAS's nodes and cards interleaved by session
 one MemGAS block of sessions at a time (:class:`~memgas.jobs.history_index.node_blocks.HistoryBlocks`'s reader,
 stored blocks reused), with the cards of those sessions (their vectors read for that block only), cut into
 blocks of ``block_rows`` card-graph rows and handed over as :class:`~memgas.jobs.history_index.node_blocks.HistoryBlocks`
-does (Ray's object store, or a spilled ``.npy`` file in-process). The driver holds one MemGAS block, its
-cards and one card-graph block at a time, plus the layout (two int64 per node), never the whole matrix.
+does (Ray's object store, or a spilled ``.npy`` file in-process). The driver holds the card-graph rows of one
+MemGAS block of sessions (its four nodes a session and their cards: about five blocks at 16 cards a session)
+and the layout (two int64 per node), never the whole matrix.
 """
 
 from __future__ import annotations
