@@ -233,9 +233,10 @@ class CausalIVF(FaissCausalIndex):
         return np.concatenate(parts, 1)
 
     def _in_block(self, q: np.ndarray, pos: np.ndarray, blk: np.ndarray, lists: np.ndarray,
-                  fetch: int) -> np.ndarray:
+                  fetch: int, lim: np.ndarray | None = None) -> np.ndarray:
         """Best ``fetch`` block columns per row (float32 scores): earlier sessions of the block whose list
-        is one of the row's probed lists; positions in the block, -1 where there are fewer.
+        is one of the row's probed lists; positions in the block, -1 where there are fewer. ``lim``: per row,
+        where its session starts in the block (default: four nodes a session; memgas-cards' graph gives its own).
 
         Sparse: only the (row, node) pairs sharing a probed list are scored (a few per row), not the
         block x block product."""
@@ -248,7 +249,7 @@ class CausalIVF(FaissCausalIndex):
         off = np.arange(pr.size) - np.repeat(np.cumsum(cnt) - cnt, cnt)
         col = order[starts[probes.ravel()[pr]] + off]
         row = pr // probes.shape[1]
-        keep = col < pos[row] // N_GRAN * N_GRAN  # earlier sessions of the block only
+        keep = col < (pos[row] // N_GRAN * N_GRAN if lim is None else lim[row])  # earlier sessions of the block only
         row, col = row[keep], col[keep]
         sc = np.einsum("pd,pd->p", q[row], blk[col])
         o = np.lexsort((col, -sc, row))  # by row, best first, ties by lower node
@@ -559,15 +560,17 @@ def history_sample(history_ids: np.ndarray, keys: np.ndarray, k: int = RECALL_RO
     return np.sort(order[rank < k])
 
 
-def candidate_hits(E: Any, got: Candidates, sample: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+def candidate_hits(E: Any, got: Candidates, sample: np.ndarray, k: int,
+                   before: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per ``sample`` row (sorted node ids among ``got.rows``): (hits, total), of the exact search's valid
     candidates (``total``) how many ``got`` holds too. A row's exact candidates do not depend on the other
-    rows asked for (canonical shapes), so its counts are the same in any unit."""
+    rows asked for (canonical shapes), so its counts are the same in any unit. ``before``: the sample rows'
+    prefixes (:func:`_causal_candidates`; default: four nodes a session)."""
     hits = np.zeros(sample.size, np.int64)
     total = np.zeros(sample.size, np.int64)
     if not sample.size:
         return hits, total
-    exact, valid = _causal_candidates(E, sample, k, "cpu")
+    exact, valid = _causal_candidates(E, sample, k, "cpu", before=before)
     pos = np.searchsorted(got.rows, sample)
     for i, j in enumerate(pos):
         want = set(exact[i][valid[i]].tolist())
