@@ -363,6 +363,8 @@ TABLES: dict[str, pa.Schema] = {
     "card_graph_edges": EDGES,
     # ... and which sessions' rows each of its parts holds (segments of the card graph's prefixes)
     "card_graph_edge_segments": EDGE_SEGMENTS,
+    # ... and, under association.search=ivf, each segment's recall sample (as ivf_recall)
+    "card_graph_ivf_recall": IVF_RECALL,
 }
 
 #: Key columns per table: rows sharing a key are one row (the last written wins on merge).

@@ -207,19 +207,21 @@ def recall_table(E: Any, c: Any, seg: list[Any], a: dict[str, Any], out: dict[st
 
 
 # -- the report -----------------------------------------------------------------------------------------
-def ivf_recall(ctx: StageContext) -> dict[str, Any]:
+def ivf_recall(ctx: StageContext, table: str = "ivf_recall", stage: str = "associate") -> dict[str, Any]:
     """The candidate recall of the current IVF segments (empty under the exact search or when no history
     reached the exact prefix's end): what metrics.json and report.md say the approximation costs.
 
     Per history, its sample is the :data:`~memgas.pipeline.association.ivf_search.RECALL_ROWS` smallest
     row keys among the rows its current segments stored (each unit stored its own smallest): the same rows,
-    hence the same counts, whether the history was built at once, in several units or by appends."""
-    if ctx.cfg.association.search != "ivf" or ctx.fingerprints.get("associate") in (None, "disabled"):
+    hence the same counts, whether the history was built at once, in several units or by appends.
+    ``table``, ``stage``: the recall rows and their writer (memgas-cards': ``card_graph_ivf_recall``,
+    card-graph-associate)."""
+    if ctx.cfg.association.search != "ivf" or ctx.fingerprints.get(stage) in (None, "disabled"):
         return {}
-    parts = tables.current_parts(ctx, "ivf_recall")
+    parts = tables.current_parts(ctx, table)
     if not parts:
         return {}
-    t = ctx.bank.read("ivf_recall", ["history_id", "key", "hits", "total"], parts=parts)
+    t = ctx.bank.read(table, ["history_id", "key", "hits", "total"], parts=parts)
     hist = np.asarray(t["history_id"].to_pylist(), dtype=object)
     keep = I.history_sample(hist, t["key"].to_numpy(), I.RECALL_ROWS)
     x, n = t["hits"].to_numpy()[keep].astype(np.int64), t["total"].to_numpy()[keep].astype(np.int64)

@@ -16,17 +16,19 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from memgas.jobs import tables
+from memgas.jobs.history_index import ivf_units
 from memgas.jobs.history_index.card_blocks import card_graph_blocks, matrix_blocks
 from memgas.jobs.history_index.prefixes import stored_segments
 from memgas.jobs.stage import Active, Stage, StageContext
+from memgas.jobs.stages.associate import IVF_FIELDS
 from memgas.jobs.stages.card_graph import card_chains, card_graph_enabled, card_graphs, card_sizes
 from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.shards import kernel_active
 from memgas.jobs.units import chunk
 from memgas.kernels.backend import one_blas_thread
-from memgas.pipeline.association import blocks, segments
+from memgas.pipeline.association import blocks, ivf_search, segments
 from memgas.pipeline.association.segments import Coverage, coverage, split_sized
-from memgas.pipeline.schema import EDGE_SEGMENTS, N_GRAN
+from memgas.pipeline.schema import EDGE_SEGMENTS, IVF_RECALL, N_GRAN
 
 
 # -- which segments are stored and which must be computed ------------------------------------------------------
@@ -39,9 +41,16 @@ def _current(ctx: StageContext, prefix: str) -> list[str]:
     return list(card_coverage(ctx, prefix).parts)
 
 
+def _current_recall(ctx: StageContext, prefix: str) -> list[str]:
+    """The recall rows of the current segments (a part of the same name as their edges)."""
+    return [p for p in _current(ctx, prefix) if ctx.bank.has_part("card_graph_ivf_recall", p)]
+
+
 #: which rows' edges a part holds (written after the part's edges: a unit is done when it is there)
 CARD_GRAPH_EDGE_SEGMENTS = tables.Table("card_graph_edge_segments", "segmented", current=_current)
 CARD_GRAPH_EDGES = tables.Table("card_graph_edges", "segmented", current=_current)
+#: association.search=ivf: each segment's recall sample (:func:`memgas.jobs.history_index.ivf_units.ivf_recall`)
+CARD_GRAPH_IVF_RECALL = tables.Table("card_graph_ivf_recall", "segmented", current=_current_recall)
 
 
 def graph_prefix(g: Any, end: int) -> dict[str, np.ndarray]:
@@ -59,15 +68,23 @@ class CardGraphAssociateStage(Stage):
     # and segmented parts named by config (version 1: one per-fingerprint table)
     version = "2"
     reads = ("nodes", "node_vectors", "pairs", "cards", "card_graph_vectors", "histories")
-    writes = (CARD_GRAPH_EDGE_SEGMENTS, CARD_GRAPH_EDGES)
-    fields = ("association.mem_threshold", "association.min_prior_nodes", "retrieval.device")
+    writes = (CARD_GRAPH_EDGE_SEGMENTS, CARD_GRAPH_EDGES, CARD_GRAPH_IVF_RECALL)
+    fields = ("association.mem_threshold", "association.min_prior_nodes", "association.search", *IVF_FIELDS,
+              "retrieval.device")
 
     def active(self, ctx: StageContext) -> Active | None:
         if not card_graph_enabled(ctx.cfg):
             return None
         active = kernel_active(ctx)
         a = ctx.cfg.association
-        active.params.update(mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes)
+        active.params.update(mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes, search=a.search)
+        if a.search != "ivf":  # the IVF's parameters change nothing under the exact search (as associate's key)
+            active.fields = tuple(f for f in self.fields if f not in ("association.search", *IVF_FIELDS))
+        else:  # the rows past the exact prefix (pipeline/card_graph_ivf.py) and their recall sample
+            active.params.update(ivf_nlist=a.ivf_nlist, ivf_nprobe=a.ivf_nprobe, ivf_exact_nodes=a.ivf_exact_nodes,
+                                 ivf_grid=ivf_search.STAGE_BLOCK_SESSIONS, recall_rows=ivf_search.RECALL_ROWS)
+            active.resolved["recall_sample"] = {"method": "bottom-k-row-hash", "rows": ivf_search.RECALL_ROWS,
+                                                "seed": ivf_search.RECALL_SEED}
         return active
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
@@ -116,15 +133,14 @@ class CardGraphAssociateStage(Stage):
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
         from memgas.pipeline.association.edges import edges_from
-        from memgas.pipeline.card_graph import CardGraph, card_graph_candidates
+        from memgas.pipeline.card_graph import CardGraph
         from memgas.pipeline.schema import EDGES
 
         segs = payload["segments"]
+        recall: list[pa.Table] = []
         with one_blas_thread():
-            cands = [card_graph_candidates(CardGraph.from_arrays(g), mem_threshold=params["mem_threshold"],
-                                           min_prior_nodes=params["min_prior_nodes"], device=params["device"],
-                                           sessions=(a, b))
-                     for g, (_, a, b, _) in zip(payload["graphs"], segs)]
+            cands = [_candidates(CardGraph.from_arrays(g), seg, params, recall)
+                     for g, seg in zip(payload["graphs"], segs)]
             edges = edges_from(cands, "gmm", None, params["device"])
         cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
         for (h, *_), e in zip(segs, edges):
@@ -136,11 +152,40 @@ class CardGraphAssociateStage(Stage):
             cols["mode"] += ["gmm"] * n
         segs_table = pa.table([list(c) for c in zip(*segs)] if segs else [[] for _ in EDGE_SEGMENTS.names],
                               schema=EDGE_SEGMENTS)
-        return {"card_graph_edges": pa.table(cols, schema=EDGES), "card_graph_edge_segments": segs_table}
+        out = {"card_graph_edges": pa.table(cols, schema=EDGES), "card_graph_edge_segments": segs_table}
+        if recall:
+            out["card_graph_ivf_recall"] = pa.concat_tables(recall)
+        return out
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
         """Count the current edges (the segmented table's kind dropped every part that is not current)."""
         current = sorted(tables.current_parts(ctx, "card_graph_edges"))
         # dedupe=False: current segments never share an edge
         n = ctx.bank.read("card_graph_edges", ["src"], parts=current, dedupe=False).num_rows if current else 0
-        return {"edges_gmm": n}
+        out: dict[str, Any] = {"edges_gmm": n, "search": ctx.cfg.association.search}
+        if ctx.cfg.association.search == "ivf":
+            out.update(ivf_units.ivf_recall(ctx, "card_graph_ivf_recall", self.name))
+        return out
+
+
+def _candidates(g: Any, seg: list[Any], params: dict[str, Any], recall: list[pa.Table]) -> Any:
+    """One segment's candidates: exact, or under the IVF search past the exact prefix the walk of
+    :mod:`memgas.pipeline.card_graph_ivf` and the segment's recall rows (into ``recall``: its IVF rows of the
+    ``recall_rows`` smallest row keys, checked against the exact search, as the associate stage's)."""
+    from memgas.pipeline.card_graph import card_graph_candidates
+    from memgas.pipeline.card_graph_ivf import card_graph_ivf_candidates, card_graph_recall, ivf_rows
+
+    h, a, b, _ = seg
+    kw = dict(mem_threshold=params["mem_threshold"], min_prior_nodes=params["min_prior_nodes"])
+    if params["search"] != "ivf" or g.nodes.shape[0] <= params["ivf_exact_nodes"]:
+        return card_graph_candidates(g, **kw, device=params["device"], sessions=(a, b))
+    p = ivf_search.stage_params(params["ivf_nlist"], params["ivf_nprobe"], params["ivf_exact_nodes"],
+                                params["ivf_grid"])
+    c = card_graph_ivf_candidates(g, **kw, params=p, sessions=(a, b))
+    first = ivf_rows(g, params["min_prior_nodes"], p)  # the history's first IVF row: earlier units' keys prune
+    sample, keys = ivf_search.recall_sample(h, ivf_rows(g, params["min_prior_nodes"], p, (a, b)),
+                                            params["recall_rows"], first_row=int(first[0]) if first.size else None)
+    hits, total = card_graph_recall(g, c, sample, params["mem_threshold"])
+    n = sample.size
+    recall.append(pa.table([[h] * n, [a] * n, [b] * n, sample, keys, hits, total], schema=IVF_RECALL))
+    return c

@@ -113,3 +113,29 @@ def test_long_prefixes_go_in_node_blocks_and_give_the_same_edges(tmp_path: Path,
     assert sum(seen["read"]) == 1 + len(seen["cut"]), seen
     assert _segments(bank) == _segments(fresh["bank"])
     assert _edges(bank) == _edges(fresh["bank"])
+
+
+def test_under_ivf_past_the_exact_prefix_an_append_equals_a_fresh_build(tmp_path: Path, cli: Callable,
+                                                                        fresh: dict[str, Path],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """association.search=ivf with an exact prefix of 40 nodes and a grid of 4 sessions: the rows past it are
+    searched by the IVF walk (pipeline/card_graph_ivf.py), their recall sample is stored per segment, and an
+    append's edges equal a fresh build's."""
+    from memgas.pipeline.association import ivf_search
+
+    monkeypatch.setattr(ivf_search, "STAGE_BLOCK_SESSIONS", 4)
+    ivf = [*_config(), "--set", "association.search=ivf", "--set", "association.ivf_exact_nodes=40",
+           "--set", "association.ivf_nlist=1", "--set", "association.ivf_nprobe=1"]
+    grown, one = tmp_path / "grown", tmp_path / "one"
+    cli("ingest", str(fresh["a"]), "--format", "jsonl", "--out", str(grown))
+    cli("index", str(grown), *ivf)
+    cli("ingest", str(fresh["b"]), "--format", "jsonl", "--append", "--out", str(grown))
+    cli("index", str(grown), *ivf)
+    cli("ingest", str(fresh["a"]), "--format", "jsonl", "--out", str(one))
+    cli("ingest", str(fresh["b"]), "--format", "jsonl", "--append", "--out", str(one))
+    cli("index", str(one), *ivf)
+    assert _segments(grown) == [("h0", 0, 6), ("h0", 6, 9), ("h1", 0, 4), ("h1", 4, 6), ("h2", 0, 5)]
+    assert _edges(grown) == _edges(one)
+    rec = Bank(one).read("card_graph_ivf_recall").to_pylist()
+    assert rec and all(r["row"] >= 40 and 0 <= r["hits"] <= r["total"] for r in rec)
+    assert {r["history_id"] for r in rec} >= {"h0"}
