@@ -10,7 +10,8 @@ MemGAS's reads it back:
   with card-encode and encode: a card text either encoder embedded is not embedded again);
 - ``card-graph-associate`` (:mod:`~memgas.jobs.stages.card_graph_associate`): per history, the GMM edges of the five-granularity graph
   (:mod:`memgas.pipeline.card_graph`), segmented like MemGAS's (valid while the graph's prefix is unchanged:
-  :func:`card_chains`), so an append associates only the new sessions' rows;
+  :func:`card_chains`), so an append associates only the new sessions' rows; a long prefix in node blocks, and
+  under ``association.search: ivf`` the IVF search past the exact prefix (:mod:`memgas.pipeline.card_graph_ivf`);
 - ``card-graph-rank`` (:mod:`~memgas.jobs.stages.card_graph_rank`): memgas-cards' rankings (rows of ``rankings``).
 
 They exist only while memgas-cards is in ``retrieval.methods`` (it has no reader yet: ``reading.methods`` refuses

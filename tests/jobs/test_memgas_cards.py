@@ -66,6 +66,10 @@ MC_CASES: list[tuple[str, object, list[str]]] = [
     ("association.mem_threshold", 20, ["associate", "rank", "read", "card-graph-associate", "card-graph-rank"]),
     ("association.min_prior_nodes", 10, ["associate", "rank", "read", "card-graph-associate", "card-graph-rank"]),
     ("association.topk_edges", 3, ["associate", "rank", "read"]),  # the card graph keeps the GMM's edges only
+    # the IVF search past the exact prefix: both graphs' associations (and what reads them); its parameters
+    # change nothing under the exact search
+    ("association.search", "ivf", ["associate", "rank", "read", "card-graph-associate", "card-graph-rank"]),
+    ("association.ivf_nlist", 64, []),
     ("retrieval.num_seeds", 10, ["rank", "read", "card-graph-rank"]),
     ("retrieval.temp", 0.5, ["rank", "read", "card-graph-rank"]),
     ("retrieval.card_graph_entropy", "raw", ["card-graph-rank"]),  # memgas-cards' router only
