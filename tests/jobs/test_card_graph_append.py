@@ -5,7 +5,6 @@ extractor and the synthetic encoder (vectors from text hashes: the association's
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
