@@ -60,7 +60,7 @@ from memgas.kernels.ppr import _to_backend_csr, build_csr, personalized_pagerank
 from memgas.kernels.ppr_push import PushGraph, personalized_pagerank_push
 from memgas.kernels.router import entropy_router
 from memgas.kernels.segment import segment_sum_contiguous
-from memgas.kernels.topk import stable_argsort_desc, topk
+from memgas.kernels.topk import kth_largest, stable_argsort_desc, topk
 from memgas.pipeline.methods import get_method
 from memgas.pipeline.schema import GRANULARITIES, N_GRAN
 
@@ -99,8 +99,9 @@ def seed_reset(node_scores: Any, num_seeds: int) -> Any:
     xp = get_xp("cuda")[0] if type(node_scores).__module__.startswith("cupy") else np
     n = node_scores.shape[1]
     if num_seeds < n:
-        kth = -xp.partition(-node_scores, num_seeds - 1, axis=1)[:, num_seeds - 1 : num_seeds]
-        node_scores = xp.where(node_scores >= kth, node_scores, 0.0)
+        kth = kth_largest(node_scores, num_seeds)
+        kept = xp.where(node_scores >= kth, node_scores, 0.0)
+        return xp.maximum(kept, 0.0, out=kept)
     return xp.maximum(node_scores, 0.0)
 
 
