@@ -25,6 +25,12 @@ def test_stable_argsort_desc() -> None:
 def test_segment_sum_contiguous() -> None:
     x = np.arange(24, dtype=float).reshape(2, 12)
     np.testing.assert_array_equal(segment_sum_contiguous(x, 4), x.reshape(2, 3, 4).sum(-1))
+    rng = np.random.default_rng(2)  # values over many magnitudes: any other order of the adds rounds differently
+    for g in (2, 3, 4, 5):
+        for dtype in (np.float64, np.float32):
+            v = (rng.standard_normal((3, g * 20000)) * np.exp(3 * rng.standard_normal((3, g * 20000)))).astype(dtype)
+            got, want = segment_sum_contiguous(v, g), v.reshape(3, -1, g).sum(-1)
+            assert got.dtype == want.dtype and got.tobytes() == want.tobytes(), (g, dtype)
 
 
 def test_kth_largest_equals_the_full_partition_ties_included() -> None:
