@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from memgas.kernels.backend import xp_of
 
 
@@ -50,3 +52,26 @@ def stable_argsort_desc(values: Any) -> Any:
     if xp.__name__ == "numpy":
         return xp.argsort(-values, axis=-1, kind="stable").astype(xp.int64)
     return xp.argsort(-values, axis=-1).astype(xp.int64)  # CuPy's argsort is a stable radix sort
+
+
+#: :func:`kth_largest` first takes the k-th largest of every KTH_SAMPLE_STRIDE-th entry of a row (a lower bound)
+KTH_SAMPLE_STRIDE = 64
+
+
+def kth_largest(values: Any, k: int) -> Any:
+    """The ``k``-th largest entry of each row of ``values`` [Q, N], as [Q, 1] (``1 <= k <= N``): the value
+    ``-partition(-values, k - 1)[:, k - 1]`` gives, without partitioning every entry on the host. The k-th
+    largest of a strided sample of the row is at most the row's, so every entry at least the row's k-th
+    largest is among the entries at least the sample's (about ``k * KTH_SAMPLE_STRIDE`` of them); the k-th
+    largest of those is the row's. Ties change nothing: the value is the same whichever tied entry holds it."""
+    xp = xp_of(values)
+    n = values.shape[-1]
+    if xp.__name__ != "numpy" or n < 4 * k * KTH_SAMPLE_STRIDE:
+        return xp.partition(values, n - k, axis=-1)[..., n - k : n - k + 1]
+    out = np.empty((values.shape[0], 1), values.dtype)
+    for i, row in enumerate(values):
+        sample = row[::KTH_SAMPLE_STRIDE]
+        bound = np.partition(sample, sample.size - k)[sample.size - k]
+        cand = row[row >= bound]
+        out[i, 0] = np.partition(cand, cand.size - k)[cand.size - k]
+    return out

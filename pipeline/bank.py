@@ -67,10 +67,11 @@ from memgas.pipeline.bank_files import (  # re-exported: the bank's public names
     parquet_options,
 )
 from memgas.pipeline.bank_ingest import IngestCommits
+from memgas.pipeline.bank_verified import forget, hash_and_record, verified_before
 from memgas.pipeline.compaction import regroup
 from memgas.pipeline.dataset_history import rebuild_advice
 from memgas.pipeline.errors import BankError
-from memgas.pipeline.hashing import NotARegularFile, file_digest, file_matches, read_regular_bytes, regular_file_size
+from memgas.pipeline.hashing import NotARegularFile, file_digest, read_regular_bytes, regular_file_size
 from memgas.pipeline.schema import KEYS, SCHEMA_VERSION, VECTOR_TABLES, schema_for
 
 __all__ = ["COMPACT_PREFIX", "COMPACT_SCRATCH_PREFIX", "DEFAULT_ROW_GROUP_ROWS", "INGEST_PREFIX", "INGEST_TABLES",
@@ -369,8 +370,10 @@ class Bank(Compacting, IngestCommits):
         recorded = self.part_digest(name, part)
         if recorded is None or (expected is not None and recorded != expected):
             return False
-        # the file's type and recorded size are checked before a byte is hashed
-        return file_matches(self._dir(name) / f"{part}.parquet", recorded, self._recorded_bytes(name, part))
+        # the file's type and recorded size are checked before a byte is hashed; a part hashed by an earlier
+        # command and provably unchanged since is not hashed again (pipeline/bank_verified.py says why)
+        path, size = self._dir(name) / f"{part}.parquet", self._recorded_bytes(name, part)
+        return verified_before(path, recorded, size) or hash_and_record(path, recorded, size)
 
     def _recorded_bytes(self, name: str, part: str) -> int | None:
         """A part's size in its marker (markers written before sizes were recorded have none)."""
@@ -424,6 +427,7 @@ class Bank(Compacting, IngestCommits):
         """Unmark, then delete (a kill in between leaves an unmarked file: ignored)."""
         (self._dir(name) / "_done" / f"{part}.json").unlink(missing_ok=True)
         (self._dir(name) / f"{part}.parquet").unlink(missing_ok=True)
+        forget(self._dir(name) / f"{part}.parquet")
 
     def drop(self, name: str) -> None:
         for part in self.parts(name):

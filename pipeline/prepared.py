@@ -60,7 +60,7 @@ from memgas.kernels.ppr import _to_backend_csr, build_csr, personalized_pagerank
 from memgas.kernels.ppr_push import PushGraph, personalized_pagerank_push
 from memgas.kernels.router import entropy_router
 from memgas.kernels.segment import segment_sum_contiguous
-from memgas.kernels.topk import stable_argsort_desc
+from memgas.kernels.topk import kth_largest, stable_argsort_desc, topk
 from memgas.pipeline.methods import get_method
 from memgas.pipeline.schema import GRANULARITIES, N_GRAN
 
@@ -99,8 +99,9 @@ def seed_reset(node_scores: Any, num_seeds: int) -> Any:
     xp = get_xp("cuda")[0] if type(node_scores).__module__.startswith("cupy") else np
     n = node_scores.shape[1]
     if num_seeds < n:
-        kth = -xp.partition(-node_scores, num_seeds - 1, axis=1)[:, num_seeds - 1 : num_seeds]
-        node_scores = xp.where(node_scores >= kth, node_scores, 0.0)
+        kth = kth_largest(node_scores, num_seeds)
+        kept = xp.where(node_scores >= kth, node_scores, 0.0)
+        return xp.maximum(kept, 0.0, out=kept)
     return xp.maximum(node_scores, 0.0)
 
 
@@ -302,7 +303,7 @@ class PreparedGraph:
         k = min(top, self.n_sessions)
         parts: dict[str, list[tuple[np.ndarray, np.ndarray]]] = {m: [] for m in methods}
         for lo, hi in self.query_chunks(int(q.shape[0])):
-            for m, (order, scores) in self.rank(q[lo:hi], methods, **settings).items():
+            for m, (order, scores) in self.rank(q[lo:hi], methods, top=k, **settings).items():
                 head = order[:, :k]
                 parts[m].append((head, np.take_along_axis(scores, head, axis=1)))
         return {m: (np.concatenate([o for o, _ in v]), np.concatenate([s for _, s in v])) if v else
@@ -319,9 +320,12 @@ class PreparedGraph:
         router: str | None = None,
         ppr: str | None = None,
         ppr_epsilon: float | None = None,
+        top: int | None = None,
     ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """(order int64 [Q, S], scores float64 [Q, S]) per method, ties by the lower session index. Settings
-        left ``None`` take ``RetrievalConfig``'s defaults."""
+        left ``None`` take ``RetrievalConfig``'s defaults. ``top``: the order holds only the first ``top``
+        sessions (:func:`~memgas.kernels.topk.topk`: the stable sort's first ``top`` columns, ties included,
+        without sorting every session)."""
         num_seeds, damping, temp, router = with_defaults(num_seeds, damping, temp, router)
         xp, S = self.xp, self.n_sessions
         out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -359,6 +363,6 @@ class PreparedGraph:
                     del reset
                     scores = segment_sum_contiguous(pr, N_GRAN)
                     del pr
-            order = stable_argsort_desc(scores)
+            order = stable_argsort_desc(scores) if top is None or top >= S else topk(scores, top)[0]
             out[name] = (to_host(order).astype(np.int64), to_host(scores).astype(np.float64))
         return out

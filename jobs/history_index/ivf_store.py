@@ -185,6 +185,16 @@ def saved_index_bytes(bank: Any, part: str, history: str, table: str = "ivf_inde
     return out
 
 
+def saved_index_chunks(bank: Any, part: str, history: str, table: str = "ivf_index") -> list[np.ndarray]:
+    """The saved index of ``history`` in ``part`` as its rows' bytes, one array per row in row order, read
+    in one pass a row at a time (:func:`saved_index_bytes` reads the part twice to copy them into one
+    buffer): :func:`~memgas.pipeline.association.faiss_index.raw_from_bytes` reads the chunks in order."""
+    out = []
+    for t in bank.iter_read(table, ["history_id", "index"], batch_rows=1, parts=[part]):
+        out += [np.frombuffer(v.as_buffer(), np.uint8) for v in t.filter(pc.equal(t["history_id"], history))["index"]]
+    return out
+
+
 def saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] | None:
     """The history's saved IVF index for rows from session ``start`` on, its part verified first (a part
     whose bytes are not those written is never searched: the task rebuilds the index, and the stats
@@ -207,13 +217,13 @@ def saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] |
     if meta.num_rows == 0 or {(s, d) for s, d in zip(meta["sessions"].to_pylist(), meta["prefix_digest"].to_pylist())} \
             != {(sessions, digest)}:
         return None
-    data: Any = saved_index_bytes(ctx.bank, part, history)
+    data: Any = saved_index_chunks(ctx.bank, part, history)
     deltas = []
     for dpart, base, end, _ in run.deltas.get(history, []):
         if not intact(ctx, "ivf_delta", dpart, history):  # the index up to here, then its blocks added again
             break
-        deltas.append({"base": base, "sessions": end, "bytes": saved_index_bytes(ctx.bank, dpart, history,
-                                                                                   "ivf_delta")})
+        deltas.append({"base": base, "sessions": end, "bytes": saved_index_chunks(ctx.bank, dpart, history,
+                                                                                    "ivf_delta")})
     run.reused += 1
     run.loaded = (history, {"sessions": deltas[-1]["sessions"] if deltas else sessions,
                             "full_sessions": sessions, "dim": meta["dim"][0].as_py(), "bytes": data,

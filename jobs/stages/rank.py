@@ -299,7 +299,7 @@ def top_rows(cols: dict[str, list], session_ids: list[str], query_ids: list[str]
 # -- the latency of ranking one question (metrics.json ``latency``) ----------------------------------------------
 def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "memgas") -> dict[str, float]:
     """Latency of ranking one query at a time (similarities, router, seeds, PPR on its history's stored graph,
-    session order). Each history is prepared once before the timer, as a query server holds it
+    the top ``retrieval.store_top`` sessions in order: what the stage stores of a question). Each history is prepared once before the timer, as a query server holds it
     (:func:`prepared_questions`); only the per-question ranking is timed."""
     import time
 
@@ -311,8 +311,8 @@ def ranking_latency(ctx: StageContext, *, n_queries: int = 30, method: str = "me
     samples = []
     for graph, qv in prepared_questions(ctx, n_queries, method, [r.ppr]):
         t0 = time.perf_counter()
-        graph.rank(qv, [method], num_seeds=r.num_seeds, damping=r.damping, temp=r.temp, router=r.router, ppr=r.ppr,
-                   ppr_epsilon=r.ppr_epsilon)
+        graph.rank_top(qv, [method], r.store_top, num_seeds=r.num_seeds, damping=r.damping, temp=r.temp,
+                       router=r.router, ppr=r.ppr, ppr_epsilon=r.ppr_epsilon)
         samples.append(time.perf_counter() - t0)
     return percentiles_ms(samples)
 

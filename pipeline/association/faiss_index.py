@@ -100,17 +100,24 @@ def raw_from_bytes(data: Any, *, d: int, ntotal: int) -> Any:
     """A faiss IVF index stored by :func:`raw_bytes`, checked against what its row says it holds (dimension,
     nodes): bytes that deserialise to another index raise instead of being searched. ``data`` (bytes, an
     array, a read-only view into Ray's object store) is read in place, a chunk at a time, through a
-    callback (``deserialize_index`` would copy it whole into a ``std::vector`` first)."""
+    callback (``deserialize_index`` would copy it whole into a ``std::vector`` first). A list or tuple of
+    such buffers is read as their concatenation, in order (an index saved in chunks, read without first
+    copying them into one buffer)."""
     import faiss
 
-    arr = np.frombuffer(data, np.uint8)
-    at = 0
+    chunks = [np.frombuffer(c, np.uint8) for c in (data if isinstance(data, (list, tuple)) else [data])]
+    at = [0, 0]  # chunk, offset in it
 
     def read(n: int) -> bytes:
-        nonlocal at
-        chunk = arr[at : at + n].tobytes()
-        at += len(chunk)
-        return chunk
+        parts = []
+        while n > 0 and at[0] < len(chunks):
+            piece = chunks[at[0]][at[1] : at[1] + n]
+            parts.append(piece.tobytes())
+            n -= piece.size
+            at[1] += piece.size
+            if at[1] >= chunks[at[0]].size:
+                at[0], at[1] = at[0] + 1, 0
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     reader = faiss.PyCallbackIOReader(read)
     owner = faiss.read_index(reader)

@@ -358,3 +358,38 @@ def test_a_manifest_that_is_not_a_regular_file_is_named_and_replaced_by_ingest_r
     code, out, err = memgas(*ingest_argv, "--replace")
     assert (code, err) == (0, ""), err
     assert manifest.is_file() and not manifest.is_symlink() and _rows(Bank(bank), "queries") == want
+
+
+def test_a_verified_part_is_not_hashed_again_until_its_file_changes(tmp_path: Path, monkeypatch) -> None:
+    """A part hashed once is trusted by a later use from its record while its file's (size, mtime, ctime,
+    inode) are those recorded; a change that keeps size and mtime (bytes rewritten in place, mtime set back)
+    moves ctime, and the part is hashed again and refused. A file changed within the racy window is never
+    recorded."""
+    from memgas.pipeline import bank_verified, hashing
+
+    bank = Bank.create(tmp_path / "b")
+    bank.write_part("texts", "p", _texts(["alpha", "beta"]))
+    monkeypatch.setenv("MEMGAS_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "b" / "texts" / "p.parquet"
+    record = bank_verified.record_path(path)
+    assert record.is_relative_to(tmp_path / "cache")
+    assert bank.verify_part("texts", "p") and not record.exists()  # just written: inside the racy window
+    monkeypatch.setattr(bank_verified, "RACY_NS", -10**12)  # as if it had been written long ago
+    assert bank.verify_part("texts", "p") and record.exists()
+
+    def no_hash(p):  # a fresh process: no digest cached in memory either
+        raise AssertionError(f"hashed {p}")
+    monkeypatch.setattr(bank_verified, "file_digest", no_hash)
+    assert bank.verify_part("texts", "p") and Bank(tmp_path / "b").verify_part("texts", "p")
+
+    st = os.stat(path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    with open(path, "r+b") as f:  # same size, same inode
+        f.write(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # mtime set back; ctime cannot be
+    assert os.stat(path).st_size == st.st_size and os.stat(path).st_ino == st.st_ino
+    monkeypatch.setattr(bank_verified, "file_digest", hashing.file_digest)
+    assert not bank.verify_part("texts", "p")
+    bank.drop_part("texts", "p")
+    assert not record.exists()

@@ -36,6 +36,25 @@ def test_rows_over_a_saved_index_equal_a_fresh_build_byte_for_byte(monkeypatch: 
     assert not np.array_equal(exact.cand[~m], fresh.cand[~m]), "2 of 8 lists probed gave the exact candidates"
 
 
+def test_an_index_read_from_its_chunks_is_the_index_read_from_one_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A saved index read from the chunks it is stored in (cut anywhere, even inside one of faiss's fields, and
+    chunks smaller than one read) holds the same bytes and gives the same later rows as one buffer read."""
+    monkeypatch.setattr(I, "STAGE_BLOCK_SESSIONS", 16)
+    E = clustered_nodes(0, 130, dim=32, n_topics=20, seed=3)
+    p = I.stage_params(8, 2, 160)
+    _, ix = I.ivf_rows(E[: 4 * 96], 0, 4 * 96, None, params=p)
+    data = I.index_bytes(ix).tobytes()
+    cuts = [0, 1, 3, 4, 100, 101, len(data) // 2, len(data) - 7, len(data)]
+    chunks = [np.frombuffer(data[a:b], np.uint8) for a, b in zip(cuts[:-1], cuts[1:])]
+    one = I.index_from_bytes(data, p, d=32, ntotal=ix.ntotal)
+    cut = I.index_from_bytes(chunks, p, d=32, ntotal=ix.ntotal)
+    assert I.index_bytes(cut).tobytes() == data
+    a, _ = I.ivf_rows(E, 4 * 96, 4 * 130, one, params=p)
+    b, _ = I.ivf_rows(E, 4 * 96, 4 * 130, cut, params=p)
+    for f in ("rows", "cand", "valid", "scores"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+
+
 def test_a_stored_index_that_is_not_what_its_row_says_is_refused() -> None:
     E = clustered_nodes(0, 60, dim=32, n_topics=20, seed=1)
     p = I.stage_params(4, 1, 160)

@@ -182,3 +182,30 @@ def test_rank_top_in_chunks_equals_the_whole_batch(n_queries: int) -> None:
                 order, scores = whole[m]
                 assert _bits(tops[m][0]) == _bits(order[:, :50]), (ppr, m)
                 assert _bits(tops[m][1]) == _bits(np.take_along_axis(scores, order[:, :50], axis=1)), (ppr, m)
+
+
+@pytest.mark.parametrize("ppr", ["push", "exact"])
+def test_rank_with_top_equals_the_stable_sorts_first_columns_ties_included(ppr: str) -> None:
+    """``rank(top=k)`` (a partial selection, no sort of every session) gives the first ``k`` columns of the
+    full stable sort's order, bit for bit, at boundaries that cut through runs of tied sessions: every session
+    appears five times (the same node rows), and the sessions PPR does not reach tie at zero."""
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal((4 * 8, 16)).astype(np.float32)
+    E = np.tile(base, (5, 1))  # 40 sessions, session s equal to session s mod 8
+    q = E[rng.integers(0, E.shape[0], 3)] + 0.05 * rng.standard_normal((3, 16)).astype(np.float32)
+    src = rng.integers(1, E.shape[0], 60)
+    edges = {mode: (src, rng.integers(0, src)) for mode in ("gmm", "topk")}
+    methods = GRAPH_METHODS + [m for m in BASELINES if m != "hybrid"]
+    g = PreparedGraph(E, edges)
+    whole = g.rank(q, methods, ppr=ppr, ppr_epsilon=1e-4, **SETTINGS)
+    tied = 0
+    for k in (1, 3, 7, 12, 39, 40, 41):
+        part = g.rank(q, methods, ppr=ppr, ppr_epsilon=1e-4, top=k, **SETTINGS)
+        for m in methods:
+            order, scores = whole[m]
+            assert _bits(part[m][0]) == _bits(order[:, :k]), (k, m)
+            assert _bits(part[m][1]) == _bits(scores), (k, m)
+            if k < 40:
+                kth = np.take_along_axis(scores, order[:, k - 1 : k], axis=1)
+                tied += int((np.take_along_axis(scores, order[:, k:], axis=1) == kth).any(axis=1).sum())
+    assert tied > 0  # some boundary cut a run of equal scores
