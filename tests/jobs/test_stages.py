@@ -96,6 +96,7 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("retrieval.temp", 0.5, ["rank", "read"]),
     ("retrieval.router", "reference", ["rank", "read"]),
     ("retrieval.card_graph_entropy", "raw", []),  # memgas-cards only (tests/jobs/test_memgas_cards.py)
+    ("retrieval.card_graph_picks", 3, []),
     ("retrieval.ppr", "push", ["rank", "read"]),
     ("retrieval.ppr_epsilon", 1e-6, []),  # the push threshold: inactive under the base config's exact PPR
     ("retrieval.store_top", 40, ["rank", "read"]),
