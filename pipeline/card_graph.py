@@ -14,6 +14,8 @@ not ``4*s + g``: :class:`CardGraph` carries each node's granularity and session,
   :func:`memgas.kernels.router.entropy_router`), node score = w_g * sim, the ``num_seeds`` best as PPR's reset, PPR over the
   edges, session score = the sum of its nodes' PPR values (its four nodes and its cards), ties by lower
   session index.
+- The cards that ranked a session (:func:`session_card_picks`): of each top session, its cards of most PPR mass
+  (:func:`card_graph_ppr` gives every node's), what memgas-cards' reader shows beside the session's text.
 
 Every product is over one whole history, its shape a function of that history alone, so a ranking does not
 depend on which histories share a Ray task, nor on the number of workers.

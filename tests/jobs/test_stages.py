@@ -321,7 +321,7 @@ def test_first_run_executes_every_stage_and_reads_in_the_job(reference_run) -> N
         "encode": "executed", "card-encode": "disabled", "associate": "executed", "rank": "executed",
         "card-rank": "disabled", "read": "executed", "card-read": "disabled", "judge": "disabled",
         "card-graph-encode": "disabled", "card-graph-associate": "disabled", "card-graph-rank": "disabled",
-        "evaluate": "executed"}
+        "card-graph-read": "disabled", "evaluate": "executed"}
     assert list(rec) == [s.name for s in S.PIPELINE]
     # ingest's entry has what every stage's has: its fingerprint, where it ran, and its verified output
     ingest = rec["ingest"]
