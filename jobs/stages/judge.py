@@ -12,7 +12,7 @@ from memgas.jobs.units import chunk
 
 
 class JudgeStage(Stage):
-    """LongMemEval's per-type LLM judge over the run's answers (both readers'); reuses the readers' engine."""
+    """LongMemEval's per-type LLM judge over the run's answers (every reader's); reuses the readers' engine."""
 
     name = "judge"
     reads = ("queries", "answers", "card_answers", "card_graph_answers")
