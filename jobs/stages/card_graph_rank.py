@@ -96,7 +96,10 @@ def pick_rows(cols: dict[str, list], method: str, graph: Any, h: dict[str, Any],
     from memgas.pipeline.card_graph import CARD, session_card_picks
 
     top = min(store_top, graph.n_sessions)
-    card_of = dict(zip(np.flatnonzero(graph.gran == CARD).tolist(), h["card_ids"]))
+    nodes_of_cards = np.flatnonzero(graph.gran == CARD).tolist()
+    if len(nodes_of_cards) != len(h["card_ids"]):
+        raise ValueError(f"{len(h['card_ids'])} card ids for the {len(nodes_of_cards)} card nodes of a history")
+    card_of = dict(zip(nodes_of_cards, h["card_ids"]))
     sids = h["session_ids"]
     for qi, (ranks, nodes) in enumerate(session_card_picks(graph, order, mass, top, per_session)):
         qid, best = h["query_ids"][qi], order[qi]

@@ -180,10 +180,10 @@ def mc_run(tmp_path_factory) -> Path:
 def test_a_run_ranks_memgas_cards_and_equals_the_library(mc_run) -> None:
     """Through the job: the card-graph stages run, metrics.json scores memgas-cards beside MemGAS, and its
     stored rankings are exactly the library's over each whole history (so they do not depend on how the
-    histories were sharded or batched)."""
+    histories were sharded or batched); so are its card picks (the cards of most PPR mass of each stored session)."""
     from memgas.jobs.stages.card_graph import history_card_graph
     from memgas.kernels.backend import one_blas_thread
-    from memgas.pipeline.card_graph import card_graph_edges, rank_card_graph
+    from memgas.pipeline.card_graph import CARD, card_graph_edges, card_graph_ppr, session_card_picks
 
     rec = _record(mc_run)
     for stage in ("cards", *CARD_GRAPH_STAGES):
@@ -197,19 +197,29 @@ def test_a_run_ranks_memgas_cards_and_equals_the_library(mc_run) -> None:
     assert set(got["method"]) == {"memgas-cards"}
     assert set(_rankings(ctx)["method"]) == {"session", "memgas"}  # MemGAS's writers hold none of its rows
     assert len(got) > 0
+    picks = tables.read_current(ctx, "card_graph_picks").to_pandas()
     r, a = cfg.retrieval, cfg.association
-    for h, graph, sids, qids, qv in history_card_graph(ctx):
+    card_ids: dict[str, list[str]] = {}
+    for h, graph, sids, qids, qv in history_card_graph(ctx, card_ids=card_ids):
         assert graph.n_cards > 0 and graph.gran.max() == 4
         src, dst = card_graph_edges(graph, mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes)
         assert np.isin(4, graph.gran[np.concatenate([src, dst])])  # cards are associated like any node
         with one_blas_thread():  # as the stage's worker: BLAS's thread count may change a product's last bit
-            order, scores = rank_card_graph(graph, qv, src, dst, num_seeds=r.num_seeds, damping=r.damping,
-                                            temp=r.temp, router=r.router, entropy=r.card_graph_entropy)
+            order, scores, mass = card_graph_ppr(graph, qv, src, dst, num_seeds=r.num_seeds, damping=r.damping,
+                                                 temp=r.temp, router=r.router, entropy=r.card_graph_entropy)
         top = min(r.store_top, len(sids))
+        card_of = dict(zip(np.flatnonzero(graph.gran == CARD).tolist(), card_ids[h]))
         for qi, qid in enumerate(qids):
             mine = got[got["query_id"] == qid].sort_values("rank")
             assert mine["session_id"].tolist() == [sids[i] for i in order[qi, :top]], qid
             assert mine["score"].tolist() == scores[qi, order[qi, :top]].tolist(), qid
+            ranks, nodes = session_card_picks(graph, order, mass, top, r.card_graph_picks)[qi]
+            want = [(int(k) + 1, sids[order[qi, k]], card_of[n], mass[qi, n]) for k, n in zip(ranks, nodes)]
+            rows = picks[picks["query_id"] == qid].sort_values(["rank", "card_rank"])
+            assert list(zip(rows["rank"], rows["session_id"], rows["card_id"], rows["mass"])) == want, qid
+            assert rows.groupby("rank")["card_rank"].apply(list).tolist() == [
+                list(range(1, n + 1)) for n in np.bincount(ranks)[np.unique(ranks)]], qid
+    assert len(picks) > 0
 
 
 @pytest.mark.slow
