@@ -264,7 +264,8 @@ def justmem_text_groups(ctx: StageContext) -> dict[str, set[str]]:
 READER_NOTE = ("reader's context: the utterances the answer model is given, per question, for every ranking method, "
                "rebuilt from the rankings and card picks by the reader's own functions (whether or not the LLM read "
                "it): session readers, the turns of the top reading.top_k sessions that fit the first step's window "
-               "(the filter's when reading.filter; the filter's output is not measured); card readers, the "
+               "(the filter's when reading.filter; the filter's output is not measured; memgas-cards: each session's "
+               "block with the cards that ranked it); card readers, the "
                "provenance spans of the cards that fit the answer prompt, and Replay's recovered turns. Tokens are "
                "counted by {counter} (the reader's own tokenizer may cut a context elsewhere); evidence = "
                "queries.evidence_utterance_ids (LoCoMo evidence dia_ids, LongMemEval has_answer turns); verbatim = "
@@ -284,14 +285,17 @@ class ApproxCounter:
         return approx_tokens(text)
 
 
-def reader_evidence(ctx: StageContext, rankings: pa.Table, picks: pa.Table) -> dict[str, dict[str, Any]]:
+def reader_evidence(ctx: StageContext, rankings: pa.Table, picks: pa.Table,
+                    graph_picks: pa.Table | None = None) -> dict[str, dict[str, Any]]:
     """Per retrieval method, the evidence recall of the reader's context and its tokens
     (:mod:`memgas.pipeline.evaluate.evidence`; :data:`READER_NOTE` says what is measured): ``{method:
     {overall, by_type, n_evaluated, skipped, cut}}``, over every question of the bank. ``rankings``: the
-    current rows of every method (MemGAS's and JustMem's); ``picks``: the current ``card_picks``. Empty when
-    the bank's queries were ingested before ``evidence_utterance_ids`` existed (re-ingest to measure)."""
+    current rows of every method (MemGAS's, JustMem's and memgas-cards'); ``picks``: the current ``card_picks``;
+    ``graph_picks``: the current ``card_graph_picks`` (memgas-cards' sessions carry their cards; None: without
+    memgas-cards). Empty when the bank's queries were ingested before ``evidence_utterance_ids`` existed
+    (re-ingest to measure)."""
     from memgas.pipeline.evaluate.evidence import aggregate_evidence, score_evidence
-    from memgas.pipeline.methods import reads_cards
+    from memgas.pipeline.methods import get_method, reads_cards
 
     bank, cfg = ctx.bank, ctx.cfg
     queries = bank.read("queries").to_pylist()
@@ -331,7 +335,10 @@ def reader_evidence(ctx: StageContext, rankings: pa.Table, picks: pa.Table) -> d
         if reads_cards(method):
             contexts = _card_contexts(ctx, ranked, picks, qids, method, counter, sids_of)
         else:
-            contexts = _session_contexts(ctx, ranked, qids, counter, hash_of, turn_lengths)
+            mine = None
+            if get_method(method).family == "memgas-cards" and graph_picks is not None:
+                mine = graph_picks.filter((pc.field("method") == method) & (pc.field("rank") <= cfg.reading.top_k))
+            contexts = _session_contexts(ctx, ranked, qids, counter, hash_of, turn_lengths, mine)
         records = [{"query_id": q["query_id"], "question_type": q["question_type"],
                     "is_abstention": q["is_abstention"], "evidence_ids": q["evidence_utterance_ids"] or [],
                     **contexts[q["query_id"]]} for q in queries]
@@ -359,8 +366,13 @@ def _turn_lengths(bank: Bank, hashes: list[str]) -> dict[str, list[int]]:
 
 
 def _session_contexts(ctx: StageContext, ranked: pa.Table, qids: list[str], counter: ApproxCounter,
-                      hash_of: dict[tuple[str, str], str], turn_lengths: dict[str, list[int]]) -> dict[str, dict]:
-    """Per query, the session reader's first-step context (pipeline/read.py: ``reading_context``)."""
+                      hash_of: dict[tuple[str, str], str], turn_lengths: dict[str, list[int]],
+                      graph_picks: pa.Table | None = None) -> dict[str, dict]:
+    """Per query, the session reader's first-step context (pipeline/read.py: ``reading_context``); with
+    ``graph_picks`` (memgas-cards' reader), each session's block holds its picked cards
+    (pipeline/card_graph_read.py). A card restates turns of its own session: the evidence in the context is
+    that of the sessions' turns that fit."""
+    from memgas.pipeline.card_graph_read import card_graph_reading_payloads
     from memgas.pipeline.read import context_turn_keys, reading_context, reading_payloads
 
     hist = {r["query_id"]: r["history_id"] for r in ctx.bank.read("queries", ["query_id", "history_id"]).to_pylist()}
@@ -368,7 +380,9 @@ def _session_contexts(ctx: StageContext, ranked: pa.Table, qids: list[str], coun
     # the generations only where the report reads them under this config (a run whose ranked methods read no
     # summary leaves the generate stage without a reader: its rows may be another config's)
     key = generation_key(ctx) if tables.may_read(ctx, "generations") else None
-    for q in reading_payloads(ctx.bank, ranked, qids, generation_key=key):
+    payloads = (reading_payloads(ctx.bank, ranked, qids, generation_key=key) if graph_picks is None else
+                card_graph_reading_payloads(ctx.bank, ranked, graph_picks, qids, generation_key=key))
+    for q in payloads:
         text, kept, cut = reading_context(counter, q, ctx.cfg.reading)
         lengths = [turn_lengths.get(hash_of[(hist[q["query_id"]], s["session_id"])], []) for s in q["sessions"]]
         keys = [f"{sid}:{t}" for sid, t in context_turn_keys(q["sessions"], text, kept, lengths)]

@@ -14,6 +14,8 @@ not ``4*s + g``: :class:`CardGraph` carries each node's granularity and session,
   :func:`memgas.kernels.router.entropy_router`), node score = w_g * sim, the ``num_seeds`` best as PPR's reset, PPR over the
   edges, session score = the sum of its nodes' PPR values (its four nodes and its cards), ties by lower
   session index.
+- The cards that ranked a session (:func:`session_card_picks`): of each top session, its cards of most PPR mass
+  (:func:`card_graph_ppr` gives every node's), what memgas-cards' reader shows beside the session's text.
 
 The association's products have canonical shapes (a tile of node ids against a padded prefix), so a row's
 candidates do not depend on which other rows or histories one call computes (a segment of an append gives the
@@ -181,6 +183,17 @@ def rank_card_graph(g: CardGraph, queries: np.ndarray, src: np.ndarray, dst: np.
     """(order int64 [Q, S], session scores float64 [Q, S]) of one history's queries (module docstring).
     ``entropy``: "normalised" (H_g / log N_g, the default of ``retrieval.card_graph_entropy``) or "raw" (the
     router's H_g, as MemGAS's)."""
+    order, scores, _ = card_graph_ppr(g, queries, src, dst, num_seeds=num_seeds, damping=damping, temp=temp,
+                                      router=router, device=device, ppr=ppr, ppr_epsilon=ppr_epsilon, entropy=entropy)
+    return order, scores
+
+
+def card_graph_ppr(g: CardGraph, queries: np.ndarray, src: np.ndarray, dst: np.ndarray, *, num_seeds: int,
+                   damping: float, temp: float, router: str, device: str = "cpu", ppr: str = "exact",
+                   ppr_epsilon: float = PPR_EPSILON,
+                   entropy: str = "normalised") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`rank_card_graph`'s (order, session scores) and the PPR mass of every node (float64 [Q, N], on the
+    host): what each node added to its session's score (:func:`session_card_picks`)."""
     if entropy not in ("raw", "normalised"):
         raise ValueError(f"entropy must be 'raw' or 'normalised', got {entropy!r}")
     from memgas.pipeline.retrieve import seed_reset
@@ -188,7 +201,7 @@ def rank_card_graph(g: CardGraph, queries: np.ndarray, src: np.ndarray, dst: np.
     xp, _ = get_xp(device)
     Q, S, n = len(queries), g.n_sessions, g.nodes.shape[0]
     if S == 0:
-        return np.zeros((Q, 0), np.int64), np.zeros((Q, 0), np.float64)
+        return np.zeros((Q, 0), np.int64), np.zeros((Q, 0), np.float64), np.zeros((Q, n), np.float64)
     E = to_device(g.nodes, xp)
     q = to_device(np.asarray(queries, np.float32), xp)
     sims = q.astype(xp.float64) @ E.astype(xp.float64).T  # [Q, N], float64 as MemGAS's
@@ -201,5 +214,30 @@ def rank_card_graph(g: CardGraph, queries: np.ndarray, src: np.ndarray, dst: np.
         pr = personalized_pagerank_push(adj, to_host(reset), damping, epsilon=ppr_epsilon)
     else:
         pr = personalized_pagerank(adj, reset, damping, device=device)
-    scores = np.add.reduceat(np.asarray(to_host(pr), np.float64), g.starts, axis=1)  # a session's nodes are contiguous
-    return stable_argsort_desc(scores).astype(np.int64), scores
+    mass = np.asarray(to_host(pr), np.float64)
+    scores = np.add.reduceat(mass, g.starts, axis=1)  # a session's nodes are contiguous
+    return stable_argsort_desc(scores).astype(np.int64), scores, mass
+
+
+def session_card_picks(g: CardGraph, order: np.ndarray, mass: np.ndarray, top: int,
+                       per_session: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """The cards that ranked each query's top sessions: per query (rows of ``order`` [Q, S] and ``mass``
+    [Q, N], :func:`card_graph_ppr`), ``(session ranks, card nodes)``, int64 each: of each of its ``top`` best
+    sessions, the ``per_session`` cards of most PPR mass among those whose mass is positive (a card PPR never
+    reached added nothing to its session's score), by session rank (0-based), then mass descending, then node
+    id. A session without such a card has none."""
+    cards = np.flatnonzero(g.gran == CARD).astype(np.int64)  # in node order
+    card_session = g.session[cards]
+    out = []
+    for qi in range(order.shape[0]):
+        best = order[qi, :top]
+        rank_of = np.full(g.n_sessions, -1, np.int64)
+        rank_of[best] = np.arange(len(best), dtype=np.int64)
+        r, m = rank_of[card_session], mass[qi, cards]
+        idx = np.flatnonzero((r >= 0) & (m > 0))
+        idx = idx[np.lexsort((cards[idx], -m[idx], r[idx]))]
+        rr = r[idx]
+        within = np.arange(len(idx)) - np.searchsorted(rr, rr, side="left")  # rr is sorted: place in its session
+        keep = idx[within < per_session]
+        out.append((r[keep], cards[keep]))
+    return out

@@ -19,7 +19,7 @@ from pydantic_core import PydanticCustomError
 from memgas.pipeline.config_yaml import MAX_CONFIG_BYTES, DuplicateKey, read_yaml, safe_load, yaml_problem  # noqa: F401
 from memgas.pipeline.data import FORMATS
 from memgas.pipeline.errors import ConfigError
-from memgas.pipeline.methods import CARD_GRAPH_METHOD_NAMES, KNOWN_METHOD_NAMES, METHOD_NAMES
+from memgas.pipeline.methods import KNOWN_METHOD_NAMES, METHOD_NAMES
 from memgas.pipeline.models.synthetic import SYNTHETIC_MODEL
 from memgas.pipeline.redact import redact_obj
 
@@ -221,6 +221,10 @@ class RetrievalConfig(_Strict):
     #: -1.4 / -1.5 on the bundled sample (docs/benchmarks.md, "Retrieval quality: every method on each
     #: data set")
     card_graph_entropy: Literal["raw", "normalised"] = "normalised"
+    #: memgas-cards only: per ranked session, the cards of most PPR mass kept (``card_graph_picks``): what its
+    #: reader shows beside the session's text. 5: LoCoMo's LLM-free cards run ~1-2 a turn, so a session's whole
+    #: card list would restate it; five lines name what matched
+    card_graph_picks: int = Field(5, ge=0, le=MAX_RANKED)
     #: PPR kernel: "exact" (power iteration over the whole graph, all queries at once, CPU or GPU:
     #: kernels/ppr.py) or "push" (local forward push from the seeds, CPU only: kernels/ppr_push.py)
     ppr: Literal["exact", "push"] = "exact"
@@ -440,10 +444,6 @@ def cross_field_problems(cfg: MemgasConfig) -> list[tuple[tuple[str, ...], str]]
     if rd.enabled and missing:
         out.append((("reading.methods", "retrieval.methods"),
                     f"reading.methods names {missing}, which retrieval.methods {r.methods} does not rank"))
-    unread = [m for m in rd.methods if m in CARD_GRAPH_METHOD_NAMES]
-    if rd.enabled and unread:  # no reader of its rankings yet (memgas-cards is ranked only)
-        out.append((("reading.methods",), f"reading.methods names {unread}, which is ranked only (no reader yet); "
-                                          "read memgas or a JustMem method"))
     if cfg.encoder.model == SYNTHETIC_MODEL and (cfg.encoder.device == "cuda" or "onnx" in cfg.encoder.runtime):
         out.append((("encoder.model", "encoder.device", "encoder.runtime"), "encoder.model=synthetic hashes texts on "
                     "the CPU: leave encoder.device and encoder.runtime at auto (or cpu / torch)"))

@@ -217,11 +217,19 @@ def generation_prompt_digest(name: str) -> str:
     return hashlib.blake2b(repr(sorted(vars(get_prompt_set(name)).items())).encode(), digest_size=8).hexdigest()
 
 
+#: memgas-cards' reader: the head of the cards that ranked a session, before its text (:func:`session_block`)
+CARD_GRAPH_CARDS_HEAD = "Session Cards:\n"
+CARD_GRAPH_READ_PROMPT_VERSION = "memgas-cards-read-v1"
+
+
 def session_block(
-    date: str | None, text: str, summary: str | None = None, keywords: str | None = None
+    date: str | None, text: str, summary: str | None = None, keywords: str | None = None, cards: str | None = None
 ) -> str:
-    """One retrieved session as the authors lay it out in the filter prompt."""
-    block = f"\n### Session Date: {date or 'unknown'}\nSession Content:\n{text}\n"
+    """One retrieved session as the authors lay it out in the filter prompt; ``cards`` (memgas-cards' reader:
+    the lines of the cards that ranked it) under its date, before its text: a session cut to fit the budget
+    (its head kept) keeps what matched the question."""
+    cards_part = f"{CARD_GRAPH_CARDS_HEAD}{cards}\n" if cards else ""
+    block = f"\n### Session Date: {date or 'unknown'}\n{cards_part}Session Content:\n{text}\n"
     if summary is not None or keywords is not None:
         block += f"\nSession Summary:\n{summary or ''}\nSession Keyword:\n{keywords or ''}\n"
     return block
@@ -389,3 +397,10 @@ def justmem_answer_prompt(cards_text: str, source_text: str, question: str, ques
         question_date=question_date or "unknown",
         question=question,
     ))
+
+
+#: Keys memgas-cards' reader beside READING_PROMPT_DIGEST: its cards' head and their lines (a line rendered by
+#: :func:`justmem_card_line`, so an edit of its layout changes the digest too)
+CARD_GRAPH_READ_PROMPT_DIGEST = hashlib.blake2b(
+    repr([CARD_GRAPH_READ_PROMPT_VERSION, CARD_GRAPH_CARDS_HEAD, justmem_card_line(1, "{date}", "{when}", "{text}")])
+    .encode(), digest_size=8).hexdigest()

@@ -90,7 +90,8 @@ def build_context(
     budget: int,
     multigran: bool,
 ) -> tuple[str, int, bool]:
-    """The retrieved-sessions text within ``budget`` tokens: ``(text, sessions kept, cut?)``."""
+    """The retrieved-sessions text within ``budget`` tokens: ``(text, sessions kept, cut?)``. A session's
+    ``cards`` (memgas-cards: its cards' lines) are part of its block, dropped and cut with it."""
     chosen = list(sessions[:top_k])
     blocks = [
         session_block(
@@ -98,6 +99,7 @@ def build_context(
             s.get("text") or "",
             (s.get("summary") or "") if multigran else None,
             (s.get("keywords") or "") if multigran else None,
+            s.get("cards"),  # memgas-cards' reader: the lines of the cards that ranked the session
         )
         for s in chosen
     ]
@@ -151,7 +153,10 @@ def context_turn_keys(sessions: Sequence[dict[str, Any]], text: str, kept: int,
         if sum(lengths) + max(len(lengths) - 1, 0) != len(body):
             raise ValueError(f"session {s.get('session_id')!r}: its turns do not render to its text "
                              f"({sum(lengths) + max(len(lengths) - 1, 0)} characters, the text has {len(body)})")
-        head = text.find(_CONTENT_HEAD) if kept == 1 else 0
+        # the text starts after the block's header (memgas-cards: and its cards' lines): searched from there, a
+        # card that quotes the head is not taken for it
+        start = len(session_block(s.get("date"), "", cards=s.get("cards"))) - len(_CONTENT_HEAD) - 1
+        head = text.find(_CONTENT_HEAD, start) if kept == 1 else 0
         if head < 0:  # cut inside the session's header: none of its turns is there
             break
         end = head + len(_CONTENT_HEAD) if kept == 1 else 0

@@ -6,25 +6,26 @@ LongMemEval haystacks cheap: a session shared by many questions is stored, summa
 
 Keys (a re-run of a stage overwrites rows with the same key instead of adding duplicates):
 
-===============  ============================================  ==========================================
-table            key                                           what a row is
-===============  ============================================  ==========================================
-histories        history_id                                    one user's memory (LME: one question)
-sessions         history_id, session_id                        a session referenced by a history
-texts            text_hash                                     a unique text (session, turn pair, ...)
-turns            session_hash, turn_index                      one utterance of a unique session
-pairs            session_hash, pair_index                      a retrieval "turn": two utterances
-queries          query_id                                      a question with its evidence
-generations      text_hash, kind, model, prompt_version        an LLM (or LLM-free) summary / keywords
-embeddings       text_hash, encoder                            one vector
-nodes            history_id, session_id, granularity           which text a memory node is embedded from
-edges            history_id, src, dst, mode                    an undirected association edge (src > dst)
-rankings         method, query_id, rank                        a ranked session
-answers          method, query_id                              filtered context and hypothesis
-cards            card_id                                       a JustMem atomic memory card of a session
-plans            query_id, planner                             a JustMem access plan of a question
-card_picks       method, query_id, rank                        a card a JustMem method chose to read
-===============  ============================================  ==========================================
+================  ============================================  ==========================================
+table             key                                           what a row is
+================  ============================================  ==========================================
+histories         history_id                                    one user's memory (LME: one question)
+sessions          history_id, session_id                        a session referenced by a history
+texts             text_hash                                     a unique text (session, turn pair, ...)
+turns             session_hash, turn_index                      one utterance of a unique session
+pairs             session_hash, pair_index                      a retrieval "turn": two utterances
+queries           query_id                                      a question with its evidence
+generations       text_hash, kind, model, prompt_version        an LLM (or LLM-free) summary / keywords
+embeddings        text_hash, encoder                            one vector
+nodes             history_id, session_id, granularity           which text a memory node is embedded from
+edges             history_id, src, dst, mode                    an undirected association edge (src > dst)
+rankings          method, query_id, rank                        a ranked session
+answers           method, query_id                              filtered context and hypothesis
+cards             card_id                                       a JustMem atomic memory card of a session
+plans             query_id, planner                             a JustMem access plan of a question
+card_picks        method, query_id, rank                        a card a JustMem method chose to read
+card_graph_picks  method, query_id, rank, card_rank             a card that ranked a memgas-cards session
+================  ============================================  ==========================================
 
 JustMem (DESIGN.md §6): ``cards`` are keyed by content like ``generations``: ``card_id`` is
 derived from (session_hash, extractor, card_index) (:func:`memgas.pipeline.justmem.extract.card_id`), so a
@@ -337,6 +338,21 @@ CARD_PICKS = pa.schema(
     ]
 )
 
+#: The cards that ranked memgas-cards' sessions (results store, written by card-graph-rank beside its
+#: ``rankings``): per question and ranked session (its ``retrieval.store_top`` best), the session's cards of most
+#: PPR mass (at most ``retrieval.card_graph_picks``): what its reader shows beside each session's text.
+CARD_GRAPH_PICKS = pa.schema(
+    [
+        pa.field("method", pa.string(), nullable=False),
+        pa.field("query_id", pa.string(), nullable=False),
+        pa.field("rank", pa.int32(), nullable=False),  # the session's rank (as in ``rankings``)
+        pa.field("session_id", pa.string(), nullable=False),
+        pa.field("card_rank", pa.int32(), nullable=False),  # 1-based among the session's picks, by mass
+        pa.field("card_id", pa.string(), nullable=False),
+        pa.field("mass", pa.float64(), nullable=False),  # the card node's PPR value
+    ]
+)
+
 #: Static schemas by table name (``embeddings`` depends on the encoder's dimension).
 TABLES: dict[str, pa.Schema] = {
     "histories": HISTORIES,
@@ -365,6 +381,7 @@ TABLES: dict[str, pa.Schema] = {
     "card_graph_edge_segments": EDGE_SEGMENTS,
     # ... and, under association.search=ivf, each segment's recall sample (as ivf_recall)
     "card_graph_ivf_recall": IVF_RECALL,
+    "card_graph_picks": CARD_GRAPH_PICKS,
 }
 
 #: Key columns per table: rows sharing a key are one row (the last written wins on merge).
@@ -389,6 +406,7 @@ KEYS: dict[str, tuple[str, ...]] = {
     "card_picks": ("method", "query_id", "rank"),
     "card_graph_edges": ("history_id", "src", "dst", "mode"),
     "card_graph_edge_segments": ("history_id", "first_session", "end_session"),
+    "card_graph_picks": ("method", "query_id", "rank", "card_rank"),
 }
 
 

@@ -11,6 +11,7 @@ from memgas.jobs.stages.associate import AssociateStage
 from memgas.jobs.stages.card_graph import CardGraphEncodeStage
 from memgas.jobs.stages.card_graph_associate import CardGraphAssociateStage
 from memgas.jobs.stages.card_graph_rank import CardGraphRankStage
+from memgas.jobs.stages.card_graph_read import CardGraphReadStage
 from memgas.jobs.stages.cards import CardsStage
 from memgas.jobs.stages.encode import EncodeStage
 from memgas.jobs.stages.evaluate import EvaluateReport
@@ -29,5 +30,6 @@ __all__ = ["ANSWER", "INDEX", "PIPELINE"]
 # encoder actors. The card-graph stages (memgas-cards) exist only when it is selected.
 PIPELINE = (IngestSource(), GenerateStage(), CardsStage(), PlanStage(), NodesStage(), EncodeStage(),
             CardEncodeStage(), CardGraphEncodeStage(), AssociateStage(), CardGraphAssociateStage(), RankStage(),
-            CardRankStage(), CardGraphRankStage(), ReadStage(), CardReadStage(), JudgeStage(), EvaluateReport())
+            CardRankStage(), CardGraphRankStage(), ReadStage(), CardReadStage(), CardGraphReadStage(), JudgeStage(),
+            EvaluateReport())
 INDEX, ANSWER = command_slices(PIPELINE)

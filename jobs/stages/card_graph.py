@@ -12,10 +12,13 @@ MemGAS's reads it back:
   (:mod:`memgas.pipeline.card_graph`), segmented like MemGAS's (valid while the graph's prefix is unchanged:
   :func:`card_chains`), so an append associates only the new sessions' rows; a long prefix in node blocks, and
   under ``association.search: ivf`` the IVF search past the exact prefix (:mod:`memgas.pipeline.card_graph_ivf`);
-- ``card-graph-rank`` (:mod:`~memgas.jobs.stages.card_graph_rank`): memgas-cards' rankings (rows of ``rankings``).
+- ``card-graph-rank`` (:mod:`~memgas.jobs.stages.card_graph_rank`): memgas-cards' rankings (rows of ``rankings``)
+  and, per question and ranked session, the cards of most PPR mass (``card_graph_picks``);
+- ``card-graph-read`` (:mod:`~memgas.jobs.stages.card_graph_read`): its answers, from the top sessions' texts with
+  those cards, while memgas-cards is in ``reading.methods``.
 
-They exist only while memgas-cards is in ``retrieval.methods`` (it has no reader yet: ``reading.methods`` refuses
-it). The cards stage runs for it too; JustMem's planner and card ranker do not.
+They exist only while memgas-cards is in ``retrieval.methods``. The cards stage runs for it too; JustMem's planner
+and card ranker do not.
 """
 
 from __future__ import annotations
@@ -144,8 +147,10 @@ def histories(ctx: StageContext) -> list[dict[str, Any]]:
 
 
 # -- one history's five-granularity graph ----------------------------------------------------------------------
-def card_graphs(ctx: StageContext, history_ids: list[str]) -> dict[str, tuple[Any, list[str]]]:
-    """{history: (CardGraph, session ids in position order)} of ``history_ids`` that have nodes."""
+def card_graphs(ctx: StageContext, history_ids: list[str],
+                card_ids: dict[str, list[str]] | None = None) -> dict[str, tuple[Any, list[str]]]:
+    """{history: (CardGraph, session ids in position order)} of ``history_ids`` that have nodes; ``card_ids``,
+    when given, gets {history: the id of each card node, in node order}."""
     from memgas.pipeline.card_graph import build_card_graph
     from memgas.pipeline.justmem.retrieve import HistoryCards
 
@@ -167,12 +172,16 @@ def card_graphs(ctx: StageContext, history_ids: list[str]) -> dict[str, tuple[An
                                      vectors)
         card_vecs = hc.vectors if len(hc.texts) else np.zeros((0, loader.dim), np.float32)
         out[h] = (build_card_graph(node_matrix(m), hc.session_pos, card_vecs), m["session_ids"])
+        if card_ids is not None:  # build_card_graph keeps the cards' order: HistoryCards' is the node order
+            card_ids[h] = hc.card_ids
     return out
 
 
-def history_card_graph(ctx: StageContext, history_ids: list[str] | None = None) -> list[tuple]:
+def history_card_graph(ctx: StageContext, history_ids: list[str] | None = None,
+                       card_ids: dict[str, list[str]] | None = None) -> list[tuple]:
     """(history, CardGraph, session ids, query ids, query vectors [Q, d]) per history with questions, queries
-    in id order (a history's questions are ranked as one batch: the same bits whatever the files' order)."""
+    in id order (a history's questions are ranked as one batch: the same bits whatever the files' order);
+    ``card_ids`` as :func:`card_graphs`'."""
     bank = ctx.bank
     filt = None if history_ids is None else pc.field("history_id").isin(history_ids)
     queries = bank.read("queries", ["query_id", "history_id", "question"], filter=filt).sort_by("query_id")
@@ -180,7 +189,7 @@ def history_card_graph(ctx: StageContext, history_ids: list[str] | None = None) 
         return []
     qdf = queries.to_pandas()
     ids = sorted(set(qdf["history_id"]))
-    graphs = card_graphs(ctx, ids)
+    graphs = card_graphs(ctx, ids, card_ids)
     qv = query_vectors(bank, qdf["question"].tolist(), keys.encoder_key(ctx))
     out = []
     for h, g in qdf.groupby("history_id", sort=True):

@@ -25,23 +25,27 @@ class EvaluateReport(Report):
 
     name = "evaluate"
     # and what the readers read, to rebuild their contexts (evidence recall of the reader's context)
-    reads = ("queries", *RANKINGS, "answers", "card_answers", "judgments", "sessions", "pairs", "texts", "turns",
-             "generations", "card_picks", "cards", "plans", *PROBED)
+    reads = ("queries", *RANKINGS, "answers", "card_answers", "card_graph_answers", "judgments", "sessions", "pairs",
+             "texts", "turns", "generations", "card_picks", "card_graph_picks", "cards", "plans", *PROBED)
     # the reading budgets shape the readers' contexts it rebuilds (justmem.replay_tokens too, declared by
     # card-read only: without JustMem that field changes nothing)
     fields = ("evaluation.ks", "evaluation.bertscore", "reading.top_k", "reading.filter", "reading.context_tokens",
               "reading.max_new_tokens", "llm.context_tokens")
 
     def active(self, ctx: StageContext) -> Active:
+        from memgas.jobs.stages.card_graph_read import card_graph_read_enabled
         from memgas.pipeline.methods import get_method, uses_card_graph
 
         methods = ctx.cfg.retrieval.methods
         both = uses_card_graph(methods)
-        # memgas-cards' rankings are read only where it is ranked: other configs keep their fingerprint; the
-        # generations only with a MemGAS method (their tokens charged to the methods that read them,
-        # evaluate_run.method_tokens; the summaries in a session reader's context, reader_evidence), so a
-        # JustMem-only run leaves MemGAS's generate stage without a reader (runner.unused_stages)
-        drop = set() if both else {tables.ranking("memgas-cards")}
+        # memgas-cards' rankings and picks are read only where it is ranked, its answers where it is read: other
+        # configs keep their fingerprint; the generations only with a MemGAS method (their tokens charged to the
+        # methods that read them, evaluate_run.method_tokens; the summaries in a session reader's context,
+        # reader_evidence), so a JustMem-only run leaves MemGAS's generate stage without a reader
+        # (runner.unused_stages)
+        drop = set() if both else {tables.ranking("memgas-cards"), "card_graph_picks"}
+        if not card_graph_read_enabled(ctx.cfg):
+            drop.add("card_graph_answers")
         if not both and not any(get_method(m).family == "memgas" for m in methods):
             drop.add("generations")
         if PROBE_METHOD not in methods:  # the latency probe ranks with the memgas method's graph
@@ -50,11 +54,12 @@ class EvaluateReport(Report):
 
     def report(self, ctx: StageContext) -> dict[str, Any]:
         from memgas.jobs.evaluate_run import evaluate_run
+        from memgas.jobs.stages.read import ANSWER_TABLES
 
         reads = tables.declared_reads(ctx, self, self.active(ctx))
         ranked = [t for t in (tables.resolve(ctx, r, self) for r in RANKINGS) if t in reads]
         parts = {"rankings": [p for t in ranked for p in tables.current_parts(ctx, t)],
-                 "answers": [*tables.current_parts(ctx, "answers"), *tables.current_parts(ctx, "card_answers")],
+                 "answers": [p for t in ANSWER_TABLES if t in reads for p in tables.current_parts(ctx, t)],
                  "judgments": tables.current_parts(ctx, "judgments")}
         metrics = evaluate_run(ctx.cfg, ctx.bank, ctx.results, parts={k: sorted(v) for k, v in parts.items()})
         add_reader_evidence(ctx, metrics, sorted(parts["rankings"]))
@@ -103,7 +108,8 @@ def add_reader_evidence(ctx: StageContext, metrics: dict[str, Any], ranking_part
         return
     rankings = ctx.results.read("rankings", parts=ranking_parts) if ranking_parts else RANKINGS.empty_table()
     picks = tables.read_current(ctx, "card_picks") if justmem_enabled(ctx.cfg) else CARD_PICKS.empty_table()
-    evidence = reader_evidence(ctx, rankings, picks)
+    graph_picks = tables.read_current(ctx, "card_graph_picks") if tables.may_read(ctx, "card_graph_picks") else None
+    evidence = reader_evidence(ctx, rankings, picks, graph_picks)
     session = metrics.get("retrieval", {}).get("session", {})
     for method, entry in evidence.items():
         if method in session:

@@ -12,22 +12,25 @@ from memgas.jobs.units import chunk
 
 
 class JudgeStage(Stage):
-    """LongMemEval's per-type LLM judge over the run's answers (both readers'); reuses the readers' engine."""
+    """LongMemEval's per-type LLM judge over the run's answers (every reader's); reuses the readers' engine."""
 
     name = "judge"
-    reads = ("queries", "answers", "card_answers")
+    reads = ("queries", "answers", "card_answers", "card_graph_answers")
     writes = (tables.Table("judgments", "fingerprint", "results"),)
     fields = ("evaluation.judge", *keys.LLM_OUTPUT_FIELDS)
     where = "actor"
     model = "llm"
 
     def active(self, ctx: StageContext) -> Active | None:
+        from memgas.jobs.stages.card_graph_read import card_graph_read_enabled
         from memgas.pipeline.evaluate.judge import JUDGE_PROMPT_DIGEST
 
         cfg = ctx.cfg
         if not (cfg.evaluation.judge and cfg.reading.enabled):
             return None
-        return Active(resolved=keys.llm_resolved(ctx, JUDGE_PROMPT_DIGEST),
+        # memgas-cards' answers only while it is read: otherwise the judge keeps the fingerprint it had without them
+        reads = None if card_graph_read_enabled(cfg) else tuple(t for t in self.reads if t != "card_graph_answers")
+        return Active(reads=reads, resolved=keys.llm_resolved(ctx, JUDGE_PROMPT_DIGEST),
                       params={"temperature": cfg.llm.temperature, "seed": cfg.seed},
                       model={"llm": cfg.llm.model_dump(), "llm_runtime": ctx.resolved.get("llm"), "seed": cfg.seed})
 

@@ -1,6 +1,6 @@
 """The read stage: answers from the top-ranked sessions of the MemGAS methods, and what the readers share
-(the JustMem methods are the card reader's, :class:`memgas.jobs.stages.justmem.CardReadStage`, which calls
-these functions)."""
+(the JustMem methods are the card reader's, :class:`memgas.jobs.stages.justmem.CardReadStage`, memgas-cards is
+:class:`memgas.jobs.stages.card_graph_read.CardGraphReadStage`; both call these functions)."""
 
 from __future__ import annotations
 
@@ -136,15 +136,17 @@ class ReadStage(Stage):
         return reader_finish(ctx, self)
 
 
-#: the tables of answers, MemGAS's and JustMem's
-ANSWER_TABLES = ("answers", "card_answers")
+#: the tables of answers: MemGAS's, JustMem's and memgas-cards'
+ANSWER_TABLES = ("answers", "card_answers", "card_graph_answers")
 
 
 def current_answers(ctx: StageContext, names: tuple[str, ...] = ANSWER_TABLES) -> pa.Table:
-    """The current answers of the readers of ``names`` (empty table when none)."""
+    """The current answers of the readers of ``names`` that the running step reads under this config (a step
+    leaves memgas-cards' answers out of its reads while that reader is disabled: its fingerprint stays what it
+    was without it) (empty table when none)."""
     from memgas.pipeline.schema import ANSWERS as SCHEMA
 
     if ctx.results is None:
         return SCHEMA.empty_table()
-    parts = [p for n in names for p in tables.current_parts(ctx, n)]
+    parts = [p for n in names if tables.may_read(ctx, n) for p in tables.current_parts(ctx, n)]
     return ctx.results.read("answers", parts=sorted(parts)) if parts else SCHEMA.empty_table()

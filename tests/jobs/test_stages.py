@@ -96,6 +96,7 @@ CASES: list[tuple[str, object, list[str]]] = [
     ("retrieval.temp", 0.5, ["rank", "read"]),
     ("retrieval.router", "reference", ["rank", "read"]),
     ("retrieval.card_graph_entropy", "raw", []),  # memgas-cards only (tests/jobs/test_memgas_cards.py)
+    ("retrieval.card_graph_picks", 3, []),
     ("retrieval.ppr", "push", ["rank", "read"]),
     ("retrieval.ppr_epsilon", 1e-6, []),  # the push threshold: inactive under the base config's exact PPR
     ("retrieval.store_top", 40, ["rank", "read"]),
@@ -320,7 +321,7 @@ def test_first_run_executes_every_stage_and_reads_in_the_job(reference_run) -> N
         "encode": "executed", "card-encode": "disabled", "associate": "executed", "rank": "executed",
         "card-rank": "disabled", "read": "executed", "card-read": "disabled", "judge": "disabled",
         "card-graph-encode": "disabled", "card-graph-associate": "disabled", "card-graph-rank": "disabled",
-        "evaluate": "executed"}
+        "card-graph-read": "disabled", "evaluate": "executed"}
     assert list(rec) == [s.name for s in S.PIPELINE]
     # ingest's entry has what every stage's has: its fingerprint, where it ran, and its verified output
     ingest = rec["ingest"]

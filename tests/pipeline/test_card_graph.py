@@ -1,5 +1,5 @@
-"""memgas-cards (pipeline/card_graph.py): the router's entropy setting; the candidate search against its dense
-reference."""
+"""memgas-cards (pipeline/card_graph.py): the router's entropy setting, the cards that ranked a session, the
+candidate search against its dense reference."""
 
 from __future__ import annotations
 
@@ -122,3 +122,33 @@ def test_past_the_exact_prefix_ivf_equals_the_exact_search_where_the_recall_samp
             sel = (g.session[got.rows] >= a) & (g.session[got.rows] < b)
             for f in ("rows", "cand", "valid", "scores"):
                 assert np.array_equal(getattr(got, f)[sel], getattr(part, f)), (nprobe, a, b, f)
+
+
+def test_the_picks_are_the_cards_of_most_ppr_mass_of_each_top_session() -> None:
+    """``session_card_picks``: per query, of each of its top sessions in rank order, the cards whose PPR mass
+    (:func:`card_graph_ppr`, the values its session's score sums) is positive, most mass first (ties by node id),
+    at most ``per_session``; against a plain loop over the same masses."""
+    from memgas.pipeline.card_graph import card_graph_ppr, session_card_picks
+
+    g, q = _graph(1)
+    cards = np.flatnonzero(g.gran == CARD)
+    # edges between cards of sessions 0 and 2 and one MemGAS node (src the later node): mass reaches cards
+    # that are not seeds, and some card stays at zero
+    src = np.array([cards[6], cards[7], cards[8], cards[9], cards[12], 9])
+    dst = np.array([cards[0], cards[0], cards[1], cards[1], 0, 4])
+    kw = dict(num_seeds=8, damping=0.3, temp=0.2, router="paper")
+    order, scores, mass = card_graph_ppr(g, q, src, dst, **kw)
+    assert all(np.array_equal(a, b) for a, b in zip(rank_card_graph(g, q, src, dst, **kw), (order, scores)))
+    for s in range(g.n_sessions):  # a session's score is the sum of its nodes' mass, cards included
+        assert np.array_equal(scores[:, s], mass[:, g.session == s].sum(1))
+    for top, per in ((3, 3), (2, 20), (1, 0)):
+        got = session_card_picks(g, order, mass, top, per)
+        for qi, (ranks, nodes) in enumerate(got):
+            want = []
+            for r, s in enumerate(order[qi, :top]):
+                mine = [n for n in cards if g.session[n] == s and mass[qi, n] > 0]
+                want += [(r, n) for n in sorted(mine, key=lambda n: (-mass[qi, n], n))[:per]]
+            assert list(zip(ranks.tolist(), nodes.tolist())) == want, (top, per, qi)
+    # the cap binds (6 cards of session 2 have mass for query 0) and some cards have none
+    assert max(np.bincount(r).max() for r, _ in session_card_picks(g, order, mass, 3, 20)) > 3
+    assert all((mass[qi, cards] == 0).any() for qi in range(len(q)))

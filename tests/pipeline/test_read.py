@@ -128,3 +128,38 @@ def test_no_filter_answers_once_with_dates(smollm) -> None:
     p = llm.batches[0][0]
     assert p.count("### Session Date") == 2 and "Session Summary" not in p and "Question Date: 2023/06/01" in p
     assert t.column("retrieved_session_ids").to_pylist() == [["x-s0", "x-s1"]]
+
+
+def test_a_sessions_cards_are_read_with_it_within_the_budget() -> None:
+    """memgas-cards' reader: a session's block holds its cards' lines under its date, before its text; blocks
+    are dropped lowest-ranked first, cards with their session, and the top one alone is cut at its head, its
+    cards first. Exact word counts of a one-word-a-token model at the budget's edges."""
+    from memgas.pipeline.models.server import EchoLLM
+    from memgas.pipeline.prompts import CARD_GRAPH_CARDS_HEAD, answer_prompt, session_block
+    from memgas.pipeline.read import MARGIN, context_turn_keys
+
+    q = _q("m", "What did Melanie paint?", n_sessions=3)
+    for i, s in enumerate(q["sessions"]):
+        s["cards"] = "\n".join(f"[{k}] (2023/05/0{i + 1}) Melanie painted lake {i}.{k}" for k in (1, 2))
+    blocks = [session_block(s["date"], s["text"], cards=s["cards"]) for s in q["sessions"]]
+    assert blocks[0] == ("\n### Session Date: 2023/05/01\nSession Cards:\n[1] (2023/05/01) Melanie painted lake 0.1\n"
+                         "[2] (2023/05/01) Melanie painted lake 0.2\nSession Content:\n" + q["sessions"][0]["text"] + "\n")
+    llm = EchoLLM()
+    words = [llm.count_tokens("".join(blocks[:n])) for n in (1, 2, 3)]
+    overhead = llm.count_tokens(answer_prompt("", q["question"], q["question_date"])[0]["content"]) + 8 + MARGIN
+
+    def context(budget: int) -> str:
+        cfg = ReadingConfig(top_k=3, filter=False, context_tokens=budget + overhead, max_new_tokens=8)
+        return read_and_answer([q], llm, cfg, "memgas-cards").to_pylist()[0]["filtered_context"]
+
+    assert context(words[2]) == "".join(blocks)
+    assert context(words[2] - 1) == context(words[1]) == "".join(blocks[:2])
+    assert context(words[1] - 1) == context(words[0]) == blocks[0]
+    cut = context(words[0] - 6)  # the top block alone does not fit: its head, the cards' lines first
+    assert blocks[0].startswith(cut) and llm.count_tokens(cut) <= words[0] - 6 and len(cut) < len(blocks[0])
+    assert cut.startswith(f"\n### Session Date: 2023/05/01\n{CARD_GRAPH_CARDS_HEAD}{q['sessions'][0]['cards']}\n")
+    # the report's evidence: the turns of the kept sessions; of a cut top session, those whose line is whole
+    lengths = [[len(s["text"])] for s in q["sessions"]]  # one line each
+    assert context_turn_keys(q["sessions"], blocks[0], 1, lengths) == [("m-s0", 0)]
+    assert context_turn_keys(q["sessions"], "".join(blocks[:2]), 2, lengths) == [("m-s0", 0), ("m-s1", 0)]
+    assert context_turn_keys(q["sessions"], cut, 1, lengths) == []
