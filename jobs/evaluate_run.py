@@ -152,10 +152,13 @@ def _turn_level(qinfo: pd.DataFrame, ranked_sessions: dict[str, list[str]], bank
     has_turn = qinfo["evidence_turn_ids"].map(lambda v: v is not None and len(v) > 0)
     if not has_turn.any():
         return None
-    sessions = bank.read("sessions", columns=["history_id", "session_id", "text_hash"]).to_pandas()
-    pairs = bank.read("pairs", columns=["session_hash", "pair_index"]).to_pandas()
-    n_pairs = pairs.groupby("session_hash")["pair_index"].max().add(1).to_dict()
-    sess_hash = {(h, s): th for h, s, th in sessions.itertuples(index=False)}
+    # Arrow columns to Python lists, not pandas rows: a row tuple per session of the bank was most of this
+    sessions = bank.read("sessions", columns=["history_id", "session_id", "text_hash"])
+    last = bank.read("pairs", columns=["session_hash", "pair_index"]).group_by("session_hash").aggregate(
+        [("pair_index", "max")])
+    n_pairs = dict(zip(last["session_hash"].to_pylist(), (m + 1 for m in last["pair_index_max"].to_pylist())))
+    sess_hash = dict(zip(zip(sessions["history_id"].to_pylist(), sessions["session_id"].to_pylist()),
+                         sessions["text_hash"].to_pylist()))
     records = []
     for q, row in qinfo[has_turn].iterrows():
         turns: list[str] = []

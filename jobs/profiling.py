@@ -21,12 +21,35 @@ import psutil
 log = logging.getLogger(__name__)
 
 
-def _tree() -> list[psutil.Process]:
-    me = psutil.Process(os.getpid())
-    try:
-        return [me, *me.children(recursive=True)]
-    except psutil.Error:
-        return [me]
+#: Seconds between two walks of the process tree (new children found). A walk reads every process of the
+#: machine (psutil's parent map) and each child's start time; the samples in between read only the processes
+#: found by the last walk (two small /proc reads each).
+TREE_REFRESH_S = 2.0
+
+
+class _Tree:
+    """This process and its descendants. ``processes()`` walks the tree at most every ``refresh_s`` seconds
+    (and when ``walk=True``) and otherwise returns the processes found last time: the walk (every process of
+    the machine) was most of the profiler's cost, sampled four times a second. A process that starts is
+    seen at the next walk with all its CPU time since it started; one that lives less than ``refresh_s``
+    between two walks may go unseen."""
+
+    def __init__(self, refresh_s: float = TREE_REFRESH_S) -> None:
+        self.me = psutil.Process(os.getpid())
+        self.refresh_s = refresh_s
+        self.known: list[psutil.Process] = [self.me]
+        self.walked = -float("inf")
+
+    def processes(self, walk: bool = False) -> list[psutil.Process]:
+        now = time.monotonic()
+        if walk or now - self.walked >= self.refresh_s:
+            self.walked = now
+            try:
+                children = self.me.children(recursive=True)
+            except psutil.Error:
+                children = []
+            self.known = [self.me, *children]
+        return self.known
 
 
 def gpu_peak_bytes() -> int | None:
@@ -66,10 +89,10 @@ class StageStats:
         return d
 
 
-def _tree_snapshot() -> tuple[int, dict[int, float]]:
+def _tree_snapshot(tree: _Tree, walk: bool = False) -> tuple[int, dict[int, float]]:
     """(RSS of the process tree, CPU seconds per pid)."""
     rss, cpu = 0, {}
-    for p in _tree():
+    for p in tree.processes(walk):
         try:
             with p.oneshot():
                 rss += p.memory_info().rss
@@ -90,11 +113,12 @@ class _TreeSampler(threading.Thread):
     def __init__(self, interval: float = 0.25) -> None:
         super().__init__(daemon=True)
         self.interval, self._stop_evt = interval, threading.Event()
-        self.peak, self.start_cpu = _tree_snapshot()
+        self.tree = _Tree()
+        self.peak, self.start_cpu = _tree_snapshot(self.tree, walk=True)
         self.last_cpu = dict(self.start_cpu)
 
-    def _sample(self) -> None:
-        rss, cpu = _tree_snapshot()
+    def _sample(self, walk: bool = False) -> None:
+        rss, cpu = _tree_snapshot(self.tree, walk)
         self.peak = max(self.peak, rss)
         self.last_cpu.update(cpu)
 
@@ -105,7 +129,7 @@ class _TreeSampler(threading.Thread):
     def stop(self) -> tuple[int, float]:
         self._stop_evt.set()
         self.join(timeout=2)
-        self._sample()
+        self._sample(walk=True)  # the processes started since the last walk count too
         cpu = sum(max(0.0, t - self.start_cpu.get(pid, 0.0)) for pid, t in self.last_cpu.items())
         return self.peak, cpu
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from memgas.jobs import tables as T
-from memgas.jobs.executor import ActorPool, execute_units
+from memgas.jobs.executor import ActorPool, execute_units, release_unused_memory
 from memgas.jobs.plan import finish_plan, load_or_make_plan
 from memgas.jobs.profiling import Profiler
 from memgas.jobs.stage import Active, Report, Source, Stage, StageContext
@@ -234,6 +234,7 @@ def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: 
             stats.setdefault("stale_parts_dropped", dropped)
         finish_plan(store, plan_name)
         ctx.scratch = {}
+        release_unused_memory()  # what the compaction, the digests and finish read
         entry.update(units_total=len(units), units_done=counts["done"], units_resumed=counts["skipped"],
                      actor_retries=counts["retries"])
         ctx.unit_seconds[stage.name] = counts["unit_seconds"]

@@ -143,7 +143,7 @@ def declared_reads(ctx: StageContext, step: Any, active: Active | None = None) -
 #: Bank methods whose first argument names a bank table
 TABLE_METHODS = frozenset({"read", "iter_read", "iter_groups", "iter_merged", "count", "exists", "parts", "has_part",
                            "part_digest", "current_digest", "verify_part", "compact", "write", "write_part",
-                           "drop_part", "drop", "_read_part", "_rows", "_dir"})
+                           "drop_part", "drop", "_read_part", "_rows", "part_rows", "_dir"})
 
 
 class UndeclaredRead(RuntimeError):

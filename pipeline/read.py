@@ -191,8 +191,11 @@ def reading_payloads(bank: Any, rankings: pa.Table, query_ids: Sequence[str], *,
     rk = rk[rk["query_id"].isin(query_ids)].sort_values(["query_id", "rank"])
     top = {q: g["session_id"].tolist() for q, g in rk.groupby("query_id")}
     hids = sorted(set(queries["history_id"]))
+    # only the ranked sessions of the histories: a history has hundreds, a query reads its top K (a row tuple
+    # per session of every history, and their texts and generations, were most of the evaluate report's time)
+    ranked = sorted({sid for ids in top.values() for sid in ids})
     sessions = bank.read("sessions", ["history_id", "session_id", "date_raw", "text_hash"],
-                         filter=pc.field("history_id").isin(hids)).to_pandas()
+                         filter=pc.field("history_id").isin(hids) & pc.field("session_id").isin(ranked)).to_pandas()
     hashes = sorted(set(sessions["text_hash"]))
     gen: dict[tuple[str, str], Any] = {}
     if generation_key is not None:  # None: a caller that does not read the generations (no summaries)

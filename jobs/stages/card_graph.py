@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import keys, tables
+from memgas.jobs.history_index import READ_BATCH_ROWS
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.encode import embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest
 from memgas.jobs.stages.justmem import current_cards
@@ -162,7 +163,9 @@ def card_graphs(ctx: StageContext, history_ids: list[str],
     cards = current_cards(ctx, sorted({t for ts in hashes.values() for t in ts}))
     texts = sorted(set(cards["text"].to_pylist()))
     key = keys.encoder_key(ctx)
-    vecs = query_vectors(ctx.bank, texts, key) if texts else np.zeros((0, 0), np.float32)
+    # a batch of embeddings at a time: the unit's ~10^5 card vectors out of the whole table (a plain filtered
+    # read held ~0.5 GB more at 60 histories, growing with the bank)
+    vecs = query_vectors(ctx.bank, texts, key, READ_BATCH_ROWS) if texts else np.zeros((0, 0), np.float32)
     by_text = dict(zip(texts, vecs))
     vectors = {th: by_text[t] for th, t in zip(cards["text_hash"].to_pylist(), cards["text"].to_pylist())}
     out = {}

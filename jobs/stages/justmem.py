@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import keys, tables
+from memgas.jobs.history_index import READ_BATCH_ROWS
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.read import (
     READ_FIELDS,
@@ -175,7 +176,8 @@ def card_rank_inputs(ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
     plans = {r["query_id"]: r for r in current_plans(ctx, qdf["query_id"].tolist()).to_pylist()}
     rewrites = sorted({r for p in plans.values() for r in (p["rewrites"] or [])})
     texts = sorted(set(cards["text"].to_pylist()) | set(rewrites))
-    vecs = query_vectors(bank, texts, key) if texts else np.zeros((0, 0), np.float32)
+    # a batch of embeddings at a time: the unit's card vectors out of the whole table (same rows)
+    vecs = query_vectors(bank, texts, key, READ_BATCH_ROWS) if texts else np.zeros((0, 0), np.float32)
     vectors = {text_hash(t): vecs[i] for i, t in enumerate(texts)}
     out = []
     for h, g in qdf.groupby("history_id", sort=True):

@@ -65,11 +65,12 @@ def family_methods(methods: list[str], family: str) -> list[str]:
     return [m for m in methods if get_method(m).family == family]
 
 
-def query_vectors(bank: Bank, questions: list[str], key: str) -> np.ndarray:
+def query_vectors(bank: Bank, questions: list[str], key: str, batch_rows: int | None = None) -> np.ndarray:
+    """``batch_rows``: read ``embeddings`` that many rows at a time (:meth:`Bank.read`; the same rows)."""
     from memgas.pipeline.encode import query_hash
 
     hashes = [query_hash(q) for q in questions]
-    t = bank.read("embeddings", ["text_hash", "vector"],
+    t = bank.read("embeddings", ["text_hash", "vector"], batch_rows=batch_rows,
                   filter=(pc.field("encoder") == key) & pc.field("text_hash").isin(sorted(set(hashes))))
     row = {h: i for i, h in enumerate(t["text_hash"].to_pylist())}
     missing = [q for q, h in zip(questions, hashes) if h not in row]

@@ -199,6 +199,8 @@ def test_a_run_ranks_memgas_cards_and_equals_the_library(mc_run) -> None:
     ctx = _ctx(cfg, mc_run)
     got = ctx.results.read("rankings", parts=tables.current_parts(ctx, "card_graph_rankings")).to_pandas()
     assert set(got["method"]) == {"memgas-cards"}
+    edges = tables.read_current(ctx, "card_graph_edges", columns=["src"]).num_rows  # counted from the parts' metadata
+    assert metrics["stages"]["card-graph-associate"]["extra"]["edges_gmm"] == edges > 0
     assert set(_rankings(ctx)["method"]) == {"session", "memgas"}  # MemGAS's writers hold none of its rows
     assert len(got) > 0
     picks = tables.read_current(ctx, "card_graph_picks").to_pandas()
