@@ -30,15 +30,14 @@ from memgas.jobs.history_index import history_nodes, ivf_store, ivf_units, keep_
 from memgas.jobs.history_index import prefixes
 from memgas.jobs.history_index.prefixes import chains
 from memgas.jobs.stage import Active, Stage, StageContext
-from memgas.jobs.stages.shards import kernel_active, matrix_loader, node_matrix, owned
-from memgas.jobs.units import chunk
+from memgas.jobs.stages.shards import edge_tables, kernel_active, matrix_loader, node_matrix, owned, segment_units
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline import association
 from memgas.pipeline.association import blocks, ivf_search, segments
 from memgas.pipeline.association.edges import edges_from
 from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.association.segments import Coverage, Segment, coverage, split_every, split_segment
-from memgas.pipeline.schema import EDGE_MODES, EDGE_SEGMENTS, EDGES, IVF_DELTA, N_GRAN
+from memgas.pipeline.schema import EDGE_MODES, IVF_DELTA, N_GRAN
 
 MODES = EDGE_MODES  # the method's edges and those of the "no GMM" ablation
 
@@ -129,24 +128,13 @@ class AssociateStage(Stage):
         prefix = tables.prefix(self, ctx)
         cov = current_coverage(ctx, prefix)
         chain = chains(ctx)
-        small: list[list[Any]] = []
-        large: list[list[list[Any]]] = []
-        for h in sorted(chain):
-            c = chain[h]
-            a, s = cov.covered.get(h, 0), len(c) - 1
-            if a >= s:
-                continue
+
+        def pieces(h: str, a: int, s: int) -> list[tuple[int, int]]:
             if ivf_units.uses_ivf(ctx.cfg, s):  # each unit rebuilds the index at its first row: fixed, longer units
-                pieces = split_every(a, s, segments.IVF_UNIT_SESSIONS)
-            else:
-                pieces = split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS)
-            segs = [[h, x, y, c[y]] for x, y in pieces]
-            if len(segs) == 1:
-                small.append(segs[0])
-            else:
-                large += [[seg] for seg in segs]
-        groups = chunk(small, ctx.cfg.ray.shard_size) + large
-        return [{"size": len(g), "segments": g} for g in groups]
+                return split_every(a, s, segments.IVF_UNIT_SESSIONS)
+            return split_segment(a, s, segments.UNIT_WORK, segments.TILE_SESSIONS)
+
+        return segment_units(chain, cov.covered, pieces, ctx.cfg.ray.shard_size)
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         """Each segment's rows see the nodes of its sessions ``[0, end)``: only that prefix is shipped. A
@@ -190,18 +178,8 @@ class AssociateStage(Stage):
                     cands.append(association.causal_rows(E, N_GRAN * s0, N_GRAN * s1, mem_threshold=a["mem_threshold"],
                                                          min_prior_nodes=a["min_prior_nodes"], device=device))
             per_mode = {mode: edges_from(cands, mode, a["topk_edges"], device) for mode in MODES}
-        cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
-        for mode, edges in per_mode.items():
-            for (h, *_), e in zip(segs, edges):
-                n = len(e.src)
-                cols["history_id"] += [h] * n
-                cols["src"] += e.src.tolist()
-                cols["dst"] += e.dst.tolist()
-                cols["similarity"] += e.sim.tolist()
-                cols["mode"] += [mode] * n
-        segs_table = pa.table([list(c) for c in zip(*segs)] if segs else [[] for _ in EDGE_SEGMENTS.names],
-                            schema=EDGE_SEGMENTS)
-        out = {"edges": pa.table(cols, schema=EDGES), "edge_segments": segs_table}
+        edges, segs_table = edge_tables(segs, per_mode)
+        out = {"edges": edges, "edge_segments": segs_table}
         if ivf["recall"]:
             out["ivf_recall"] = pa.concat_tables(ivf["recall"])
         if ivf["index"]:

@@ -23,12 +23,11 @@ from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.associate import IVF_FIELDS
 from memgas.jobs.stages.card_graph import card_chains, card_graph_enabled, card_graphs, card_sizes
 from memgas.jobs.stages.justmem import current_cards
-from memgas.jobs.stages.shards import kernel_active
-from memgas.jobs.units import chunk
+from memgas.jobs.stages.shards import edge_tables, kernel_active, segment_units
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks, ivf_search, segments
 from memgas.pipeline.association.segments import Coverage, coverage, split_sized
-from memgas.pipeline.schema import EDGE_SEGMENTS, IVF_RECALL, N_GRAN
+from memgas.pipeline.schema import IVF_RECALL, N_GRAN
 
 
 # -- which segments are stored and which must be computed ------------------------------------------------------
@@ -93,20 +92,9 @@ class CardGraphAssociateStage(Stage):
         (:func:`~memgas.pipeline.association.segments.split_sized`: the cuts change the units, never the edges)."""
         cov = card_coverage(ctx, tables.prefix(self, ctx))
         chain, sizes = card_chains(ctx), card_sizes(ctx)
-        small: list[list[Any]] = []
-        large: list[list[list[Any]]] = []
-        for h in sorted(chain):
-            c = chain[h]
-            a, s = cov.covered.get(h, 0), len(c) - 1
-            if a >= s:
-                continue
-            segs = [[h, x, y, c[y]] for x, y in split_sized(a, s, sizes[h], segments.UNIT_WORK, segments.TILE_SESSIONS)]
-            if len(segs) == 1:
-                small.append(segs[0])
-            else:
-                large += [[seg] for seg in segs]
-        groups = chunk(small, ctx.cfg.ray.shard_size) + large
-        return [{"size": len(g), "segments": g} for g in groups]
+        return segment_units(chain, cov.covered,
+                             lambda h, a, s: split_sized(a, s, sizes[h], segments.UNIT_WORK, segments.TILE_SESSIONS),
+                             ctx.cfg.ray.shard_size)
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         """Each segment's graph of sessions ``[0, end)``: only the prefix its rows see. A prefix longer than one
@@ -134,7 +122,6 @@ class CardGraphAssociateStage(Stage):
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
         from memgas.pipeline.association.edges import edges_from
         from memgas.pipeline.card_graph import CardGraph
-        from memgas.pipeline.schema import EDGES
 
         segs = payload["segments"]
         recall: list[pa.Table] = []
@@ -142,17 +129,8 @@ class CardGraphAssociateStage(Stage):
             cands = [_candidates(CardGraph.from_arrays(g), seg, params, recall)
                      for g, seg in zip(payload["graphs"], segs)]
             edges = edges_from(cands, "gmm", None, params["device"])
-        cols: dict[str, list] = {"history_id": [], "src": [], "dst": [], "similarity": [], "mode": []}
-        for (h, *_), e in zip(segs, edges):
-            n = len(e.src)
-            cols["history_id"] += [h] * n
-            cols["src"] += e.src.tolist()
-            cols["dst"] += e.dst.tolist()
-            cols["similarity"] += e.sim.tolist()
-            cols["mode"] += ["gmm"] * n
-        segs_table = pa.table([list(c) for c in zip(*segs)] if segs else [[] for _ in EDGE_SEGMENTS.names],
-                              schema=EDGE_SEGMENTS)
-        out = {"card_graph_edges": pa.table(cols, schema=EDGES), "card_graph_edge_segments": segs_table}
+        edges_table, segs_table = edge_tables(segs, {"gmm": edges})
+        out = {"card_graph_edges": edges_table, "card_graph_edge_segments": segs_table}
         if recall:
             out["card_graph_ivf_recall"] = pa.concat_tables(recall)
         return out
