@@ -25,7 +25,8 @@ import numpy as np
 from memgas.jobs import stages as S
 from memgas.jobs import tables
 from memgas.jobs.placement import resolve_stage_runtimes
-from memgas.jobs.stage import StageContext
+from memgas.jobs.runner import active_of
+from memgas.jobs.stage import Stage, StageContext
 from memgas.jobs.stages.card_graph import history_card_graph
 from memgas.kernels import router as R
 from memgas.pipeline.bank import Bank
@@ -48,6 +49,12 @@ def main(argv: list[str] | None = None) -> int:
     resolve_stage_runtimes(ctx)
     metrics = json.loads((run / "metrics.json").read_text())
     ctx.fingerprints.update(metrics["run"]["fingerprints"])
+    # a segmented table's parts are named by its writer's key (its config), which the run does not record
+    for step in S.PIPELINE:
+        if isinstance(step, Stage) and step.writes and step.writes[0].kind == "segmented":
+            active = active_of(step, ctx)
+            if active is not None:
+                ctx.keys[step.name] = tables.stage_key(step, ctx, active)
     queries = {r["query_id"]: r for r in ctx.bank.read(
         "queries", ["query_id", "evidence_session_ids", "is_abstention", "question_type"]).to_pylist()}
     edges = tables.read_current(ctx, "card_graph_edges").to_pandas()
