@@ -5,7 +5,7 @@ matters. Nothing happens unless the environment names that point:
 
     MEMGAS_FAULT=kill@compact:texts:after-write        SIGKILL this process the first time the point is hit
     MEMGAS_FAULT=kill@encode:unit-done#3               ... the 3rd time
-    MEMGAS_FAULT=enospc@bank:write-part                raise OSError(ENOSPC) there (a full disk)
+    MEMGAS_FAULT=enospc@bank:write-part:before-rename  raise OSError(ENOSPC) there (a full disk)
     MEMGAS_FAULT=term@runner:before-marker:encode      send this process SIGTERM there (`timeout`, `docker stop`)
     MEMGAS_FAULT=kill-once@actor-call:encoder          SIGKILL the first process of any that hits the point
                                                        (needs MEMGAS_FAULT_STATE=<dir>: a flag file there
