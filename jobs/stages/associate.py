@@ -27,8 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import tables
 from memgas.jobs.history_index import history_nodes, ivf_store, ivf_units, keep_blocks
-from memgas.jobs.history_index import prefixes
-from memgas.jobs.history_index.prefixes import chains
+from memgas.jobs.history_index.prefixes import chains, stored_segments
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.shards import edge_tables, kernel_active, matrix_loader, node_matrix, owned, segment_units
 from memgas.kernels.backend import one_blas_thread
@@ -36,18 +35,13 @@ from memgas.pipeline import association
 from memgas.pipeline.association import blocks, ivf_search, segments
 from memgas.pipeline.association.edges import edges_from
 from memgas.pipeline.association.blocks import NodeBlocks
-from memgas.pipeline.association.segments import Coverage, Segment, coverage, split_every, split_segment
+from memgas.pipeline.association.segments import Coverage, coverage, split_every, split_segment
 from memgas.pipeline.schema import EDGE_MODES, IVF_DELTA, N_GRAN
 
 MODES = EDGE_MODES  # the method's edges and those of the "no GMM" ablation
 
 
 # -- which segments are stored and which must be computed ----------------------------------------------
-def stored_segments(ctx: StageContext, prefix: str) -> dict[str, list[Segment]]:
-    """Segments of every part of this config whose edges part is there too."""
-    return prefixes.stored_segments(ctx, prefix)
-
-
 def current_coverage(ctx: StageContext, prefix: str) -> Coverage:
     return coverage(stored_segments(ctx, prefix), chains(ctx))
 

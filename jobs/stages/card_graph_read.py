@@ -1,6 +1,7 @@
 """card-graph-read: memgas-cards' answers. The answer model gets, per question, the method's top
 ``reading.top_k`` sessions as MemGAS's reader gives them (date, text; summaries and keywords for the filter step)
-and, in each session's block after its text, the cards that ranked it (card-graph-rank's ``card_graph_picks``),
+and, in each session's block under its date and before its text (so a session cut to fit keeps them), the
+cards that ranked it (card-graph-rank's ``card_graph_picks``),
 within MemGAS's reading budget: ``reading.top_k``, ``reading.context_tokens`` (and ``llm.context_tokens``),
 ``reading.max_new_tokens`` and ``reading.filter`` (with the filter step's own output budget); the lowest-ranked
 sessions are dropped first, cards with their session (:func:`memgas.pipeline.read.build_context`)."""

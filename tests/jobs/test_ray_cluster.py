@@ -22,7 +22,8 @@ from memgas.jobs import keys, main_job, runner, tables
 from memgas.jobs.executor import QUIET_WORKER_ENV, forwarded_env, init_ray, run_task, stage_fn, task_options, worker_env
 from memgas.jobs.placement import kernel_device, num_gpus, placement, resolve_stage_runtimes
 from memgas.jobs.stage import StageContext
-from memgas.jobs.stages.associate import AssociateStage, current_coverage, stored_segments
+from memgas.jobs.history_index.prefixes import stored_segments
+from memgas.jobs.stages.associate import AssociateStage, current_coverage
 from memgas.jobs.stages.encode import EncodeStage
 from memgas.jobs.stages.generate import GenerateStage
 from memgas.jobs.stages.nodes import NodesStage
