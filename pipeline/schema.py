@@ -215,7 +215,7 @@ IVF_DELTA = pa.schema([IVF_INDEX.field("history_id"), IVF_INDEX.field("end_sessi
                        *(IVF_INDEX.field(c) for c in ("sessions", "prefix_digest", "dim", "index"))])
 
 #: association.search=ivf: the candidate recall of the IVF rows against the exact search, one row per sampled
-#: node row (``row``, its fixed ``key``: ivf_search.row_keys) of the segment ``[first_session, end_session)``
+#: node row (``row``, its fixed ``key``: row_keys.row_keys) of the segment ``[first_session, end_session)``
 #: that holds it: ``hits`` of its exact candidates ``total``. A unit stores the rows of its own bottom-k keys;
 #: a history's sample is the bottom-k of its current segments' rows (recall@mem_threshold = hits / total)
 IVF_RECALL = pa.schema(

@@ -16,6 +16,8 @@ module                            what it holds
 ``ivf_store``                     the saved IVF index and its deltas (tables ``ivf_index``, ``ivf_delta``):
                                   which are current, verification, chunked write and read, the delta policy,
                                   and :class:`IVFRun`, what one associate run knows of them
+``ivf_mapped``                    a saved full index's copy as a faiss file that an append's driver maps
+                                  instead of reading (checked by its digest, written again when damaged)
 ``ivf_units``                     an IVF unit: the index entry each segment is shipped, the rows an append
                                   found (searched once on the driver), the task's load / walk / save, the
                                   recall sample and its report

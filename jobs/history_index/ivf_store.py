@@ -34,9 +34,11 @@ log = logging.getLogger(__name__)
 #: index it started from, not the whole index again: at 10^6 sessions that index is ~1.5 GB (~30 s to write)
 #: and an append of 1,000 sessions adds ~1.6 MB. A full index is saved again once the deltas since the last one
 #: would be more than IVF_MAX_DELTAS, or hold more than a 1/IVF_DELTA_SHARE of its sessions, so that a load
-#: merges a few small deltas. Where the index is saved as what changes nothing downstream: the merged index
-#: is the same bytes either way.
-IVF_MAX_DELTAS = 16
+#: merges a few small deltas (an append's driver maps the full index and keeps the deltas apart in memory,
+#: jobs/history_index/ivf_mapped.py: 64 deltas of 1,000 sessions are ~100 MB there, while saving the full
+#: index again costs an append ~1 min at 10^6 sessions). Where the index is saved as what changes nothing
+#: downstream: the merged index is the same bytes either way.
+IVF_MAX_DELTAS = 64
 IVF_DELTA_SHARE = 8
 #: bytes of a saved index per ``ivf_index`` row: an index is stored as its chunks, in order, one row (and one
 #: Parquet row group, bank.ROW_GROUP_ROWS) each, so that writing and reading it hold one chunk beside it
@@ -53,6 +55,8 @@ class IVFRun:
     saved: dict[str, tuple[str, int, str]] | None = None
     deltas: dict[str, list[tuple[str, int, int, str]]] | None = None
     loaded: tuple[str, dict[str, Any] | None] | None = None
+    full: tuple[str, list[np.ndarray]] | None = None  # the last history's full index bytes, once read
+    mapped: dict[tuple[str, str], Any] = field(default_factory=dict)  # (part, history): its checked mapped copy
     shared: tuple[dict[str, Any], Any] | None = None
     damaged: set[tuple[str, str]] = field(default_factory=set)
     rebuilt: int = 0
@@ -199,9 +203,10 @@ def saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] |
     """The history's saved IVF index for rows from session ``start`` on, its part verified first (a part
     whose bytes are not those written is never searched: the task rebuilds the index, and the stats
     count it); None when there is none to use. Every unit of the history in this run starts from the
-    same saved index (it ends at or before the first unit's rows): it is read, verified and counted once
-    (the last history's, kept as bytes; :func:`memgas.jobs.history_index.ivf_units.shipped` shares them with
-    the tasks once)."""
+    same saved index (it ends at or before the first unit's rows): it is verified and counted once. What
+    it returns names the part and holds the deltas' bytes; the full index's bytes are read only where a
+    task needs them (:func:`full_bytes`; the driver's own search maps a copy,
+    :mod:`memgas.jobs.history_index.ivf_mapped`)."""
     run = ivf_run(ctx)
     saved = run.saved.get(history)  # listed before the run's first unit
     if start == 0 or saved is None:
@@ -217,7 +222,6 @@ def saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] |
     if meta.num_rows == 0 or {(s, d) for s, d in zip(meta["sessions"].to_pylist(), meta["prefix_digest"].to_pylist())} \
             != {(sessions, digest)}:
         return None
-    data: Any = saved_index_chunks(ctx.bank, part, history)
     deltas = []
     for dpart, base, end, _ in run.deltas.get(history, []):
         if not intact(ctx, "ivf_delta", dpart, history):  # the index up to here, then its blocks added again
@@ -226,6 +230,16 @@ def saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] |
                                                                                     "ivf_delta")})
     run.reused += 1
     run.loaded = (history, {"sessions": deltas[-1]["sessions"] if deltas else sessions,
-                            "full_sessions": sessions, "dim": meta["dim"][0].as_py(), "bytes": data,
-                            "deltas": deltas})
+                            "full_sessions": sessions, "dim": meta["dim"][0].as_py(), "part": part,
+                            "history": history, "deltas": deltas})
     return run.loaded[1]
+
+
+def full_bytes(ctx: StageContext, saved: dict[str, Any]) -> list[np.ndarray]:
+    """The full index's bytes of a :func:`saved_index` (its part's rows, in order), read once per run and
+    history (the last history's are kept: its units come one after another)."""
+    run, h = ivf_run(ctx), saved["history"]
+    if run.full is None or run.full[0] != h:
+        run.full = None  # drops the previous history's bytes first
+        run.full = (h, saved_index_chunks(ctx.bank, saved["part"], h))
+    return run.full[1]

@@ -25,13 +25,15 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 from memgas.jobs import executor, tables
-from memgas.jobs.history_index.ivf_store import ivf_run, saved_index, saves_delta
+from memgas.jobs.history_index import ivf_mapped
+from memgas.jobs.history_index.ivf_store import full_bytes, ivf_run, saved_index, saves_delta
 from memgas.jobs.history_index.node_blocks import HistoryBlocks
 from memgas.jobs.history_index.prefixes import chains
 from memgas.jobs.stage import StageContext
 from memgas.pipeline.association import blocks
 from memgas.pipeline.association import ivf_search as I
 from memgas.pipeline.association.blocks import NodeBlocks
+from memgas.pipeline.association.faiss_index import raw_from_file
 from memgas.pipeline.schema import IVF_RECALL, N_GRAN
 
 log = logging.getLogger(__name__)
@@ -75,11 +77,14 @@ def shipped(ctx: StageContext, meta: dict[str, Any] | None, found: tuple | None)
     unit of the history shares the reference)."""
     if found is not None:
         return {**meta, "saved": None, "base_sessions": meta["saved"]["sessions"], "found_delta": found[2]}
-    if meta is None or meta["saved"] is None or not ctx.use_ray:
+    if meta is None or meta["saved"] is None:
         return meta
     run, saved = ivf_run(ctx), meta["saved"]
+    if not ctx.use_ray:
+        return {**meta, "saved": {**saved, "bytes": full_bytes(ctx, saved)}}
     if run.shared is None or run.shared[0] is not saved:
-        run.shared = (saved, executor.share(saved["bytes"]))
+        run.shared = None  # drops the previous history's reference first
+        run.shared = (saved, executor.share(full_bytes(ctx, saved)))
     return {**meta, "saved": {**saved, "bytes": run.shared[1]}}
 
 
@@ -116,7 +121,7 @@ def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
         return None
     tail = hb.read_blocks(first, n)
     dim = tail[first].shape[1]
-    index = loaded_index(saved, params, dim)
+    index = driver_index(ctx, saved, params, dim)
     if meta["delta"]:
         index.start_delta()
     walk = I.ivf_found(NodeBlocks([None] * first + [tail[i] for i in sorted(tail)], B, n, dim),
@@ -135,6 +140,23 @@ def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
              "blocks whole", h, need.size, first * B, first * B, len(tail))
     ivf_run(ctx).found_units += 1
     return nodes, walk, delta
+
+
+def driver_index(ctx: StageContext, saved: dict[str, Any], params: Any, dim: int) -> Any:
+    """The saved index for :func:`found`'s walk: its full index mapped from a copy of its part
+    (:mod:`memgas.jobs.history_index.ivf_mapped`) with the deltas after it in memory
+    (:meth:`~memgas.pipeline.association.ivf_search.CausalIVF.stacked`), or, where no copy can be had,
+    read from the part and loaded (:func:`loaded_index`): the same walk either way."""
+    run, key = ivf_run(ctx), (saved["part"], saved["history"])
+    if key not in run.mapped:
+        run.mapped[key] = ivf_mapped.mapped_copy(ctx.bank, *key, lambda: full_bytes(ctx, saved))
+    if run.mapped[key] is None:
+        return loaded_index({**saved, "bytes": full_bytes(ctx, saved)}, params, dim)
+    base = raw_from_file(run.mapped[key], d=dim, ntotal=N_GRAN * saved["full_sessions"])
+    index = I.CausalIVF.stacked(base, params)
+    for delta in saved.get("deltas", []):
+        index.merge_delta(I.raw_from_bytes(delta["bytes"], d=dim, ntotal=N_GRAN * (delta["sessions"] - delta["base"])))
+    return index
 
 
 # -- the task ------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.shards import edge_tables, kernel_active, matrix_loader, node_matrix, owned, segment_units
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline import association
-from memgas.pipeline.association import blocks, ivf_search, segments
+from memgas.pipeline.association import blocks, ivf_search, row_keys, segments
 from memgas.pipeline.association.edges import edges_from
 from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.association.segments import Coverage, coverage, split_every, split_segment
@@ -112,7 +112,7 @@ class AssociateStage(Stage):
             # stored rows are each unit's bottom-k for this k, which report time's bottom-k must not exceed.
             k = ivf_search.RECALL_ROWS
             active.resolved["recall_sample"] = {"method": "bottom-k-row-hash", "rows": k,
-                                                "seed": ivf_search.RECALL_SEED}
+                                                "seed": row_keys.RECALL_SEED}
             active.params["recall_rows"] = k  # the driver's constant (a task may run in another process)
         return active
 

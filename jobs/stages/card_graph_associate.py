@@ -25,7 +25,7 @@ from memgas.jobs.stages.card_graph import card_chains, card_graph_enabled, card_
 from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.shards import edge_tables, kernel_active, segment_units
 from memgas.kernels.backend import one_blas_thread
-from memgas.pipeline.association import blocks, ivf_search, segments
+from memgas.pipeline.association import blocks, ivf_search, row_keys, segments
 from memgas.pipeline.association.segments import Coverage, coverage, split_sized
 from memgas.pipeline.schema import IVF_RECALL, N_GRAN
 
@@ -83,7 +83,7 @@ class CardGraphAssociateStage(Stage):
             active.params.update(ivf_nlist=a.ivf_nlist, ivf_nprobe=a.ivf_nprobe, ivf_exact_nodes=a.ivf_exact_nodes,
                                  ivf_grid=ivf_search.STAGE_BLOCK_SESSIONS, recall_rows=ivf_search.RECALL_ROWS)
             active.resolved["recall_sample"] = {"method": "bottom-k-row-hash", "rows": ivf_search.RECALL_ROWS,
-                                                "seed": ivf_search.RECALL_SEED}
+                                                "seed": row_keys.RECALL_SEED}
         return active
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:

@@ -122,6 +122,26 @@ def raw_from_bytes(data: Any, *, d: int, ntotal: int) -> Any:
     reader = faiss.PyCallbackIOReader(read)
     owner = faiss.read_index(reader)
     del reader
+    return _checked_ivf(owner, d=d, ntotal=ntotal)
+
+
+def raw_from_file(path: str | Path, *, d: int, ntotal: int) -> Any:
+    """A faiss IVF index file (``faiss.write_index``'s format, the bytes :func:`raw_bytes` gives) *mapped*,
+    not read: its lists are views of the file's pages (``IO_FLAG_MMAP_IFC``), so opening it costs the
+    header and the centroids, and a search reads only the lists it probes (from the page cache once read).
+    Checked like :func:`raw_from_bytes`. Read-only: an add to its lists aborts the process (faiss asserts
+    that a viewed vector is never resized), so it is searched through :func:`stacked_ivf`, which adds
+    elsewhere."""
+    import faiss
+
+    return _checked_ivf(faiss.read_index(str(path), faiss.IO_FLAG_MMAP_IFC), d=d, ntotal=ntotal)
+
+
+def _checked_ivf(owner: Any, *, d: int, ntotal: int) -> Any:
+    """``owner`` (what ``faiss.read_index`` returned) downcast, checked to be an IVF index of ``ntotal``
+    nodes of dimension ``d``: bytes that deserialise to another index raise instead of being searched."""
+    import faiss
+
     raw = faiss.downcast_index(owner)
     owner.this.disown()  # the downcast wrapper owns the C++ index from here on (else it is freed with ``owner``)
     raw.this.acquire()
@@ -129,3 +149,25 @@ def raw_from_bytes(data: Any, *, d: int, ntotal: int) -> Any:
         raise ValueError(f"stored index is a {type(raw).__name__} of {raw.ntotal} nodes of dimension {raw.d}, "
                          f"expected an IVF index of {ntotal} of {d}")
     return raw
+
+
+def stacked_ivf(base: Any, rest: Any) -> tuple[Any, tuple]:
+    """An IVF index whose list ``i`` is ``base``'s list ``i`` followed by ``rest``'s (faiss
+    ``HStackInvertedLists``): the entries, in the order, of ``base`` after ``rest`` was merged into it
+    (``merge_from``, which appends each list's entries), so a search returns the same ids and scores bit for
+    bit (the lists are scanned in the same order: the tests compare) without copying ``base`` (a mapped
+    file, :func:`raw_from_file`). Its lists are read-only: add to ``rest`` (with node ids) and raise the
+    returned index's ``ntotal`` by as many. Returns the index and what it points into, to be kept alive
+    with it (it owns neither ``base`` nor ``rest``)."""
+    import faiss
+
+    if rest.nlist != base.nlist or rest.code_size != base.code_size:
+        raise ValueError(f"IVF lists of {rest.nlist} lists cannot follow an index of {base.nlist}")
+    shell = empty_ivf_like(base)
+    members = faiss.InvertedListsPtrVector()
+    members.push_back(base.invlists)
+    members.push_back(rest.invlists)
+    lists = faiss.HStackInvertedLists(members.size(), members.data())
+    shell.replace_invlists(lists, False)  # frees the shell's own empty lists; ``lists`` stays Python's
+    shell.ntotal = base.ntotal + rest.ntotal
+    return shell, (base, rest, lists, members)

@@ -14,8 +14,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from memgas.pipeline.association.faiss_index import FaissCausalIndex, empty_ivf_like, raw_bytes, raw_from_bytes
+from memgas.pipeline.association.faiss_index import (
+    FaissCausalIndex,
+    empty_ivf_like,
+    raw_bytes,
+    raw_from_bytes,
+    stacked_ivf,
+)
 from memgas.pipeline.association.edges import Edges, _accept, _edges, concat_edges
+from memgas.pipeline.association.row_keys import bottom_k, row_keys
 from memgas.pipeline.association.exact_search import _causal_candidates, _topk_rows, causal_rows
 from memgas.pipeline.association.nodes import (
     _DEFAULTS,
@@ -87,6 +94,19 @@ class CausalIVF(FaissCausalIndex):
         self.index = index  # built at the first training (its nlist depends on the training nodes)
         self._centroids: np.ndarray | None = None
         self.delta: Any = None  # the entries added since start_delta, when one was started
+        self.rest: Any = None  # a stacked index's (:meth:`stacked`) own entries, after the mapped base's
+        self._members: tuple = ()  # what a stacked index points into
+
+    @classmethod
+    def stacked(cls, base: Any, params: IVFParams | None = None) -> CausalIVF:
+        """The index ``base`` (a mapped file, :func:`~memgas.pipeline.association.faiss_index.raw_from_file`)
+        searched as it is, with the entries added later (:meth:`merge_delta`, the walk's blocks) kept apart in
+        memory and searched after base's in each list (:func:`stacked_ivf`): the same results, bit for bit, as
+        ``base`` loaded and those entries added to it, without reading ``base`` whole."""
+        shell, members = stacked_ivf(base, empty_ivf_like(base))
+        out = cls(base.d, params, index=shell)
+        out.rest, out._members = members[1], members
+        return out
 
     @property
     def ntotal(self) -> int:
@@ -196,7 +216,12 @@ class CausalIVF(FaissCausalIndex):
             # in the call would be freed before faiss reads it
             ids = np.arange(self.ntotal, self.ntotal + blk.shape[0], dtype=np.int64)
             add_preassigned(self.delta, blk, assign, ids=ids)
-        add_preassigned(self.index, blk, assign)
+        if self.rest is not None:  # a stacked index: its base is read-only, the entries go after it
+            ids_rest = np.arange(self.ntotal, self.ntotal + blk.shape[0], dtype=np.int64)  # kept: as ``ids``
+            add_preassigned(self.rest, blk, assign, ids=ids_rest)
+            self.index.ntotal += blk.shape[0]
+        else:
+            add_preassigned(self.index, blk, assign)
 
     def start_delta(self) -> None:
         """From now on, also keep the entries added in a *delta*: an index of the same trained centroids and
@@ -209,7 +234,12 @@ class CausalIVF(FaissCausalIndex):
         """Append a stored delta's entries (:func:`raw_from_bytes`) to this index's lists, in order."""
         if delta.nlist != self.index.nlist or delta.code_size != self.index.code_size:
             raise ValueError(f"an IVF delta of {delta.nlist} lists does not fit an index of {self.index.nlist}")
-        self.index.merge_from(delta, 0)  # ids are the delta's own: node ids
+        if self.rest is not None:  # a stacked index: after the base's entries, in the same order
+            n = int(delta.ntotal)  # merge_from empties the delta
+            self.rest.merge_from(delta, 0)
+            self.index.ntotal += n
+        else:
+            self.index.merge_from(delta, 0)  # ids are the delta's own: node ids
         self._centroids = None
 
     def _block_candidates(self, E: Any, r: np.ndarray, a: int, blk: np.ndarray, lists: np.ndarray,
@@ -326,8 +356,6 @@ def associate_ivf(
 #: rows sampled per history for the candidate recall against the exact search (all when fewer): the rows
 #: past the exact prefix with the smallest :func:`row_keys` (the driver ships it to the tasks)
 RECALL_ROWS = 256
-#: seed of the rows' keys (with the history and the node id: the same sample on every run and machine)
-RECALL_SEED = 29
 #: sessions per block of the stage's IVF grid (IVFParams' default; the tests make it small)
 STAGE_BLOCK_SESSIONS = IVFParams.block_sessions
 
@@ -350,7 +378,9 @@ def stage_params(nlist: int, nprobe: int, exact_nodes: int, block_sessions: int 
 
 
 def index_bytes(index: CausalIVF) -> np.ndarray:
-    """The index's faiss index as bytes (:func:`raw_bytes`)."""
+    """The index's faiss index as bytes (:func:`raw_bytes`; a stacked index is never saved whole)."""
+    if index.rest is not None:
+        raise ValueError("a stacked IVF index (a mapped base) is saved as its delta, never whole")
     return raw_bytes(index.index)
 
 
@@ -484,36 +514,6 @@ def _concat(parts: list[Candidates], k: int) -> Candidates:
         return Candidates(np.zeros(0, np.int64), np.full((0, k), -1, np.int64), np.zeros((0, k), bool),
                           np.zeros((0, k)))
     return Candidates(*(np.concatenate([getattr(c, f) for c in parts]) for f in ("rows", "cand", "valid", "scores")))
-
-
-#: splitmix64's increment and finaliser multipliers (Steele, Lea and Flood 2014; Vigna's reference code)
-_GAMMA, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-
-
-def row_keys(history_id: str, rows: np.ndarray) -> np.ndarray:
-    """A fixed uint64 key per node row (id) of one history, which orders its rows for the recall sample.
-
-    ``splitmix64(base + (row + 1) * GAMMA)`` mod 2**64, ``base`` = blake2b of the history id keyed by
-    :data:`RECALL_SEED`: a row's key depends on nothing but (seed, history, row), so it is the same in every
-    unit, cut, run and machine (integer arithmetic only), and vectorised (a unit may hold 655,360 rows). The
-    step is odd and the finaliser a bijection on 64 bits, so the rows of one history have distinct keys:
-    the bottom-k is one set, with no ties to break."""
-    import hashlib
-
-    h = hashlib.blake2b(history_id.encode(), digest_size=8, key=RECALL_SEED.to_bytes(8, "little")).digest()
-    x = np.uint64(int.from_bytes(h, "little")) + (np.asarray(rows, np.uint64) + np.uint64(1)) * _GAMMA
-    x = (x ^ (x >> np.uint64(30))) * _MIX1
-    x = (x ^ (x >> np.uint64(27))) * _MIX2
-    return x ^ (x >> np.uint64(31))
-
-
-def bottom_k(keys: np.ndarray, k: int) -> np.ndarray:
-    """Positions of the ``k`` smallest ``keys`` (all when fewer), smallest first (ties by position)."""
-    keys = np.asarray(keys, np.uint64)
-    if keys.size <= k:
-        return np.argsort(keys, kind="stable")
-    part = np.argpartition(keys, k - 1)[:k] if k > 0 else np.zeros(0, np.int64)
-    return part[np.lexsort((part, keys[part]))]
 
 
 def recall_sample(history_id: str, rows: np.ndarray, k: int = RECALL_ROWS,

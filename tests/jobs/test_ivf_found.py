@@ -7,13 +7,14 @@ Seeded 32-d banks (``test_node_blocks``), blocks of 16 sessions, the IVF grid of
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from memgas.jobs import runner
-from memgas.jobs.history_index import ivf_store, ivf_units
+from memgas.jobs.history_index import ivf_mapped, ivf_store, ivf_units
 from memgas.jobs.stages.associate import AssociateStage
 from memgas.jobs.history_index.stored_blocks import TABLE
 from memgas.pipeline.association import blocks, ivf_search
@@ -67,6 +68,42 @@ def test_an_append_ships_only_the_rows_it_found_and_equals_a_fresh_build(tmp_pat
     recall = [(r[0], *r[3:]) for r in got["ivf_recall"]]  # (history, row, key, hits, total): not its segment
     assert sorted(recall) == sorted((r[0], *r[3:]) for r in want["ivf_recall"] if r[3] in {x[1] for x in recall})
     assert merged_index(grown, "h")[0] == merged_index(fresh, "h")[0]
+    assert len(list(ivf_mapped.folder(grown).glob("*.faiss"))) == 1, "the walk searched a mapped copy"
+
+
+def test_a_mapped_copy_that_is_damaged_or_cannot_be_written_changes_nothing(
+        tmp_path: Path, small: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The driver's walk maps a copy of the saved index (jobs/history_index/ivf_mapped.py). A copy whose bytes
+    changed (its size kept) is found by its digest, logged, deleted and written again; a copy that cannot be
+    written (a full disk) leaves no file and the index is read from its part. Each time the task gets the same
+    payload: the ids found and the delta to save."""
+    _, grown = _grown(tmp_path, 250, 300)
+    ctx = associate_ctx(grown, IVF_SMALL)
+    runner.compute_fingerprints(ctx)
+    unit = AssociateStage().plan(ctx)[0]
+
+    def payload() -> tuple[list, bytes]:
+        out = AssociateStage().inputs(dataclasses.replace(ctx, scratch={}), unit)
+        assert out["found"][0] is not None
+        return [(k, v.tobytes()) for k, v in sorted(out["found"][0].items())], out["indexes"][0]["found_delta"].tobytes()
+
+    want = payload()
+    copy, = ivf_mapped.folder(grown).glob("*.faiss")
+    data = bytearray(copy.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING):
+        assert payload() == want
+    assert "is not the bytes written" in caplog.text
+    again, = ivf_mapped.folder(grown).glob("*.faiss")
+    assert again.read_bytes() != bytes(data) and again.name == copy.name, "written again, the same bytes"
+    assert payload() == want  # the copy written again is checked (hashed) and used
+    again.unlink()
+    monkeypatch.setenv("MEMGAS_FAULT", "enospc@ivf:mapped-copy:before-rename")
+    with caplog.at_level(logging.WARNING):
+        assert payload() == want
+    assert "reading it from its part" in caplog.text
+    assert list(ivf_mapped.folder(grown).iterdir()) == [], "no copy and no temporary file left"
 
 
 def test_the_payload_holds_the_rows_found_and_the_tail_only(tmp_path: Path, small: None,

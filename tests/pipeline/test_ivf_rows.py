@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import product
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,6 +83,44 @@ def test_near_ties_below_the_sq8_resolution_still_give_a_fresh_builds_candidates
                          params=p)
     m = fresh.rows >= 120
     assert np.array_equal(rest.cand, fresh.cand[m]) and np.array_equal(rest.scores, fresh.scores[m])
+
+
+def test_a_mapped_index_with_its_deltas_apart_gives_the_loaded_indexs_rows_and_delta(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A saved index mapped from its file (``raw_from_file``), a delta merged and the walk's blocks added apart
+    (``CausalIVF.stacked``): the later rows' candidates (ids, scores) and the delta they save equal those of the
+    index read into memory with the same delta merged, byte for byte. Every session from 20 on repeats an
+    earlier one, so equal scores sit in the mapped part and in the part apart, and a fetch of 5 cuts their
+    groups: it keeps the same of them only if both parts are scanned in the merged index's order (searching
+    the part apart first fails this test)."""
+    from memgas.pipeline.association.faiss_index import raw_from_file
+
+    monkeypatch.setattr(I, "STAGE_BLOCK_SESSIONS", 16)
+    E = clustered_nodes(0, 130, dim=32, n_topics=4, seed=3)
+    E[4 * 20 :] = E[np.arange(4 * 20, 4 * 130) % (4 * 20)]  # sessions repeated: nodes of equal scores
+    p = dataclasses.replace(I.stage_params(2, 1, 80), fetch=5)  # a fetch of 5 cuts the groups of equal scores
+    _, ix = I.ivf_rows(E[: 4 * 64], 0, 4 * 64, None, params=p)
+    (tmp_path / "full.faiss").write_bytes(I.index_bytes(ix).tobytes())
+    ix.start_delta()
+    _, ix = I.ivf_rows(E[: 4 * 96], 4 * 64, 4 * 96, ix, params=p)
+    delta = I.delta_bytes(ix).tobytes()
+
+    def with_delta(index: I.CausalIVF) -> I.CausalIVF:
+        index.merge_delta(I.raw_from_bytes(delta, d=32, ntotal=4 * 32))
+        index.start_delta()
+        return index
+
+    loaded = with_delta(I.index_from_bytes((tmp_path / "full.faiss").read_bytes(), p, d=32, ntotal=4 * 64))
+    mapped = with_delta(I.CausalIVF.stacked(raw_from_file(tmp_path / "full.faiss", d=32, ntotal=4 * 64), p))
+    assert mapped.ntotal == loaded.ntotal == 4 * 96
+    a, _ = I.ivf_rows(E, 4 * 96, 4 * 130, loaded, params=p)
+    b, _ = I.ivf_rows(E, 4 * 96, 4 * 130, mapped, params=p)
+    for f in ("rows", "cand", "valid", "scores"):
+        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+    assert mapped.ntotal == loaded.ntotal == 4 * 128
+    assert I.delta_bytes(mapped).tobytes() == I.delta_bytes(loaded).tobytes()
+    with pytest.raises(ValueError, match="never whole"):
+        I.index_bytes(mapped)
 
 
 # -- the recall sample: the bottom-k row keys of a history, whatever its cut --------------------------------------
