@@ -30,6 +30,7 @@ from memgas.jobs.history_index.ivf_store import full_bytes, ivf_run, saved_index
 from memgas.jobs.history_index.node_blocks import HistoryBlocks
 from memgas.jobs.history_index.prefixes import chains
 from memgas.jobs.stage import StageContext
+from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks
 from memgas.pipeline.association import ivf_search as I
 from memgas.pipeline.association.blocks import NodeBlocks
@@ -76,7 +77,8 @@ def shipped(ctx: StageContext, meta: dict[str, Any] | None, found: tuple | None)
     no index; else the saved index, under Ray shared through the executor once per run and history (every
     unit of the history shares the reference)."""
     if found is not None:
-        return {**meta, "saved": None, "base_sessions": meta["saved"]["sessions"], "found_delta": found[2]}
+        return {**meta, "saved": None, "base_sessions": meta["saved"]["sessions"], "found_delta": found[2],
+                "found_exact": found[3]}
     if meta is None or meta["saved"] is None:
         return meta
     run, saved = ivf_run(ctx), meta["saved"]
@@ -89,16 +91,19 @@ def shipped(ctx: StageContext, meta: dict[str, Any] | None, found: tuple | None)
 
 
 def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
-          ) -> tuple[NodeBlocks, dict, np.ndarray | None] | None:
+          ) -> tuple[NodeBlocks, dict, np.ndarray | None, tuple | None] | None:
     """For an IVF segment of a long history over a saved index (an append): what its rows find in the
     index (:func:`~memgas.pipeline.association.ivf_search.ivf_found`, searched here once, on the blocks
     from the index's end), and the node blocks that hold those rows and that tail only
     (:meth:`~memgas.jobs.history_index.node_blocks.HistoryBlocks.sparse_nodes`). None where the task needs
-    every row: no saved index, rows of the exact prefix, a row of the recall sample (it is checked against
-    the exact search), a block before the index's end not stored (the first append after 10^6 sessions
-    were indexed gathers and stores them), or a full index to save (past the delta limits: the task
-    builds it). The walk adds the complete grid blocks as the task's would, so the delta to save (when
-    this segment saves one) is made here too: third in the tuple, and the task then needs no index."""
+    every row: no saved index, rows of the exact prefix, a block before the index's end not stored (the
+    first append after 10^6 sessions were indexed gathers and stores them), or a full index to save (past
+    the delta limits: the task builds it). The walk adds the complete grid blocks as the task's would, so
+    the delta to save (when this segment saves one) is made here too: third in the tuple, and the task then
+    needs no index. Rows of the recall sample are checked against the exact search, which reads every row:
+    the driver runs it here, on the stored blocks it reads anyway for the rows found (one read each,
+    :meth:`~memgas.jobs.history_index.node_blocks.HistoryBlocks.streamed`), with one BLAS thread like a
+    task, and ships ``(sample, cand, valid)`` fourth (None without such rows)."""
     a, (h, s0, s1, _) = ctx.cfg.association, seg
     saved = meta["saved"] if meta is not None else None
     if saved is None or N_GRAN * s0 < a.ivf_exact_nodes:
@@ -107,7 +112,7 @@ def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
     rows = I.index_rows(N_GRAN * s0, N_GRAN * s1, params, a.min_prior_nodes)
     sample, _ = I.recall_sample(h, rows, I.RECALL_ROWS, first_row=I.first_ivf_row(a.ivf_exact_nodes,
                                                                                     a.min_prior_nodes))
-    if not rows.size or sample.size:
+    if not rows.size:
         return None
     end = I.index_sessions(s1, meta["grid"])
     if meta["save"] and end > saved["sessions"] and not meta["delta"]:
@@ -133,13 +138,20 @@ def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
     delta = I.delta_bytes(index) if meta["delta"] else None
     del index
     need = I.found_before(walk, first * B)
-    nodes = hb.sparse_nodes(n, tail, need)
+    exact, taken = None, None
+    if sample.size:
+        E, taken = hb.streamed(n, tail, need)
+        with one_blas_thread():  # the bits of a task's exact search (kernels/backend.py)
+            exact = (sample, *I.sample_exact(E, sample, a.mem_threshold))
+        del E
+    nodes = hb.sparse_nodes(n, tail, need, taken)
     if nodes is None:
         return None
-    log.info("associate: history %s: %d of the %d node rows before row %d shipped (those found), and %d "
-             "blocks whole", h, need.size, first * B, first * B, len(tail))
+    log.info("associate: history %s: %d of the %d node rows before row %d shipped (those found), %d blocks "
+             "whole, %d rows of the recall sample searched exactly here", h, need.size, first * B, first * B,
+             len(tail), sample.size)
     ivf_run(ctx).found_units += 1
-    return nodes, walk, delta
+    return nodes, walk, delta, exact
 
 
 def driver_index(ctx: StageContext, saved: dict[str, Any], params: Any, dim: int) -> Any:
@@ -186,7 +198,7 @@ def segment_candidates(E: Any, seg: list[Any], meta: dict[str, Any], a: dict[str
     if found is not None:  # the driver searched (found): rescore, save its delta if any
         c, _ = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, None, mem_threshold=a["mem_threshold"],
                           min_prior_nodes=a["min_prior_nodes"], params=params, found=found)
-        recall_table(E, c, seg, a, out, recall_rows)
+        recall_table(E, c, seg, a, out, recall_rows, meta.get("found_exact"))
         if meta.get("found_delta") is not None:
             out["delta"].append({"history_id": h, "end_session": s1, "sessions": I.index_sessions(s1, grid),
                                  "prefix_digest": meta["digest"], "dim": E.shape[1],
@@ -217,13 +229,17 @@ def segment_candidates(E: Any, seg: list[Any], meta: dict[str, Any], a: dict[str
 
 
 def recall_table(E: Any, c: Any, seg: list[Any], a: dict[str, Any], out: dict[str, list],
-                 recall_rows: int | None) -> None:
-    """The segment's rows of the recall sample, checked against the exact search, into ``out``."""
+                 recall_rows: int | None, exact: tuple | None = None) -> None:
+    """The segment's rows of the recall sample, checked against the exact search, into ``out``. ``exact``:
+    the driver's ``(sample, cand, valid)`` (:func:`found`), which must be this sample."""
     h, s0, s1, _ = seg
     approx = c.rows[c.rows >= a["ivf_exact_nodes"]]
     sample, keys = I.recall_sample(h, approx, I.RECALL_ROWS if recall_rows is None else recall_rows,
                                    first_row=I.first_ivf_row(a["ivf_exact_nodes"], a["min_prior_nodes"]))
-    hits, total = I.candidate_hits(E, c, sample, a["mem_threshold"])
+    if exact is not None and not np.array_equal(exact[0], sample):
+        raise RuntimeError(f"associate: the recall sample searched on the driver ({exact[0].size} rows) is not "
+                           f"the segment's ({sample.size} rows) for history {h}")
+    hits, total = I.candidate_hits(E, c, sample, a["mem_threshold"], exact=None if exact is None else exact[1:])
     n = sample.size
     out["recall"].append(pa.table([[h] * n, [s0] * n, [s1] * n, sample, keys, hits, total], schema=IVF_RECALL))
 

@@ -33,6 +33,7 @@ from memgas.jobs.stage import StageContext
 from memgas.pipeline.association import blocks
 from memgas.pipeline.association.blocks import NodeBlocks, SparseBlock
 from memgas.pipeline.association.nodes import NodeFile
+from memgas.pipeline.errors import BankError
 from memgas.pipeline.process_dirs import process_directory, sweep_dead
 from memgas.pipeline.schema import N_GRAN
 
@@ -93,11 +94,13 @@ class HistoryBlocks:
         from block ``first``'s sessions on), not handed over. Call it before any other read of this object."""
         return {i: self._block(i) for i in range(first, -(-n_rows // self.block_rows))}
 
-    def sparse_nodes(self, n_rows: int, tail: dict[int, np.ndarray], rows: np.ndarray) -> NodeBlocks | None:
+    def sparse_nodes(self, n_rows: int, tail: dict[int, np.ndarray], rows: np.ndarray,
+                     taken: dict[int, SparseBlock] | None = None) -> NodeBlocks | None:
         """The first ``n_rows`` node vectors as a task that reads only ``rows`` (sorted node ids) before the
         blocks of ``tail`` (:meth:`read_blocks`) needs them: the blocks before as :class:`SparseBlock` of
-        those rows (read from the stored blocks, one at a time), or no handle where none is needed; the tail
-        whole. None when a block needed is not stored intact (the caller then ships every block)."""
+        those rows (read from the stored blocks, one at a time; ``taken``: those :meth:`streamed` took
+        already), or no handle where none is needed; the tail whole. None when a block needed is not stored
+        intact (the caller then ships every block)."""
         B, first = self.block_rows, min(tail)
         handles: list[Any] = []
         cuts = np.searchsorted(rows, np.arange(first + 1) * B)
@@ -105,6 +108,9 @@ class HistoryBlocks:
             local = rows[cuts[i] : cuts[i + 1]] - i * B
             if local.size == 0:
                 handles.append(None)
+                continue
+            if taken is not None and i in taken:
+                handles.append(self._hand_over(taken[i], i))
                 continue
             m = self.stored.get(i) if self.stored is not None else None
             if m is None:
@@ -115,6 +121,29 @@ class HistoryBlocks:
             handles.append(self._hand_over(tail[i], i))
         dim = tail[first].shape[1]
         return NodeBlocks(handles, B, n_rows, dim, keep=self, fetch=self._fetch)
+
+    def streamed(self, n_rows: int, tail: dict[int, np.ndarray], rows: np.ndarray
+                 ) -> tuple[NodeBlocks, dict[int, SparseBlock]]:
+        """The first ``n_rows`` node vectors for a reader here, on the driver (an append's exact search of its
+        recall sample): the stored blocks before ``tail`` read when read (one at a time), the tail as given.
+        Each stored block read gives up its ``rows`` (sorted node ids) on the way, into the returned dict,
+        for :meth:`sparse_nodes`: a block is read once for both. A block not stored raises
+        :class:`~memgas.pipeline.errors.BankError`."""
+        B, first = self.block_rows, min(tail)
+        taken: dict[int, SparseBlock] = {}
+
+        def fetch(h: Any) -> Any:
+            if not isinstance(h, int):
+                return h
+            m = self.stored.get(h) if self.stored is not None else None
+            if m is None:
+                raise BankError(f"{self.bank.path}: node block {h} of history {self.history} is not stored intact")
+            a, b = np.searchsorted(rows, [h * B, (h + 1) * B])
+            taken[h] = SparseBlock(rows[a:b] - h * B, m[rows[a:b] - h * B], B)
+            return m
+
+        handles = [*range(first), *(tail[i] for i in sorted(tail))]
+        return NodeBlocks(handles, B, n_rows, tail[first].shape[1], fetch=fetch), taken
 
     def _block(self, i: int) -> np.ndarray:
         """Block ``i``: stored, else gathered (and then stored, when complete)."""

@@ -560,17 +560,25 @@ def history_sample(history_ids: np.ndarray, keys: np.ndarray, k: int = RECALL_RO
     return np.sort(order[rank < k])
 
 
-def candidate_hits(E: Any, got: Candidates, sample: np.ndarray, k: int,
-                   before: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def sample_exact(E: Any, sample: np.ndarray, k: int, before: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """The exact search's ``(cand, valid)`` of the ``sample`` rows (:func:`_causal_candidates` on the CPU), what
+    :func:`candidate_hits` compares a sample's IVF candidates with."""
+    return _causal_candidates(E, sample, k, "cpu", before=before)
+
+
+def candidate_hits(E: Any, got: Candidates, sample: np.ndarray, k: int, before: np.ndarray | None = None,
+                   exact: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per ``sample`` row (sorted node ids among ``got.rows``): (hits, total), of the exact search's valid
     candidates (``total``) how many ``got`` holds too. A row's exact candidates do not depend on the other
     rows asked for (canonical shapes), so its counts are the same in any unit. ``before``: the sample rows'
-    prefixes (:func:`_causal_candidates`; default: four nodes a session)."""
+    prefixes (:func:`_causal_candidates`; default: four nodes a session). ``exact``: the sample's exact
+    ``(cand, valid)`` computed already (an append's driver, which reads every row; ``E`` is then not read)."""
     hits = np.zeros(sample.size, np.int64)
     total = np.zeros(sample.size, np.int64)
     if not sample.size:
         return hits, total
-    exact, valid = _causal_candidates(E, sample, k, "cpu", before=before)
+    exact, valid = exact if exact is not None else sample_exact(E, sample, k, before)
     pos = np.searchsorted(got.rows, sample)
     for i, j in enumerate(pos):
         want = set(exact[i][valid[i]].tolist())

@@ -16,7 +16,7 @@ import pytest
 from memgas.jobs import runner
 from memgas.jobs.history_index import ivf_mapped, ivf_store, ivf_units
 from memgas.jobs.stages.associate import AssociateStage
-from memgas.jobs.history_index.stored_blocks import TABLE
+from memgas.jobs.history_index.stored_blocks import TABLE, StoredBlocks
 from memgas.pipeline.association import blocks, ivf_search
 from memgas.pipeline.association.blocks import NodeBlocks, RowsNotShipped, SparseBlock
 from memgas.pipeline.bank import Bank
@@ -138,8 +138,8 @@ def test_the_payload_holds_the_rows_found_and_the_tail_only(tmp_path: Path, smal
     assert set(got) == set(want) and all(got[k].equals(want[k]) for k in want)
 
 
-def test_without_stored_blocks_a_full_index_to_save_or_a_sampled_row_every_row_is_shipped(tmp_path: Path, small: None,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_stored_blocks_or_with_a_full_index_to_save_every_row_is_shipped(tmp_path: Path, small: None,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 300})
     run_associate(associate_ctx(fresh, IVF_SMALL))
     _, grown = _grown(tmp_path / "a", 250, 300, with_blocks=False)  # the first append after an upgrade
@@ -150,13 +150,34 @@ def test_without_stored_blocks_a_full_index_to_save_or_a_sampled_row_every_row_i
     _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
     assert stats["ivf_found_units"] == 0 and associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
     assert associate_rows(grown)["ivf_index"] == associate_rows(fresh)["ivf_index"]
-    monkeypatch.setattr(ivf_store, "IVF_MAX_DELTAS", 16)
+
+
+def test_rows_of_the_recall_sample_are_searched_exactly_on_the_driver(tmp_path: Path, small: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An append whose new rows hold rows of the recall sample still ships only the rows found: the driver
+    runs the exact search of those rows on the stored blocks (each read once) and ships its candidates; the
+    recall rows and the edges equal a fresh build's, and the task never reads a row not shipped."""
     monkeypatch.setattr(ivf_search, "RECALL_ROWS", 256)  # every row sampled (another key: built afresh)
-    fresh2, _ = seeded_bank(tmp_path / "fresh2", {"h": 300})
-    run_associate(associate_ctx(fresh2, IVF_SMALL))
+    fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 300})
+    _, fresh_stats = run_associate(associate_ctx(fresh, IVF_SMALL))
     _, grown = _grown(tmp_path / "b", 250, 300)
+    reads = []
+    get = StoredBlocks.get
+    monkeypatch.setattr(StoredBlocks, "get", lambda self, i: reads.append(i) or get(self, i))
     _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
-    assert stats["ivf_found_units"] == 0 and associate_rows(grown)["edges"] == associate_rows(fresh2)["edges"]
+    assert stats["ivf_found_units"] == 1
+    first = 240 // 16  # the block of the index's end: the tail, read (and gathered) from there
+    assert sorted(i for i in reads if i < first) == list(range(first)), "each stored block read once"
+    want, got = associate_rows(fresh), associate_rows(grown)
+    assert got["edges"] == want["edges"]
+    recall = [(r[0], *r[3:]) for r in got["ivf_recall"]]
+    new = [r for r in recall if r[1] >= 4 * 250]
+    assert len(new) > 50 and all(r[4] > 0 for r in new)  # rows of the 50 new sessions in the history's sample
+    common = {r[3] for r in want["ivf_recall"]} & {x[1] for x in new}
+    assert len(common) > 10
+    assert sorted(x for x in new if x[1] in common) == sorted((r[0], *r[3:]) for r in want["ivf_recall"]
+                                                               if r[3] in common)
+    assert (stats["ivf_recall"], stats["ivf_recall_rows"]) == (fresh_stats["ivf_recall"], fresh_stats["ivf_recall_rows"])
 
 
 def test_a_sparse_block_raises_for_rows_not_shipped() -> None:
