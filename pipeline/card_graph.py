@@ -118,14 +118,16 @@ def _eligible(g: CardGraph, min_prior_nodes: int) -> tuple[np.ndarray, np.ndarra
 
 
 def card_graph_candidates(g: CardGraph, *, mem_threshold: int, min_prior_nodes: int,
-                          device: str = "cpu", sessions: tuple[int, int] | None = None) -> Candidates:
+                          device: str = "cpu", sessions: tuple[int, int] | None = None,
+                          below: int | None = None) -> Candidates:
     """Each eligible node's ``mem_threshold`` most similar nodes of earlier sessions (module docstring).
 
     MemGAS's blocked causal search (:func:`memgas.pipeline.association.exact_search._causal_candidates`) with
     each row's prefix given (``g.starts[g.session]``): the lower triangle only, canonical product shapes, so a
     row's candidates do not depend on which other rows are asked. ``sessions=(a, b)``: the rows of sessions
     ``[a, b)`` only (a segment; they read the nodes of sessions ``[0, b)`` only), the same as those rows of
-    the whole graph's result."""
+    the whole graph's result. ``below``: the rows below this node id only (the exact prefix of the IVF
+    search, :mod:`memgas.pipeline.card_graph_ivf`: the rows after it are not searched exactly)."""
     from memgas.pipeline.association.exact_search import _causal_candidates
 
     rows, before = _eligible(g, min_prior_nodes)
@@ -133,6 +135,8 @@ def card_graph_candidates(g: CardGraph, *, mem_threshold: int, min_prior_nodes: 
         a, b = sessions
         lo, hi = (int(g.starts[s]) if s < g.n_sessions else g.nodes.shape[0] for s in (a, b))
         rows = rows[(rows >= lo) & (rows < hi)]
+    if below is not None:
+        rows = rows[rows < below]
     cand, valid = _causal_candidates(g.nodes, rows, int(mem_threshold), device, before=before[rows])
     cand, valid, sc = _rescore(g.nodes, rows, cand, valid)
     return Candidates(rows, cand, valid, sc)

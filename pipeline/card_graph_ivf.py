@@ -48,9 +48,10 @@ def card_graph_ivf_candidates(g: CardGraph, *, mem_threshold: int, min_prior_nod
     """Each eligible node's candidates (as :func:`card_graph_candidates`), exact below ``params.exact_nodes`` and
     by the IVF search above (module docstring); ``sessions=(a, b)``: the rows of sessions ``[a, b)`` only."""
     k = int(mem_threshold)
-    exact = card_graph_candidates(g, mem_threshold=k, min_prior_nodes=min_prior_nodes, sessions=sessions)
-    keep = exact.rows < params.exact_nodes
-    parts = [Candidates(exact.rows[keep], exact.cand[keep], exact.valid[keep], exact.scores[keep])]
+    # the exact search of the prefix's rows only: the rows after it are the index's (searching them exactly
+    # too would cost a huge history's exact search, which this path exists to avoid)
+    parts = [card_graph_candidates(g, mem_threshold=k, min_prior_nodes=min_prior_nodes, sessions=sessions,
+                                   below=params.exact_nodes)]
     rows = ivf_rows(g, min_prior_nodes, params, sessions)
     if rows.size:
         parts.append(_walk(g, rows, k, params))

@@ -89,6 +89,7 @@ def test_past_the_exact_prefix_ivf_equals_the_exact_search_where_the_recall_samp
     """Under the IVF search, the rows below the exact prefix are the exact search's; past it, every row whose
     recall is whole (all its exact candidates found) has the exact search's candidates and scores; and a
     segment's rows alone get the candidates the whole graph's walk gives them (append equals fresh)."""
+    from memgas.pipeline.association import exact_search
     from memgas.pipeline.association.ivf_search import IVFParams
     from memgas.pipeline.card_graph_ivf import card_graph_ivf_candidates, card_graph_recall, ivf_rows
     from memgas.pipeline.synth_vectors import clustered_nodes
@@ -103,7 +104,13 @@ def test_past_the_exact_prefix_ivf_equals_the_exact_search_where_the_recall_samp
     exact = card_graph_candidates(g, **kw)
     for nprobe in (2, 8):
         p = IVFParams(nlist=8, nprobe=nprobe, train_nodes=400, exact_nodes=400, threads=1, block_sessions=16)
-        got = card_graph_ivf_candidates(g, **kw, params=p)
+        asked, search = [], exact_search._causal_candidates
+        exact_search._causal_candidates = lambda E, rows, *a, **k: asked.append(rows) or search(E, rows, *a, **k)
+        try:
+            got = card_graph_ivf_candidates(g, **kw, params=p)
+        finally:
+            exact_search._causal_candidates = search
+        assert asked and all(r.size == 0 or r.max() < 400 for r in asked), "the exact search: the prefix's rows only"
         assert np.array_equal(got.rows, exact.rows)
         pre = got.rows < 400
         for f in ("cand", "valid", "scores"):
