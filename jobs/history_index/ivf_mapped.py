@@ -14,7 +14,8 @@ is that of the copy's bytes (:func:`memgas.pipeline.hashing.file_digest`'s hash)
 written from a verified part. A copy is used only where its bytes have that digest: hashed at its first use
 by a later command, which records it (:mod:`memgas.pipeline.bank_verified`), then trusted while the file is
 unchanged. A copy that fails is deleted and written again from the part; writing one deletes the history's
-other copies (those of parts that are no longer current). Deleting the folder costs one read of the part.
+other copies, and the stage's end deletes the copies of parts no longer in the table (:func:`prune`).
+Deleting the folder costs one read of the part.
 Where no copy can be written (a full disk, a read-only bank), the index is read from the part as before.
 """
 
@@ -97,3 +98,24 @@ def _write(d: Path, prefix: str, hist: str, chunks: Sequence[np.ndarray]) -> Pat
         if old != path:
             old.unlink(missing_ok=True)
     return path
+
+
+def prune(bank: object) -> int:
+    """Delete the copies (and temporary files a killed write left) of parts no longer in the table: a
+    superseded full index's copy would otherwise stay (~1.5 GB at 10^6 sessions) until its history's next
+    copy is written. Returns how many files were deleted."""
+    d = folder(bank)
+    if not d.is_dir():
+        return 0
+    keep = set()
+    for part in bank.parts(TABLE):
+        digest = bank.part_digest(TABLE, part)
+        if digest is not None:
+            for h in set(bank.read(TABLE, ["history_id"], parts=[part])["history_id"].to_pylist()):
+                keep.add(f"{_key(h)}-{_key(part, digest)}-")
+    gone = 0
+    for f in d.iterdir():
+        if f.name.startswith(".tmp-") or (f.suffix == ".faiss" and f.name[: f.name.rindex("-") + 1] not in keep):
+            f.unlink(missing_ok=True)
+            gone += 1
+    return gone

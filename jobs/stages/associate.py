@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from memgas.jobs import tables
-from memgas.jobs.history_index import history_nodes, ivf_store, ivf_units, keep_blocks
+from memgas.jobs.history_index import history_nodes, ivf_mapped, ivf_store, ivf_units, keep_blocks
 from memgas.jobs.history_index.prefixes import chains, stored_segments
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.shards import edge_tables, kernel_active, matrix_loader, node_matrix, owned, segment_units
@@ -192,4 +192,5 @@ class AssociateStage(Stage):
                "search": ctx.cfg.association.search}
         if ctx.cfg.association.search == "ivf":
             out.update(ivf_units.ivf_recall(ctx), **ivf_store.ivf_run(ctx).stats())
+        ivf_mapped.prune(ctx.bank)  # copies of saved indexes this run superseded (under any search)
         return out

@@ -71,6 +71,24 @@ def test_an_append_ships_only_the_rows_it_found_and_equals_a_fresh_build(tmp_pat
     assert len(list(ivf_mapped.folder(grown).glob("*.faiss"))) == 1, "the walk searched a mapped copy"
 
 
+def test_prune_deletes_the_copies_of_parts_no_longer_there(tmp_path: Path, small: None) -> None:
+    """``ivf_mapped.prune`` (the associate stage's end calls it) deletes a copy whose part is no longer in
+    ``ivf_index`` (a full index saved again supersedes it) and a temporary file a killed write left, and keeps
+    the current part's copy."""
+    _, grown = _grown(tmp_path, 250, 300)
+    run_associate(associate_ctx(grown, IVF_SMALL))
+    copy, = ivf_mapped.folder(grown).glob("*.faiss")
+    hist, part_key, digest = copy.stem.split("-")
+    stale = copy.with_name(f"{hist}-{'0' * len(part_key)}-{digest}.faiss")
+    stale.write_bytes(b"an older part's copy")
+    (copy.parent / ".tmp-x.faiss").write_bytes(b"half")
+    assert ivf_mapped.prune(grown) == 2
+    assert list(ivf_mapped.folder(grown).iterdir()) == [copy]
+    for part in grown.parts("ivf_index"):
+        grown.drop_part("ivf_index", part)
+    assert ivf_mapped.prune(grown) == 1 and not list(ivf_mapped.folder(grown).iterdir())
+
+
 def test_a_mapped_copy_that_is_damaged_or_cannot_be_written_changes_nothing(
         tmp_path: Path, small: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """The driver's walk maps a copy of the saved index (jobs/history_index/ivf_mapped.py). A copy whose bytes
