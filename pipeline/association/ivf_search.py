@@ -43,6 +43,8 @@ from memgas.pipeline.association.nodes import (
 COARSE_TILE = 256
 #: ids gathered per memory map when rescoring from a NodeFile (bounds the pages mapped at once)
 GATHER_IDS = 8192
+#: (row, node) pairs of a block scored at once by the in-block search (two [pairs, d] float32 gathers)
+PAIR_CHUNK = 1 << 15
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,10 @@ class CausalIVF(FaissCausalIndex):
         row = pr // probes.shape[1]
         keep = col < (pos[row] // N_GRAN * N_GRAN if lim is None else lim[row])  # earlier sessions of the block only
         row, col = row[keep], col[keep]
-        sc = np.einsum("pd,pd->p", q[row], blk[col])
+        # a pair's score is its own dot product: scored PAIR_CHUNK pairs at a time (the same bits), so that
+        # the gathered vectors stay small where few lists hold many of a block's nodes (millions of pairs)
+        sc = np.concatenate([np.einsum("pd,pd->p", q[row[i : i + PAIR_CHUNK]], blk[col[i : i + PAIR_CHUNK]])
+                             for i in range(0, row.size, PAIR_CHUNK)]) if row.size else np.zeros(0, np.float32)
         o = np.lexsort((col, -sc, row))  # by row, best first, ties by lower node
         row, col = row[o], col[o]
         rank = np.arange(row.size) - np.searchsorted(row, row)
