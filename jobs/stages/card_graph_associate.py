@@ -62,11 +62,21 @@ def current_deltas(ctx: StageContext, prefix: str) -> dict[str, list[tuple[str, 
     return ivf_store.current_deltas(ctx, card_coverage(ctx, prefix), card_chains(ctx), CARD_IVF)
 
 
+def _saved(ctx: StageContext, table: str, prefix: str) -> bool:
+    """Whether ``table`` has a part of this key (a directory listing: under the exact search none, and the
+    edges' coverage is not computed for it)."""
+    return any(p.startswith(prefix) for p in ctx.bank.parts(table))
+
+
 def _current_index(ctx: StageContext, prefix: str) -> list[str]:
+    if not _saved(ctx, CARD_IVF.index, prefix):
+        return []
     return sorted({part for part, _, _ in current_indexes(ctx, prefix).values()})
 
 
 def _current_delta(ctx: StageContext, prefix: str) -> list[str]:
+    if not _saved(ctx, CARD_IVF.delta, prefix):
+        return []
     return sorted({link[0] for links in current_deltas(ctx, prefix).values() for link in links})
 
 
