@@ -18,7 +18,7 @@ from memgas.jobs.history_index import ivf_store
 from memgas.pipeline.association import ivf_search
 from memgas.pipeline.bank import Bank
 from tests.jobs.test_append_index import _file
-from tests.jobs.test_card_graph_append import _config, _edges, _rows
+from tests.jobs.test_card_graph_append import _config, _edges, _rows, _segments
 from tests.jobs.test_node_blocks import damage_part
 
 GRID = 4
@@ -113,17 +113,28 @@ def _append(banks: dict[str, Path], tmp_path: Path, cli: Callable) -> Path:
     return grown
 
 
+@pytest.mark.parametrize("cut", [False, True])
 def test_an_append_walks_from_the_saved_index_and_saves_a_delta_equal_to_a_fresh_build(
         tmp_path: Path, cli: Callable, banks: dict[str, Path], walked: dict[str, list],
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, cut: bool) -> None:
+    """``cut``: the append's rows in two units, [10, 12) and [12, 14): each starts from the saved index, the
+    second (the history's last) saves the delta."""
+    from memgas.pipeline.association import segments
+
     monkeypatch.setattr(ivf_store, "IVF_DELTA_SHARE", 1)  # a delta of up to the full index's own sessions
+    if cut:
+        monkeypatch.setattr(segments, "UNIT_WORK", 1)
+        monkeypatch.setattr(segments, "TILE_SESSIONS", 2)
     want_index, want_sessions, want_chain = merged_index(banks["fresh"])
     assert (want_sessions, want_chain) == (12, [])
     assert merged_index(banks["first"])[1:] == (8, [])
     grown = _append(banks, tmp_path, cli)
     _index(grown, cli)
     # the saved index of sessions [0, 8) loaded, not trained; the blocks [8, 12) and [12, 14) walked, no other
-    assert walked["trained"] == [] and len(walked["blocks"]) == 2, walked
+    # (cut: the first unit's prefix ends at 12, its walk at the block [8, 12))
+    assert walked["trained"] == [] and len(walked["blocks"]) == (3 if cut else 2), walked
+    want_segments = [("h0", 0, 10), ("h0", 10, 12), ("h0", 12, 14)] if cut else [("h0", 0, 10), ("h0", 10, 14)]
+    assert _segments(grown) == want_segments
     got_index, sessions, chain = merged_index(grown)
     assert (sessions, chain) == (8, [(8, 12)])
     assert got_index == want_index
