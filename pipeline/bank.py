@@ -88,7 +88,8 @@ log = logging.getLogger(__name__)
 #: of a saved index, jobs/stages/associate.py) a group: Parquet buffers a whole column chunk while it writes
 #: and reads one, several times over (a 1.5 GB index in one group took ~5 GB more to write and ~7 GB to
 #: read; in groups of 64 MiB, 0.5 and 2 GB). Other tables keep the default.
-ROW_GROUP_ROWS = {"embeddings": 8192, "node_blocks": 8192, "ivf_index": 1, "ivf_delta": 1}
+ROW_GROUP_ROWS = {"embeddings": 8192, "node_blocks": 8192, "ivf_index": 1, "ivf_delta": 1,
+                  "card_graph_ivf_index": 1, "card_graph_ivf_delta": 1}
 
 
 #: Parquet's own default (at most 1 Mi rows a row group), stated so that a table written a group at a time

@@ -35,7 +35,8 @@ _PARQUET_OPTS = dict(compression="zstd", use_dictionary=True, write_statistics=T
 #: codes: zstd saved 12% of a 64 MiB chunk), both read whole by the next run; without zstd and dictionaries
 #: a 96 MiB block decodes ~6x faster, and the 1.4 GB index of 10^6 sessions is read at memory speed
 _RAW = dict(compression="none", use_dictionary=False, write_statistics=False)
-_TABLE_PARQUET_OPTS = {"node_blocks": _RAW, "ivf_index": _RAW, "ivf_delta": _RAW}
+_TABLE_PARQUET_OPTS = {"node_blocks": _RAW, "ivf_index": _RAW, "ivf_delta": _RAW, "card_graph_ivf_index": _RAW,
+                       "card_graph_ivf_delta": _RAW}
 
 
 def parquet_options(name: str | None) -> dict[str, Any]:

@@ -11,8 +11,13 @@ session ids and a session's nodes by the prefix, so a segment's rows get the can
 whole history gives them: append equals fresh. Sessions hold any number of nodes here, so a block's node range
 and a row's earlier sessions come from the graph's ``starts`` (MemGAS's walk assumes four a session).
 
-No index is saved: each call trains and fills its own up to its rows (the same bits each time: seeded k-means
-on one faiss thread, as the associate stage's ``stage_params``).
+A call may start from a saved index (``index``: the centroids and the complete grid blocks of sessions
+``[0, s)``, ``s`` a multiple of ``block_sessions``, as an earlier walk left it): the walk then continues at
+session ``s``, exactly where a fresh one would be there, and neither trains nor revisits a block before it.
+Without one it trains its own (the same bits each time: seeded k-means on one faiss thread, as the associate
+stage's ``stage_params``). Either way it walks to the graph's last session, so the index it leaves holds the
+complete blocks of the whole graph: what card-graph-associate saves
+(:mod:`memgas.jobs.stages.card_graph_associate`).
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ class _Prefix(ReadInBlocks):
 
 
 def card_graph_ivf_candidates(g: CardGraph, *, mem_threshold: int, min_prior_nodes: int, params: IVFParams,
-                              sessions: tuple[int, int] | None = None) -> Candidates:
+                              sessions: tuple[int, int] | None = None, index: CausalIVF | None = None) -> Candidates:
     """Each eligible node's candidates (as :func:`card_graph_candidates`), exact below ``params.exact_nodes`` and
-    by the IVF search above (module docstring); ``sessions=(a, b)``: the rows of sessions ``[a, b)`` only."""
+    by the IVF search above (module docstring); ``sessions=(a, b)``: the rows of sessions ``[a, b)`` only.
+    ``index``: the walk's index, filled in place (untrained: trained here; a saved one: continued from its
+    end, which must be at or before the rows' first session); None: one of its own."""
     k = int(mem_threshold)
     # the exact search of the prefix's rows only: the rows after it are the index's (searching them exactly
     # too would cost a huge history's exact search, which this path exists to avoid)
@@ -54,7 +61,7 @@ def card_graph_ivf_candidates(g: CardGraph, *, mem_threshold: int, min_prior_nod
                                    below=params.exact_nodes)]
     rows = ivf_rows(g, min_prior_nodes, params, sessions)
     if rows.size:
-        parts.append(_walk(g, rows, k, params))
+        parts.append(_walk(g, rows, k, params, index))
     return _concat(parts, k)
 
 
@@ -69,19 +76,37 @@ def ivf_rows(g: CardGraph, min_prior_nodes: int, params: IVFParams,
     return rows
 
 
-def _walk(g: CardGraph, rows: np.ndarray, k: int, p: IVFParams) -> Candidates:
-    """IVF candidates of ``rows`` (all past the exact prefix): the grid walk from session 0."""
+def index_end(g: CardGraph, ivf: CausalIVF, block_sessions: int) -> int:
+    """The session at which a walk over ``ivf`` starts: the end of the complete grid blocks it holds (0 when
+    untrained). An index whose nodes are not whole blocks of ``g``'s sessions raises: it is not this graph's."""
+    if ivf.index is None:
+        return 0
+    ends = np.append(g.starts, g.nodes.shape[0])
+    s = int(np.searchsorted(ends, ivf.ntotal))
+    if s >= ends.size or int(ends[s]) != ivf.ntotal or s % block_sessions:
+        raise ValueError(f"an IVF index of {ivf.ntotal} nodes is not whole {block_sessions}-session blocks of "
+                         f"this card graph ({g.n_sessions} sessions, {g.nodes.shape[0]} nodes)")
+    return s
+
+
+def _walk(g: CardGraph, rows: np.ndarray, k: int, p: IVFParams, ivf: CausalIVF | None = None) -> Candidates:
+    """IVF candidates of ``rows`` (all past the exact prefix): the grid walk from the end of ``ivf`` (session 0
+    when it is None or untrained) to the graph's last session."""
     E, n = g.nodes, g.nodes.shape[0]
     before = g.starts[g.session]
     ends = np.append(g.starts, n)  # session s holds the nodes [ends[s], ends[s + 1])
     fetch = p.fetch or k + k // 2
-    ivf = CausalIVF(E.shape[1], p)
+    ivf = CausalIVF(E.shape[1], p) if ivf is None else ivf
+    start = index_end(g, ivf, p.block_sessions)
+    if int(g.session[rows[0]]) < start:
+        raise ValueError(f"row {int(rows[0])} is in session {int(g.session[rows[0]])}, before the end of the "
+                         f"IVF index it would search (session {start})")
     out = []
-    last = int(g.session[rows[-1]])
     with ivf._threads():
-        ivf.train(_Prefix(E, min(n, p.train_nodes)))
+        if ivf.index is None:
+            ivf.train(_Prefix(E, min(n, p.train_nodes)))
         ivf.index.nprobe = min(p.nprobe, ivf.nlist)
-        for s0 in range(0, last + 1, p.block_sessions):
+        for s0 in range(start, g.n_sessions, p.block_sessions):
             s1 = min(g.n_sessions, s0 + p.block_sessions)
             c0, c1 = int(ends[s0]), int(ends[s1])
             blk = _read_cols(E, c0, c1)

@@ -381,6 +381,9 @@ TABLES: dict[str, pa.Schema] = {
     "card_graph_edge_segments": EDGE_SEGMENTS,
     # ... and, under association.search=ivf, each segment's recall sample (as ivf_recall)
     "card_graph_ivf_recall": IVF_RECALL,
+    # ... and its saved IVF indexes and their deltas (as ivf_index, ivf_delta)
+    "card_graph_ivf_index": IVF_INDEX,
+    "card_graph_ivf_delta": IVF_DELTA,
     "card_graph_picks": CARD_GRAPH_PICKS,
 }
 

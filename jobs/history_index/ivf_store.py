@@ -7,6 +7,10 @@ Tables (segmented, parts named like the associate stage's edges parts): ``ivf_in
 the entries an append added since, as small indexes of the same centroids and quantiser. A load merges the
 deltas into the full index in order: the same bytes as the index of one build.
 
+The tables are a stage's (:class:`IVFTables`): the associate stage's above, memgas-cards'
+``card_graph_ivf_index`` and ``card_graph_ivf_delta`` (:mod:`memgas.jobs.stages.card_graph_associate`), the
+same schemas and rules under the card graph's prefix digests.
+
 Current: per history, the full index of most sessions among the current segments' parts whose sessions are
 still those it holds, and the chain of deltas that continues it. A part whose bytes are not those written is
 never current (:func:`intact`: logged and counted once per run), so the index is continued from the link
@@ -45,6 +49,19 @@ IVF_DELTA_SHARE = 8
 IVF_INDEX_CHUNK_BYTES = 64 << 20
 
 
+@dataclass(frozen=True)
+class IVFTables:
+    """The tables a stage saves its histories' IVF indexes in: full indexes (schema ``IVF_INDEX``) and deltas
+    (``IVF_DELTA``). Both are segmented, their parts named like that stage's edges parts."""
+
+    index: str = "ivf_index"
+    delta: str = "ivf_delta"
+
+
+#: the associate stage's (MemGAS's graph)
+IVF_TABLES = IVFTables()
+
+
 @dataclass
 class IVFRun:
     """What one run of the associate stage knows of the saved indexes on the driver (one entry of the stage's
@@ -73,21 +90,23 @@ def ivf_run(ctx: StageContext) -> IVFRun:
     return ctx.scratch.setdefault("ivf", IVFRun())
 
 
-def _index_rows(ctx: StageContext, part: str) -> list[tuple[str, int, int, str]]:
+def _index_rows(ctx: StageContext, part: str, table: str) -> list[tuple[str, int, int, str]]:
     """(history, end_session, sessions, prefix digest) of an ``ivf_index`` part, without its index bytes."""
-    t = ctx.bank.read("ivf_index", ["history_id", "end_session", "sessions", "prefix_digest"], parts=[part])
+    t = ctx.bank.read(table, ["history_id", "end_session", "sessions", "prefix_digest"], parts=[part])
     return list(zip(*(t[c].to_pylist() for c in ("history_id", "end_session", "sessions", "prefix_digest"))))
 
 
-def current_indexes(ctx: StageContext, cov: Coverage, chain: dict[str, list[str]]) -> dict[str, tuple[str, int, str]]:
+def current_indexes(ctx: StageContext, cov: Coverage, chain: dict[str, list[str]],
+                    names: IVFTables = IVF_TABLES) -> dict[str, tuple[str, int, str]]:
     """Per history, its newest full saved IVF index: ``(part, sessions, prefix digest)``, the one of most
     sessions among the current segments' parts (``cov``) whose sessions are still those it holds (an older
-    one is superseded; the deltas saved since continue it, :func:`current_deltas`)."""
+    one is superseded; the deltas saved since continue it, :func:`current_deltas`). ``chain``: the prefix
+    digests of the graph the indexes hold, ``names``: their tables."""
     found: dict[str, list[tuple[int, str, str]]] = {}
     for part in cov.parts:
-        if not ctx.bank.has_part("ivf_index", part):
+        if not ctx.bank.has_part(names.index, part):
             continue
-        for h, _, sessions, digest in _index_rows(ctx, part):
+        for h, _, sessions, digest in _index_rows(ctx, part, names.index):
             c = chain.get(h)
             if c is not None and sessions < len(c) and c[sessions] == digest:
                 found.setdefault(h, []).append((sessions, part, digest))
@@ -96,7 +115,7 @@ def current_indexes(ctx: StageContext, cov: Coverage, chain: dict[str, list[str]
         # the most sessions among those whose bytes are those written: a damaged part is never current, so
         # the index rebuilt over it (maybe of as many sessions) replaces it instead of tying with it
         for sessions, part, digest in sorted(candidates, key=lambda x: (-x[0], x[1])):
-            if intact(ctx, "ivf_index", part, h):
+            if intact(ctx, names.index, part, h):
                 out[h] = (part, sessions, digest)
                 break
     return out
@@ -110,27 +129,27 @@ def intact(ctx: StageContext, table: str, part: str, history: str) -> bool:
     run = ivf_run(ctx)
     if (table, part) not in run.damaged:
         run.damaged.add((table, part))
-        log.warning("associate: the saved IVF %s of history %s (%s/%s) is damaged; rebuilding it",
-                    "index" if table == "ivf_index" else "delta", history, table, part)
+        log.warning("the saved IVF %s of history %s (%s/%s) is damaged; rebuilding it",
+                    "delta" if table.endswith("_delta") else "index", history, table, part)
         run.rebuilt += 1
     return False
 
 
-def current_deltas(ctx: StageContext, cov: Coverage, chain: dict[str, list[str]]
-                   ) -> dict[str, list[tuple[str, int, int, str]]]:
+def current_deltas(ctx: StageContext, cov: Coverage, chain: dict[str, list[str]],
+                   names: IVFTables = IVF_TABLES) -> dict[str, list[tuple[str, int, int, str]]]:
     """Per history, the deltas that continue its full index (:func:`current_indexes`), in order:
     ``(part, base sessions, sessions, prefix digest)``, each starting where the one before ends, its sessions
     still those it holds. Of two from the same start (one written over a damaged one) the longer."""
-    full = current_indexes(ctx, cov, chain)
+    full = current_indexes(ctx, cov, chain, names)
     nxt: dict[tuple[str, int], tuple[str, int, int, str]] = {}
     for part in cov.parts:
-        if not ctx.bank.has_part("ivf_delta", part):
+        if not ctx.bank.has_part(names.delta, part):
             continue
-        t = ctx.bank.read("ivf_delta", ["history_id", "base_sessions", "sessions", "prefix_digest"], parts=[part])
+        t = ctx.bank.read(names.delta, ["history_id", "base_sessions", "sessions", "prefix_digest"], parts=[part])
         for h, base, sessions, digest in zip(*(t[c].to_pylist() for c in t.column_names)):
             c = chain.get(h)
             if c is not None and base < sessions < len(c) and c[sessions] == digest and \
-                    nxt.get((h, base), ("", 0, -1))[2] < sessions and intact(ctx, "ivf_delta", part, h):
+                    nxt.get((h, base), ("", 0, -1))[2] < sessions and intact(ctx, names.delta, part, h):
                 nxt[(h, base)] = (part, base, sessions, digest)
     out: dict[str, list[tuple[str, int, int, str]]] = {}
     for h, (_, sessions, _) in full.items():
@@ -199,14 +218,14 @@ def saved_index_chunks(bank: Any, part: str, history: str, table: str = "ivf_ind
     return out
 
 
-def saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] | None:
+def saved_index(ctx: StageContext, history: str, start: int, names: IVFTables = IVF_TABLES) -> dict[str, Any] | None:
     """The history's saved IVF index for rows from session ``start`` on, its part verified first (a part
     whose bytes are not those written is never searched: the task rebuilds the index, and the stats
     count it); None when there is none to use. Every unit of the history in this run starts from the
     same saved index (it ends at or before the first unit's rows): it is verified and counted once. What
     it returns names the part and holds the deltas' bytes; the full index's bytes are read only where a
     task needs them (:func:`full_bytes`; the driver's own search maps a copy,
-    :mod:`memgas.jobs.history_index.ivf_mapped`)."""
+    :mod:`memgas.jobs.history_index.ivf_mapped`). ``names``: the stage's tables."""
     run = ivf_run(ctx)
     saved = run.saved.get(history)  # listed before the run's first unit
     if start == 0 or saved is None:
@@ -215,23 +234,23 @@ def saved_index(ctx: StageContext, history: str, start: int) -> dict[str, Any] |
         return run.loaded[1]
     run.loaded = (history, None)  # drops the previous history's bytes first
     part, sessions, digest = saved
-    if not intact(ctx, "ivf_index", part, history):  # listed intact (current_indexes): changed since
+    if not intact(ctx, names.index, part, history):  # listed intact (current_indexes): changed since
         return None
-    meta = ctx.bank.read("ivf_index", ["history_id", "sessions", "prefix_digest", "dim"], parts=[part])
+    meta = ctx.bank.read(names.index, ["history_id", "sessions", "prefix_digest", "dim"], parts=[part])
     meta = meta.filter(pc.equal(meta["history_id"], history))
     if meta.num_rows == 0 or {(s, d) for s, d in zip(meta["sessions"].to_pylist(), meta["prefix_digest"].to_pylist())} \
             != {(sessions, digest)}:
         return None
     deltas = []
     for dpart, base, end, _ in run.deltas.get(history, []):
-        if not intact(ctx, "ivf_delta", dpart, history):  # the index up to here, then its blocks added again
+        if not intact(ctx, names.delta, dpart, history):  # the index up to here, then its blocks added again
             break
         deltas.append({"base": base, "sessions": end, "bytes": saved_index_chunks(ctx.bank, dpart, history,
-                                                                                    "ivf_delta")})
+                                                                                    names.delta)})
     run.reused += 1
     run.loaded = (history, {"sessions": deltas[-1]["sessions"] if deltas else sessions,
                             "full_sessions": sessions, "dim": meta["dim"][0].as_py(), "part": part,
-                            "history": history, "deltas": deltas})
+                            "history": history, "deltas": deltas, "table": names.index})
     return run.loaded[1]
 
 
@@ -241,5 +260,5 @@ def full_bytes(ctx: StageContext, saved: dict[str, Any]) -> list[np.ndarray]:
     run, h = ivf_run(ctx), saved["history"]
     if run.full is None or run.full[0] != h:
         run.full = None  # drops the previous history's bytes first
-        run.full = (h, saved_index_chunks(ctx.bank, saved["part"], h))
+        run.full = (h, saved_index_chunks(ctx.bank, saved["part"], h, saved.get("table", IVF_TABLES.index)))
     return run.full[1]

@@ -20,13 +20,14 @@ delta to save, and of each stored block only the rows among them; the task resco
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 from memgas.jobs import executor, tables
 from memgas.jobs.history_index import ivf_mapped
-from memgas.jobs.history_index.ivf_store import full_bytes, ivf_run, saved_index, saves_delta
+from memgas.jobs.history_index.ivf_store import IVF_TABLES, IVFTables, full_bytes, ivf_run, saved_index, saves_delta
 from memgas.jobs.history_index.node_blocks import HistoryBlocks
 from memgas.jobs.history_index.prefixes import chains
 from memgas.jobs.stage import StageContext
@@ -52,21 +53,26 @@ def uses_ivf(cfg: Any, end_session: int) -> bool:
 
 
 # -- the driver ----------------------------------------------------------------------------------------
-def segment_indexes(ctx: StageContext, segs: list[list[Any]], listed: Any) -> list[dict[str, Any] | None]:
+def segment_indexes(ctx: StageContext, segs: list[list[Any]], listed: Any, *,
+                    chain: dict[str, list[str]] | None = None, uses: Callable[[str, int], bool] | None = None,
+                    names: IVFTables = IVF_TABLES) -> list[dict[str, Any] | None]:
     """Per segment of a unit: None under the exact search, else the saved index to start from (or None), the
     IVF grid (module constants are the driver's: a task may run in another process), the identity of the
     nodes the new index will hold, and whether to save it (only the history's last segment's index is
     current, and kept) and as a delta. ``listed``: called once per run, before any unit is written, for
-    the indexes and deltas saved before this run (``(current_indexes, current_deltas)``)."""
-    run, chain, grid = ivf_run(ctx), chains(ctx), I.STAGE_BLOCK_SESSIONS
+    the indexes and deltas saved before this run (``(current_indexes, current_deltas)``). Another graph's
+    (memgas-cards'): its prefix digests ``chain``, whether a segment ``(history, end)`` has rows past the
+    exact prefix (``uses``) and its tables (``names``); MemGAS's by default."""
+    run, grid = ivf_run(ctx), I.STAGE_BLOCK_SESSIONS
+    chain = chains(ctx) if chain is None else chain
     if run.saved is None:
         run.saved, run.deltas = listed()
     out: list[dict[str, Any] | None] = []
     for h, a, b, _ in segs:
-        if not uses_ivf(ctx.cfg, b):
+        if not (uses_ivf(ctx.cfg, b) if uses is None else uses(h, b)):
             out.append(None)
             continue
-        saved, end, save = saved_index(ctx, h, a), I.index_sessions(b, grid), b == len(chain[h]) - 1
+        saved, end, save = saved_index(ctx, h, a, names), I.index_sessions(b, grid), b == len(chain[h]) - 1
         out.append({"saved": saved, "grid": grid, "save": save, "digest": chain[h][end],
                     "delta": save and saves_delta(saved, end)})
     return out
@@ -172,15 +178,17 @@ def driver_index(ctx: StageContext, saved: dict[str, Any], params: Any, dim: int
 
 
 # -- the task ------------------------------------------------------------------------------------------
-def loaded_index(saved: dict[str, Any], params: Any, dim: int) -> Any:
+def loaded_index(saved: dict[str, Any], params: Any, dim: int, nodes: Callable[[int], int] | None = None) -> Any:
     """The saved index (a :class:`~memgas.pipeline.association.ivf_search.CausalIVF`) with its deltas merged
     in order, from :func:`~memgas.jobs.history_index.ivf_store.saved_index`'s bytes (a reference the
-    executor shared under Ray)."""
+    executor shared under Ray). ``nodes``: the nodes of a history's first ``s`` sessions, what each part
+    must hold (None: four a session; memgas-cards' graph gives its own)."""
+    nodes = nodes or (lambda s: N_GRAN * s)
     data = executor.fetch(saved["bytes"])
-    index = I.index_from_bytes(data, params, d=dim, ntotal=N_GRAN * saved.get("full_sessions", saved["sessions"]))
+    index = I.index_from_bytes(data, params, d=dim, ntotal=nodes(saved.get("full_sessions", saved["sessions"])))
     del data
     for delta in saved.get("deltas", []):
-        index.merge_delta(I.raw_from_bytes(delta["bytes"], d=dim, ntotal=N_GRAN * (delta["sessions"] - delta["base"])))
+        index.merge_delta(I.raw_from_bytes(delta["bytes"], d=dim, ntotal=nodes(delta["sessions"]) - nodes(delta["base"])))
     return index
 
 
@@ -212,20 +220,31 @@ def segment_candidates(E: Any, seg: list[Any], meta: dict[str, Any], a: dict[str
     c, index = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a["mem_threshold"],
                           min_prior_nodes=a["min_prior_nodes"], params=params, found=found)
     recall_table(E, c, seg, a, out, recall_rows)
-    if meta.get("save", True) and index is not None and index.index is not None:
-        sessions = index.ntotal // N_GRAN
-        if sessions != I.index_sessions(s1, grid):
-            raise RuntimeError(f"associate: the IVF index of history {h} holds {sessions} sessions, "
-                               f"expected {I.index_sessions(s1, grid)}")
-        row = {"history_id": h, "end_session": s1, "sessions": sessions, "prefix_digest": meta["digest"],
-               "dim": E.shape[1]}
-        if saved is not None and sessions == saved["sessions"]:
-            pass  # no grid block was completed: the saved index (and its deltas) stays the current one
-        elif index.delta is not None:
-            out["delta"].append({**row, "base_sessions": saved["sessions"], "index": I.delta_bytes(index)})
-        else:
-            out["index"].append({**row, "index": I.index_bytes(index)})
+    keep_index(out, index, meta, seg, E.shape[1])
     return c  # the faiss index is freed here: only its bytes stay, until the table is written
+
+
+def keep_index(out: dict[str, list], index: Any, meta: dict[str, Any], seg: list[Any], dim: int,
+               nodes: Callable[[int], int] | None = None) -> None:
+    """The index a segment's walk left (None or untrained: none) into ``out`` when the segment saves it (the
+    history's last): whole, or as the delta over the saved index it started from (``meta``, as
+    :func:`segment_indexes` gives it), or nothing where it completed no grid block since (the saved index
+    and its deltas stay current). It must hold the sessions of the complete grid blocks before the
+    segment's end; ``nodes`` as :func:`loaded_index`'s."""
+    if not meta.get("save", True) or index is None or index.index is None:
+        return
+    h, _, s1, _ = seg
+    saved, sessions = meta["saved"], I.index_sessions(s1, meta.get("grid") or I.STAGE_BLOCK_SESSIONS)
+    if index.ntotal != (nodes or (lambda s: N_GRAN * s))(sessions):
+        raise RuntimeError(f"the IVF index of history {h} holds {index.ntotal} nodes, expected those of its "
+                           f"first {sessions} sessions")
+    row = {"history_id": h, "end_session": s1, "sessions": sessions, "prefix_digest": meta["digest"], "dim": dim}
+    if saved is not None and sessions == saved["sessions"]:
+        pass  # no grid block was completed: the saved index (and its deltas) stays the current one
+    elif index.delta is not None:
+        out["delta"].append({**row, "base_sessions": saved["sessions"], "index": I.delta_bytes(index)})
+    else:
+        out["index"].append({**row, "index": I.index_bytes(index)})
 
 
 def recall_table(E: Any, c: Any, seg: list[Any], a: dict[str, Any], out: dict[str, list],

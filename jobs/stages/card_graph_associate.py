@@ -7,16 +7,23 @@ the edges of the rows of sessions ``[a, b)`` of its histories, valid while the c
 is unchanged. Parts are named by the stage's key, so after ``memgas ingest --append`` the old sessions'
 segments stay current and only the new sessions' rows are searched; the search's canonical shapes make a
 row's candidates independent of which rows one call computes, so an append equals a fresh build byte for byte.
+
+Under ``association.search: ivf`` each history's IVF index is saved as MemGAS's is
+(:mod:`memgas.jobs.history_index.ivf_store`, :mod:`~memgas.jobs.history_index.ivf_units`), in tables of its
+own (``card_graph_ivf_index``, ``card_graph_ivf_delta``: :data:`CARD_IVF`) named by the card graph's prefix
+digests: the unit that ends a history saves the index its walk left (whole, or as a delta over the saved one
+it started from), and an append's units start from it and walk only the grid blocks from its end.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 from memgas.jobs import tables
-from memgas.jobs.history_index import ivf_units
+from memgas.jobs.history_index import ivf_store, ivf_units
 from memgas.jobs.history_index.card_blocks import card_graph_blocks, matrix_blocks
 from memgas.jobs.history_index.prefixes import stored_segments
 from memgas.jobs.stage import Active, Stage, StageContext
@@ -27,7 +34,7 @@ from memgas.jobs.stages.shards import edge_tables, kernel_active, segment_units
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks, ivf_search, row_keys, segments
 from memgas.pipeline.association.segments import Coverage, coverage, split_sized
-from memgas.pipeline.schema import IVF_RECALL, N_GRAN
+from memgas.pipeline.schema import IVF_DELTA, IVF_RECALL, N_GRAN
 
 
 # -- which segments are stored and which must be computed ------------------------------------------------------
@@ -40,6 +47,39 @@ def _current(ctx: StageContext, prefix: str) -> list[str]:
     return list(card_coverage(ctx, prefix).parts)
 
 
+#: the tables of the card graph's saved IVF indexes and their deltas (schemas IVF_INDEX and IVF_DELTA)
+CARD_IVF = ivf_store.IVFTables("card_graph_ivf_index", "card_graph_ivf_delta")
+
+
+def current_indexes(ctx: StageContext, prefix: str) -> dict[str, tuple[str, int, str]]:
+    """Per history, its current full saved IVF index of the card graph
+    (:func:`memgas.jobs.history_index.ivf_store.current_indexes` under :func:`card_chains`)."""
+    return ivf_store.current_indexes(ctx, card_coverage(ctx, prefix), card_chains(ctx), CARD_IVF)
+
+
+def current_deltas(ctx: StageContext, prefix: str) -> dict[str, list[tuple[str, int, int, str]]]:
+    """Per history, the deltas that continue its full index (:func:`~memgas.jobs.history_index.ivf_store.current_deltas`)."""
+    return ivf_store.current_deltas(ctx, card_coverage(ctx, prefix), card_chains(ctx), CARD_IVF)
+
+
+def _saved(ctx: StageContext, table: str, prefix: str) -> bool:
+    """Whether ``table`` has a part of this key (a directory listing: under the exact search none, and the
+    edges' coverage is not computed for it)."""
+    return any(p.startswith(prefix) for p in ctx.bank.parts(table))
+
+
+def _current_index(ctx: StageContext, prefix: str) -> list[str]:
+    if not _saved(ctx, CARD_IVF.index, prefix):
+        return []
+    return sorted({part for part, _, _ in current_indexes(ctx, prefix).values()})
+
+
+def _current_delta(ctx: StageContext, prefix: str) -> list[str]:
+    if not _saved(ctx, CARD_IVF.delta, prefix):
+        return []
+    return sorted({link[0] for links in current_deltas(ctx, prefix).values() for link in links})
+
+
 def _current_recall(ctx: StageContext, prefix: str) -> list[str]:
     """The recall rows of the current segments (a part of the same name as their edges)."""
     return [p for p in _current(ctx, prefix) if ctx.bank.has_part("card_graph_ivf_recall", p)]
@@ -50,6 +90,9 @@ CARD_GRAPH_EDGE_SEGMENTS = tables.Table("card_graph_edge_segments", "segmented",
 CARD_GRAPH_EDGES = tables.Table("card_graph_edges", "segmented", current=_current)
 #: association.search=ivf: each segment's recall sample (:func:`memgas.jobs.history_index.ivf_units.ivf_recall`)
 CARD_GRAPH_IVF_RECALL = tables.Table("card_graph_ivf_recall", "segmented", current=_current_recall)
+#: ... each history's saved index (the newest only) and the deltas appends saved since
+CARD_GRAPH_IVF_INDEX = tables.Table(CARD_IVF.index, "segmented", current=_current_index)
+CARD_GRAPH_IVF_DELTA = tables.Table(CARD_IVF.delta, "segmented", current=_current_delta)
 
 
 def graph_prefix(g: Any, end: int) -> dict[str, np.ndarray]:
@@ -67,7 +110,8 @@ class CardGraphAssociateStage(Stage):
     # and segmented parts named by config (version 1: one per-fingerprint table)
     version = "2"
     reads = ("nodes", "node_vectors", "pairs", "cards", "card_graph_vectors", "histories")
-    writes = (CARD_GRAPH_EDGE_SEGMENTS, CARD_GRAPH_EDGES, CARD_GRAPH_IVF_RECALL)
+    writes = (CARD_GRAPH_EDGE_SEGMENTS, CARD_GRAPH_EDGES, CARD_GRAPH_IVF_RECALL, CARD_GRAPH_IVF_INDEX,
+              CARD_GRAPH_IVF_DELTA)
     fields = ("association.mem_threshold", "association.min_prior_nodes", "association.search", *IVF_FIELDS,
               "retrieval.device")
 
@@ -101,7 +145,9 @@ class CardGraphAssociateStage(Stage):
         block (``blocks.BLOCK_ROWS`` rows) goes as :class:`~memgas.pipeline.association.blocks.NodeBlocks`:
         built a block at a time where its MemGAS nodes pass one block
         (:class:`~memgas.jobs.history_index.card_blocks.CardGraphBlocks`), else cut from the graph built
-        whole; a shorter one as one matrix."""
+        whole; a shorter one as one matrix. Under IVF, each segment past the exact prefix also gets its index
+        entry (:func:`~memgas.jobs.history_index.ivf_units.segment_indexes`: the history's saved index to
+        start from, shared with the tasks once per run under Ray, and whether to save the one it leaves)."""
         segs = unit["segments"]
         B = blocks.BLOCK_ROWS
         long = {s[0] for s in segs if N_GRAN * s[2] > B}
@@ -116,7 +162,15 @@ class CardGraphAssociateStage(Stage):
             if g["nodes"].shape[0] > B:
                 g["nodes"] = matrix_blocks(ctx, g["nodes"], B)
             out.append(g)
-        return {"segments": segs, "graphs": out}
+        payload: dict[str, Any] = {"segments": segs, "graphs": out}
+        if ctx.cfg.association.search == "ivf":
+            prefix, sizes = tables.prefix(CardGraphAssociateStage, ctx), card_sizes(ctx)
+            indexes = ivf_units.segment_indexes(
+                ctx, segs, lambda: (current_indexes(ctx, prefix), current_deltas(ctx, prefix)),
+                chain=card_chains(ctx), names=CARD_IVF,
+                uses=lambda h, b: int(sizes[h][:b].sum()) > ctx.cfg.association.ivf_exact_nodes)
+            payload["indexes"] = [ivf_units.shipped(ctx, m, None) for m in indexes]
+        return payload
 
     @staticmethod
     def run(model: None, payload: dict[str, Any], params: dict[str, Any]) -> dict[str, pa.Table]:
@@ -124,15 +178,20 @@ class CardGraphAssociateStage(Stage):
         from memgas.pipeline.card_graph import CardGraph
 
         segs = payload["segments"]
-        recall: list[pa.Table] = []
+        ivf: dict[str, list] = {"index": [], "delta": [], "recall": []}
+        indexes = payload.get("indexes") or [None] * len(segs)
         with one_blas_thread():
-            cands = [_candidates(CardGraph.from_arrays(g), seg, params, recall)
-                     for g, seg in zip(payload["graphs"], segs)]
+            cands = [_candidates(CardGraph.from_arrays(g), seg, params, ivf, meta)
+                     for g, seg, meta in zip(payload["graphs"], segs, indexes)]
             edges = edges_from(cands, "gmm", None, params["device"])
         edges_table, segs_table = edge_tables(segs, {"gmm": edges})
         out = {"card_graph_edges": edges_table, "card_graph_edge_segments": segs_table}
-        if recall:
-            out["card_graph_ivf_recall"] = pa.concat_tables(recall)
+        if ivf["recall"]:
+            out["card_graph_ivf_recall"] = pa.concat_tables(ivf["recall"])
+        if ivf["index"]:
+            out[CARD_IVF.index] = ivf_store.index_table(ivf["index"])
+        if ivf["delta"]:
+            out[CARD_IVF.delta] = ivf_store.index_table(ivf["delta"], IVF_DELTA)
         return out
 
     def finish(self, ctx: StageContext) -> dict[str, Any]:
@@ -143,15 +202,20 @@ class CardGraphAssociateStage(Stage):
         n = sum(ctx.bank.part_rows("card_graph_edges", p) for p in current)
         out: dict[str, Any] = {"edges_gmm": n, "search": ctx.cfg.association.search}
         if ctx.cfg.association.search == "ivf":
-            out.update(ivf_units.ivf_recall(ctx, "card_graph_ivf_recall", self.name))
+            out.update(ivf_units.ivf_recall(ctx, "card_graph_ivf_recall", self.name), **ivf_store.ivf_run(ctx).stats())
         return out
 
 
-def _candidates(g: Any, seg: list[Any], params: dict[str, Any], recall: list[pa.Table]) -> Any:
+def _candidates(g: Any, seg: list[Any], params: dict[str, Any], ivf: dict[str, list],
+                meta: dict[str, Any] | None) -> Any:
     """One segment's candidates: exact, or under the IVF search past the exact prefix the walk of
-    :mod:`memgas.pipeline.card_graph_ivf` and the segment's recall rows (into ``recall``: its IVF rows of the
-    ``recall_rows`` smallest row keys, checked against the exact search, as the associate stage's)."""
+    :mod:`memgas.pipeline.card_graph_ivf` and the segment's recall rows (into ``ivf["recall"]``: its IVF rows of
+    the ``recall_rows`` smallest row keys, checked against the exact search, as the associate stage's). The
+    walk starts from the saved index in ``meta`` (its end: the grid blocks before it are not walked again) or
+    trains its own, and the index it leaves goes to ``ivf`` when the segment saves it
+    (:func:`~memgas.jobs.history_index.ivf_units.keep_index`)."""
     from memgas.pipeline.card_graph import card_graph_candidates
+    from memgas.pipeline.association.ivf_search import CausalIVF
     from memgas.pipeline.card_graph_ivf import card_graph_ivf_candidates, card_graph_recall, ivf_rows
 
     h, a, b, _ = seg
@@ -160,11 +224,26 @@ def _candidates(g: Any, seg: list[Any], params: dict[str, Any], recall: list[pa.
         return card_graph_candidates(g, **kw, device=params["device"], sessions=(a, b))
     p = ivf_search.stage_params(params["ivf_nlist"], params["ivf_nprobe"], params["ivf_exact_nodes"],
                                 params["ivf_grid"])
-    c = card_graph_ivf_candidates(g, **kw, params=p, sessions=(a, b))
+    if meta is None:  # the driver's card sizes said the prefix is exact: not this graph's
+        raise RuntimeError(f"card-graph-associate: history {h}'s graph of sessions [0, {b}) holds "
+                           f"{g.nodes.shape[0]} nodes, past the exact prefix, but was given no IVF index entry")
+    nodes = partial(_nodes, np.append(g.starts, g.nodes.shape[0]))
+    index = CausalIVF(g.nodes.shape[1], p)
+    if meta["saved"] is not None:
+        index = ivf_units.loaded_index(meta["saved"], p, g.nodes.shape[1], nodes)
+        if meta.get("delta"):
+            index.start_delta()
+    c = card_graph_ivf_candidates(g, **kw, params=p, sessions=(a, b), index=index)
+    ivf_units.keep_index(ivf, index, meta, seg, g.nodes.shape[1], nodes)
     first = ivf_rows(g, params["min_prior_nodes"], p)  # the history's first IVF row: earlier units' keys prune
     sample, keys = ivf_search.recall_sample(h, ivf_rows(g, params["min_prior_nodes"], p, (a, b)),
                                             params["recall_rows"], first_row=int(first[0]) if first.size else None)
     hits, total = card_graph_recall(g, c, sample, params["mem_threshold"])
     n = sample.size
-    recall.append(pa.table([[h] * n, [a] * n, [b] * n, sample, keys, hits, total], schema=IVF_RECALL))
+    ivf["recall"].append(pa.table([[h] * n, [a] * n, [b] * n, sample, keys, hits, total], schema=IVF_RECALL))
     return c
+
+
+def _nodes(ends: np.ndarray, sessions: int) -> int:
+    """The nodes of a card graph's first ``sessions`` sessions (``ends``: its session starts and node count)."""
+    return int(ends[sessions])
