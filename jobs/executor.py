@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
-from memgas.jobs.placement import Placement, placement
+from memgas.jobs.placement import Placement, local_cuda_devices, placement
 from memgas.jobs.ray_limits import address_space_checked
 from memgas.jobs.stage import Active, Stage, StageContext, short_hash
 from memgas.pipeline import faults
@@ -260,16 +260,13 @@ class ModelHost:
         of CuPy's pool (tracked by ``kernels.backend``). Not the device: vLLM V1 runs the model in its own
         engine process, whose memory this figure does not include (see :meth:`gpu_memory`)."""
         total, seen = 0.0, False
-        try:
+        if local_cuda_devices():  # torch is imported only where it may see a GPU (an LLM-free actor has none)
             import torch
 
-            if torch.cuda.is_available():
-                total += torch.cuda.max_memory_allocated() / 2**20
-                seen = True
-                if reset:
-                    torch.cuda.reset_peak_memory_stats()
-        except ImportError:
-            pass
+            total += torch.cuda.max_memory_allocated() / 2**20
+            seen = True
+            if reset:
+                torch.cuda.reset_peak_memory_stats()
         from memgas.kernels.backend import cupy_pool_peak_mb
 
         pool = cupy_pool_peak_mb(reset=reset)

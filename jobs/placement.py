@@ -5,8 +5,10 @@ its model (:func:`placement`), from the model it holds (``Stage.model``) and the
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,13 +126,12 @@ def resolve_stage_runtimes(ctx: StageContext) -> None:
     dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     ctx.resolved["encoder"] = {"device": device, "dtype": dtype}
     if hasattr(e, "runtime"):  # "auto" is torch on CUDA, the measured CPU default on CPU: key the cache by it
-        import torch
-        from memgas.pipeline.models.encoders import (
+        from memgas.pipeline.models.encoder_runtime import (
             resolve_runtime as resolve_encoder_runtime,
         )
 
         try:
-            ctx.resolved["encoder"]["runtime"] = resolve_encoder_runtime(e.runtime, torch.device(device))
+            ctx.resolved["encoder"]["runtime"] = resolve_encoder_runtime(e.runtime, device)
         except ValueError as exc:
             raise MemgasError(str(exc)) from None
         if ctx.resolved["encoder"]["runtime"] != "torch":
@@ -145,7 +146,7 @@ def model_file_digests(cfg: MemgasConfig) -> dict[str, str | None]:
     SmolLM2, a local path): weights changed in place re-key every output they computed. A hub name has no
     files here; its name keys its outputs."""
     from memgas.pipeline.hashing import model_files_digest
-    from memgas.pipeline.models.encoders import model_path
+    from memgas.pipeline.models.encoder_runtime import model_path
     from memgas.pipeline.models.llms import SMOLLM2_ALIAS, smollm2_gguf
 
     llm: Path | str | None = cfg.llm.model
@@ -167,8 +168,22 @@ def encoder_device(cfg: MemgasConfig, use_ray: bool, local_cuda: bool) -> str:
     return "cuda" if (cfg.ray.num_gpus_per_model_actor > 0 if use_ray else local_cuda) else "cpu"
 
 
+#: the device files through which a Linux process reaches a GPU: NVIDIA's driver (nvidia0.., nvidiactl,
+#: nvidia-uvm), AMD's (kfd, through which torch's ROCm build answers ``torch.cuda``), WSL's (dxg)
+GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/kfd", "/dev/dxg")
+
+
+def no_gpu_device_files() -> bool:
+    """True where this Linux machine has none of :data:`GPU_DEVICE_FILES`: no CUDA driver can reach a GPU
+    there, so torch (any build) sees none. False elsewhere (a device file, or another system): ask torch."""
+    return sys.platform.startswith("linux") and not any(glob.glob(p) for p in GPU_DEVICE_FILES)
+
+
 def local_cuda_devices() -> int:
-    """CUDA devices torch sees in this process (0 without torch, a CUDA build or a GPU)."""
+    """CUDA devices torch sees in this process (0 without torch, a CUDA build or a GPU). torch is not imported
+    only to be asked (1-2 s) where :func:`no_gpu_device_files` says it would answer 0."""
+    if "torch" not in sys.modules and no_gpu_device_files():
+        return 0
     try:
         import torch
     except ImportError:

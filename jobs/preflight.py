@@ -113,11 +113,10 @@ def config_problems(cfg: MemgasConfig, command: Command, use_ray: bool) -> list[
             out.append(f"encoder.device=cuda but ray.num_gpus_per_model_actor=0 gives the encoder actors no GPU "
                        f"{_stages(n['encoder'])}; set ray.num_gpus_per_model_actor=1 or encoder.device=auto")
         elif e.runtime not in ("auto", "torch"):
-            import torch
             from memgas.pipeline.models.encoder_runtime import resolve_runtime
 
             try:
-                resolve_runtime(e.runtime, torch.device(_encoder_device(cfg, use_ray)))
+                resolve_runtime(e.runtime, _encoder_device(cfg, use_ray))
             except ValueError as exc:
                 out.append(f"{exc} {_stages(n['encoder'])}")
     if "llm" in n:
