@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memgas.jobs.ray_session import ray_module
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import MemgasError
@@ -29,10 +30,9 @@ def set_torch_threads(n: int | None) -> None:
 
 # -- what the cluster declares (the one place besides the executor that asks Ray) ---------------------
 def cluster_gpus() -> float:
-    """GPUs the connected Ray cluster declares (0 without Ray)."""
+    """GPUs the connected Ray cluster declares (0 without Ray), once a start under way is complete."""
+    ray = ray_module()  # a start that failed is raised here, not taken for "no GPUs"
     try:
-        import ray
-
         return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
     except Exception:  # informative: no cluster, no GPUs
         return 0.0
@@ -40,9 +40,7 @@ def cluster_gpus() -> float:
 
 def ray_cpus() -> int:
     """CPUs of the Ray cluster this driver is connected to (one single-threaded actor each)."""
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return max(1, int(ray_module().cluster_resources().get("CPU", 1)))
 
 
 def kernel_device(ctx: StageContext, requested: str) -> str:
@@ -56,8 +54,9 @@ def kernel_device(ctx: StageContext, requested: str) -> str:
     if ctx.use_ray:
         import importlib.util
 
-        usable = (ctx.cfg.ray.num_gpus_per_task > 0 and cluster_gpus() > 0
-                  and importlib.util.find_spec("cupy") is not None)
+        # the cluster asked last: it waits for a Ray start under way (ray_session.begin_ray)
+        usable = (ctx.cfg.ray.num_gpus_per_task > 0 and importlib.util.find_spec("cupy") is not None
+                  and cluster_gpus() > 0)
         device = "cuda" if usable else "cpu"
     else:
         from memgas.kernels.backend import get_xp

@@ -25,11 +25,11 @@ import logging
 from typing import Literal
 
 from memgas.jobs import stages as S
-from memgas.jobs.executor import ACTOR_GPU_HINT, TASK_GPU_HINT, EnvironmentFailure, require_gpus
+from memgas.jobs.executor import ACTOR_GPU_HINT, TASK_GPU_HINT, require_gpus
 from memgas.jobs.placement import encoder_device, local_cuda_devices, num_gpus, resolve_stage_runtimes
 from memgas.jobs.stage import Stage, StageContext
 from memgas.pipeline.config import MemgasConfig
-from memgas.pipeline.errors import ConfigError
+from memgas.pipeline.errors import ConfigError, EnvironmentFailure
 
 log = logging.getLogger(__name__)
 
