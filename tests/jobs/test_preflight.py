@@ -242,7 +242,7 @@ for use_ray in (True, False):
     resolve_stage_runtimes(ctx)
     compute_fingerprints(ctx)
     gpu_peak_bytes()
-print(sorted(m for m in ("torch", "sklearn", "transformers", "sentence_transformers") if m in sys.modules))
+print(sorted(m for m in ("torch", "sklearn", "transformers", "sentence_transformers", "pandas") if m in sys.modules))
 """
 
 #: a process that has not imported torch, on a machine with a GPU device file: torch is asked
@@ -262,10 +262,10 @@ def _python(code: str, *args: str) -> list[str]:
     return out.stdout.splitlines()
 
 
-def test_a_command_that_loads_no_model_imports_neither_torch_nor_sklearn(ingested: Path) -> None:
+def test_a_command_that_loads_no_model_imports_neither_torch_nor_sklearn_nor_pandas(ingested: Path) -> None:
     """torch (1-2 s) was imported only to learn that there is no GPU, sklearn (~1 s) for a stop-word list the
-    planner's name does not use: neither is, where no GPU device file exists (where one does, torch is asked
-    as before, and answers)."""
+    planner's name does not use, pandas (~0.2 s) with the evaluation's package for a prompt digest: none is,
+    where no GPU device file exists (where one does, torch is asked as before, and answers)."""
     from memgas.jobs.placement import no_gpu_device_files
 
     assert _python(_INDEX_START, str(DEMO), str(ingested))[-1] == ("[]" if no_gpu_device_files() else "['torch']")
