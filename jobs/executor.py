@@ -23,7 +23,7 @@ from typing import Any
 
 import pyarrow as pa
 from memgas.jobs.placement import Placement, local_cuda_devices, placement
-from memgas.jobs.ray_session import ray_module
+from memgas.jobs.ray_session import ray_module, wait_for_ray
 from memgas.jobs.stage import Active, Stage, StageContext, short_hash
 from memgas.pipeline import faults
 from memgas.pipeline.bank import Bank, key_order
@@ -318,8 +318,9 @@ def execute_units(stage: Stage, ctx: StageContext, active: Active, units: Sequen
     actors holding their model (:func:`memgas.jobs.placement.placement`). Before the first ``inputs`` the
     units about to run are in ``ctx.units`` (in dispatch order: a stage may batch their reads).
     Returns counts: ``done`` (this run), ``skipped`` (complete before), ``items``, ``unit_seconds``
-    (per unit: (items, seconds) as submitted to result), ``retries`` (units re-run on a fresh actor) and
-    ``gpu_memory`` (actor stages: :meth:`ModelHost.gpu_memory`, else None).
+    (per unit: (items, seconds) as submitted to result), ``retries`` (units re-run on a fresh actor),
+    ``gpu_memory`` (actor stages: :meth:`ModelHost.gpu_memory`, else None) and, under Ray, ``ray_start_wait_s``
+    (the seconds this stage waited for a Ray start begun in the background: the first Ray stage's share of it).
     """
     check = stage.writes[0].physical
     todo = [u for u in units if not store.has_part(check, u["part"])]
@@ -330,6 +331,10 @@ def execute_units(stage: Stage, ctx: StageContext, active: Active, units: Sequen
     ctx.units = todo
     fn = stage_fn(stage)
     params = active.params
+    if ctx.use_ray and stage.where != "driver":  # the rest of a start begun in the background, timed apart
+        t0 = time.perf_counter()
+        wait_for_ray()
+        counts["ray_start_wait_s"] = time.perf_counter() - t0
     place = placement(stage, active, ctx)
     bar = tqdm(total=sum(int(u.get("size", 1)) for u in todo), desc=desc or stage.name, unit="item", leave=False)
     try:

@@ -11,8 +11,12 @@ import time
 
 import pytest
 
-from memgas.jobs import ray_limits, ray_session
+from memgas.jobs import ray_limits, ray_session, runner
+from memgas.jobs.profiling import Profiler
+from memgas.jobs.stage import StageContext
 from memgas.pipeline.errors import ResourceLimit
+
+from .test_toy_stage import PIPELINE, bank_cfg  # noqa: F401 - bank_cfg is a fixture
 
 
 def _start_threads() -> list[threading.Thread]:
@@ -20,9 +24,9 @@ def _start_threads() -> list[threading.Thread]:
 
 
 @pytest.mark.slow
-def test_ray_starts_in_the_background_and_stops_without_the_monitors_grace(monkeypatch) -> None:
-    """begin_ray returns before Ray is up, the first use waits for it, the caller's SIGTERM handler stays, a
-    task runs from the main thread (the processes' parent thread lives on), and the shutdown kills the monitor
+def test_ray_starts_in_the_background_and_stops_without_the_monitors_grace(monkeypatch, bank_cfg) -> None:
+    """begin_ray returns before Ray is up, the first stage's tasks wait for it (from the main thread: the
+    processes' parent thread lives on), the caller's SIGTERM handler stays, and the shutdown kills the monitor
     at once: Ray's own SIGTERM left it reporting to the GCS already gone until its 1 s grace ran out."""
     timed_out: list[int] = []
     real_wait = subprocess.Popen.wait
@@ -45,11 +49,18 @@ def test_ray_starts_in_the_background_and_stops_without_the_monitors_grace(monke
         ray_session.begin_ray(None, num_cpus=1)
         began = time.perf_counter() - t0
         assert ray_session.ray_running() and len(_start_threads()) == 1
-        ray = ray_session.ray_module()  # waits for the start
-        assert ray.is_initialized() and began < (time.perf_counter() - t0) / 2
         assert signal.getsignal(signal.SIGTERM) is handler
+        # a stage's tasks wait for the start (timed apart from the stage's own work) and write what they
+        # write in-process
+        bank, cfg = bank_cfg
+        prof = Profiler()
+        (entry,) = runner.run_stages(StageContext(cfg, bank, None, use_ray=True), ["toy"], prof, pipeline=PIPELINE)
+        ray = ray_session.ray_module()
+        assert ray.is_initialized() and began < (time.perf_counter() - t0) / 2
+        assert entry["status"] == "executed" and prof.stages["toy"].extra["ray_start_wait_s"] > 0
+        sessions = bank.read("sessions", ["session_id", "position"]).sort_by("session_id").to_pylist()
+        assert bank.read("toy_counts").sort_by("session_id").to_pylist() == [{**r, "seed": cfg.seed} for r in sessions]
         assert ray_session.init_ray(None, num_cpus=1) == "already-initialized"
-        assert ray.get(ray.remote(num_cpus=0)(lambda: 41 + 1).remote()) == 42
         from ray._private import ray_constants, worker
 
         processes = worker._global_node.all_processes
