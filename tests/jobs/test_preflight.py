@@ -280,3 +280,31 @@ def test_without_a_gpu_device_file_torch_sees_no_gpu_and_with_one_it_is_asked() 
         assert torch.cuda.device_count() == 0 and not torch.cuda.is_available()
     seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
     assert _python(_DEVICE_FILE)[-1] == f"{seen} True"
+
+
+#: the models the demo's LLM-free actors hold (generate, cards, plan), built as the executor builds them, with
+#: the GPU peak every actor stage reports
+_LLM_FREE_ACTORS = """
+import sys
+from memgas.jobs.executor import ModelHost
+from memgas.jobs.placement import placement, resolve_stage_runtimes
+from memgas.jobs.stage import StageContext
+from memgas.jobs.stages.cards import CardsStage
+from memgas.jobs.stages.generate import GenerateStage
+from memgas.jobs.stages.plan import PlanStage
+from memgas.pipeline.config import MemgasConfig
+
+ctx = StageContext(MemgasConfig.load(sys.argv[1], []), None, None, use_ray=False)
+resolve_stage_runtimes(ctx)
+for stage in (GenerateStage(), CardsStage(), PlanStage()):
+    ModelHost(stage.model, placement(stage, stage.active(ctx), ctx).config).gpu_memory()
+print("torch" in sys.modules)
+"""
+
+
+def test_an_actor_that_holds_no_model_does_not_import_torch() -> None:
+    """The LLM-free generator's and JustMem's actors imported torch to set its threads and to ask for a GPU
+    peak (1-2 s of each actor's start): where no GPU device file exists, they do neither."""
+    from memgas.jobs.placement import no_gpu_device_files
+
+    assert _python(_LLM_FREE_ACTORS, str(DEMO))[-1] == str(not no_gpu_device_files())
