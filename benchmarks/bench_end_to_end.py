@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
             results.append(run_scale(f"LME-{sc}", args.questions or q, args.sessions or s, args, base))
     finally:
         if not args.no_ray:
-            from memgas.jobs.executor import shutdown_ray
+            from memgas.jobs.ray_session import shutdown_ray
 
             shutdown_ray()
         if args.work_dir is None and not args.keep:

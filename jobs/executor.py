@@ -16,36 +16,24 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
-import signal
-import socket
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
-from memgas.jobs.placement import Placement, placement
-from memgas.jobs.ray_limits import address_space_checked
+from memgas.jobs.placement import Placement, local_cuda_devices, placement
+from memgas.jobs.ray_session import ray_module, wait_for_ray
 from memgas.jobs.stage import Active, Stage, StageContext, short_hash
 from memgas.pipeline import faults
 from memgas.pipeline.bank import Bank, key_order
-from memgas.pipeline.errors import Bug, MemgasError, is_environmental
+from memgas.pipeline.errors import Bug, EnvironmentFailure, MemgasError, is_environmental
 from tqdm.auto import tqdm
 
 log = logging.getLogger(__name__)
 
 #: How often a unit is re-run on a fresh actor after its actor died.
 ACTOR_RETRIES = 2
-#: Seconds to wait for a cluster's GCS port before giving up (a wrong --address must not hang).
-CONNECT_TIMEOUT_S = 10.0
-
-
-class EnvironmentFailure(MemgasError):
-    """The environment, not the input, is wrong (cluster unreachable, disk full): exit code 3."""
-
-    exit_code = 3
 
 
 def resolve(path: str) -> Any:
@@ -57,133 +45,15 @@ def resolve(path: str) -> Any:
     return obj
 
 
-def _check_reachable(address: str) -> None:
-    """Fail fast with one line when a ``host:port`` cluster address does not answer."""
-    if address == "auto" or address.startswith("ray://"):
-        if address.startswith("ray://"):
-            try:
-                importlib.import_module("ray.util.client")
-                importlib.import_module("grpc")
-            except ImportError:
-                raise EnvironmentFailure(
-                    f"ray address {address}: ray:// needs Ray's client extra: pip install 'ray[client]'"
-                ) from None
-            hostport = address[len("ray://"):]
-        else:
-            return
-    else:
-        hostport = address
-    host, _, port = hostport.rpartition(":")
-    # a port outside 1-65535 is bad input (exit 2), not an unreachable cluster: socket raises OverflowError
-    if not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
-        raise MemgasError(f"ray address {address!r}: expected host:port (port 1-65535), ray://host:port or auto")
-    try:
-        with socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S):
-            pass
-    except OSError as exc:
-        raise EnvironmentFailure(f"ray address {address}: cannot connect ({exc}); is the cluster running?") from None
-
-
-#: Prefixes of the driver's variables that Ray workers get through the job's ``runtime_env``: offline HF
-#: flags and caches, thread caps, vLLM settings (VLLM_ENABLE_V1_MULTIPROCESSING, VLLM_BATCH_INVARIANT, ...),
-#: fault injection. Values are sent as they are: a path (HF_HOME) must exist on every node.
-FORWARDED_PREFIXES: tuple[str, ...] = ("HF_", "TRANSFORMERS_", "OMP_", "MKL_", "TOKENIZERS_", "MEMGAS_", "VLLM_")
-#: Name parts that mark a secret. Ray writes the job's runtime_env to its logs (and the dashboard), so
-#: secrets never go there: a local Ray's workers inherit them from the driver's process (the raylet is its
-#: child); on a cluster they must be set in the environment of ``ray start`` on each node (docs/reliability.md).
-SECRET_MARKERS: tuple[str, ...] = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "API_KEY", "APIKEY", "CREDENTIAL",
-                                   "PRIVATE_KEY", "ACCESS_KEY")
-
-
-def is_secret_name(name: str) -> bool:
-    """True for variable names that hold credentials (HF_TOKEN, OPENAI_API_KEY, MEMGAS_DB_PASSWORD, ...)."""
-    upper = name.upper()
-    return any(m in upper for m in SECRET_MARKERS)
-
-
-def forwarded_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The variables of ``environ`` (default: this process's) that workers get through ``runtime_env``:
-    :data:`FORWARDED_PREFIXES`, never a secret (:func:`is_secret_name`)."""
-    env = os.environ if environ is None else environ
-    return {k: v for k, v in env.items() if k.startswith(FORWARDED_PREFIXES) and not is_secret_name(k)}
-
-
-#: Worker environment unless the driver logs at DEBUG (``-v``): the libraries' own progress bars (model
-#: loading, encoder batches) would otherwise reach the terminal through Ray's log forwarding, interleaved
-#: with the driver's one bar per stage and Ray's deduplication banners. Warnings and errors still reach the
-#: driver (they are log lines, not bars); variables the user forwards (:func:`forwarded_env`) win.
-QUIET_WORKER_ENV: dict[str, str] = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-
-
-def worker_env() -> dict[str, str]:
-    """What the job's workers get through ``runtime_env``: :func:`forwarded_env`, quietened unless ``-v``."""
-    quiet = {} if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else QUIET_WORKER_ENV
-    return {**quiet, **forwarded_env()}
-
-
-def init_ray(address: str | None = None, num_cpus: int | None = None) -> str:
-    """Connect to a cluster (``address`` or RAY_ADDRESS) or start a local embedded Ray.
-
-    Either way the job's workers get :func:`forwarded_env` (offline flags, thread caps, ``VLLM_*``) through
-    the job's ``runtime_env``; secrets are left out of it because Ray logs it."""
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    if ray.is_initialized():
-        return "already-initialized"
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    runtime_env = {"env_vars": worker_env()}
-    previous = signal.getsignal(signal.SIGTERM)  # ray.init replaces it (see _restore_sigterm)
-    if address:
-        _check_reachable(address)
-        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
-        _restore_sigterm(previous)
-        return f"cluster:{address}"
-    with address_space_checked():  # `ulimit -v` too small for Ray: one line, exit 3 (not its stack dump)
-        ray.init(
-            # "local": always a new embedded instance, never a stale or foreign cluster that `ray start` left on
-            # this machine (ray.init() without an address would attach to the latest one)
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
-            runtime_env=runtime_env,
-        )
-    _restore_sigterm(previous)
-    return f"local:{ray.available_resources().get('CPU', 0):.0f}cpu"
-
-
-def _restore_sigterm(previous: Any) -> None:
-    """``ray.init`` replaces the SIGTERM handler with ``sys.exit(15)`` (the CLI then ended with exit 1 and a
-    stack dump); put back a handler the caller installed (the CLI's: SIGTERM is handled like Ctrl-C)."""
-    if callable(previous) and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, previous)
-
-
-def shutdown_ray() -> None:
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-
-
-def ray_running() -> bool:
-    """Whether this process is connected to Ray (started here or by a caller)."""
-    import ray
-
-    return ray.is_initialized()
-
-
 # -- values shared with tasks -------------------------------------------------------------------------
 # Stages and the history index hand the executor plain values and get back opaque references (Ray's
 # ObjectRefs, which Ray counts while a payload holds them); a task turns one back into its value with
-# :func:`fetch` where it reads it. No other module imports Ray (tests/jobs/test_imports.py).
+# :func:`fetch` where it reads it. Ray is imported only here, in ``ray_session`` (its start and shutdown) and in
+# ``placement`` (tests/test_package_shape.py).
 def share(value: Any) -> Any:
     """An opaque reference to ``value`` that tasks read with :func:`fetch`: put into Ray's object store once,
     so that every unit whose payload holds the reference shares one copy (zero-copy for arrays)."""
-    import ray
-
+    ray = ray_module()  # after a start under way (ray_session.begin_ray)
     return ray.put(value)
 
 
@@ -210,8 +80,7 @@ def require_gpus(what: str, per_worker: float, hint: str) -> None:
     up before any actor or task asks for it. An autoscaling cluster must have its GPU nodes up first."""
     if per_worker <= 0:
         return
-    import ray
-
+    ray = ray_module()
     largest = max((float(n.get("Resources", {}).get("GPU", 0)) for n in ray.nodes() if n.get("Alive")), default=0.0)
     if largest >= per_worker:
         return
@@ -260,16 +129,13 @@ class ModelHost:
         of CuPy's pool (tracked by ``kernels.backend``). Not the device: vLLM V1 runs the model in its own
         engine process, whose memory this figure does not include (see :meth:`gpu_memory`)."""
         total, seen = 0.0, False
-        try:
+        if local_cuda_devices():  # torch is imported only where it may see a GPU (an LLM-free actor has none)
             import torch
 
-            if torch.cuda.is_available():
-                total += torch.cuda.max_memory_allocated() / 2**20
-                seen = True
-                if reset:
-                    torch.cuda.reset_peak_memory_stats()
-        except ImportError:
-            pass
+            total += torch.cuda.max_memory_allocated() / 2**20
+            seen = True
+            if reset:
+                torch.cuda.reset_peak_memory_stats()
         from memgas.kernels.backend import cupy_pool_peak_mb
 
         pool = cupy_pool_peak_mb(reset=reset)
@@ -331,8 +197,7 @@ class ActorPool:
     the runner reaches a stage that needs the CPUs for tasks, or ends."""
 
     def __init__(self, kind: str, config: dict, n: int, num_cpus: float, num_gpus: float) -> None:
-        import ray
-
+        ray = ray_module()
         self.key = short_hash([kind, config, num_gpus], 12)
         self.num_gpus = num_gpus
         self._cls = ray.remote(ModelHost).options(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0)
@@ -346,8 +211,7 @@ class ActorPool:
         process is the only sure way to give the device memory back (vLLM's engine, CUDA contexts).
         False where the pool cannot be reused: then the caller closes it and starts fresh actors, so a model
         that fails to load fails the way it always has."""
-        import ray
-
+        ray = ray_module()
         if self.num_gpus:
             return False
         n = max(1, n)
@@ -369,8 +233,7 @@ class ActorPool:
         return True
 
     def replace(self, dead: Any) -> Any:
-        import ray
-
+        ray = ray_module()
         try:
             ray.kill(dead)
         except Exception:  # already gone
@@ -381,8 +244,7 @@ class ActorPool:
 
     def gpu_memory(self) -> dict[str, Any] | None:
         """The largest figures over the pool's actors (:meth:`ModelHost.gpu_memory`)."""
-        import ray
-
+        ray = ray_module()
         vals = [v for v in ray.get([a.gpu_memory.remote() for a in self.actors]) if v is not None]
         if not vals:
             return None
@@ -391,8 +253,7 @@ class ActorPool:
         return {**out, **({"device_used_mb": max(used)} if used else {})}
 
     def close(self) -> None:
-        import ray
-
+        ray = ray_module()
         for a in self.actors:
             try:
                 ray.kill(a)
@@ -457,8 +318,9 @@ def execute_units(stage: Stage, ctx: StageContext, active: Active, units: Sequen
     actors holding their model (:func:`memgas.jobs.placement.placement`). Before the first ``inputs`` the
     units about to run are in ``ctx.units`` (in dispatch order: a stage may batch their reads).
     Returns counts: ``done`` (this run), ``skipped`` (complete before), ``items``, ``unit_seconds``
-    (per unit: (items, seconds) as submitted to result), ``retries`` (units re-run on a fresh actor) and
-    ``gpu_memory`` (actor stages: :meth:`ModelHost.gpu_memory`, else None).
+    (per unit: (items, seconds) as submitted to result), ``retries`` (units re-run on a fresh actor),
+    ``gpu_memory`` (actor stages: :meth:`ModelHost.gpu_memory`, else None) and, under Ray, ``ray_start_wait_s``
+    (the seconds this stage waited for a Ray start begun in the background: the first Ray stage's share of it).
     """
     check = stage.writes[0].physical
     todo = [u for u in units if not store.has_part(check, u["part"])]
@@ -469,6 +331,10 @@ def execute_units(stage: Stage, ctx: StageContext, active: Active, units: Sequen
     ctx.units = todo
     fn = stage_fn(stage)
     params = active.params
+    if ctx.use_ray and stage.where != "driver":  # the rest of a start begun in the background, timed apart
+        t0 = time.perf_counter()
+        wait_for_ray()
+        counts["ray_start_wait_s"] = time.perf_counter() - t0
     place = placement(stage, active, ctx)
     bar = tqdm(total=sum(int(u.get("size", 1)) for u in todo), desc=desc or stage.name, unit="item", leave=False)
     try:
@@ -509,8 +375,7 @@ def task_options(num_gpus: float) -> dict[str, Any]:
 
 
 def _run_as_tasks(stage, ctx, place, todo, fn, params, counts, bar, store) -> None:
-    import ray
-
+    ray = ray_module()
     require_gpus(f"stage {stage.name}", place.gpus, TASK_GPU_HINT)
     remote = ray.remote(**task_options(place.gpus))(run_task)
     params_ref = ray.put(params)
@@ -536,7 +401,7 @@ def _run_as_tasks(stage, ctx, place, todo, fn, params, counts, bar, store) -> No
 
 
 def _run_on_actors(stage, ctx, place, todo, fn, params, pools, counts, bar, store) -> None:
-    import ray
+    ray = ray_module()
     from ray.exceptions import (
         ActorDiedError,
         ActorUnavailableError,

@@ -20,7 +20,6 @@ from typing import Any
 
 from memgas.jobs import keys, preflight, tables
 from memgas.jobs.dataset import ingest_output, refuse_grown_bank
-from memgas.jobs.executor import init_ray, ray_running, shutdown_ray
 from memgas.jobs.profiling import Profiler
 from memgas.jobs.run_dir import (
     RUN_MARKER,
@@ -33,6 +32,7 @@ from memgas.jobs.run_dir import (
     record_own_bank,
 )
 from memgas.jobs.placement import resolve_stage_runtimes
+from memgas.jobs.ray_session import begin_ray, ray_running, shutdown_ray
 from memgas.jobs.runner import default_pipeline, report_of, run_stages, source_of
 from memgas.jobs.stage import StageContext, command_slices
 from memgas.pipeline.append import dataset_identity
@@ -113,13 +113,15 @@ def require_data(bank: Bank, what: str) -> None:
 
 # -- commands -----------------------------------------------------------------------------------------
 def start_ray(cfg: MemgasConfig, use_ray: bool, command: preflight.Command = "run") -> bool:
-    """Start (or connect to) Ray, then check the GPUs ``command``'s stages will ask it for, before the first
-    stage (preflight.check_cluster). True when this call started it (the caller shuts it down)."""
+    """Begin starting (or connecting to) Ray in the background (the driver's work until its first task overlaps
+    it: ray_session.begin_ray), then check the GPUs ``command``'s stages will ask it for, before the first
+    stage (preflight.check_cluster, which waits for Ray where a stage asks for GPUs). True when this call
+    started it (the caller shuts it down)."""
     if not use_ray:
         return False
     own = not ray_running()
     if own:
-        log.info("ray: %s", init_ray(cfg.ray.address, cfg.ray.num_cpus))
+        begin_ray(cfg.ray.address, cfg.ray.num_cpus)
     try:
         preflight.check_cluster(cfg, command)
     except BaseException:
@@ -134,10 +136,10 @@ def index(cfg: MemgasConfig, bank_path: str | Path, *, prof: Profiler | None = N
     preflight.check(cfg, "index", use_ray)  # devices, backends, GPUs: before any work, before Ray starts
     prof = prof or Profiler()
     bank = Bank(bank_path)
-    warn_if_stale_bank(cfg, bank)
     require_data(bank, "sessions")
     own = start_ray(cfg, use_ray, "index")
     try:
+        warn_if_stale_bank(cfg, bank)  # hashes the config's file: while Ray starts
         with locked(bank.path):
             ctx = StageContext(cfg, bank, None, use_ray)
             resolve_stage_runtimes(ctx)
@@ -158,10 +160,10 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
     bank = Bank(bank_path)
     # a reader's lock for the whole answer: no append or index changes the bank under it ("in use" instead)
     with locked(bank.path, shared=True):
-        warn_if_stale_bank(cfg, bank)
         require_data(bank, "questions")
         own = start_ray(cfg, use_ray, "answer")
         try:
+            warn_if_stale_bank(cfg, bank)  # hashes the config's file: while Ray starts
             check_output_dir(run_dir, fresh=False, bank_dir=bank.path)
             with locked(run_dir):
                 claim_run_dir(run_dir, bank.path)

@@ -37,13 +37,21 @@ class JustMemModel:
                     if config.get("use_llm") else None)
 
 
+def loads_torch_model(kind: str, config: dict[str, Any]) -> bool:
+    """Whether the model of ``kind`` under ``config`` holds an encoder or an LLM (what computes with torch). The
+    LLM-free generator and JustMem's LLM-free extractor and planner hold neither: their actors never import
+    torch (1-2 s of each one's start) only to set its threads."""
+    return kind in ("encoder", "llm") or bool(config.get("encoder") or config.get("llm_runtime") or config.get("use_llm"))
+
+
 def make_model(kind: str, config: dict[str, Any]) -> Any:
     """The model an actor (or the in-process host) holds for stages of ``model = kind``."""
     from memgas.pipeline.config import EncoderConfig, LLMConfig
     from memgas.pipeline.models.factory import make_encoder, make_llm
 
     installed_packages_first()  # before transformers: see its docstring
-    set_torch_threads(config.get("threads"))
+    if loads_torch_model(kind, config):  # before the model is built: it computes with these threads
+        set_torch_threads(config.get("threads"))
     if kind == "encoder":
         return make_encoder(EncoderConfig(**config["encoder"]))
     if kind == "llm":

@@ -5,12 +5,15 @@ its model (:func:`placement`), from the model it holds (``Stage.model``) and the
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memgas.jobs.ray_session import ray_module
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.pipeline.config import MemgasConfig
 from memgas.pipeline.errors import MemgasError
@@ -27,10 +30,9 @@ def set_torch_threads(n: int | None) -> None:
 
 # -- what the cluster declares (the one place besides the executor that asks Ray) ---------------------
 def cluster_gpus() -> float:
-    """GPUs the connected Ray cluster declares (0 without Ray)."""
+    """GPUs the connected Ray cluster declares (0 without Ray), once a start under way is complete."""
+    ray = ray_module()  # a start that failed is raised here, not taken for "no GPUs"
     try:
-        import ray
-
         return float(ray.cluster_resources().get("GPU", 0)) if ray.is_initialized() else 0.0
     except Exception:  # informative: no cluster, no GPUs
         return 0.0
@@ -38,9 +40,7 @@ def cluster_gpus() -> float:
 
 def ray_cpus() -> int:
     """CPUs of the Ray cluster this driver is connected to (one single-threaded actor each)."""
-    import ray
-
-    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return max(1, int(ray_module().cluster_resources().get("CPU", 1)))
 
 
 def kernel_device(ctx: StageContext, requested: str) -> str:
@@ -54,8 +54,9 @@ def kernel_device(ctx: StageContext, requested: str) -> str:
     if ctx.use_ray:
         import importlib.util
 
-        usable = (ctx.cfg.ray.num_gpus_per_task > 0 and cluster_gpus() > 0
-                  and importlib.util.find_spec("cupy") is not None)
+        # the cluster asked last: it waits for a Ray start under way (ray_session.begin_ray)
+        usable = (ctx.cfg.ray.num_gpus_per_task > 0 and importlib.util.find_spec("cupy") is not None
+                  and cluster_gpus() > 0)
         device = "cuda" if usable else "cpu"
     else:
         from memgas.kernels.backend import get_xp
@@ -124,13 +125,12 @@ def resolve_stage_runtimes(ctx: StageContext) -> None:
     dtype = e.dtype if e.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
     ctx.resolved["encoder"] = {"device": device, "dtype": dtype}
     if hasattr(e, "runtime"):  # "auto" is torch on CUDA, the measured CPU default on CPU: key the cache by it
-        import torch
-        from memgas.pipeline.models.encoders import (
+        from memgas.pipeline.models.encoder_runtime import (
             resolve_runtime as resolve_encoder_runtime,
         )
 
         try:
-            ctx.resolved["encoder"]["runtime"] = resolve_encoder_runtime(e.runtime, torch.device(device))
+            ctx.resolved["encoder"]["runtime"] = resolve_encoder_runtime(e.runtime, device)
         except ValueError as exc:
             raise MemgasError(str(exc)) from None
         if ctx.resolved["encoder"]["runtime"] != "torch":
@@ -145,7 +145,7 @@ def model_file_digests(cfg: MemgasConfig) -> dict[str, str | None]:
     SmolLM2, a local path): weights changed in place re-key every output they computed. A hub name has no
     files here; its name keys its outputs."""
     from memgas.pipeline.hashing import model_files_digest
-    from memgas.pipeline.models.encoders import model_path
+    from memgas.pipeline.models.encoder_runtime import model_path
     from memgas.pipeline.models.llms import SMOLLM2_ALIAS, smollm2_gguf
 
     llm: Path | str | None = cfg.llm.model
@@ -167,8 +167,22 @@ def encoder_device(cfg: MemgasConfig, use_ray: bool, local_cuda: bool) -> str:
     return "cuda" if (cfg.ray.num_gpus_per_model_actor > 0 if use_ray else local_cuda) else "cpu"
 
 
+#: the device files through which a Linux process reaches a GPU: NVIDIA's driver (nvidia0.., nvidiactl,
+#: nvidia-uvm), AMD's (kfd, through which torch's ROCm build answers ``torch.cuda``), WSL's (dxg)
+GPU_DEVICE_FILES = ("/dev/nvidia*", "/dev/kfd", "/dev/dxg")
+
+
+def no_gpu_device_files() -> bool:
+    """True where this Linux machine has none of :data:`GPU_DEVICE_FILES`: no CUDA driver can reach a GPU
+    there, so torch (any build) sees none. False elsewhere (a device file, or another system): ask torch."""
+    return sys.platform.startswith("linux") and not any(glob.glob(p) for p in GPU_DEVICE_FILES)
+
+
 def local_cuda_devices() -> int:
-    """CUDA devices torch sees in this process (0 without torch, a CUDA build or a GPU)."""
+    """CUDA devices torch sees in this process (0 without torch, a CUDA build or a GPU). torch is not imported
+    only to be asked (1-2 s) where :func:`no_gpu_device_files` says it would answer 0."""
+    if "torch" not in sys.modules and no_gpu_device_files():
+        return 0
     try:
         import torch
     except ImportError:

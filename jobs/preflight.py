@@ -25,11 +25,11 @@ import logging
 from typing import Literal
 
 from memgas.jobs import stages as S
-from memgas.jobs.executor import ACTOR_GPU_HINT, TASK_GPU_HINT, EnvironmentFailure, require_gpus
+from memgas.jobs.executor import ACTOR_GPU_HINT, TASK_GPU_HINT, require_gpus
 from memgas.jobs.placement import encoder_device, local_cuda_devices, num_gpus, resolve_stage_runtimes
 from memgas.jobs.stage import Stage, StageContext
 from memgas.pipeline.config import MemgasConfig
-from memgas.pipeline.errors import ConfigError
+from memgas.pipeline.errors import ConfigError, EnvironmentFailure
 
 log = logging.getLogger(__name__)
 
@@ -113,11 +113,10 @@ def config_problems(cfg: MemgasConfig, command: Command, use_ray: bool) -> list[
             out.append(f"encoder.device=cuda but ray.num_gpus_per_model_actor=0 gives the encoder actors no GPU "
                        f"{_stages(n['encoder'])}; set ray.num_gpus_per_model_actor=1 or encoder.device=auto")
         elif e.runtime not in ("auto", "torch"):
-            import torch
             from memgas.pipeline.models.encoder_runtime import resolve_runtime
 
             try:
-                resolve_runtime(e.runtime, torch.device(_encoder_device(cfg, use_ray)))
+                resolve_runtime(e.runtime, _encoder_device(cfg, use_ray))
             except ValueError as exc:
                 out.append(f"{exc} {_stages(n['encoder'])}")
     if "llm" in n:

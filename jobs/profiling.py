@@ -17,6 +17,7 @@ from typing import Iterator
 
 import numpy as np
 import psutil
+from memgas.jobs.placement import local_cuda_devices
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,16 @@ class _Tree:
 
 
 def gpu_peak_bytes() -> int | None:
+    """torch's peak CUDA allocation in this process; None where torch sees no GPU (not imported to be asked
+    where no GPU device file exists: :func:`memgas.jobs.placement.local_cuda_devices`)."""
+    if local_cuda_devices() == 0:
+        return None
     try:
         import torch
 
-        if torch.cuda.is_available():
-            return int(torch.cuda.max_memory_allocated())
-    except Exception:  # torch missing or no CUDA: not an error
+        return int(torch.cuda.max_memory_allocated())
+    except Exception:  # a CUDA error: not the job's
         return None
-    return None
 
 
 @dataclass

@@ -23,13 +23,20 @@ def _too_small(limit: int) -> ResourceLimit:
                          "(`ulimit -v`): raise it (`ulimit -v unlimited`) or run with --no-ray")
 
 
+def check_address_space() -> int:
+    """:class:`ResourceLimit` (exit 3, one line) for an address-space limit below :data:`RAY_MIN_ADDRESS_SPACE`,
+    before a local Ray starts; else the limit (``resource.RLIM_INFINITY`` where there is none)."""
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY and limit < RAY_MIN_ADDRESS_SPACE:
+        raise _too_small(limit)
+    return limit
+
+
 @contextmanager
 def address_space_checked() -> Iterator[None]:
     """Around a local Ray's start: :class:`ResourceLimit` (exit 3, one line) for an address-space limit
     below :data:`RAY_MIN_ADDRESS_SPACE`, or for a start that fails under a finite one."""
-    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if limit != resource.RLIM_INFINITY and limit < RAY_MIN_ADDRESS_SPACE:
-        raise _too_small(limit)
+    limit = check_address_space()
     try:
         yield
     except Exception:

@@ -239,6 +239,8 @@ def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: 
                      actor_retries=counts["retries"])
         ctx.unit_seconds[stage.name] = counts["unit_seconds"]
         st.skipped = counts["skipped"]
+        if counts.get("ray_start_wait_s", 0) >= 0.01:  # in wall_s: said apart, it is Ray's start, not the stage's
+            st.extra["ray_start_wait_s"] = round(counts["ray_start_wait_s"], 2)
         gpu = counts["gpu_memory"]
         if gpu is not None:  # the actor process's peak; its scope says what it leaves out (vLLM's engine)
             st.gpu_peak_mb = gpu["process_peak_mb"]

@@ -53,6 +53,12 @@ class ResourceLimit(MemgasError):
     exit_code = 3
 
 
+class EnvironmentFailure(MemgasError):
+    """The environment, not the input, is wrong (cluster unreachable, a device or package missing): exit 3."""
+
+    exit_code = 3
+
+
 #: the exit code of a bug (an internal error): the one the command line returns for any exception it did not expect
 EXIT_BUG = 1
 

@@ -23,11 +23,12 @@ class JudgeStage(Stage):
 
     def active(self, ctx: StageContext) -> Active | None:
         from memgas.jobs.stages.card_graph_read import card_graph_read_enabled
-        from memgas.pipeline.evaluate.judge import JUDGE_PROMPT_DIGEST
 
         cfg = ctx.cfg
         if not (cfg.evaluation.judge and cfg.reading.enabled):
             return None
+        from memgas.pipeline.evaluate.judge import JUDGE_PROMPT_DIGEST  # the evaluation's package imports pandas
+
         # memgas-cards' answers only while it is read: otherwise the judge keeps the fingerprint it had without them
         reads = None if card_graph_read_enabled(cfg) else tuple(t for t in self.reads if t != "card_graph_answers")
         return Active(reads=reads, resolved=keys.llm_resolved(ctx, JUDGE_PROMPT_DIGEST),

@@ -25,13 +25,15 @@ multilabel recall.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from memgas.pipeline.evaluate.categories import is_longmemeval_abstention
 from memgas.pipeline.evaluate.retrieval import SKIP_ABSTENTION, SKIP_NO_EVIDENCE, group_means
+
+if TYPE_CHECKING:  # imported where a table is built: importing the package (ingest, index) needs no pandas
+    import pandas as pd
 
 #: The per-query metric columns, in report order.
 EVIDENCE_METRICS: tuple[str, ...] = ("evidence_recall", "evidence_all", "evidence_verbatim", "context_tokens")
@@ -72,6 +74,8 @@ def score_evidence(records: Iterable[dict[str, Any]]) -> tuple[pd.DataFrame, dic
     own text is there; a subset of ``context_ids``), ``context_tokens`` (int). Columns: query_id,
     question_type, n_evidence and :data:`EVIDENCE_METRICS`.
     """
+    import pandas as pd
+
     skipped = {SKIP_ABSTENTION: 0, SKIP_NO_EVIDENCE: 0}
     kept: list[dict[str, Any]] = []
     for rec in records:

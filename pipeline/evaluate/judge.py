@@ -29,10 +29,9 @@ import logging
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import pandas as pd
 
 from memgas.pipeline.evaluate.categories import (
     LOCOMO_CATEGORIES,
@@ -43,6 +42,9 @@ from memgas.pipeline.evaluate.categories import (
 from memgas.pipeline.evaluate.qa import as_text
 from memgas.pipeline.llm_calls import SURROGATE_RE
 from memgas.pipeline.models.base import LLM, ChatPrompt, SamplingParams
+
+if TYPE_CHECKING:  # imported where a table is built: importing the package (ingest, index) needs no pandas
+    import pandas as pd
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +194,8 @@ def run_judge(
     Returns query_id, question_type, template, judge_prompt, judge_output, label (True/False/None),
     error (str/None), method ("llm" or "rule"), in input order.
     """
+    import pandas as pd
+
     missing = [c for c in ("query_id", "question_type", "question", "answer", "hypothesis") if c not in df.columns]
     if missing:
         raise KeyError(f"run_judge: missing columns {missing}")
@@ -260,6 +264,8 @@ def aggregate_judge(judged: pd.DataFrame, by: str = "question_type") -> pd.DataF
     ``'yes' in response`` would); ``accuracy_parsed`` = yes / (yes + no); ``n_unparseable`` = no error but
     no yes/no word; ``n_error`` = generation errors; ``n_rule`` = scored by the adversarial rule.
     """
+    import pandas as pd
+
 
     def summarise(g: pd.DataFrame) -> dict[str, Any]:
         labels = list(g["label"])

@@ -23,16 +23,18 @@ import string
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
 
 from memgas.pipeline.evaluate.categories import (
     is_adversarial,
     is_longmemeval_abstention,
     says_not_answerable,
 )
+
+if TYPE_CHECKING:  # imported where a table is built: importing the package (ingest, index) needs no pandas
+    import pandas as pd
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +204,8 @@ def score_qa(
     (LongMemEval ``_abs`` id, ``is_abstention``, or LoCoMo adversarial type) and ``abstention_correct``
     (= says_unanswerable on abstention rows, NaN elsewhere; LoCoMo's category-5 accuracy).
     """
+    import pandas as pd
+
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
         raise KeyError(f"score_qa: missing columns {missing}")
@@ -256,6 +260,8 @@ def aggregate_qa(per_query: pd.DataFrame, by: str = "question_type") -> pd.DataF
     ``n`` = rows; ``n_abstention`` = abstention rows (``abstention_correct`` is averaged over those only);
     ``bleu4_corpus`` = corpus BLEU of the group when hypothesis/answer columns are present.
     """
+    import pandas as pd
+
     metrics = [m for m in QA_METRICS if m in per_query.columns]
 
     def summarise(g: pd.DataFrame) -> dict[str, Any]:

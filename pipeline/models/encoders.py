@@ -431,7 +431,7 @@ class HFMeanPoolingEncoder(_BucketedEncoder):
         self.dim = int(self._model.config.hidden_size)
         self.normalize = False
         self.name = encoder_name("hf", model, max_tokens, long_text, runtime=runtime, dtype=dtype, device=device)
-        rt = resolve_runtime(runtime, self._device)
+        rt = resolve_runtime(runtime, self._device.type)
         if rt != "torch":
             self._setup_onnx(lambda: AutoModel.from_pretrained(path, attn_implementation="eager"), rt)
             self._model = None  # the ONNX session replaces the PyTorch body
@@ -491,7 +491,7 @@ class SentenceTransformerEncoder(_BucketedEncoder):
         self.normalize = any(isinstance(m, Normalize) for m in self._st.modules())
         self.name = encoder_name("sentence-transformers", model, max_tokens, long_text, runtime=runtime, dtype=dtype,
                                  device=device)
-        rt = resolve_runtime(runtime, self._device)
+        rt = resolve_runtime(runtime, self._device.type)
         if rt != "torch":
             body = self._st[0]
             if not hasattr(body, "auto_model"):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -218,3 +220,91 @@ def test_the_cpu_llm_backend_without_lm_format_enforcer_is_refused(monkeypatch) 
     problems = preflight.environment_problems(cfg, "index", use_ray=False)
     assert problems == ["llm.backend=transformers-gguf needs the package 'lm-format-enforcer', which is not "
                         "installed (stages plan); make setup installs it (pyproject.toml)"]
+
+
+
+#: what `memgas index` does before its first stage, under Ray and without: pre-flight, the runtimes, every
+#: step's fingerprint, the profiler's GPU peak; then the heavy packages it imported
+_INDEX_START = """
+import sys
+from memgas.jobs import preflight
+from memgas.jobs.placement import resolve_stage_runtimes
+from memgas.jobs.profiling import gpu_peak_bytes
+from memgas.jobs.runner import compute_fingerprints
+from memgas.jobs.stage import StageContext
+from memgas.pipeline.bank import Bank
+from memgas.pipeline.config import MemgasConfig
+
+cfg = MemgasConfig.load(sys.argv[1], ["retrieval.device=auto"])
+for use_ray in (True, False):
+    preflight.check(cfg, "index", use_ray)
+    ctx = StageContext(cfg, Bank(sys.argv[2]), None, use_ray=use_ray)
+    resolve_stage_runtimes(ctx)
+    compute_fingerprints(ctx)
+    gpu_peak_bytes()
+print(sorted(m for m in ("torch", "sklearn", "transformers", "sentence_transformers", "pandas") if m in sys.modules))
+"""
+
+#: a process that has not imported torch, on a machine with a GPU device file: torch is asked
+_DEVICE_FILE = """
+import sys
+from memgas.jobs import placement
+
+placement.glob.glob = lambda pattern: [pattern] if pattern == "/dev/nvidia*" else []
+print(placement.local_cuda_devices(), "torch" in sys.modules)
+"""
+
+
+def _python(code: str, *args: str) -> list[str]:
+    out = subprocess.run([sys.executable, "-P", "-c", code, *args], capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+def test_a_command_that_loads_no_model_imports_neither_torch_nor_sklearn_nor_pandas(ingested: Path) -> None:
+    """torch (1-2 s) was imported only to learn that there is no GPU, sklearn (~1 s) for a stop-word list the
+    planner's name does not use, pandas (~0.2 s) with the evaluation's package for a prompt digest: none is,
+    where no GPU device file exists (where one does, torch is asked as before, and answers)."""
+    from memgas.jobs.placement import no_gpu_device_files
+
+    assert _python(_INDEX_START, str(DEMO), str(ingested))[-1] == ("[]" if no_gpu_device_files() else "['torch']")
+
+
+def test_without_a_gpu_device_file_torch_sees_no_gpu_and_with_one_it_is_asked() -> None:
+    import torch
+
+    from memgas.jobs.placement import no_gpu_device_files
+
+    if no_gpu_device_files():  # the probe answers 0 only where torch does
+        assert torch.cuda.device_count() == 0 and not torch.cuda.is_available()
+    seen = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert _python(_DEVICE_FILE)[-1] == f"{seen} True"
+
+
+#: the models the demo's LLM-free actors hold (generate, cards, plan), built as the executor builds them, with
+#: the GPU peak every actor stage reports
+_LLM_FREE_ACTORS = """
+import sys
+from memgas.jobs.executor import ModelHost
+from memgas.jobs.placement import placement, resolve_stage_runtimes
+from memgas.jobs.stage import StageContext
+from memgas.jobs.stages.cards import CardsStage
+from memgas.jobs.stages.generate import GenerateStage
+from memgas.jobs.stages.plan import PlanStage
+from memgas.pipeline.config import MemgasConfig
+
+ctx = StageContext(MemgasConfig.load(sys.argv[1], []), None, None, use_ray=False)
+resolve_stage_runtimes(ctx)
+for stage in (GenerateStage(), CardsStage(), PlanStage()):
+    ModelHost(stage.model, placement(stage, stage.active(ctx), ctx).config).gpu_memory()
+print("torch" in sys.modules)
+"""
+
+
+def test_an_actor_that_holds_no_model_does_not_import_torch() -> None:
+    """The LLM-free generator's and JustMem's actors imported torch to set its threads and to ask for a GPU
+    peak (1-2 s of each actor's start): where no GPU device file exists, they do neither."""
+    from memgas.jobs.placement import no_gpu_device_files
+
+    assert _python(_LLM_FREE_ACTORS, str(DEMO))[-1] == str(not no_gpu_device_files())

@@ -19,7 +19,8 @@ import pyarrow as pa
 import pytest
 
 from memgas.jobs import keys, main_job, runner, tables
-from memgas.jobs.executor import QUIET_WORKER_ENV, forwarded_env, init_ray, run_task, stage_fn, task_options, worker_env
+from memgas.jobs.executor import run_task, stage_fn, task_options
+from memgas.jobs.ray_session import QUIET_WORKER_ENV, forwarded_env, init_ray, worker_env
 from memgas.jobs.placement import kernel_device, num_gpus, placement, resolve_stage_runtimes
 from memgas.jobs.stage import StageContext
 from memgas.jobs.history_index.prefixes import stored_segments
