@@ -16,8 +16,7 @@ A call may start from a saved index (``index``: the centroids and the complete g
 session ``s``, exactly where a fresh one would be there, and neither trains nor revisits a block before it.
 Without one it trains its own (the same bits each time: seeded k-means on one faiss thread, as the associate
 stage's ``stage_params``). Either way it walks to the graph's last session, so the index it leaves holds the
-complete blocks of the whole graph: what card-graph-associate saves
-(:mod:`memgas.jobs.stages.card_graph_associate`).
+complete blocks of the whole graph: what the card-graph-associate stage saves.
 """
 
 from __future__ import annotations
