@@ -55,7 +55,7 @@ from memgas.pipeline.bank_files import (  # re-exported: the bank's public names
     MANIFEST,
     STREAM_BUFFER,
     _file_digest,
-    _mkstemp,
+    mkstemp_beside,
     _read_streamed,
     _reason,
     _sweep_temps,
@@ -123,7 +123,7 @@ def atomic_write_parquet(path: Path, table: pa.Table, *, point: str = "bank:writ
                          table_name: str | None = None) -> None:
     """Write ``table`` to ``path`` atomically (as a part of table ``table_name``: its row groups, see
     :data:`ROW_GROUP_ROWS`). Fault point ``<point>:before-rename``."""
-    fd, tmp = _mkstemp(path)
+    fd, tmp = mkstemp_beside(path)
     os.close(fd)
     try:
         _write_parquet(tmp, table, table_name)

@@ -21,7 +21,7 @@ from memgas.pipeline.bank_files import (
     INGEST_PREFIX,
     INGEST_TABLES,
     _file_digest,
-    _mkstemp,
+    mkstemp_beside,
     _sweep_temps,
     atomic_write_json,
     conform,
@@ -119,7 +119,7 @@ class Compacting:
             key = KEYS[name][0]
             held = pc.unique(pa.concat_tables([self._read_part(name, p, [key]) for p in pinned],
                                               promote_options="permissive").column(key))
-        fd, tmp = _mkstemp(d / "compact.parquet")
+        fd, tmp = mkstemp_beside(d / "compact.parquet")
         os.close(fd)
         try:
             with pq.ParquetWriter(tmp, schema, **parquet_options(name)) as writer:
@@ -179,7 +179,7 @@ class Compacting:
         """Write ``table`` as a new marked part, then drop ``replace``. Fault points (in order):
         ``bank:compact:before-rename``, ``bank:compact:before-marker``, ``bank:compact:after-new`` (new
         part committed, old parts still there), ``bank:compact:dropped`` (after each old part dropped)."""
-        fd, tmp = _mkstemp(self._dir(name) / "compact.parquet")
+        fd, tmp = mkstemp_beside(self._dir(name) / "compact.parquet")
         os.close(fd)
         try:
             self._write_file(tmp, table, name)

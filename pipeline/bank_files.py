@@ -52,7 +52,9 @@ def _file_mode() -> int:
 _MODE = _file_mode()
 
 
-def _mkstemp(path: Path) -> tuple[int, str]:
+def mkstemp_beside(path: Path) -> tuple[int, str]:
+    """A temporary file in ``path``'s folder (made if needed), named ``.<name>.<random>.tmp``, with the bank's
+    file mode (``mkstemp`` gives 0600): ``(fd, its path)``, for a write renamed onto ``path`` when complete."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -67,7 +69,7 @@ def atomic_write_bytes(path: Path, data: bytes, *, point: str = "bank:write-file
 
     Fault points: ``<point>:before-rename`` (temp file complete, not yet in place).
     """
-    fd, tmp = _mkstemp(path)
+    fd, tmp = mkstemp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)

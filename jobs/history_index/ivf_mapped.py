@@ -24,12 +24,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 from memgas.pipeline import faults
+from memgas.pipeline.bank_files import mkstemp_beside
 from memgas.pipeline.bank_verified import hash_and_record, verified_before
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,8 @@ def mapped_copy(bank: object, part: str, history: str, chunks: Callable[[], Sequ
 def _write(d: Path, prefix: str, hist: str, chunks: Sequence[np.ndarray]) -> Path:
     """Write the copy (temporary file, fsync, rename: a reader never sees half of one), hashing its bytes as
     they go, then delete the history's other copies."""
-    d.mkdir(parents=True, exist_ok=True)
     h = hashlib.blake2b(digest_size=8)  # file_digest's hash: a later command checks the copy with it
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=".faiss")
+    fd, tmp = mkstemp_beside(d / f"{prefix}.faiss")  # ".<name>.<random>.tmp", the bank's file mode
     try:
         with os.fdopen(fd, "wb") as f:
             for c in chunks:
@@ -115,7 +114,8 @@ def prune(bank: object) -> int:
                 keep.add(f"{_key(h)}-{_key(part, digest)}-")
     gone = 0
     for f in d.iterdir():
-        if f.name.startswith(".tmp-") or (f.suffix == ".faiss" and f.name[: f.name.rindex("-") + 1] not in keep):
+        if (f.name.startswith(".") and f.suffix == ".tmp") or \
+                (f.suffix == ".faiss" and f.name[: f.name.rindex("-") + 1] not in keep):
             f.unlink(missing_ok=True)
             gone += 1
     return gone

@@ -81,7 +81,7 @@ def test_prune_deletes_the_copies_of_parts_no_longer_there(tmp_path: Path, small
     hist, part_key, digest = copy.stem.split("-")
     stale = copy.with_name(f"{hist}-{'0' * len(part_key)}-{digest}.faiss")
     stale.write_bytes(b"an older part's copy")
-    (copy.parent / ".tmp-x.faiss").write_bytes(b"half")
+    (copy.parent / f".{copy.name}.x1y2.tmp").write_bytes(b"half")
     assert ivf_mapped.prune(grown) == 2
     assert list(ivf_mapped.folder(grown).iterdir()) == [copy]
     for part in grown.parts("ivf_index"):
@@ -115,6 +115,8 @@ def test_a_mapped_copy_that_is_damaged_or_cannot_be_written_changes_nothing(
     assert "is not the bytes written" in caplog.text
     again, = ivf_mapped.folder(grown).glob("*.faiss")
     assert again.read_bytes() != bytes(data) and again.name == copy.name, "written again, the same bytes"
+    part_file = next(grown.path.joinpath("ivf_index").glob("*.parquet"))
+    assert again.stat().st_mode & 0o777 == part_file.stat().st_mode & 0o777, "the bank's file mode, not 0600"
     assert payload() == want  # the copy written again is checked (hashed) and used
     again.unlink()
     monkeypatch.setenv("MEMGAS_FAULT", "enospc@ivf:mapped-copy:before-rename")
