@@ -169,7 +169,7 @@ def answer(cfg: MemgasConfig, bank_path: str | Path, *, run_dir: str | Path | No
                 claim_run_dir(run_dir, bank.path)
                 # the dataset was ingested before (memgas ingest / index): recorded as held, with its digests
                 held = [_ingest_entry(source_of(default_pipeline()), cfg, bank, "held")]
-                return _answer_in(cfg, bank, run_dir, Profiler(), held, use_ray, profile, time.time())
+                return _answer_in(cfg, bank, run_dir, Profiler(), held, use_ray, profile, time.time(), own_ray=own)
         finally:
             if own:
                 shutdown_ray()
@@ -204,7 +204,7 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
                 resolve_stage_runtimes(ctx)
                 record = [ingest_entry, *run_stages(ctx, _slice("index"), prof)]
                 bank.update_manifest(index={"config": cfg.public_dump(), "record": record[1:]})
-                return _answer_in(cfg, bank, out, prof, record, use_ray, profile, started)
+                return _answer_in(cfg, bank, out, prof, record, use_ray, profile, started, own_ray=own)
         except BaseException as exc:
             mark_failed(out, exc)
             raise
@@ -214,11 +214,12 @@ def run(cfg: MemgasConfig, *, fresh: bool = False, profile: bool = False, use_ra
 
 
 def _answer_in(cfg: MemgasConfig, bank: Bank, run_dir: Path, prof: Profiler, record: list[dict], use_ray: bool,
-               profile: bool, started: float) -> Path:
+               profile: bool, started: float, own_ray: bool = False) -> Path:
     results = Bank.create(run_dir / "results")
     ctx = StageContext(cfg, bank, results, use_ray, profile=profile)
     resolve_stage_runtimes(ctx)
-    record = [*record, *run_stages(ctx, _slice("answer"), prof)]
+    # nothing after the answer's slice uses Ray: the Ray this job started is given back once no stage left needs it
+    record = [*record, *run_stages(ctx, _slice("answer"), prof, release_ray=shutdown_ray if own_ray else None)]
     for entry in record:  # held stages (ingest): the digest the runner verified
         if "output" in entry and entry["output"] is None:
             entry["output"] = ctx.outputs.get(entry["stage"])

@@ -171,10 +171,7 @@ def driver_index(ctx: StageContext, saved: dict[str, Any], params: Any, dim: int
     if run.mapped[key] is None:
         return loaded_index({**saved, "bytes": full_bytes(ctx, saved)}, params, dim)
     base = raw_from_file(run.mapped[key], d=dim, ntotal=N_GRAN * saved["full_sessions"])
-    index = I.CausalIVF.stacked(base, params)
-    for delta in saved.get("deltas", []):
-        index.merge_delta(I.raw_from_bytes(delta["bytes"], d=dim, ntotal=N_GRAN * (delta["sessions"] - delta["base"])))
-    return index
+    return with_deltas(I.CausalIVF.stacked(base, params), saved, dim)
 
 
 # -- the task ------------------------------------------------------------------------------------------
@@ -187,6 +184,13 @@ def loaded_index(saved: dict[str, Any], params: Any, dim: int, nodes: Callable[[
     data = executor.fetch(saved["bytes"])
     index = I.index_from_bytes(data, params, d=dim, ntotal=nodes(saved.get("full_sessions", saved["sessions"])))
     del data
+    return with_deltas(index, saved, dim, nodes)
+
+
+def with_deltas(index: Any, saved: dict[str, Any], dim: int, nodes: Callable[[int], int] | None = None) -> Any:
+    """``index`` (a :class:`~memgas.pipeline.association.ivf_search.CausalIVF` of the saved full index) with
+    ``saved``'s deltas merged in order; ``nodes`` as in :func:`loaded_index`."""
+    nodes = nodes or (lambda s: N_GRAN * s)
     for delta in saved.get("deltas", []):
         index.merge_delta(I.raw_from_bytes(delta["bytes"], d=dim, ntotal=nodes(delta["sessions"]) - nodes(delta["base"])))
     return index

@@ -212,15 +212,14 @@ class CausalIVF(FaissCausalIndex):
         from faiss.contrib.ivf_tools import add_preassigned
 
         assign = np.ascontiguousarray(assign, dtype=np.int64)
+        # the entries' node ids, for the delta and a stacked index's in-memory part (their own ids would start
+        # at 0). ``ids`` is kept referenced here: add_preassigned rebinds its argument to a raw pointer, so an
+        # array made in the call would be freed before faiss reads it (faiss copies the ids it stores)
+        ids = np.arange(self.ntotal, self.ntotal + blk.shape[0], dtype=np.int64)
         if self.delta is not None:
-            # the same entries, with their node ids, into the delta (its own ids would start at 0). ``ids`` is
-            # kept referenced here: add_preassigned rebinds its argument to a raw pointer, so an array made
-            # in the call would be freed before faiss reads it
-            ids = np.arange(self.ntotal, self.ntotal + blk.shape[0], dtype=np.int64)
             add_preassigned(self.delta, blk, assign, ids=ids)
         if self.rest is not None:  # a stacked index: its base is read-only, the entries go after it
-            ids_rest = np.arange(self.ntotal, self.ntotal + blk.shape[0], dtype=np.int64)  # kept: as ``ids``
-            add_preassigned(self.rest, blk, assign, ids=ids_rest)
+            add_preassigned(self.rest, blk, assign, ids=ids)
             self.index.ntotal += blk.shape[0]
         else:
             add_preassigned(self.index, blk, assign)

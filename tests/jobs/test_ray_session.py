@@ -9,14 +9,38 @@ import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
 
-from memgas.jobs import ray_limits, ray_session, runner
+from memgas.jobs import executor, ray_limits, ray_session, runner, tables
 from memgas.jobs.profiling import Profiler
-from memgas.jobs.stage import StageContext
+from memgas.jobs.stage import Report, StageContext
+from memgas.pipeline import schema
+from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.errors import ResourceLimit
 
-from .test_toy_stage import PIPELINE, bank_cfg  # noqa: F401 - bank_cfg is a fixture
+from .test_toy_stage import PIPELINE, TOY, ToyStage, bank_cfg  # noqa: F401 - bank_cfg is a fixture
+
+
+class SharedToy(ToyStage):
+    """The toy stage with a block shared through the executor in every payload (as node blocks are)."""
+
+    name = "toy-shared"
+    writes = (tables.Table("toy_shared", "fingerprint"),)
+
+    def inputs(self, ctx: StageContext, unit: dict) -> dict:
+        block = executor.share(np.full((1 << 12, 64), len(unit["sessions"]), np.float32))
+        return {**super().inputs(ctx, unit), "block": NodeBlocks([block], 1 << 12, 1 << 12, 64, keep=self,
+                                                                 fetch=executor.fetch)}
+
+    @staticmethod
+    def run(model: None, payload: dict, params: dict) -> dict:
+        block = payload["block"][0:2]
+        assert block[0, 0] == len(payload["rows"])
+        return {"toy_shared": ToyStage.run(model, payload, params)["toy_counts"]}
+
+    def finish(self, ctx: StageContext) -> dict:
+        return {"rows": len(tables.current_parts(ctx, "toy_shared"))}
 
 
 def _start_threads() -> list[threading.Thread]:
@@ -42,6 +66,7 @@ def test_ray_starts_in_the_background_and_stops_without_the_monitors_grace(monke
         pass
 
     monkeypatch.setattr(subprocess.Popen, "wait", wait)
+    monkeypatch.setitem(schema.TABLES, "toy_shared", TOY)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -66,7 +91,33 @@ def test_ray_starts_in_the_background_and_stops_without_the_monitors_grace(monke
         processes = worker._global_node.all_processes
         monitor = [i.process.pid for i in processes[ray_constants.PROCESS_TYPE_MONITOR]]
         everything = [i.process for infos in processes.values() for i in infos]
-        ray_session.shutdown_ray()
+        # a slice whose steps left are the driver's gives Ray back before them (the answer's report and its
+        # latency probe get the memory), once, and after the last step that may run on Ray
+        events: list[tuple[str, bool]] = []
+
+        class Look(Report):
+            name = "look"
+
+            def report(self, ctx: StageContext) -> dict:
+                events.append(("look", ray.is_initialized() or any(p.poll() is None for p in everything)))
+                return {}
+
+        def release() -> None:
+            events.append(("release", ray.is_initialized()))
+            ray_session.shutdown_ray()
+
+        # a stage ends holding no reference to what its payloads shared (its blocks would stay in the object
+        # store through the stages after it: a reference cycle kept them until a full collection)
+        core = worker.global_worker.core_worker
+        before = set(core.get_all_reference_counts())
+        ctx = StageContext(cfg, bank, None, use_ray=True)
+        (entry,) = runner.run_stages(ctx, ["toy-shared"], Profiler(), pipeline=(*PIPELINE, SharedToy()))
+        assert entry["status"] == "executed" and entry["units_done"] > 1
+        assert set(core.get_all_reference_counts()) <= before
+        ctx = StageContext(cfg, bank, None, use_ray=True)
+        record = runner.run_stages(ctx, ["toy", "look"], Profiler(), pipeline=(*PIPELINE, Look()), release_ray=release)
+        assert [e["status"] for e in record] == ["skipped", "executed"]
+        assert events == [("release", True), ("look", False)] and not ctx.use_ray
         assert monitor and not set(monitor) & set(timed_out)
         assert not ray.is_initialized() and all(p.poll() is not None for p in everything)
         assert not _start_threads() and not ray_session.ray_running()
