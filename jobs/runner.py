@@ -138,9 +138,12 @@ def run_stages(ctx: StageContext, names: Sequence[str], prof: Profiler,
                 for pool in pools.values():
                     pool.close()
                 pools.clear()
-                release_ray()
+                try:
+                    release_ray()
+                    log.info("ray: shut down (the steps left run in this process)")
+                except Exception as exc:  # the work is done: a failed shutdown must not lose the report
+                    log.warning("ray: shutting down before the driver's steps failed (%s); going on", exc)
                 release_ray, ctx.use_ray = None, False  # whatever is left runs in this process (the same bits)
-                log.info("ray: shut down (the steps left run in this process)")
             fp, active = set_fingerprint(step, ctx)
             if isinstance(step, Source):  # held by the bank before the runner starts: verified, never run here
                 ctx.outputs[step.name] = step.output(ctx)

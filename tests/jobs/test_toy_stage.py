@@ -15,7 +15,7 @@ import pytest
 from memgas.jobs import main_job, runner, tables
 from memgas.jobs.placement import resolve_stage_runtimes
 from memgas.jobs.profiling import Profiler
-from memgas.jobs.stage import Stage, StageContext
+from memgas.jobs.stage import Report, Stage, StageContext
 from memgas.jobs.stages.ingest import IngestSource
 from memgas.jobs.units import chunk
 from memgas.pipeline import faults, schema
@@ -161,3 +161,33 @@ def test_a_stage_opens_only_what_it_declares(bank_cfg, monkeypatch, stage) -> No
     resolve_stage_runtimes(seeded)
     again = {e["stage"]: e for e in runner.run_stages(seeded, ["toy", "count"], Profiler(), pipeline=pipeline)}
     assert again["count"]["status"] == "executed" and again["count"]["fingerprint"] != entry["count"]["fingerprint"]
+
+
+def test_a_failed_give_back_of_ray_before_the_drivers_steps_loses_nothing(bank_cfg, caplog) -> None:
+    """The job gives Ray back once the steps left are the driver's (after the last stage that may run on Ray,
+    before the report): where that shutdown fails, the report still runs, in this process, and the failure is
+    logged (the work is done; the Ray case: tests/jobs/test_ray_session.py)."""
+    bank, cfg = bank_cfg
+    seen: list[str] = []
+
+    class Look(Report):
+        name = "look"
+
+        def report(self, ctx: StageContext) -> dict[str, Any]:
+            seen.append(f"look use_ray={ctx.use_ray} toy_done={bool(tables.current_parts(ctx, 'toy_counts'))}")
+            return {}
+
+    Look.reads = ("toy_counts",)
+
+    def release() -> None:
+        seen.append("release")
+        raise RuntimeError("the GCS is gone")
+
+    ctx = StageContext(cfg, bank, None, use_ray=False)  # the toy in-process: it is still a task stage, so the
+    resolve_stage_runtimes(ctx)                          # give-back comes after it
+    with caplog.at_level("WARNING"):
+        record = runner.run_stages(ctx, ["toy", "look"], Profiler(), pipeline=(*PIPELINE, Look()),
+                                   release_ray=release)
+    assert [e["status"] for e in record] == ["executed", "executed"]
+    assert seen == ["release", "look use_ray=False toy_done=True"]
+    assert "the GCS is gone" in caplog.text
