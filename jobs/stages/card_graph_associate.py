@@ -33,7 +33,7 @@ from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.shards import edge_tables, kernel_active, segment_units
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks, ivf_search, row_keys, segments
-from memgas.pipeline.association.segments import Coverage, coverage, split_sized
+from memgas.pipeline.association.segments import Coverage, coverage, split_every, split_sized
 from memgas.pipeline.schema import IVF_DELTA, IVF_RECALL, N_GRAN
 
 
@@ -95,6 +95,13 @@ CARD_GRAPH_IVF_INDEX = tables.Table(CARD_IVF.index, "segmented", current=_curren
 CARD_GRAPH_IVF_DELTA = tables.Table(CARD_IVF.delta, "segmented", current=_current_delta)
 
 
+def uses_ivf(ctx: StageContext, sizes: np.ndarray, end_session: int) -> bool:
+    """Whether a segment of a card graph (``sizes``: its sessions' nodes) ending at ``end_session`` has rows
+    past the exact prefix (:func:`~memgas.jobs.history_index.ivf_units.uses_ivf`, with cards)."""
+    a = ctx.cfg.association
+    return a.search == "ivf" and int(sizes[:end_session].sum()) > a.ivf_exact_nodes
+
+
 def graph_prefix(g: Any, end: int) -> dict[str, np.ndarray]:
     """The arrays of the card graph ``g`` of sessions ``[0, end)``: all a segment ending at ``end`` reads."""
     n = int(g.starts[end]) if end < g.n_sessions else g.nodes.shape[0]
@@ -136,9 +143,13 @@ class CardGraphAssociateStage(Stage):
         (:func:`~memgas.pipeline.association.segments.split_sized`: the cuts change the units, never the edges)."""
         cov = card_coverage(ctx, tables.prefix(self, ctx))
         chain, sizes = card_chains(ctx), card_sizes(ctx)
-        return segment_units(chain, cov.covered,
-                             lambda h, a, s: split_sized(a, s, sizes[h], segments.UNIT_WORK, segments.TILE_SESSIONS),
-                             ctx.cfg.ray.shard_size)
+
+        def pieces(h: str, a: int, s: int) -> list[tuple[int, int]]:
+            if uses_ivf(ctx, sizes[h], s):  # each unit rebuilds the index at its first row: fixed, longer units
+                return split_every(a, s, segments.CARD_IVF_UNIT_SESSIONS)
+            return split_sized(a, s, sizes[h], segments.UNIT_WORK, segments.TILE_SESSIONS)
+
+        return segment_units(chain, cov.covered, pieces, ctx.cfg.ray.shard_size)
 
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         """Each segment's graph of sessions ``[0, end)``: only the prefix its rows see. A prefix longer than one
@@ -168,7 +179,7 @@ class CardGraphAssociateStage(Stage):
             indexes = ivf_units.segment_indexes(
                 ctx, segs, lambda: (current_indexes(ctx, prefix), current_deltas(ctx, prefix)),
                 chain=card_chains(ctx), names=CARD_IVF,
-                uses=lambda h, b: int(sizes[h][:b].sum()) > ctx.cfg.association.ivf_exact_nodes)
+                uses=lambda h, b: uses_ivf(ctx, sizes[h], b))
             payload["indexes"] = [ivf_units.shipped(ctx, m, None) for m in indexes]
         return payload
 

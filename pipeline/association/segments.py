@@ -44,6 +44,11 @@ TILE_SESSIONS = 64
 #: centroids unless a saved index is there, then adds the nodes before its rows), so fewer, longer units cost
 #: less CPU in all and more units spread one history over more workers: 8 units at 10^6 sessions.
 IVF_UNIT_SESSIONS = 1 << 17
+#: the same for memgas-cards' graph, whose sessions add their cards to their four nodes (4-16 with the LLM-free
+#: extractor): a quarter of MemGAS's sessions, about as many rows. Cut by causal work instead (as its exact
+#: search is), a history of 10^5 sessions made 38 units, each training the centroids and adding the nodes
+#: before its rows again: 91 s a unit
+CARD_IVF_UNIT_SESSIONS = IVF_UNIT_SESSIONS // 4
 
 
 def prefix_digests(nodes: pa.Table, seed: str) -> dict[str, list[str]]:

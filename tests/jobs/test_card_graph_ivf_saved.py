@@ -117,14 +117,16 @@ def _append(banks: dict[str, Path], tmp_path: Path, cli: Callable) -> Path:
 def test_an_append_walks_from_the_saved_index_and_saves_a_delta_equal_to_a_fresh_build(
         tmp_path: Path, cli: Callable, banks: dict[str, Path], walked: dict[str, list],
         monkeypatch: pytest.MonkeyPatch, cut: bool) -> None:
-    """``cut``: the append's rows in two units, [10, 12) and [12, 14): each starts from the saved index, the
-    second (the history's last) saves the delta."""
+    """``cut``: the append's rows in two units, [10, 12) and [12, 14), cut at fixed multiples of sessions
+    (``CARD_IVF_UNIT_SESSIONS``; the causal work, which cuts the exact search's units, does not cut these):
+    each starts from the saved index, the second (the history's last) saves the delta."""
     from memgas.pipeline.association import segments
 
     monkeypatch.setattr(ivf_store, "IVF_DELTA_SHARE", 1)  # a delta of up to the full index's own sessions
     if cut:
-        monkeypatch.setattr(segments, "UNIT_WORK", 1)
-        monkeypatch.setattr(segments, "TILE_SESSIONS", 2)
+        monkeypatch.setattr(segments, "CARD_IVF_UNIT_SESSIONS", 12)
+        monkeypatch.setattr(segments, "UNIT_WORK", 1)  # would cut every session under the exact search
+        monkeypatch.setattr(segments, "TILE_SESSIONS", 1)
     want_index, want_sessions, want_chain = merged_index(banks["fresh"])
     assert (want_sessions, want_chain) == (12, [])
     assert merged_index(banks["first"])[1:] == (8, [])
