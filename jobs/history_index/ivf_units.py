@@ -48,8 +48,14 @@ FOUND_TAIL_BLOCKS = 4
 
 def uses_ivf(cfg: Any, end_session: int) -> bool:
     """Whether a segment ending at ``end_session`` has rows past the exact prefix under ``cfg``."""
+    return past_exact_prefix(cfg, N_GRAN * end_session)
+
+
+def past_exact_prefix(cfg: Any, nodes: int) -> bool:
+    """Whether a graph prefix of ``nodes`` nodes (MemGAS's four a session, or memgas-cards' with its cards) has
+    rows past the exact prefix under ``cfg``'s IVF search."""
     a = cfg.association
-    return a.search == "ivf" and N_GRAN * end_session > a.ivf_exact_nodes
+    return a.search == "ivf" and nodes > a.ivf_exact_nodes
 
 
 # -- the driver ----------------------------------------------------------------------------------------

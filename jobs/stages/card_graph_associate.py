@@ -98,8 +98,7 @@ CARD_GRAPH_IVF_DELTA = tables.Table(CARD_IVF.delta, "segmented", current=_curren
 def uses_ivf(ctx: StageContext, sizes: np.ndarray, end_session: int) -> bool:
     """Whether a segment of a card graph (``sizes``: its sessions' nodes) ending at ``end_session`` has rows
     past the exact prefix (:func:`~memgas.jobs.history_index.ivf_units.uses_ivf`, with cards)."""
-    a = ctx.cfg.association
-    return a.search == "ivf" and int(sizes[:end_session].sum()) > a.ivf_exact_nodes
+    return ivf_units.past_exact_prefix(ctx.cfg, int(sizes[:end_session].sum()))
 
 
 def graph_prefix(g: Any, end: int) -> dict[str, np.ndarray]:
