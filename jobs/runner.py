@@ -312,7 +312,7 @@ def write_marker(stage: Stage, ctx: StageContext, store: Bank, fp: str, units_to
                  parts: dict[str, str]) -> None:
     atomic_write_json(_marker_path(store, stage), {
         "fingerprint": fp, "units_total": units_total, "parts": parts, "output": ctx.outputs[stage.name],
-        "content_parts": T.content_parts(stage, ctx), "rows_digest": T.STREAMED_DIGEST,
+        "content_parts": T.content_parts(stage, ctx), "rows_digest": T.DIGEST_METHOD,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 
 

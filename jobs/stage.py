@@ -70,6 +70,10 @@ class Table:
     #: the first digest method (:data:`DIGEST_METHODS`) that streams ``digest``: a marker of an earlier method
     #: digested the rows at once, and is verified that way
     digest_since: str = "streamed-1"
+    #: content tables of many rows: the order-free digest of ``rows`` from the bank's cached row hashes
+    #: (:mod:`memgas.pipeline.row_hashes`), which an append pays for what it added, not for the table; markers
+    #: of the digest methods before ``summed-1`` are verified with ``digest`` (or ``rows``)
+    summed: Callable[[StageContext], str] | None = None
     #: segmented tables: the current parts, given the writer's part prefix
     current: Callable[[StageContext, str], list[str]] | None = None
     #: rankings of the retrieval methods of this family (:func:`memgas.pipeline.methods.get_method`): a step

@@ -326,23 +326,31 @@ def output_parts(stage: Stage, ctx: StageContext) -> list[tuple[str, str]]:
 #: chunks. Markers without it (written before) digested every table's rows at once (``table_digest``), which
 #: held the rows and their Arrow IPC bytes in memory: 6.4 GB for the vectors of 108,000 sessions, so ~60 GB
 #: at 10^6. Such a marker is still verified the old way (a bank indexed before is read as it was written).
-#: ``streamed-2`` streams ``generations`` too (its rows at 10^6 sessions: ~2M generated texts).
-DIGEST_METHODS = ("streamed-1", "streamed-2")
-STREAMED_DIGEST = DIGEST_METHODS[-1]
+#: ``streamed-2`` streams ``generations`` too (its rows at 10^6 sessions: ~2M generated texts). ``summed-1``:
+#: tables with a ``summed`` digest use it (a sum of cached row hashes: an append reads no row it did not add).
+DIGEST_METHODS = ("streamed-1", "streamed-2", "summed-1")
+DIGEST_METHOD = DIGEST_METHODS[-1]
+SUMMED_SINCE = "summed-1"
 
 
-def _streamed(t: Table, method: str | None) -> bool:
-    """Whether a marker of digest ``method`` digested ``t``'s rows streamed."""
-    return t.digest is not None and method in DIGEST_METHODS and \
-        DIGEST_METHODS.index(method) >= DIGEST_METHODS.index(t.digest_since)
+def _since(method: str | None, first: str) -> bool:
+    return method in DIGEST_METHODS and DIGEST_METHODS.index(method) >= DIGEST_METHODS.index(first)
 
 
-def output_digest(stage: Stage, ctx: StageContext, parts: dict[str, str], method: str | None = STREAMED_DIGEST) -> str:
+def rows_digest(t: Table, ctx: StageContext, method: str | None) -> str:
+    """The digest of content table ``t``'s rows under this config, as a marker of digest ``method`` made it."""
+    if t.summed is not None and _since(method, SUMMED_SINCE):
+        return t.summed(ctx)
+    if t.digest is not None and _since(method, t.digest_since):
+        return t.digest(ctx)
+    return table_digest(t.rows(ctx))
+
+
+def output_digest(stage: Stage, ctx: StageContext, parts: dict[str, str], method: str | None = DIGEST_METHOD) -> str:
     """Digest of what the stage committed: its parts' digests and its content tables' rows under this config
     (``method``: one of :data:`DIGEST_METHODS`, the marker's; None for the digest of markers written before
     them)."""
-    rows = [t.digest(ctx) if _streamed(t, method) else table_digest(t.rows(ctx))
-            for t in stage.writes if t.kind == "content" and t.rows is not None]
+    rows = [rows_digest(t, ctx, method) for t in stage.writes if t.kind == "content" and t.rows is not None]
     return short_hash([sorted(parts.items()), rows], 12)
 
 

@@ -31,7 +31,8 @@ import pyarrow.compute as pc
 from memgas.jobs import keys, tables
 from memgas.jobs.history_index import READ_BATCH_ROWS
 from memgas.jobs.stage import Active, Stage, StageContext
-from memgas.jobs.stages.encode import embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest
+from memgas.jobs.stages.encode import (embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest,
+                                       vector_rows_summed)
 from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.rank import query_vectors
 from memgas.jobs.stages.shards import matrix_loader, node_matrix, shard_units
@@ -60,7 +61,8 @@ def _card_graph_vector_rows(ctx: StageContext) -> pa.Table:
 
 CARD_GRAPH_VECTORS = tables.Table("card_graph_vectors", "content", stored_in="embeddings",
                                   rows=_card_graph_vector_rows,
-                                  digest=lambda ctx: vector_rows_digest(ctx, CardGraphEncodeStage.needed(ctx)[0]))
+                                  digest=lambda ctx: vector_rows_digest(ctx, CardGraphEncodeStage.needed(ctx)[0]),
+                                  summed=lambda ctx: vector_rows_summed(ctx, CardGraphEncodeStage.needed(ctx)[0]))
 
 
 class CardGraphEncodeStage(Stage):

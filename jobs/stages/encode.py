@@ -78,12 +78,44 @@ def vector_rows_digest(ctx: StageContext, need: dict[str, list[str]]) -> str:
 VECTOR_COLUMNS = ["text_hash", "encoder", "vector", "truncated", "tokens", "tokens_dropped"]
 
 
+def vector_rows_summed(ctx: StageContext, need: dict[str, Any]) -> str:
+    """The order-free digest of :func:`vector_rows` (``need``: text hashes per encoder key, lists or Arrow
+    arrays) from the bank's cached row hashes (:func:`memgas.pipeline.row_hashes.summed_digest`): an append
+    hashes the vectors it added, not the table."""
+    from memgas.pipeline.row_hashes import summed_digest
+
+    wanted = {k: _as_array(v) for k, v in need.items()}
+
+    def select(keys: pa.Table) -> pa.Array:
+        mask = pa.array([False] * keys.num_rows, pa.bool_())
+        for k, hashes in wanted.items():
+            mask = pc.or_(mask, pc.and_(pc.equal(keys["encoder"], k), pc.is_in(keys["text_hash"], value_set=hashes)))
+        return mask
+
+    return summed_digest(ctx.bank, "embeddings", VECTOR_COLUMNS, select)
+
+
+def _as_array(hashes: Any) -> pa.Array:
+    if isinstance(hashes, pa.ChunkedArray):
+        return hashes.combine_chunks()
+    return hashes if isinstance(hashes, pa.Array) else pa.array(list(hashes), pa.string())
+
+
+def _as_lists(need: dict[str, Any]) -> dict[str, list[str]]:
+    """``need`` as sorted lists (what the digests of the methods before ``summed-1`` take)."""
+    return {k: sorted(_as_array(v).to_pylist()) for k, v in need.items()}
+
+
 def _node_vector_rows(ctx: StageContext) -> pa.Table:
-    return vector_rows(ctx, EncodeStage.needed(ctx)[0])
+    return vector_rows(ctx, _as_lists(EncodeStage.needed(ctx)[0]))
 
 
 def _node_vector_digest(ctx: StageContext) -> str:
-    return vector_rows_digest(ctx, EncodeStage.needed(ctx)[0])
+    return vector_rows_digest(ctx, _as_lists(EncodeStage.needed(ctx)[0]))
+
+
+def _node_vector_summed(ctx: StageContext) -> str:
+    return vector_rows_summed(ctx, EncodeStage.needed(ctx)[0])
 
 
 # -- what the encoders share (MemGAS's, JustMem's, the card graph's): each says which texts it needs --------
@@ -100,11 +132,13 @@ def encode_units(ctx: StageContext, needed: tuple[dict[str, list[str]], dict[str
     windows = {keys.window_key(ctx, n): n for n in (e.pair_max_tokens, e.session_max_tokens) if n is not None}
     todo: dict[str, list[str]] = {}
     for key, hashes in need.items():
-        have: set[str] = set()
-        if bank.exists("embeddings"):
-            have = set(bank.read("embeddings", ["text_hash", "encoder"], filter=pc.field("encoder") == key)
-                       ["text_hash"].to_pylist())
-        todo[key] = grouped([h for h in hashes if h not in have], bank)
+        missing = _as_array(hashes)
+        if bank.exists("embeddings") and len(missing):
+            # membership only: no de-duplication of the key's rows (millions at 10^6 sessions), and no
+            # Python value per row of the bank
+            have = bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == key, dedupe=False)
+            missing = missing.filter(pc.invert(pc.is_in(missing, value_set=have["text_hash"].combine_chunks())))
+        todo[key] = grouped(sorted(set(missing.to_pylist())), bank)
     chars = text_chars(ctx, {h for hs in todo.values() for h in hs}, questions)
     units = []
     for key, hashes in todo.items():
@@ -184,11 +218,15 @@ def needed_stats(stage: Any, ctx: StageContext) -> dict[str, Any]:
     return vector_stats(ctx, stage.needed(ctx)[0])
 
 
+#: the columns of ``embeddings`` an encoder stage's stats sum (not the vectors)
+STAT_COLUMNS = ("truncated", "tokens", "tokens_dropped")
+
+
 def vector_stats(ctx: StageContext, need: dict[str, list[str]]) -> dict[str, Any]:
     """An encoder stage's stats: the rows under its keys, truncated texts and tokens."""
-    mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(sorted(set(need))))
+    mine = ctx.bank.read("embeddings", ["encoder", *STAT_COLUMNS], filter=pc.field("encoder").isin(sorted(set(need))))
     stats: dict[str, Any] = {"rows": mine.num_rows}
-    for col in ("truncated", "tokens", "tokens_dropped"):
+    for col in STAT_COLUMNS:
         if col in mine.column_names:
             stats[col] = int(pc.sum(pc.cast(mine[col], pa.int64())).as_py() or 0)
     return stats
@@ -196,7 +234,7 @@ def vector_stats(ctx: StageContext, need: dict[str, list[str]]) -> dict[str, Any
 
 #: the vectors of MemGAS's node texts, turn pairs and questions (rows of ``embeddings``)
 NODE_VECTORS = Table("node_vectors", "content", stored_in="embeddings", rows=_node_vector_rows,
-                     digest=_node_vector_digest)
+                     digest=_node_vector_digest, summed=_node_vector_summed)
 
 
 class EncodeStage(Stage):
@@ -219,25 +257,39 @@ class EncodeStage(Stage):
         return Active(fields=(*fields, *windows), resolved=resolved, model={"encoder": keys.encoder_config(ctx)})
 
     @staticmethod
-    def needed(ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, str]]:
+    def needed(ctx: StageContext) -> tuple[dict[str, pa.Array], dict[str, str]]:
         """Text hashes to embed per cache key (every node text, turn pair and query; sessions and pairs under
-        their windows' keys, :func:`memgas.jobs.keys.encoder_keys`), and the texts that are not in ``texts``
-        (the questions) by hash."""
+        their windows' keys, :func:`memgas.jobs.keys.encoder_keys`), unique, in no particular order, and the
+        texts that are not in ``texts`` (the questions) by hash. Arrow arrays (5M hashes at 10^6 sessions:
+        no Python value per hash), computed once per stage run and fingerprint (plan, finish and the digest
+        all ask)."""
+        # kept for the run (ctx.scratch is emptied between finish and the digest), one fingerprint at a time
+        fp = ctx.fingerprints.get(EncodeStage.name)
+        held = ctx.cache.get("encode:needed")
+        if fp is not None and held is not None and held[0] == fp:
+            return held[1]
+        got = EncodeStage._needed(ctx)
+        if fp is not None:
+            ctx.cache["encode:needed"] = (fp, got)
+        return got
+
+    @staticmethod
+    def _needed(ctx: StageContext) -> tuple[dict[str, pa.Array], dict[str, str]]:
         from memgas.pipeline.encode import query_hash
 
         bank = ctx.bank
-        sessions: set[str] = set(bank.read("sessions", ["text_hash"])["text_hash"].to_pylist())
-        pairs = set(bank.read("pairs", ["text_hash"], filter=pc.field("session_hash").isin(sorted(sessions)))
-                    ["text_hash"].to_pylist())
+        sessions = pc.unique(bank.read("sessions", ["text_hash"])["text_hash"].combine_chunks())
+        pairs = bank.read("pairs", ["text_hash"], filter=pc.field("session_hash").isin(sessions))["text_hash"]
         nodes = bank.read("nodes", ["granularity", "text_hash"])
-        main = set(nodes.filter(~pc.field("granularity").isin(["session", "turn"]))["text_hash"].to_pylist())
+        main = nodes.filter(pc.invert(pc.is_in(nodes["granularity"], pa.array(["session", "turn"]))))["text_hash"]
         questions = {query_hash(q): q for q in bank.read("queries", ["query_id", "question"])["question"].to_pylist()}
-        main.update(questions)
         by_role = keys.encoder_keys(ctx)
-        need: dict[str, set[str]] = {}
-        for role, hashes in (("main", main), ("session", sessions), ("pair", pairs)):
-            need.setdefault(by_role[role], set()).update(hashes)
-        return {k: sorted(hs) for k, hs in need.items()}, questions
+        need: dict[str, list[Any]] = {}
+        for role, hashes in (("main", main), ("main", pa.array(sorted(questions), pa.string())),
+                             ("session", sessions), ("pair", pairs)):
+            need.setdefault(by_role[role], []).extend(
+                hashes.chunks if isinstance(hashes, pa.ChunkedArray) else [hashes])
+        return {k: pc.unique(pa.chunked_array(c, pa.string()).combine_chunks()) for k, c in need.items()}, questions
 
     @staticmethod
     def _grouped(todo: list[str], bank: Any) -> list[str]:
@@ -245,23 +297,23 @@ class EncodeStage(Stage):
         keyword and hybrid texts (sessions in hash order, then every other text in hash order). One unit then
         holds texts whose truncated tokens may be equal, and the encoder runs those once
         (pipeline/models/encoders.py): a session that truncates to its first pair, and with a short window
-        a hybrid text ("summary keywords session") that truncates to its summary."""
+        a hybrid text ("summary keywords session") that truncates to its summary. Only the sessions that
+        hold a text of ``todo`` are looked at (an append's, not the bank's: Arrow picks them out)."""
         left = set(todo)
-        pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"]).sort_by(
-            [("session_hash", "ascending"), ("pair_index", "ascending")])
+        wanted = pa.array(sorted(left), pa.string())
         by_session: dict[str, list[str]] = {}
+        # sessions that are texts to encode, and whose pair rows make them a group: every one with a pair
+        with_pairs = bank.read("pairs", ["session_hash"], filter=pc.field("session_hash").isin(wanted))
+        for sh in pc.unique(with_pairs["session_hash"].combine_chunks()).to_pylist():
+            by_session.setdefault(sh, [])
+        pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"],
+                          filter=pc.field("text_hash").isin(wanted)).sort_by(
+            [("session_hash", "ascending"), ("pair_index", "ascending")])
         for sh, ph in zip(pairs["session_hash"].to_pylist(), pairs["text_hash"].to_pylist()):
             by_session.setdefault(sh, []).append(ph)
         if bank.exists("nodes"):
-            nodes = bank.read("nodes", ["history_id", "session_id", "granularity", "text_hash"])
-            node_hash: dict[tuple[str, str], dict[str, str]] = {}
-            for hid, sid, g, h in zip(*(nodes[c].to_pylist() for c in ("history_id", "session_id", "granularity",
-                                                                     "text_hash"))):
-                node_hash.setdefault((hid, sid), {})[g] = h
-            for row in node_hash.values():
-                if "session" in row:
-                    by_session.setdefault(row["session"], []).extend(
-                        row[g] for g in ("summary", "keyword", "hybrid") if g in row)
+            for session, row in EncodeStage._node_groups(bank, wanted):
+                by_session.setdefault(session, []).extend(row[g] for g in ("summary", "keyword", "hybrid") if g in row)
         out: list[str] = []
         for sh in sorted(by_session):
             for h in (sh, *by_session[sh]):
@@ -269,6 +321,22 @@ class EncodeStage(Stage):
                     left.discard(h)
                     out.append(h)
         return out + sorted(left)
+
+    @staticmethod
+    def _node_groups(bank: Any, wanted: pa.Array) -> list[tuple[str, dict[str, str]]]:
+        """(session text, {granularity: text}) of each (history, session) of ``nodes`` in the order of its
+        first row, for those whose session text or a summary, keyword or hybrid text is ``wanted``."""
+        nodes = bank.read("nodes", ["history_id", "session_id", "granularity", "text_hash"])
+        pair_key = pc.binary_join_element_wise(nodes["history_id"], nodes["session_id"], "\0")
+        hit = pc.and_(pc.is_in(nodes["text_hash"], value_set=wanted),
+                      pc.is_in(nodes["granularity"], pa.array(["session", "summary", "keyword", "hybrid"])))
+        mine = pc.is_in(pair_key, value_set=pc.unique(pair_key.filter(hit).combine_chunks()))
+        rows = nodes.filter(mine)
+        groups: dict[tuple[str, str], dict[str, str]] = {}
+        for hid, sid, g, h in zip(*(rows[c].to_pylist() for c in ("history_id", "session_id", "granularity",
+                                                                   "text_hash"))):
+            groups.setdefault((hid, sid), {})[g] = h
+        return [(row["session"], row) for row in groups.values() if "session" in row]
 
     def plan(self, ctx: StageContext) -> list[dict[str, Any]]:
         return encode_units(ctx, self.needed(ctx), self._grouped)

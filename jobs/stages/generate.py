@@ -49,8 +49,24 @@ def _this_config_digest(ctx: StageContext) -> str:
     return values_digest(regroup(rows, DIGEST_CHUNK_ROWS))
 
 
+def _this_config_summed(ctx: StageContext) -> str:
+    """The order-free digest of :func:`_this_config`'s rows from the bank's cached row hashes
+    (:func:`memgas.pipeline.row_hashes.summed_digest`): an append hashes the generations it added."""
+    from memgas.pipeline.row_hashes import summed_digest
+    from memgas.pipeline.schema import schema_for
+
+    model, version = keys.generation_key(ctx)
+    sessions = pc.unique(ctx.bank.read("sessions", ["text_hash"])["text_hash"].combine_chunks())
+
+    def select(k: pa.Table) -> pa.Array:
+        return pc.and_(pc.and_(pc.equal(k["model"], model), pc.equal(k["prompt_version"], version)),
+                       pc.is_in(k["text_hash"], value_set=sessions))
+
+    return summed_digest(ctx.bank, "generations", schema_for("generations").names, select)
+
+
 GENERATIONS = Table("generations", "content", retried=True, rows=_this_config, digest=_this_config_digest,
-                    digest_since="streamed-2")
+                    digest_since="streamed-2", summed=_this_config_summed)
 #: summary, keyword and hybrid texts (a function of the generations and the session texts)
 DERIVED_TEXTS = Table("derived_texts", "content", stored_in="texts")
 

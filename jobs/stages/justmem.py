@@ -26,7 +26,8 @@ from memgas.jobs.stages.read import (
     session_inputs,
     top_rankings,
 )
-from memgas.jobs.stages.encode import embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest
+from memgas.jobs.stages.encode import (embed, needed_inputs, needed_stats, plan_needed, vector_rows, vector_rows_digest,
+                                       vector_rows_summed)
 from memgas.jobs.stages.rank import family_methods, query_vectors, ranking_rows
 from memgas.jobs.stages.ranked import Kept, ranked_table, with_history
 from memgas.jobs.stages.shards import kernel_active, owned
@@ -101,7 +102,8 @@ def _card_vector_rows(ctx: StageContext) -> pa.Table:
 
 #: the vectors of the cards, the plans' rewrites and the questions (rows of ``embeddings``)
 CARD_VECTORS = tables.Table("card_vectors", "content", stored_in="embeddings", rows=_card_vector_rows,
-                            digest=lambda ctx: vector_rows_digest(ctx, CardEncodeStage.needed(ctx)[0]))
+                            digest=lambda ctx: vector_rows_digest(ctx, CardEncodeStage.needed(ctx)[0]),
+                            summed=lambda ctx: vector_rows_summed(ctx, CardEncodeStage.needed(ctx)[0]))
 
 
 class CardEncodeStage(Stage):

@@ -779,7 +779,7 @@ def test_a_generate_marker_of_streamed_1_is_verified_as_it_was_written(tmp_path_
     shutil.copytree(reference_run, work, dirs_exist_ok=True)
     path = work / "bank" / "_stages" / "generate.json"
     marker = json.loads(path.read_text())
-    assert marker["rows_digest"] == T.STREAMED_DIGEST == "streamed-2"
+    assert marker["rows_digest"] == T.DIGEST_METHOD == "summed-1"
     ctx = StageContext(_base(work), Bank(work / "bank"), None, use_ray=False)
     resolve_stage_runtimes(ctx)
     runner.compute_fingerprints(ctx)
@@ -946,3 +946,83 @@ def test_the_exact_search_keeps_the_associate_key_of_before_the_ivf_option(tmp_p
     before = {"association.mem_threshold": a.mem_threshold, "association.min_prior_nodes": a.min_prior_nodes,
               "association.topk_edges": a.topk_edges, "retrieval.device": ctx.cfg.retrieval.device}
     assert ctx.keys["associate"] == short_hash(["associate", stage.version, before, stage.active(ctx).resolved])
+
+
+def _grouped_oracle(todo: list[str], bank: Bank) -> list[str]:
+    """The encode plan's grouping as first written: every pair and node of the bank in Python dicts."""
+    left = set(todo)
+    pairs = bank.read("pairs", ["session_hash", "pair_index", "text_hash"]).sort_by(
+        [("session_hash", "ascending"), ("pair_index", "ascending")])
+    by_session: dict[str, list[str]] = {}
+    for sh, ph in zip(pairs["session_hash"].to_pylist(), pairs["text_hash"].to_pylist()):
+        by_session.setdefault(sh, []).append(ph)
+    nodes = bank.read("nodes", ["history_id", "session_id", "granularity", "text_hash"])
+    node_hash: dict[tuple[str, str], dict[str, str]] = {}
+    for hid, sid, g, h in zip(*(nodes[c].to_pylist() for c in ("history_id", "session_id", "granularity", "text_hash"))):
+        node_hash.setdefault((hid, sid), {})[g] = h
+    for row in node_hash.values():
+        if "session" in row:
+            by_session.setdefault(row["session"], []).extend(row[g] for g in ("summary", "keyword", "hybrid") if g in row)
+    out: list[str] = []
+    for sh in sorted(by_session):
+        for h in (sh, *by_session[sh]):
+            if h in left:
+                left.discard(h)
+                out.append(h)
+    return out + sorted(left)
+
+
+@pytest.mark.slow
+def test_the_encode_plan_groups_an_appends_texts_as_the_whole_bank_grouping_does(tmp_path_factory, reference_run) -> None:
+    """EncodeStage._grouped looks only at the sessions that hold a text to encode; its order is that of the
+    grouping over every pair and node of the bank, for every text, for random subsets (as an append's), and
+    with texts of no session (questions)."""
+    import random
+
+    from memgas.jobs.stages.encode import EncodeStage
+
+    bank, ctx = _copied_context(tmp_path_factory, reference_run, "grouped")
+    need = EncodeStage.needed(ctx)[0]
+    every = sorted({h for hs in need.values() for h in hs.to_pylist()})
+    assert len(every) > 100
+    rng = random.Random(0)
+    for todo in (every, *(sorted(rng.sample(every, k)) for k in (1, 7, 40, len(every) // 2)), ["not-a-text", *every[:5]]):
+        assert EncodeStage._grouped(todo, bank) == _grouped_oracle(todo, bank)
+
+
+@pytest.mark.slow
+def test_the_summed_vector_digest_is_that_of_the_rows_in_memory(tmp_path_factory, reference_run, monkeypatch) -> None:
+    """The node vectors' digest of method summed-1 equals the order-free digest of vector_rows' table (the
+    rows Bank.read gives), whichever parts hold them: another config's rows added change nothing, a later
+    part that re-writes rows changes it, and a compaction of the same rows does not."""
+    import numpy as np
+    import pyarrow as pa
+
+    from memgas.jobs.stages import encode
+    from memgas.pipeline import row_hashes as R
+    from memgas.pipeline.schema import schema_for
+
+    bank, ctx = _copied_context(tmp_path_factory, reference_run, "summed")
+    need = encode.EncodeStage.needed(ctx)[0]
+    lists = {k: sorted(v.to_pylist()) for k, v in need.items()}
+
+    def oracle() -> str:
+        rows = encode.vector_rows(ctx, lists)
+        dim = rows.schema.field("vector").type.list_size
+        lanes = R.row_hashes(rows, schema_for("embeddings", dim)).view("<u4").astype(np.uint64).sum(axis=0)
+        return R._digest(rows.num_rows, lanes)
+
+    before = encode.vector_rows_summed(ctx, need)
+    assert before == oracle()
+    rows = encode.vector_rows(ctx, lists)
+    other = rows.slice(0, 3).set_column(1, "encoder", pa.array(["another-encoder"] * 3))
+    bank.write_part("embeddings", "zz-other", other)
+    assert encode.vector_rows_summed(ctx, need) == before
+    later = rows.slice(3, 2)
+    vec = later["vector"].combine_chunks().flatten().to_numpy().reshape(2, -1) * np.float32(0.5)
+    later = later.set_column(2, "vector", pa.FixedSizeListArray.from_arrays(pa.array(vec.ravel(), pa.float32()), vec.shape[1]))
+    bank.write_part("embeddings", "zz-later", later)
+    changed = encode.vector_rows_summed(ctx, need)
+    assert changed == oracle() != before
+    bank.compact("embeddings")
+    assert encode.vector_rows_summed(ctx, need) == changed
