@@ -8,7 +8,8 @@ commit point is described in :mod:`memgas.pipeline.bank`; the merge in :mod:`mem
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -37,6 +38,80 @@ from memgas.pipeline.schema import KEYS, schema_for
 TIER_RATIO = 8
 #: scratch directories of a compaction (sorted copies of parts not in key order), beside the table's parts
 COMPACT_SCRATCH_PREFIX = ".compact-runs-"
+#: field of the marker of a part merged beside a large compacted part (:meth:`Compacting.compact`): that
+#: part's name, recorded when neither part holds a key twice and no key is in both, so that
+#: ``Bank.count`` of a table of just those two parts adds their rows instead of reading every key
+DISJOINT_FROM = "disjoint_from"
+
+
+@dataclass(frozen=True)
+class _BaseScan:
+    """What one pass over the key columns of the large compacted part found (:meth:`Compacting._scan_base`)."""
+
+    repeated: pa.Array  # the other parts' keys that it holds too (joined, as :func:`_joined`), unique
+    base_groups: list[int]  # its row groups that hold them
+    holders: list[str]  # the other parts that hold them
+    base_unique: bool  # its keys strictly increase: none is there twice
+    keys: int  # how many keys the other parts hold
+
+
+@dataclass(frozen=True)
+class _Tier:
+    """How :meth:`Compacting.compact` merges beside the large compacted part ``base``."""
+
+    base: str
+    repeated: pa.Array  # keys whose rows in the other parts are all ``base``'s: left out of the merge
+    base_unique: bool
+    covered: bool  # every key of the other parts is one of those
+
+
+def _joined(t: pa.Table, keys: list[str]) -> pa.Array:
+    """The key of each row of ``t`` as one string (key columns joined by NUL; null when one is null), to
+    match keys of several columns with ``is_in``."""
+    cols = [t.column(k).combine_chunks() for k in keys]
+    if len(cols) == 1:
+        return cols[0].cast(pa.string())
+    return pc.binary_join_element_wise(*[c.cast(pa.string()) for c in cols], "\0")
+
+
+def _increasing(keys: pa.Array, before: pa.Scalar | None) -> bool:
+    """Whether ``keys`` strictly increase, and start above ``before`` (the last key of the batch before):
+    then no key is there twice, whatever the keys' order means."""
+    if len(keys) == 0:
+        return True
+    if before is not None and not pc.less(before, keys[0]).as_py():
+        return False
+    return pc.all(pc.less(keys.slice(0, len(keys) - 1), keys.slice(1))).as_py() is not False
+
+
+def _without_joined(tables: Iterable[pa.Table], keys: list[str], drop: pa.Array | None) -> Iterator[pa.Table]:
+    """``tables`` without the rows whose key (joined, as :func:`_joined`) is in ``drop``."""
+    for t in tables:
+        yield t if drop is None or not len(drop) else t.filter(pc.invert(pc.is_in(_joined(t, keys), value_set=drop)))
+
+
+def _same_bits(a: pa.Array, b: pa.Array) -> bool:
+    """Whether two arrays hold the same values bit for bit. Arrow's ``equals`` takes -0.0 for 0.0 and a NaN
+    for no NaN, so floating-point values are compared as their bits, nested ones value by value; a type
+    this does not know compares unequal (the caller then merges everything, which is always right)."""
+    if a.type != b.type or len(a) != len(b) or not a.is_valid().equals(b.is_valid()):
+        return False
+    t = a.type
+    if pa.types.is_dictionary(t):
+        return _same_bits(a.dictionary_decode(), b.dictionary_decode())
+    if pa.types.is_floating(t):
+        bits = {16: pa.uint16(), 32: pa.uint32(), 64: pa.uint64()}[t.bit_width]
+        return a.view(bits).equals(b.view(bits))
+    if pa.types.is_fixed_size_list(t):
+        return _same_bits(a.flatten(), b.flatten())  # null lists' values skipped
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        return (pc.list_value_length(a).equals(pc.list_value_length(b))
+                and _same_bits(a.flatten(), b.flatten()))
+    if pa.types.is_struct(t):  # the struct's nulls merged into each field's
+        return all(_same_bits(x, y) for x, y in zip(a.flatten(), b.flatten()))
+    if pa.types.is_nested(t):
+        return False
+    return a.equals(b)
 
 
 class Compacting:
@@ -50,10 +125,14 @@ class Compacting:
         table's rows.
 
         Tiered: a compacted part that holds at least :data:`TIER_RATIO` times the rows of all the other parts
-        together, and none of their keys, is left as it is, and only the others are merged (into a second
-        compacted part). An append then rewrites what it added, not the table (the ``embeddings`` of a
-        10^6-session history: ~9 GB). The rows read are the same either way: no key is in both parts.
-        Crash-safe like :meth:`write`; a no-op when nothing is left to merge.
+        together is left as it is, and only the others are merged (into a second compacted part), when each
+        of their rows whose key the large part holds too is that part's row, bit for bit. An append then
+        rewrites what it added, not the table (the ``embeddings`` of a 10^6-session history: ~9 GB), and a
+        content-addressed row written again (a keyword text equal to a session's text) does not change
+        that. Those repeated rows are left out of the merge, so no key is in both parts, and the rows read
+        are the same either way. A repeated key with another value (a generation retried) must win over
+        the large part's row, which only one merged part can promise: then everything is merged, as when
+        a key is null. Crash-safe like :meth:`write`; a no-op when nothing is left to merge.
         """
         own = [p for p in self.parts(name) if not (name in INGEST_TABLES and p.startswith(INGEST_PREFIX))]
         if not own:
@@ -64,16 +143,24 @@ class Compacting:
             table = self.read(name, parts=own)
             self.write(name, table, dim=dim)
             return table.num_rows
-        base = self._tier_base(name, own)
-        if base is None:
+        tier = self._tier(name, own, dim)
+        if tier is None:
             return self._compact_streamed(name, own, dim)
-        rest = [p for p in own if p != base]
-        if len(rest) == 1 and rest[0].startswith(COMPACT_PREFIX):
-            return self._rows(name, base) + self._rows(name, rest[0])
-        return self._rows(name, base) + self._compact_streamed(name, rest, dim)
+        rest = [p for p in own if p != tier.base]
+        rows = self._rows(name, tier.base)
+        if tier.covered:  # every row of the others is the large part's already: nothing to write
+            for part in rest:
+                self.drop_part(name, part)
+                faults.hit("bank:compact:dropped")
+            return rows
+        if not len(tier.repeated) and len(rest) == 1 and rest[0].startswith(COMPACT_PREFIX):
+            return rows + self._rows(name, rest[0])
+        info = {DISJOINT_FROM: tier.base} if tier.base_unique else None
+        return rows + self._compact_streamed(name, rest, dim, drop=tier.repeated, info=info)
 
-    def _tier_base(self, name: str, own: list[str]) -> str | None:
-        """The compacted part that :meth:`compact` leaves alone, or None (merge everything)."""
+    def _tier(self, name: str, own: list[str], dim: int | None) -> _Tier | None:
+        """The compacted part that :meth:`compact` leaves alone and what to leave out of the merge of the
+        others, or None (merge everything)."""
         compacted = [p for p in own if p.startswith(COMPACT_PREFIX)]
         if not compacted or len(own) < 2:
             return None
@@ -81,38 +168,88 @@ class Compacting:
         base = max(compacted, key=lambda p: (rows[p], p))
         if rows[base] < TIER_RATIO * sum(n for p, n in rows.items() if p != base):
             return None
-        return None if self._keys_overlap(name, base, [p for p in own if p != base]) else base
+        others = [p for p in own if p != base]
+        scan = self._scan_base(name, base, others)
+        if scan is None:
+            return None
+        if len(scan.repeated) and not self._repeats_equal(name, base, scan, self._merge_schema(name, others, dim)):
+            return None
+        covered = 0 < len(scan.repeated) == scan.keys
+        return _Tier(base, scan.repeated, scan.base_unique, covered)
 
-    def _keys_overlap(self, name: str, base: str, others: list[str]) -> bool:
-        """Whether a key of ``others`` is also in ``base`` (read a batch at a time: only key columns). A null
-        key counts as an overlap (merge everything, as before)."""
+    def _scan_base(self, name: str, base: str, others: list[str]) -> _BaseScan | None:
+        """One pass over the key columns of ``base`` (a batch at a time; the other parts' key columns are
+        read whole: they are the small ones): which of the others' keys it holds too, where, and whether
+        its keys strictly increase. None when a key is null (merge everything, as before)."""
         keys = list(KEYS[name])
-
-        def joined(t: pa.Table) -> pa.Array | None:
-            cols = [t.column(k) for k in keys]
-            if any(c.null_count for c in cols):
-                return None
-            if len(cols) == 1:
-                return cols[0].cast(pa.string())
-            return pc.binary_join_element_wise(*[c.cast(pa.string()) for c in cols], "\0")
-
-        theirs = [joined(self._read_part(name, p, keys)) for p in others]
-        if any(k is None for k in theirs):
-            return True
+        theirs = [_joined(self._read_part(name, p, keys), keys) for p in others]
+        if any(k.null_count for k in theirs):
+            return None
         wanted = pc.unique(pa.chunked_array(theirs, pa.string()))
-        for batch in self.iter_read(name, keys, batch_rows=1 << 16, parts=[base]):
-            mine = joined(batch)
-            if mine is None or pc.any(pc.is_in(mine, value_set=wanted)).as_py():
-                return True
-        return False
+        found: list[pa.Array] = []
+        groups: list[int] = []
+        last: pa.Scalar | None = None
+        unique = True
+        for group, batch in self.iter_groups(name, base, keys, batch_rows=1 << 16):
+            mine = _joined(batch, keys)
+            if mine.null_count:
+                return None
+            hit = pc.is_in(mine, value_set=wanted)
+            if pc.any(hit).as_py():
+                found.append(mine.filter(hit))
+                if not groups or groups[-1] != group:
+                    groups.append(group)
+            unique = unique and _increasing(mine, last)
+            last = mine[-1] if len(mine) else last
+        repeated = pc.unique(pa.chunked_array(found, pa.string()))
+        holders = [p for p, k in zip(others, theirs)
+                   if len(repeated) and pc.any(pc.is_in(k, value_set=repeated)).as_py()]
+        return _BaseScan(repeated, groups, holders, unique, len(wanted))
 
-    def _compact_streamed(self, name: str, own: list[str], dim: int | None) -> int:
-        """:meth:`compact` of a keyed table, merged in bounded memory (:mod:`memgas.pipeline.compaction`):
-        the same rows, in the same order, as ``key_order`` of :meth:`read` written by :meth:`write`."""
-        d = self._dir(name)
+    def _repeats_equal(self, name: str, base: str, scan: _BaseScan, schema: pa.Schema) -> bool:
+        """Whether every row of the other parts whose key ``base`` holds is ``base``'s row of that key, every
+        column bit for bit, as the merge would write it (``schema``). Reads only the row groups of ``base``
+        that hold such a key, and the other parts that do."""
+        keys = list(KEYS[name])
+        try:
+            mine = self._rows_with(name, base, keys, scan.repeated, schema, scan.base_groups)
+            theirs = pa.concat_tables([self._rows_with(name, p, keys, scan.repeated, schema) for p in scan.holders])
+        except BankError:  # a part of another layout: the merge decides what it holds
+            return False
+        at = pc.index_in(_joined(theirs, keys), value_set=_joined(mine, keys))
+        if at.null_count:
+            return False
+        mine = mine.take(at)
+        return all(_same_bits(theirs.column(c).combine_chunks(), mine.column(c).combine_chunks())
+                   for c in schema.names)
+
+    def _rows_with(self, name: str, part: str, keys: list[str], wanted: pa.Array, schema: pa.Schema,
+                   groups: list[int] | None = None) -> pa.Table:
+        """The rows of ``part`` (of its row groups ``groups``, default all) whose key is in ``wanted``,
+        conformed to ``schema`` (:class:`BankError` when they cannot be), read a batch at a time."""
+        path = self._dir(name) / f"{part}.parquet"
+        try:
+            regular_file_size(path)  # a FIFO would block the reader for ever
+            columns = pq.read_schema(path).names
+        except (OSError, pa.ArrowException) as exc:
+            raise self._unreadable(name, part, path, exc) from None
+        found = [conform(t.filter(pc.is_in(_joined(t, keys), value_set=wanted)), schema, name)
+                 for _, t in self.iter_groups(name, part, columns, batch_rows=1 << 16, groups=groups)]
+        return pa.concat_tables(found) if found else schema.empty_table()
+
+    def _merge_schema(self, name: str, own: list[str], dim: int | None) -> pa.Schema:
+        """The schema :meth:`_compact_streamed` writes the merge of ``own`` in."""
         if name == "embeddings" and dim is None:  # the vectors' fixed size is the dimension
-            dim = self._embeddings_dim(own[0], d / f"{own[0]}.parquet")
-        schema = schema_for(name, dim)
+            dim = self._embeddings_dim(own[0], self._dir(name) / f"{own[0]}.parquet")
+        return schema_for(name, dim)
+
+    def _compact_streamed(self, name: str, own: list[str], dim: int | None, *, drop: pa.Array | None = None,
+                          info: dict | None = None) -> int:
+        """:meth:`compact` of a keyed table, merged in bounded memory (:mod:`memgas.pipeline.compaction`):
+        the same rows, in the same order, as ``key_order`` of :meth:`read` written by :meth:`write`, less
+        the keys ``drop`` (joined as :func:`_joined`); ``info``: more fields of the new part's marker."""
+        d = self._dir(name)
+        schema = self._merge_schema(name, own, dim)
         pinned = self._pinned(name)
         held = None
         if pinned and len(KEYS[name]) == 1:  # rows ingest's own parts hold are not written twice (as write)
@@ -124,8 +261,9 @@ class Compacting:
         try:
             with pq.ParquetWriter(tmp, schema, **parquet_options(name)) as writer:
                 rows = 0
-                for group in regroup(without_keys(self.iter_merged(name, own), KEYS[name][0], held),
-                                     self._group_rows(name)):
+                stream = _without_joined(without_keys(self.iter_merged(name, own), KEYS[name][0], held),
+                                         list(KEYS[name]), drop)
+                for group in regroup(stream, self._group_rows(name)):
                     writer.write_table(conform(group, schema, name), row_group_size=group.num_rows)
                     rows += group.num_rows
                     faults.hit("bank:compact:merging")  # scratch and temp file in place, nothing committed
@@ -134,7 +272,7 @@ class Compacting:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        self._commit_file(name, Path(tmp), rows, own, None)
+        self._commit_file(name, Path(tmp), rows, own, info)
         return rows
 
     def iter_merged(self, name: str, parts: list[str] | None = None) -> Iterator[pa.Table]:
