@@ -1,8 +1,10 @@
 """The vectors of one long history, gathered from ``embeddings`` in ONE pass and spilled to a file.
 
 The pass reads the newest part first and stops when every vector is found; in each part it reads the key
-columns, then the vectors of only the row groups that hold one still needed (:meth:`SpilledVectors._scan`).
-An append's blocks then read the parts its encode wrote, not the large compacted part.
+columns of only the row groups whose ``text_hash`` range (Parquet's row-group statistics) can hold a hash
+still needed, then the vectors of only the row groups that hold one (:meth:`SpilledVectors._scan`). An
+append's blocks then read the parts its encode wrote, not the large compacted part, and where a few texts
+are only there (an appended text the bank had encoded before), the few row groups of its sorted key range.
 
 A history longer than one node block (the job's block reader, jobs/history_index/block_reader.py) is read a block
 of sessions at a time. Each block needs a few vectors out of the whole ``embeddings`` table, whose rows are in encode order,
@@ -36,9 +38,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from memgas.pipeline.bank import Bank
 from memgas.pipeline.errors import BankError
+from memgas.pipeline.hashing import regular_file_size
 
 #: rows per batch of the one pass over ``embeddings`` (12 MiB of vectors at d = 384)
 SCAN_BATCH_ROWS = 8192
@@ -129,8 +133,11 @@ class SpilledVectors:
         for part in reversed(self.bank.parts("embeddings")):
             if final.all():
                 break
+            maybe = self._groups_in_range(part, final)
+            if maybe == []:
+                continue
             groups = sorted({g for g, t in self.bank.iter_groups("embeddings", part, ["text_hash", "encoder"],
-                                                                 batch_rows=SCAN_BATCH_ROWS)
+                                                                 batch_rows=SCAN_BATCH_ROWS, groups=maybe)
                              if self._matches(t, final)[0].size})
             if groups:
                 for _, t in self.bank.iter_groups("embeddings", part, columns, batch_rows=SCAN_BATCH_ROWS,
@@ -141,6 +148,25 @@ class SpilledVectors:
                         if self.extra:
                             self._keep_extra(slots, rows)
             final = self._filled.copy()
+
+    def _groups_in_range(self, part: str, final: np.ndarray) -> list[int] | None:
+        """The row groups of ``part`` whose ``text_hash`` statistics (min, max) can hold a hash whose slot is
+        not ``final``, ascending; None: every group (no statistics to go by). A compacted part is sorted by
+        key, so its groups' ranges are narrow and disjoint: a few hashes are in a few groups. The rows of the
+        groups passed by hold no needed hash, so the rows kept are the same."""
+        ranges = key_ranges(self.bank, part)
+        if ranges is None:
+            return None
+        open_ = np.unique(np.concatenate([hashes[~final[first : first + hashes.size]]
+                                          for hashes, first in self._keys.values()] or [np.zeros(0, f"S{self.width}")]))
+        known = [g for g, r in enumerate(ranges) if r is not None]
+        lo = np.array([ranges[g][0][: self.width] for g in known], f"S{self.width}")
+        # a hash of at most ``width`` bytes is <= max exactly when it is <= max's first ``width`` bytes; the
+        # shortened min is <= min, so a group is only ever kept in excess
+        hi = np.array([ranges[g][1][: self.width] for g in known], f"S{self.width}")
+        hit = np.searchsorted(open_, lo, side="left") < np.searchsorted(open_, hi, side="right")
+        keep = {g for g, h in zip(known, hit.tolist()) if h} | {g for g, r in enumerate(ranges) if r is None}
+        return sorted(keep)
 
     def _matches(self, t: pa.Table, final: np.ndarray) -> tuple[np.ndarray, pa.Table]:
         """The slots of the rows of ``t`` that are needed and not ``final``, and those rows (in table order)."""
@@ -235,6 +261,32 @@ class SpilledVectors:
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def key_ranges(bank: Bank, part: str, column: str = "text_hash") -> list[tuple[bytes, bytes] | None] | None:
+    """Per row group of ``embeddings`` part ``part``, the (min, max) of ``column`` in its Parquet statistics
+    as UTF-8 bytes (None for a group without them: not written, or values too long for them); None when
+    the part's footer cannot be read (the scan that follows reads the part and says why)."""
+    path = bank._dir("embeddings") / f"{part}.parquet"
+    try:
+        regular_file_size(path)  # a FIFO would block the reader for ever
+        meta = pq.ParquetFile(path).metadata
+    except (OSError, pa.ArrowException):
+        return None
+    if meta.num_row_groups == 0:
+        return []
+    first = meta.row_group(0)
+    at = [j for j in range(first.num_columns) if first.column(j).path_in_schema == column]
+    if not at:
+        return None
+    out: list[tuple[bytes, bytes] | None] = []
+    for g in range(meta.num_row_groups):
+        st = meta.row_group(g).column(at[0]).statistics
+        if st is None or not st.has_min_max:
+            out.append(None)
+            continue
+        out.append(tuple(v.encode("utf-8") if isinstance(v, str) else bytes(v) for v in (st.min, st.max)))
+    return out
 
 
 def _runs(slots: np.ndarray) -> list[tuple[int, int]]:

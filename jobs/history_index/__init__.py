@@ -8,8 +8,10 @@ module                            what it holds
                                   every stored structure is checked against)
 ``block_reader``                  :class:`HistoryBlockReader`: a block of whole sessions gathered from the
                                   bank's nodes, pairs and embeddings (one pass over ``embeddings``)
-``stored_blocks``                 :class:`StoredBlocks`: complete node blocks kept in table ``node_blocks``,
-                                  verified before use, written by whichever driver gathered them
+``stored_blocks``                 :class:`StoredBlocks`: node blocks kept in table ``node_blocks`` (the
+                                  complete ones, and the last one as far as the history goes, so that an
+                                  append gathers only its own sessions), verified before use, written by
+                                  whichever driver gathered them
 ``node_blocks``                   :class:`HistoryBlocks`, :func:`history_nodes`, :func:`keep_blocks`: a
                                   history's node vectors as :class:`NodeBlocks` for a task, each block
                                   shared through the executor (Ray) or spilled to a file (in-process)

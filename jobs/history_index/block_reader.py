@@ -42,9 +42,9 @@ class HistoryBlockReader:
 
     def __init__(self, bank: Bank, keys: dict[str, str], history: str, block_rows: int,
                  from_session: int = 0) -> None:
-        """``from_session``: the first session whose blocks are read (the blocks before it are stored,
-        :mod:`memgas.jobs.history_index.stored_blocks`): only the nodes, pairs and vectors of sessions from there on
-        are gathered."""
+        """``from_session``: the first session read (the sessions before it are stored, as complete blocks
+        and the first sessions of a partial one, :mod:`memgas.jobs.history_index.stored_blocks`): only the
+        nodes, pairs and vectors of sessions from there on are gathered."""
         self.bank, self.keys, self.history = bank, keys, history
         self.block_sessions = block_rows // N_GRAN
         # the history's session positions: one int column (the rest is read on the first block)
@@ -88,16 +88,24 @@ class HistoryBlockReader:
 
     def read(self, i: int) -> np.ndarray:
         """float32 ``[4*(s1-s0), d]``: the rows of block ``i``, those of the whole history's matrix."""
+        if not self.first <= i * self.block_sessions < self.n_sessions:
+            raise BankError(f"{self.bank.path}: history {self.history!r} has no node block {i} "
+                            f"({self.n_sessions} sessions, read from session {self.first})")
+        return self.read_sessions(i * self.block_sessions, min(self.n_sessions, (i + 1) * self.block_sessions))
+
+    def read_sessions(self, s0: int, s1: int) -> np.ndarray:
+        """float32 ``[4*(s1-s0), d]``: the rows of sessions ``[s0, s1)`` (within one block), those of the
+        whole history's matrix: each session's rows depend on its own nodes and pairs only, so a block may be
+        its stored first sessions followed by these (:mod:`memgas.jobs.history_index.stored_blocks`)."""
         from memgas.pipeline.retrieve import stack_nodes
 
-        s0, s1 = i * self.block_sessions, min(self.n_sessions, (i + 1) * self.block_sessions)
-        if not self.first <= s0 < s1:
-            raise BankError(f"{self.bank.path}: history {self.history!r} has no node block {i} "
+        if not self.first <= s0 < s1 <= self.n_sessions:
+            raise BankError(f"{self.bank.path}: history {self.history!r} has no sessions [{s0}, {s1}) "
                             f"({self.n_sessions} sessions, read from session {self.first})")
         lay = self._prepare()
         rows = lay.block_rows(s0 - self.first, s1 - self.first)
         if any(r.size != s1 - s0 for r in rows):
-            raise BankError(f"{self.bank.path}: history {self.history!r}: block {i} has "
+            raise BankError(f"{self.bank.path}: history {self.history!r}: sessions [{s0}, {s1}) have "
                             f"{sum(r.size for r in rows)} nodes, expected {N_GRAN * (s1 - s0)}")
         vec = self._vectors
         session, summary, keyword = (vec.vectors_at(lay.slot[rows[g]]) for g in (0, 2, 3))

@@ -146,14 +146,25 @@ class HistoryBlocks:
         return NodeBlocks(handles, B, n_rows, tail[first].shape[1], fetch=fetch), taken
 
     def _block(self, i: int) -> np.ndarray:
-        """Block ``i``: stored, else gathered (and then stored, when complete)."""
+        """Block ``i``: stored, else gathered (and then stored: complete, or as far as the history goes). A
+        stored partial block that this history begins with gives its first rows, and only the sessions
+        after it are gathered (an append's), or the whole block when the history ends there."""
         m = self.stored.get(i) if self.stored is not None else None
         if m is not None:
             return m
-        if self.reader is None:  # the blocks before i were stored: gather from block i's sessions on
-            self.reader = HistoryBlockReader(self.bank, self.keys, self.history, self.block_rows,
-                                             from_session=i * (self.block_rows // N_GRAN))
-        m = self.reader.read(i)
+        bs = self.block_rows // N_GRAN
+        have = self.stored.partial(i) if self.stored is not None else None
+        start, head = (i * bs, None) if have is None else have
+        del have
+        if head is not None and start == min(self.stored.sessions, (i + 1) * bs):
+            return head
+        if self.reader is None:  # the sessions before ``start`` are stored: gather from there on
+            self.reader = HistoryBlockReader(self.bank, self.keys, self.history, self.block_rows, from_session=start)
+        if head is None:
+            m = self.reader.read(i)
+        else:  # each session's rows are its own: the stored ones, then those gathered after them
+            m = np.concatenate([head, self.reader.read_sessions(start, min(self.reader.n_sessions, (i + 1) * bs))])
+            del head  # one block held (with its copy while it is written), as without a stored part
         if self.stored is not None:
             self.stored.put(i, m)
         return m

@@ -1,5 +1,6 @@
 """Stored node blocks: a long history's node vectors in node order, kept in the bank so that a later run
-reads its complete blocks instead of gathering them again from ``embeddings``.
+reads its blocks (the complete ones, and the last one as far as it went) instead of gathering them again
+from ``embeddings``.
 
 Why: a history longer than one block reaches the associate and rank tasks as row blocks
 (:mod:`memgas.jobs.history_index.node_blocks`). Gathering them means one pass over the whole ``embeddings`` table
@@ -7,12 +8,23 @@ Why: a history longer than one block reaches the associate and rank tasks as row
 was ~5 of the 6.3 minutes of an append of 1,000 sessions, most of it for blocks the append did not change.
 A block of sessions ``[i*bs, (i+1)*bs)`` depends only on the nodes of those sessions and on the encoders,
 so a *complete* block stays what it is while its history's prefix ``[0, (i+1)*bs)`` does (an append only
-adds sessions after it). The last, partial block is never stored: an append changes it.
+adds sessions after it).
+
+*The last, partial block* is stored too, as what it holds so far: sessions ``[i*bs, c)`` of a history of
+``c`` sessions. Each of its session's four rows depends on that session's nodes alone (the turn mean on its
+own pairs), so while the prefix ``[0, c)`` is unchanged those rows are the first ``4 (c - i*bs)`` rows of
+block ``i`` however long the history grows: an append gathers only the sessions after ``c`` (at 10^6
+sessions the partial block's thousands of old sessions had their vectors spread over every row group of the
+compacted ``embeddings``, a read of the whole table for each append). A later run reads the stored
+partial block back when the history still has ``c`` sessions (the rank stage after the associate stage).
 
 Table ``node_blocks``, one part per block: its rows are the block's node rows in order (one ``vector``
 column of float32 bytes, no compression), and its name says which block it is: ``<assembly and encoders>-<history>-<block>-<prefix digest>``,
 the prefix digest being :func:`~memgas.jobs.history_index.prefixes.chains`'s digest of sessions
-``[0, (i+1)*bs)`` (every node text of those sessions, seeded with the encoder keys). A part is used only under its exact name and after its bytes are
+``[0, (i+1)*bs)`` (every node text of those sessions, seeded with the encoder keys); a partial block's is
+``<...>-<block>-p<c>-<digest of sessions [0, c)>``, so that it is taken only for that very prefix (its
+session count and digest both checked against the history's chain, its rows against the count; ``p`` is no
+hex digit, so no complete block's name begins like it). A part is used only under its exact name and after its bytes are
 verified against the digest written with it (a damaged one is gathered and written again: never read
 silently). The bits are those of the gathered block: the part holds that array.
 
@@ -20,8 +32,9 @@ Who writes: the driver's block reader, whichever stage gathered the block (assoc
 probe). It is a cache of the bank, not a stage's output table: no fingerprint reads it, and a part is the
 same bytes whoever writes it. A write that fails (a full disk, a read-only bank) is logged and skipped: the
 run goes on with the gathered block. A part is written whole, then marked (``Bank.write_part``); a killed
-write leaves an unmarked file that is ignored and swept. When a block is written, the other parts of the same
-block of the same history (an older prefix) are dropped. Not dropped: the blocks of histories no longer in
+write leaves an unmarked file that is ignored and swept. When a block is written, complete or partial, the
+other parts of the same block of the same history (an older prefix, or the partial block it completes or
+extends) are dropped. Not dropped: the blocks of histories no longer in
 the bank, and of an older block size or assembly (disk only; they are never read).
 """
 
@@ -35,6 +48,7 @@ import pyarrow as pa
 
 from memgas.jobs.stage import short_hash
 from memgas.pipeline.bank import Bank
+from memgas.pipeline.errors import BankError
 from memgas.pipeline.schema import N_GRAN
 
 log = logging.getLogger(__name__)
@@ -47,32 +61,73 @@ ASSEMBLY_VERSION = "2"
 
 
 class StoredBlocks:
-    """The stored complete blocks of one history (``chain``: its prefix digests,
-    :func:`~memgas.jobs.history_index.prefixes.chains`), block ``i`` = node rows ``[i*block_rows, (i+1)*block_rows)``."""
+    """The stored blocks of one history (``chain``: its prefix digests,
+    :func:`~memgas.jobs.history_index.prefixes.chains`), block ``i`` = node rows ``[i*block_rows, (i+1)*block_rows)``:
+    the complete ones, and the last one as far as the history goes (:meth:`partial`)."""
 
     def __init__(self, bank: Bank, keys: dict[str, str], history: str, block_rows: int, chain: list[str]) -> None:
         self.bank, self.history, self.block_rows, self.chain = bank, history, block_rows, chain
         self.block_sessions = block_rows // N_GRAN
         self.stem = f"{short_hash([ASSEMBLY_VERSION, sorted(keys.items()), block_rows])}-{short_hash(history)}-"
-        self.read_blocks = self.written = self.damaged = 0
+        self.read_blocks = self.written = self.damaged = self.read_partial = self.written_partial = 0
+
+    @property
+    def sessions(self) -> int:
+        """The history's sessions, as its chain of prefix digests counts them."""
+        return len(self.chain) - 1
 
     def complete(self, i: int) -> bool:
-        return (i + 1) * self.block_sessions <= len(self.chain) - 1
+        return (i + 1) * self.block_sessions <= self.sessions
 
     def part(self, i: int) -> str:
         return f"{self.stem}{i:07d}-{self.chain[(i + 1) * self.block_sessions][:16]}"
 
+    def partial_part(self, i: int, end: int) -> str:
+        """The name of block ``i`` stored as far as session ``end`` (inside the block): the count and the
+        digest of the prefix ``[0, end)`` it was gathered under."""
+        return f"{self.stem}{i:07d}-p{end:09d}-{self.chain[end][:16]}"
+
     def get(self, i: int) -> np.ndarray | None:
         """Block ``i`` as stored (float32 ``[block_rows, d]``), or None: not complete, not stored, or damaged
         (logged, counted and then written again by :meth:`put`)."""
-        if not self.complete(i) or not self.bank.has_part(TABLE, self.part(i)):
+        if not self.complete(i):
             return None
-        part = self.part(i)
+        m = self._load(self.part(i), self.block_rows)
+        self.read_blocks += m is not None
+        return m
+
+    def partial(self, i: int) -> tuple[int, np.ndarray] | None:
+        """The longest stored partial block ``i`` that this history still begins with: ``(end, rows)``, the
+        node rows of sessions ``[i*bs, end)``, which are block ``i``'s first rows (``end`` may be the
+        history's end: then they are the whole block). None where there is none intact."""
+        lo, bs = i * self.block_sessions, self.block_sessions
+        head = f"{self.stem}{i:07d}-p"
+        ends = []
+        for name in self.bank.parts(TABLE):
+            end = _partial_end(name, head)
+            # the count must be inside the block and the history, and the digest that of this history's prefix
+            if end is not None and lo < end < lo + bs and end <= self.sessions and name == self.partial_part(i, end):
+                ends.append(end)
+        for end in sorted(ends, reverse=True):
+            m = self._load(self.partial_part(i, end), N_GRAN * (end - lo))
+            if m is not None:
+                self.read_partial += 1
+                return end, m
+        return None
+
+    def _load(self, part: str, rows: int) -> np.ndarray | None:
+        """Part ``part``'s rows (float32 ``[rows, d]``), or None: not stored, or damaged (logged and counted)."""
+        if not self.bank.has_part(TABLE, part):
+            return None
         if not self.bank.verify_part(TABLE, part):
             log.warning("stored node block %s/%s is damaged; gathering it again", TABLE, part)
             self.damaged += 1
             return None
-        col = self.bank.read(TABLE, ["vector"], parts=[part], dedupe=False)["vector"]
+        try:
+            col = self.bank.read(TABLE, ["vector"], parts=[part], dedupe=False)["vector"]
+        except BankError as e:  # verified, then gone: replaced by another process's run (`answer` reads unlocked)
+            log.warning("could not read stored node block %s/%s (%s); gathering it", TABLE, part, e)
+            return None
         width = col.type.byte_width
         m = np.empty((len(col), width // 4), np.float32)
         at = 0
@@ -81,19 +136,24 @@ class StoredBlocks:
             m[at : at + n] = np.frombuffer(chunk.buffers()[1], np.float32, n * width // 4,
                                            chunk.offset * width).reshape(n, -1)
             at += n
-        if m.shape[0] != self.block_rows:
+        if m.shape[0] != rows:
             log.warning("stored node block %s/%s has %d rows, expected %d; gathering it again", TABLE, part,
-                        m.shape[0], self.block_rows)
+                        m.shape[0], rows)
             self.damaged += 1
             return None
-        self.read_blocks += 1
         return m
 
     def put(self, i: int, m: np.ndarray) -> None:
-        """Store block ``i`` (when complete), then drop the block's other parts (an older prefix)."""
-        if not self.complete(i):
+        """Store block ``i``: complete, or the history's last block as far as the history goes (``m`` must
+        then hold exactly its sessions' rows); then drop the block's other parts (an older prefix, or the
+        partial block this one completes or extends)."""
+        lo = i * self.block_sessions
+        if self.complete(i):
+            part = self.part(i)
+        elif lo < self.sessions and m.shape[0] == N_GRAN * (self.sessions - lo):
+            part = self.partial_part(i, self.sessions)
+        else:
             return
-        part = self.part(i)
         m = np.ascontiguousarray(m, np.float32)
         vectors = pa.FixedSizeBinaryArray.from_buffers(pa.binary(4 * m.shape[1]), m.shape[0], [None, pa.py_buffer(m)])
         try:
@@ -101,11 +161,23 @@ class StoredBlocks:
         except OSError as e:
             log.warning("could not store node block %s/%s (%s); the run goes on without it", TABLE, part, e)
             return
-        self.written += 1
+        if self.complete(i):
+            self.written += 1
+        else:
+            self.written_partial += 1
         mine = f"{self.stem}{i:07d}-"
         for other in self.bank.parts(TABLE):
             if other.startswith(mine) and other != part:
                 self.bank.drop_part(TABLE, other)
 
     def stats(self) -> dict[str, Any]:
-        return {"read": self.read_blocks, "written": self.written, "damaged": self.damaged}
+        return {"read": self.read_blocks, "written": self.written, "damaged": self.damaged,
+                "read_partial": self.read_partial, "written_partial": self.written_partial}
+
+
+def _partial_end(name: str, head: str) -> int | None:
+    """The session count in a partial block's name that begins with ``head`` (``<...>-p``), else None."""
+    if not name.startswith(head):
+        return None
+    count = name[len(head):].split("-", 1)[0]
+    return int(count) if count.isdigit() else None

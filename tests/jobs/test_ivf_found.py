@@ -16,6 +16,7 @@ import pytest
 from memgas.jobs import runner
 from memgas.jobs.history_index import ivf_mapped, ivf_store, ivf_units
 from memgas.jobs.stages.associate import AssociateStage
+from memgas.jobs.history_index.block_reader import HistoryBlockReader
 from memgas.jobs.history_index.stored_blocks import TABLE, StoredBlocks
 from memgas.pipeline.association import blocks, ivf_search
 from memgas.pipeline.association.blocks import NodeBlocks, RowsNotShipped, SparseBlock
@@ -56,13 +57,30 @@ def _grown(tmp_path: Path, n0: int, n: int, with_blocks: bool = True) -> tuple[B
     return first, grown
 
 
-def test_an_append_ships_only_the_rows_it_found_and_equals_a_fresh_build(tmp_path: Path, small: None) -> None:
+def test_an_append_ships_only_the_rows_it_found_and_equals_a_fresh_build(tmp_path: Path, small: None,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tail (from the block of the index's end) is the last block stored as far as session 250 and the
+    50 new sessions, the only ones gathered."""
     fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 300})
     run_associate(associate_ctx(fresh, IVF_SMALL))
     first, grown = _grown(tmp_path, 250, 300)
-    assert len(first.parts(TABLE)) == 250 // 16, "the first build stores its complete blocks"
+    assert len(first.parts(TABLE)) == 250 // 16 + 1, "the first build stores its blocks, the last as far as it goes"
+    partial, gathered = StoredBlocks.partial, []
+
+    def spy(self: StoredBlocks, i: int) -> tuple[int, np.ndarray] | None:
+        got = partial(self, i)
+        if got is not None:
+            gathered.append(("stored", i, got[0]))
+        return got
+
+    monkeypatch.setattr(StoredBlocks, "partial", spy)
+    read = HistoryBlockReader.read_sessions
+    monkeypatch.setattr(HistoryBlockReader, "read_sessions",
+                        lambda self, a, b: gathered.append(("gathered", a, b)) or read(self, a, b))
     _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
     assert stats["ivf_found_units"] == 1 and stats["ivf_index_reused"] == 1
+    assert gathered == [("stored", 15, 250), ("gathered", 250, 256), ("gathered", 256, 272), ("gathered", 272, 288),
+                        ("gathered", 288, 300)]
     want, got = associate_rows(fresh), associate_rows(grown)
     assert got["edges"] == want["edges"]
     recall = [(r[0], *r[3:]) for r in got["ivf_recall"]]  # (history, row, key, hits, total): not its segment

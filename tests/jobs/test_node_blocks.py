@@ -37,11 +37,13 @@ from memgas.pipeline.synth_vectors import clustered_nodes
 REPO = Path(__file__).resolve().parents[2]
 
 
-def seeded_bank(path: Path, histories: dict[str, int], dim: int = 32, seed: int = 0) -> tuple[Bank, StageContext]:
+def seeded_bank(path: Path, histories: dict[str, int], dim: int = 32, seed: int = 0,
+                changed: frozenset[tuple[str, int]] = frozenset()) -> tuple[Bank, StageContext]:
     """A bank whose histories (id -> sessions) have the seeded synthetic node vectors: session ``s``'s
     session, turn, summary and keyword nodes are rows ``4s .. 4s+3`` of ``clustered_nodes`` (its turn node
-    is the mean of its one turn pair, so its vector is that row exactly). Returns the bank and a context of
-    the default config (whose encoder keys name the vectors)."""
+    is the mean of its one turn pair, so its vector is that row exactly). ``changed``: (history, session)
+    whose texts are others (their names end in ``~``) with other vectors (negated), as an edited session.
+    Returns the bank and a context of the default config (whose encoder keys name the vectors)."""
     bank = Bank.create(path)
     ctx = StageContext(MemgasConfig(), bank, None, use_ray=False)
     keys = encoder_keys(ctx)
@@ -52,17 +54,22 @@ def seeded_bank(path: Path, histories: dict[str, int], dim: int = 32, seed: int 
     vectors = []
     for hi, (h, n) in enumerate(sorted(histories.items())):
         E = clustered_nodes(0, n, dim=dim, seed=seed + hi)
+        mark = {s: "~" if (h, s) in changed else "" for s in range(n)}
         for s in range(n):
-            texts = {"session": f"{h}/s{s}", "turn": f"{h}/s{s}", "summary": f"{h}/m{s}", "keyword": f"{h}/k{s}"}
+            if mark[s]:
+                E[4 * s : 4 * s + 4] *= -1
+            texts = {"session": f"{h}/s{s}{mark[s]}", "turn": f"{h}/s{s}{mark[s]}", "summary": f"{h}/m{s}{mark[s]}",
+                     "keyword": f"{h}/k{s}{mark[s]}"}
             for g, th in texts.items():
                 for f, v in zip(NODES.names, (h, f"{h}-{s}", s, g, th)):
                     nodes[f].append(v)
             pairs["session_hash"].append(texts["session"])
             pairs["pair_index"].append(0)
-            pairs["text_hash"].append(f"{h}/p{s}")
+            pairs["text_hash"].append(f"{h}/p{s}{mark[s]}")
         for s in range(n):
             for g, (th, role) in enumerate(((f"{h}/s{s}", "session"), (f"{h}/p{s}", "pair"),
                                             (f"{h}/m{s}", "main"), (f"{h}/k{s}", "main"))):
+                th += mark[s]
                 emb_hash.append(th)
                 emb_key.append(keys[role])
         vectors.append(E)
@@ -581,6 +588,16 @@ def test_block_reader_equals_the_matrix_loader_on_uneven_sessions(tmp_path: Path
     assert got[4 * 5 + 1].tobytes() == got[4 * 5].tobytes()  # 0 pairs: the turn is the session vector
     with pytest.raises(Exception, match="no node block 5"):
         reader.read(5)
+    # a block in pieces (a stored partial block, then the sessions after it), by readers that start anywhere,
+    # the repeated session 21 and sessions of 0-4 pairs among them: the same bits
+    for cut in (17, 19, 21, 22, 23):
+        late = HistoryBlockReader(bank, keys, "h", 32, from_session=cut)
+        pieces = [reader.read_sessions(16, cut), late.read_sessions(cut, 24)]
+        assert np.concatenate(pieces).tobytes() == want[4 * 16 : 4 * 24].tobytes()
+    last = HistoryBlockReader(bank, keys, "h", 32, from_session=35)
+    assert last.read_sessions(35, 37).tobytes() == want[4 * 35 :].tobytes()
+    with pytest.raises(Exception, match=r"no sessions \[34, 36\)"):
+        last.read_sessions(34, 36)
 
 
 def test_a_saved_index_in_chunks_is_reused_and_equals_one_build(tmp_path: Path,

@@ -88,7 +88,6 @@ def test_a_text_without_a_vector_or_not_gathered_is_a_clear_error(bank: Bank) ->
 def test_a_killed_process_leaves_no_spill_file(bank: Bank, tmp_path: Path) -> None:
     """The spill file is unlinked once open: a process SIGKILLed while it holds the vectors leaves nothing in
     the spill directory (it used to leave a memgas-vectors-* directory with the whole file)."""
-    import os
     import signal
     import subprocess
     import sys
@@ -171,3 +170,67 @@ def test_newest_parts_first_and_only_the_row_groups_that_hold_a_needed_row(tmp_p
     vector_reads = [(p, g) for p, cols, g in reads if "vector" in cols]
     assert vector_reads == [("b-append", (0,)), ("a-large", (0, 9))]  # the groups of rows 0-15 and 144-159
     assert sv.read("k1", want)[0].tobytes() == _oracle(b, "k1", want).tobytes()
+
+
+def _sorted_part(rows: list[tuple[str, str]], rng: np.random.Generator) -> pa.Table:
+    """A part as compaction writes it: sorted by key (text hash, encoder)."""
+    return _part(rows, rng).sort_by([("text_hash", "ascending"), ("encoder", "ascending")])
+
+
+def test_a_sorted_part_is_read_only_in_the_row_groups_whose_key_range_holds_a_needed_hash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large part sorted by key (as compacted) in 16-row groups: the few texts the newest part lacks are
+    looked for only in the row groups whose text_hash statistics (min, max) can hold them, key columns
+    included; the vectors are Bank.read's."""
+    from memgas.pipeline import bank as bank_mod
+
+    monkeypatch.setattr(bank_mod, "ROW_GROUP_ROWS", {**bank_mod.ROW_GROUP_ROWS, "embeddings": 16})
+    rng = np.random.default_rng(2)
+    b = Bank.create(tmp_path / "bank")
+    old = sorted(text_hash(f"old {i}") for i in range(160))  # 10 row groups, in key order
+    new = [text_hash(f"new {i}") for i in range(40)]
+    b.write_part("embeddings", "a-large", _sorted_part([(h, "k1") for h in old], rng))
+    b.write_part("embeddings", "b-append", _sorted_part([(h, "k1") for h in new], rng))
+    reads: list[tuple[str, tuple[str, ...], object]] = []
+    real = Bank.iter_groups
+
+    def spy(self, name, part, columns, *, batch_rows, groups=None):
+        reads.append((part, tuple(columns), None if groups is None else tuple(groups)))
+        return real(self, name, part, columns, batch_rows=batch_rows, groups=groups)
+
+    monkeypatch.setattr(Bank, "iter_groups", spy)
+    want = new[:3] + [old[5], old[150], old[151]]
+    sv = SpilledVectors(b, {"k1": want})
+    assert [(p, g) for p, cols, g in reads if p == "a-large"] == [("a-large", (0, 9)), ("a-large", (0, 9))]
+    assert sv.read("k1", want)[0].tobytes() == _oracle(b, "k1", want).tobytes()
+
+
+def test_row_group_statistics_change_no_vector(bank: Bank, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same vectors with the statistics as without them (every row group's keys read), on parts of real
+    hashes, ids shorter and longer than them, non-ASCII ids, a row re-written by a later part, and a part
+    written without statistics; both equal Bank.read's."""
+    from memgas.pipeline import bank as bank_mod
+    from memgas.pipeline import bank_files
+
+    monkeypatch.setattr(bank_mod, "ROW_GROUP_ROWS", {**bank_mod.ROW_GROUP_ROWS, "embeddings": 8})
+    rng = np.random.default_rng(4)
+    hashes = [text_hash(f"text {i}") for i in range(300)]
+    bank.write_part("embeddings", "d", _sorted_part([(h, "k1") for h in hashes[::5]] + [("h/s10", "k1"), ("zz", "k2")],
+                                                    rng))
+    plain = {**bank_files._PARQUET_OPTS, "write_statistics": False}
+    monkeypatch.setattr(bank_files, "_TABLE_PARQUET_OPTS", {**bank_files._TABLE_PARQUET_OPTS, "embeddings": plain})
+    bank.write_part("embeddings", "e", _sorted_part([(h, "k2") for h in hashes[:9]] + [("ü/7", "k1")], rng))
+    assert spilled_vectors.key_ranges(bank, "e") == [None, None] and spilled_vectors.key_ranges(bank, "d")[0]
+    asks = [{"k1": hashes[:250] + ["h/s1", "h/s10", "ü/7"], "k2": hashes[50:100] + ["x", "zz"]},
+            {"k1": ["h/s1"], "k2": ["x"]}, {"k1": hashes[::5][:3]}, {"k2": ["zz"]}, {"k1": [hashes[7]], "k2": hashes[:2]}]
+    ranges = spilled_vectors.key_ranges
+    use = [True]
+    monkeypatch.setattr(spilled_vectors, "key_ranges", lambda *a, **k: ranges(*a, **k) if use[0] else None)
+    for need in asks:
+        use[0] = True
+        with_stats = SpilledVectors(bank, need)
+        use[0] = False
+        without = SpilledVectors(bank, need)
+        for key, hs in need.items():
+            got = with_stats.read(key, hs)[0]
+            assert got.tobytes() == without.read(key, hs)[0].tobytes() == _oracle(bank, key, hs).tobytes()
