@@ -242,7 +242,7 @@ def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: 
         ctx.cache[f"rebuilt:{stage.name}"] = True  # a stage whose rows are not all unit outputs repairs them (generate)
     # from here on the old marker no longer describes the table: drop it before the first write
     _marker_path(store, stage).unlink(missing_ok=True)
-    ctx.scratch = {}
+    ctx.scratch, ctx.last_marker = {}, prev
     with prof.stage(stage.name) as st:
         plan_name = f"{stage.name}-{fp}"
         with T.reading_as(ctx, stage, active):  # a stage's driver code opens only what it declares
@@ -257,7 +257,7 @@ def run_stage(stage: Stage, ctx: StageContext, active: Active, store: Bank, fp: 
         if any(t.kind != "content" for t in stage.writes):
             stats.setdefault("stale_parts_dropped", dropped)
         finish_plan(store, plan_name)
-        ctx.scratch = {}
+        ctx.scratch, ctx.last_marker = {}, {}
         if ctx.use_ray and stage.where != "driver" and counts["done"]:
             # a reference cycle left behind by the stage's Ray calls (what a collection then frees is a
             # RemoteFunction with its closures; how it pins the objects is Ray's) keeps what the last
@@ -311,7 +311,8 @@ def committed_parts(stage: Stage, ctx: StageContext, store: Bank) -> dict[str, s
 def write_marker(stage: Stage, ctx: StageContext, store: Bank, fp: str, units_total: int,
                  parts: dict[str, str]) -> None:
     atomic_write_json(_marker_path(store, stage), {
-        "fingerprint": fp, "units_total": units_total, "parts": parts, "output": ctx.outputs[stage.name],
+        "fingerprint": fp, "key": ctx.keys.get(stage.name), "units_total": units_total, "parts": parts,
+        "output": ctx.outputs[stage.name],
         "content_parts": T.content_parts(stage, ctx), "rows_digest": T.DIGEST_METHOD,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
 

@@ -183,6 +183,9 @@ class StageContext:
     keys: dict[str, str] = field(default_factory=dict)
     #: the steps this context runs (sources, stages, reports): whom the tables' readers find as writers
     pipeline: tuple[Any, ...] = ()
+    #: the running stage's marker of its last completed run (its fingerprint, key and parts), read before it
+    #: was dropped: what a stage that reuses its own verified output under an unchanged key looks at (nodes)
+    last_marker: dict[str, Any] = field(default_factory=dict)
     #: the units the running stage is about to dispatch (in order) and its scratch space, reset per stage
     units: list[dict[str, Any]] = field(default_factory=list)
     scratch: dict[str, Any] = field(default_factory=dict)

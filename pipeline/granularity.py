@@ -51,18 +51,24 @@ def build_nodes(
     prompt_version: str,
     history_ids: Sequence[str] | None = None,
     write: bool = False,
+    earlier: pa.Table | None = None,
 ) -> pa.Table:
     """The ``nodes`` table for the bank's sessions, from the generations under (model, prompt_version).
 
     Raises :class:`BankError` naming the first sessions whose summary or keywords are missing. Rows with
     an ``error`` (an empty output) still make a node (the embedding of "" = "no information"), logged.
-    ``write=True`` also replaces the bank's ``nodes`` table.
+    ``write=True`` also replaces the bank's ``nodes`` table. ``earlier``: node rows built before by this
+    code (``history_id``, ``session_id``, ``granularity``, ``text_hash``), whose hybrid hashes are taken
+    for the sessions whose text, summary and keywords they were built from (:func:`_earlier_hybrids`):
+    the same rows, without reading every session's text again (an append's nodes at 10^6 sessions).
     """
     sessions = bank.read("sessions", ["history_id", "session_id", "position", "text_hash"])
     if history_ids is not None:
         sessions = sessions.filter(pc.field("history_id").isin(list(history_ids)))
     sessions = sessions.sort_by([("history_id", "ascending"), ("position", "ascending")])
-    uniq = sorted(set(sessions.column("text_hash").to_pylist()))
+    # the work per unique session text (a session shared by histories is looked at once), the rows by Arrow:
+    # at 10^6 sessions a Python loop per node row was most of the stage's 24 s
+    uniq = pc.unique(sessions.column("text_hash").combine_chunks()).sort()
     gen = bank.read(
         "generations",
         ["text_hash", "kind", "output", "error"],
@@ -70,60 +76,92 @@ def build_nodes(
         & (pc.field("prompt_version") == prompt_version)
         & pc.field("text_hash").isin(uniq),
     )
-    out: dict[str, dict[str, str]] = {}
-    n_err = 0
-    for h, k, o, e in zip(
-        gen.column("text_hash").to_pylist(),
-        gen.column("kind").to_pylist(),
-        gen.column("output").to_pylist(),
-        gen.column("error").to_pylist(),
-    ):
-        out.setdefault(h, {})[k] = o or ""
-        n_err += e is not None
+    n_err = gen.num_rows - gen.column("error").null_count
     if n_err:
         log.warning("nodes: %d generations carry an error (empty output) for %s / %s", n_err, generator_model, prompt_version)
-
-    hist = sessions.column("history_id").to_pylist()
-    sids = sessions.column("session_id").to_pylist()
-    pos = sessions.column("position").to_pylist()
-    hashes = sessions.column("text_hash").to_pylist()
-    missing = [
-        (hid, sid, h, k)
-        for hid, sid, h in zip(hist, sids, hashes)
-        for k in ("summary", "keywords")
-        if k not in out.get(h, {})
-    ]
+    outputs = {k: _outputs_of(gen, k, uniq) for k in ("summary", "keywords")}
+    missing = [k for k in ("summary", "keywords") if outputs[k].null_count]
     if missing:
-        hid, sid, h, k = missing[0]
+        # the first session (in history, position order) and kind without its generation
+        absent = {k: pc.is_null(pc.take(outputs[k], pc.index_in(sessions["text_hash"], value_set=uniq))) for k in missing}
+        first = min((pc.index(absent[k], True).as_py(), ("summary", "keywords").index(k), k) for k in missing)[::2]
+        row = sessions.slice(first[0], 1).to_pylist()[0]
+        count = sum(int(pc.sum(pc.cast(absent[k], pa.int64())).as_py()) for k in missing)
         raise BankError(
-            f"{bank.path}: {len(missing)} generations missing for model {generator_model!r}, prompt_version "
-            f"{prompt_version!r} (first: history {hid} session {sid}, text_hash {h}, kind {k}); run the "
-            "generation stage with the same generator/prompt settings first"
+            f"{bank.path}: {count} generations missing for model {generator_model!r}, prompt_version "
+            f"{prompt_version!r} (first: history {row['history_id']} session {row['session_id']}, text_hash "
+            f"{row['text_hash']}, kind {first[1]}); run the generation stage with the same generator/prompt "
+            "settings first"
         )
-    texts = _session_texts(bank, uniq)
-    rows: dict[str, list] = {n: [] for n in NODES.names}
-    for hid, sid, p, h in zip(hist, sids, pos, hashes):
-        s, kw = out[h]["summary"], out[h]["keywords"]
-        node_hash = {
-            "session": h,
-            "turn": h,
-            "summary": text_hash(s),
-            "keyword": text_hash(kw),
-            "hybrid": text_hash(hybrid_text(s, kw, texts.get(h, ""))),
-        }
-        for g in NODE_GRANULARITIES:
-            rows["history_id"].append(hid)
-            rows["session_id"].append(sid)
-            rows["position"].append(p)
-            rows["granularity"].append(g)
-            rows["text_hash"].append(node_hash[g])
-    table = pa.Table.from_pydict(rows, schema=NODES)
+    summaries, keywords = outputs["summary"].to_pylist(), outputs["keywords"].to_pylist()
+    hashes: dict[str, list[str]] = {"summary": [text_hash(s) for s in summaries],
+                                    "keyword": [text_hash(kw) for kw in keywords]}
+    known = [None] * len(uniq) if earlier is None else _earlier_hybrids(earlier, uniq, hashes)
+    todo = [h for h, hy in zip(uniq.to_pylist(), known) if hy is None]
+    texts = _session_texts(bank, todo)
+    hashes["hybrid"] = [hy if hy is not None else text_hash(hybrid_text(s, kw, texts[h]))
+                        for h, s, kw, hy in zip(uniq.to_pylist(), summaries, keywords, known)]
+    del texts
+    at = pc.index_in(sessions["text_hash"], value_set=uniq)
+    node_hash = {"session": sessions["text_hash"], "turn": sessions["text_hash"],
+                 **{g: pc.take(pa.array(v, pa.string()), at) for g, v in hashes.items()}}
+    # per session its NODE_GRANULARITIES rows, in that order: row i of granularity j is row 5 i + j
+    n, k = sessions.num_rows, len(NODE_GRANULARITIES)
+    rep = pa.array(np.repeat(np.arange(n, dtype=np.int64), k))
+    table = pa.table({
+        "history_id": pc.take(sessions["history_id"], rep),
+        "session_id": pc.take(sessions["session_id"], rep),
+        "position": pc.take(sessions["position"], rep),
+        "granularity": pa.array(list(NODE_GRANULARITIES) * n, pa.string()),
+        "text_hash": pc.take(pa.concat_arrays([_flat(node_hash[g]) for g in NODE_GRANULARITIES]),
+                             pa.array((np.arange(k, dtype=np.int64)[None, :] * n
+                                       + np.arange(n, dtype=np.int64)[:, None]).ravel())),
+    }).cast(NODES)
     if write:
         bank.write("nodes", table, info={"generator_model": generator_model, "prompt_version": prompt_version})
     return table
 
 
+def _earlier_hybrids(earlier: pa.Table, uniq: pa.Array, hashes: dict[str, list[str]]) -> list[str | None]:
+    """Per session text of ``uniq``, the hybrid hash of ``earlier``'s rows when a session of that text had
+    there the summary and keyword hashes it has now (``hashes``), else None. The hybrid text is a function of
+    the summary, the keywords and the session's text alone, and each is named by its hash, so such a hash
+    is the one this build computes; a text whose earlier sessions disagree is computed again."""
+    by = {}
+    for g in ("session", "summary", "keyword", "hybrid"):
+        rows = earlier.filter(pc.equal(earlier["granularity"], g))
+        by[g] = pa.table({"k": pc.binary_join_element_wise(rows["history_id"], rows["session_id"], "\0"),
+                          g: rows["text_hash"]})
+    old = by["session"].join(by["summary"], "k").join(by["keyword"], "k").join(by["hybrid"], "k")
+    old = old.group_by(["session", "summary", "keyword"], use_threads=False).aggregate(
+        [("hybrid", "min"), ("hybrid", "max")])
+    old = old.filter(pc.equal(old["hybrid_min"], old["hybrid_max"]))
+    now = pa.table({"session": uniq, "summary": pa.array(hashes["summary"], pa.string()),
+                    "keyword": pa.array(hashes["keyword"], pa.string()),
+                    "at": pa.array(np.arange(len(uniq), dtype=np.int64))})
+    hit = now.join(old, ["session", "summary", "keyword"], join_type="inner", use_threads=False)
+    out: list[str | None] = [None] * len(uniq)
+    for i, hy in zip(hit["at"].to_pylist(), hit["hybrid_min"].to_pylist()):
+        out[i] = hy
+    return out
+
+
+def _flat(a: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return a.combine_chunks() if isinstance(a, pa.ChunkedArray) else a
+
+
+def _outputs_of(gen: pa.Table, kind: str, uniq: pa.Array) -> pa.Array:
+    """Per text of ``uniq``, its ``kind`` generation's output ("" where empty; null where there is none; the
+    last row of a text wins, as a dict filled in row order kept it)."""
+    rows = gen.filter(pc.equal(gen["kind"], kind))
+    hashes, out = rows["text_hash"].to_pylist(), rows["output"].to_pylist()
+    last = {h: o or "" for h, o in zip(hashes, out)}
+    return pa.array([last.get(h) for h in uniq.to_pylist()], pa.string())
+
+
 def _session_texts(bank: Bank, hashes: Sequence[str]) -> dict[str, str]:
+    if not hashes:
+        return {}
     t = bank.read("texts", ["text_hash", "text"], filter=pc.field("text_hash").isin(list(hashes)))
     got = dict(zip(t.column("text_hash").to_pylist(), t.column("text").to_pylist()))
     absent = [h for h in hashes if h not in got]

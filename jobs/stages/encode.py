@@ -279,7 +279,10 @@ class EncodeStage(Stage):
 
         bank = ctx.bank
         sessions = pc.unique(bank.read("sessions", ["text_hash"])["text_hash"].combine_chunks())
-        pairs = bank.read("pairs", ["text_hash"], filter=pc.field("session_hash").isin(sessions))["text_hash"]
+        # a pair row is a function of its session's text (the key's hash): rows written twice are equal, so
+        # no de-duplication; and one is_in over the column (a dataset filter built its set again per batch)
+        pairs = bank.read("pairs", ["session_hash", "text_hash"], dedupe=False)
+        pairs = pairs["text_hash"].filter(pc.is_in(pairs["session_hash"], value_set=sessions))
         nodes = bank.read("nodes", ["granularity", "text_hash"])
         main = nodes.filter(pc.invert(pc.is_in(nodes["granularity"], pa.array(["session", "turn"]))))["text_hash"]
         questions = {query_hash(q): q for q in bank.read("queries", ["query_id", "question"])["question"].to_pylist()}

@@ -1026,3 +1026,105 @@ def test_the_summed_vector_digest_is_that_of_the_rows_in_memory(tmp_path_factory
     assert changed == oracle() != before
     bank.compact("embeddings")
     assert encode.vector_rows_summed(ctx, need) == changed
+
+
+@pytest.mark.slow
+def test_the_nodes_stage_reuses_its_verified_rows_under_its_own_key_only(tmp_path_factory, reference_run,
+                                                                          monkeypatch) -> None:
+    """When the nodes stage runs again (an upstream table changed), it gives build_nodes the rows its last
+    marker names if the marker's key is its key and those parts verify: no session text is then read, and
+    the rows are those of a build from nothing. Another key (a new version of the stage's code), or a
+    marker part whose bytes changed, gives it nothing to take."""
+    from memgas.jobs import tables as T
+    from memgas.jobs.profiling import Profiler
+    from memgas.jobs.stage import short_hash
+    from memgas.jobs.stages.nodes import NodesStage
+    from memgas.pipeline import granularity
+
+    bank, ctx = _copied_context(tmp_path_factory, reference_run, "nodes-reuse")
+    stage = next(s for s in ctx.pipeline if s.name == "nodes")
+    path = bank.path / "_stages" / "nodes.json"
+    marker = json.loads(path.read_text())
+    assert marker["key"] == ctx.keys["nodes"]
+    before = bank.read("nodes")
+    read: list[int] = []
+    real = granularity._session_texts
+    monkeypatch.setattr(granularity, "_session_texts", lambda b, hs: read.append(len(hs)) or real(b, hs))
+
+    def rerun(**changes) -> None:
+        # as after an upstream change: another fingerprint, so the unit is not found done under it
+        fp = ctx.fingerprints["nodes"] = short_hash(["rerun", ctx.fingerprints["nodes"]])
+        path.write_text(json.dumps({**marker, "fingerprint": "before", **changes}))
+        read.clear()
+        entry = runner.run_stage(stage, ctx, stage.active(ctx), bank, fp, Profiler(), {})
+        assert entry["status"] == "executed" and entry["units_done"] == 1, entry
+        assert bank.read("nodes").equals(before)
+        marker["parts"] = json.loads(path.read_text())["parts"]  # the parts of this run: the next run's
+
+    rerun()
+    assert read == [0]
+    rerun(key="another-version")
+    assert read and read[0] > 0
+    part = next(iter(marker["parts"]))
+    rerun(parts={part: "0" * 16}, key=marker["key"])  # a digest its bytes do not have
+    assert read and read[0] > 0
+    assert NodesStage.earlier(ctx) is None  # outside a run of the stage: no marker to take from
+    assert T.stage_parts(stage, ctx, stage.writes[0])
+
+
+def _generate_plan_oracle(ctx) -> list:
+    """GenerateStage.plan as first written: dicts over every session and generation row."""
+    import pyarrow.compute as pc
+
+    from memgas.jobs.units import even_chunks
+    from memgas.pipeline.prompts import dialogue_kind_for
+
+    bank = ctx.bank
+    model, version = keys.generation_key(ctx)
+    sessions = bank.read("sessions", ["text_hash", "dataset_summary"])
+    dsum: dict = {}
+    for h, d in zip(sessions["text_hash"].to_pylist(), sessions["dataset_summary"].to_pylist()):
+        if h not in dsum or (dsum[h] is None and d):
+            dsum[h] = d
+    have: dict = {}
+    g = bank.read("generations", ["text_hash", "kind", "error"],
+                  filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
+    for h, k, e in zip(g["text_hash"].to_pylist(), g["kind"].to_pylist(), g["error"].to_pylist()):
+        if e is not None and e.startswith("llm:"):
+            continue
+        have.setdefault(h, set()).add(k)
+    kind = dialogue_kind_for((bank.manifest.get("datasets") or [{}])[-1].get("format"))
+    missing = sorted(h for h in dsum if not {"summary", "keywords"} <= have.get(h, set()))
+    return [{"size": len(b), "kind": kind,
+             "items": [[h, dsum[h], sorted({"summary", "keywords"} - have.get(h, set()))] for h in b]}
+            for b in even_chunks(missing, ctx.cfg.ray.generate_unit)]
+
+
+@pytest.mark.slow
+def test_the_generate_plan_is_the_whole_bank_loops_plan(tmp_path_factory, reference_run) -> None:
+    """GenerateStage.plan (Arrow) plans what the loops over every row planned: nothing on a generated bank;
+    the kinds missing per session when generations are lost, a backend failure (``llm:``) retried, an
+    unusable output (another error) not."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from memgas.jobs.stages.generate import GenerateStage
+
+    bank, ctx = _copied_context(tmp_path_factory, reference_run, "gen-plan")
+    assert GenerateStage().plan(ctx) == _generate_plan_oracle(ctx) == []
+    rows = bank.read("generations")
+    hashes = sorted(set(rows["text_hash"].to_pylist()))
+    assert len(hashes) >= 4
+    keep = pc.invert(pc.or_(pc.is_in(rows["text_hash"], pa.array(hashes[:2])),
+                            pc.and_(pc.equal(rows["text_hash"], hashes[2]), pc.equal(rows["kind"], "keywords"))))
+    errors = rows.filter(pc.is_in(rows["text_hash"], pa.array(hashes[3:5])))
+    errors = errors.set_column(errors.schema.get_field_index("error"), "error",
+                               pa.array(["llm: timeout", "empty output"] * (errors.num_rows // 2)
+                                        + ["llm: http 500"] * (errors.num_rows % 2), pa.string()))
+    for p in bank.parts("generations"):
+        bank.drop_part("generations", p)
+    bank.write_part("generations", "a", rows.filter(keep))
+    bank.write_part("generations", "b", errors)
+    got = GenerateStage().plan(ctx)
+    assert got == _generate_plan_oracle(ctx) and got, got
+    assert {h for u in got for h, _, _ in u["items"]} >= set(hashes[:3])

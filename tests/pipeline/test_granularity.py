@@ -16,6 +16,80 @@ def test_missing_generations_name_the_session(tmp_path, make_bank) -> None:
         build_nodes(bank, generator_model="x", prompt_version="paper-v1")
 
 
+def _build_nodes_oracle(bank, model: str, version: str, history_ids=None):
+    """build_nodes as first written: a Python loop per node row (the error's wording aside)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from memgas.pipeline.generate import hybrid_text
+    from memgas.pipeline.hashing import text_hash
+    from memgas.pipeline.schema import NODE_GRANULARITIES, NODES
+
+    sessions = bank.read("sessions", ["history_id", "session_id", "position", "text_hash"])
+    if history_ids is not None:
+        sessions = sessions.filter(pc.field("history_id").isin(list(history_ids)))
+    sessions = sessions.sort_by([("history_id", "ascending"), ("position", "ascending")])
+    gen = bank.read("generations", ["text_hash", "kind", "output", "error"],
+                    filter=(pc.field("model") == model) & (pc.field("prompt_version") == version))
+    out: dict = {}
+    for h, k, o in zip(*(gen[c].to_pylist() for c in ("text_hash", "kind", "output"))):
+        out.setdefault(h, {})[k] = o or ""
+    texts = dict(zip(*(bank.read("texts", ["text_hash", "text"])[c].to_pylist() for c in ("text_hash", "text"))))
+    rows: dict = {n: [] for n in NODES.names}
+    for hid, sid, p, h in zip(*(sessions[c].to_pylist() for c in ("history_id", "session_id", "position", "text_hash"))):
+        s, kw = out[h]["summary"], out[h]["keywords"]
+        node = {"session": h, "turn": h, "summary": text_hash(s), "keyword": text_hash(kw),
+                "hybrid": text_hash(hybrid_text(s, kw, texts.get(h, "")))}
+        for g in NODE_GRANULARITIES:
+            for c, v in zip(NODES.names, (hid, sid, p, g, node[g])):
+                rows[c].append(v)
+    return pa.Table.from_pydict(rows, schema=NODES)
+
+
+def _generations(bank, rows: list[tuple[str, str, str | None, str | None]]) -> None:
+    import pyarrow as pa
+
+    from memgas.pipeline.schema import schema_for
+
+    bank.write_part("generations", f"g{len(bank.parts('generations')) if bank.exists('generations') else 0}",
+                    pa.Table.from_pylist([{"text_hash": h, "kind": k, "model": "m", "prompt_version": "v",
+                                           "output": o or "", "error": e} for h, k, o, e in rows],
+                                         schema=schema_for("generations")))
+
+
+def test_build_nodes_equals_a_loop_per_row(tmp_path, make_bank) -> None:
+    """Shared sessions, an empty output with its error, a later part that re-writes a generation (the last
+    row wins) and a history filter: the rows of the loop per node row, exactly."""
+    from memgas.pipeline.hashing import text_hash
+
+    from .conftest import SESS
+
+    bank = make_bank(tmp_path)
+    h = {k: text_hash("\n".join(u)) for k, u in SESS.items()}
+    _generations(bank, [(h["a"], "summary", "a cat", None), (h["a"], "keywords", "cat; Miso", None),
+                        (h["b"], "summary", "", "timeout"), (h["b"], "keywords", "Lisbon", None),
+                        (h["c"], "summary", "one", None), (h["c"], "keywords", "one; two", None)])
+    _generations(bank, [(h["c"], "summary", "one, again", None)])
+    got = build_nodes(bank, generator_model="m", prompt_version="v")
+    assert got.num_rows == 4 * 5 and got.equals(_build_nodes_oracle(bank, "m", "v"))
+    assert build_nodes(bank, generator_model="m", prompt_version="v", history_ids=["h2"]).equals(
+        _build_nodes_oracle(bank, "m", "v", ["h2"]))
+
+
+def test_a_missing_generation_is_named_first_in_history_and_position_order(tmp_path, make_bank) -> None:
+    from memgas.pipeline.hashing import text_hash
+
+    from .conftest import SESS
+
+    bank = make_bank(tmp_path)
+    h = {k: text_hash("\n".join(u)) for k, u in SESS.items()}
+    # a: both; b (h1's second, h2's first session): neither; c: no keywords
+    _generations(bank, [(h["a"], "summary", "s", None), (h["a"], "keywords", "k", None), (h["c"], "summary", "s", None)])
+    with pytest.raises(BankError, match=rf"5 generations missing .* \(first: history h1 session h1-b, text_hash "
+                                        rf"{h['b']}, kind summary\)"):
+        build_nodes(bank, generator_model="m", prompt_version="v")
+
+
 def _queries(bank) -> None:
     import pyarrow as pa
 
@@ -102,3 +176,38 @@ def test_matrices_read_sessions_pairs_and_the_rest_from_their_own_keys(tmp_path,
     assert all((m[g] == 1.0).all() for g in ("summary", "keyword", "hybrid"))
     with pytest.raises(BankError, match="no 'main' embedding"):  # sessions are not read from the main key
         MatrixLoader(bank, "main", pair_encoder="pair")
+
+
+def test_earlier_rows_give_the_same_nodes_and_are_checked(tmp_path, make_bank, monkeypatch) -> None:
+    """build_nodes with earlier rows: the same table as without; the texts read are only those of sessions
+    the earlier rows do not cover or whose summary or keywords changed since; a hybrid hash in the earlier
+    rows is never taken for a session whose inputs differ (a changed generation), nor where two earlier
+    sessions of one text disagree."""
+    import pyarrow.compute as pc
+
+    from memgas.pipeline import granularity
+    from memgas.pipeline.hashing import text_hash
+
+    from .conftest import SESS
+
+    bank = make_bank(tmp_path)
+    h = {k: text_hash("\n".join(u)) for k, u in SESS.items()}
+    _generations(bank, [(h[k], kind, f"{kind} of {k}", None) for k in "abc" for kind in ("summary", "keywords")])
+    first = build_nodes(bank, generator_model="m", prompt_version="v")
+    read: list[list[str]] = []
+    real = granularity._session_texts
+    monkeypatch.setattr(granularity, "_session_texts", lambda b, hs: read.append(sorted(hs)) or real(b, hs))
+    assert build_nodes(bank, generator_model="m", prompt_version="v", earlier=first).equals(first)
+    assert read == [[]]
+    # c's summary regenerated: only c's text is read, and its new hybrid is computed
+    _generations(bank, [(h["c"], "summary", "another summary of c", None)])
+    read.clear()
+    again = build_nodes(bank, generator_model="m", prompt_version="v", earlier=first)
+    assert again.equals(_build_nodes_oracle(bank, "m", "v")) and not again.equals(first)
+    assert read == [[h["c"]]]
+    # earlier rows of a's text that disagree on its hybrid hash (a damaged earlier table): computed again
+    hyb = pc.and_(pc.equal(first["granularity"], "hybrid"), pc.equal(first["session_id"], "h1-b"))
+    bad = first.set_column(4, "text_hash", pc.if_else(hyb, "0" * 32, first["text_hash"]))
+    read.clear()
+    assert build_nodes(bank, generator_model="m", prompt_version="v", earlier=bad).equals(again)
+    assert read == [sorted([h["b"], h["c"]])]
