@@ -280,6 +280,28 @@ def test_count_of_a_tiered_table_reads_no_key_and_an_extra_part_reads_them_again
     assert bank.count("embeddings") == _key_count(bank, "embeddings")
 
 
+def test_a_read_of_a_tiered_table_skips_the_de_duplication_and_gives_the_same_rows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two parts recorded disjoint hold each key once: Bank.read gives their rows without the group-by of
+    de-duplication, the rows de-duplication gives; without the record it de-duplicates again."""
+    from memgas.pipeline import bank as bank_module
+
+    bank, base, merged = _tiered(tmp_path)
+    assert sorted(bank.parts("embeddings")) == sorted([base, merged])
+    want = bank_module.dedupe_last(pa.concat_tables([bank.read("embeddings", parts=[p]) for p in bank.parts("embeddings")]),
+                                   ["text_hash", "encoder"])
+    grouped: list[int] = []
+    real = bank_module.dedupe_last
+    monkeypatch.setattr(bank_module, "dedupe_last", lambda t, k: grouped.append(t.num_rows) or real(t, k))
+    got = bank.read("embeddings")
+    assert grouped == [] and _identical(got, want) and got.num_rows == 930
+    marker = bank.path / "embeddings" / "_done" / f"{merged}.json"
+    info = json.loads(marker.read_text())
+    del info[DISJOINT_FROM]
+    marker.write_text(json.dumps(info))
+    assert _identical(bank.read("embeddings"), want) and grouped == [930]
+
+
 def test_count_reads_keys_without_the_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bank written before the record (its marker without it): the keys are read, the count the same."""
     bank, base, merged = _tiered(tmp_path)
