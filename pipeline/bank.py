@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 
 from memgas import __version__
 from memgas.pipeline import faults
-from memgas.pipeline.bank_compact import COMPACT_SCRATCH_PREFIX, DISJOINT_FROM, TIER_RATIO, Compacting
+from memgas.pipeline.bank_compact import COMPACT_SCRATCH_PREFIX, TIER_RATIO, Compacting
 from memgas.pipeline.bank_files import (  # re-exported: the bank's public names, one import for its users
     COMPACT_PREFIX,
     INGEST_PREFIX,
@@ -255,7 +255,9 @@ class Bank(Compacting, IngestCommits):
                 m[k] = {**m[k], **v}
             else:
                 m[k] = v
-        m["row_counts"] = {name: self.count(name) for name in self.tables()}
+        # each count with the parts it is of (taken before it): a later count of the same parts takes it
+        keys = {name: self.parts_key(name) for name in self.tables()}
+        m["row_counts"], m["row_count_parts"] = {name: self.count(name) for name in keys}, keys
         atomic_write_json(self.path / MANIFEST, m, point="bank:manifest")
         return m
 
@@ -375,6 +377,9 @@ class Bank(Compacting, IngestCommits):
         # command and provably unchanged since is not hashed again (pipeline/bank_verified.py says why)
         path, size = self._dir(name) / f"{part}.parquet", self._recorded_bytes(name, part)
         return verified_before(path, recorded, size) or hash_and_record(path, recorded, size)
+
+    def _part_marker(self, name: str, part: str) -> dict[str, Any] | None:
+        return _marker(self._dir(name) / "_done" / f"{part}.json")
 
     def _recorded_bytes(self, name: str, part: str) -> int | None:
         """A part's size in its marker (markers written before sizes were recorded have none)."""
@@ -545,7 +550,7 @@ class Bank(Compacting, IngestCommits):
         table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
         # two parts recorded disjoint (tiered compaction) hold each key once: nothing to de-duplicate (a
         # group-by over the ~5M keys of `embeddings` at 10^6 sessions, seconds per read)
-        if dedupe and name in KEYS and len(tables) > 1 and not self._disjoint(name, chosen):
+        if dedupe and name in KEYS and len(tables) > 1 and not self.disjoint(name, chosen):
             table = dedupe_last(table, KEYS[name])
         return table.select(columns) if columns is not None else table
 
@@ -563,24 +568,3 @@ class Bank(Compacting, IngestCommits):
                 "delete it and re-run"
             raise BankError(f"{path}: unreadable Parquet part ({_reason(exc)}); {advice}") from None
 
-    def count(self, name: str) -> int:
-        """Rows of the table. Exact when a compacted part overlaps others (an interrupted compaction, or
-        rows re-written since): then counted by unique key, unless the parts are known to share no key."""
-        parts = self.parts(name)
-        # an append rewrites the history rows it extends (and the session rows a reorder moves) in its parts
-        rewritten = name in ("histories", "sessions") and sum(p.startswith(INGEST_PREFIX) for p in parts) > 1
-        if len(parts) > 1 and name in KEYS and (rewritten or any(p.startswith(COMPACT_PREFIX) for p in parts)):
-            if not self._disjoint(name, parts):
-                return self.read(name, list(KEYS[name]), parts=parts).num_rows
-        return sum(self._rows(name, p) for p in parts)
-
-    def _disjoint(self, name: str, parts: list[str]) -> bool:
-        """Whether ``parts`` are a large compacted part and the part merged beside it whose marker records
-        that neither holds a key twice and no key is in both (:data:`DISJOINT_FROM`): then their metadata's
-        rows are the unique keys, and no key need be read (seconds for the ``embeddings`` of 10^6 sessions,
-        on every manifest update). Both are named by their bytes, so the record holds while both are there."""
-        if len(parts) != 2 or not all(p.startswith(COMPACT_PREFIX) for p in parts):
-            return False
-        a, b = parts
-        return any((_marker(self._dir(name) / "_done" / f"{x}.json") or {}).get(DISJOINT_FROM) == y
-                   for x, y in ((a, b), (b, a)))

@@ -7,6 +7,8 @@ commit point is described in :mod:`memgas.pipeline.bank`; the merge in :mod:`mem
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -157,6 +159,41 @@ class Compacting:
             return rows + self._rows(name, rest[0])
         info = {DISJOINT_FROM: tier.base} if tier.base_unique else None
         return rows + self._compact_streamed(name, rest, dim, drop=tier.repeated, info=info)
+
+    def count(self, name: str) -> int:
+        """Rows of the table. Exact when a compacted part overlaps others (an interrupted compaction, or
+        rows re-written since): then counted by unique key, unless the parts are known to share no key. The
+        count the manifest holds for the same parts (:meth:`parts_key`) is taken as it is: counting the
+        ~6M keys of ``texts`` at 10^6 sessions took ~4 s, on every manifest update."""
+        parts = self.parts(name)
+        m = self.manifest
+        if (m.get("row_count_parts") or {}).get(name) == self.parts_key(name, parts):
+            known = (m.get("row_counts") or {}).get(name)
+            if isinstance(known, int) and not isinstance(known, bool):
+                return known
+        # an append rewrites the history rows it extends (and the session rows a reorder moves) in its parts
+        rewritten = name in ("histories", "sessions") and sum(p.startswith(INGEST_PREFIX) for p in parts) > 1
+        if len(parts) > 1 and name in KEYS and (rewritten or any(p.startswith(COMPACT_PREFIX) for p in parts)):
+            if not self.disjoint(name, parts):
+                return self.read(name, list(KEYS[name]), parts=parts).num_rows
+        return sum(self._rows(name, p) for p in parts)
+
+    def parts_key(self, name: str, parts: list[str] | None = None) -> str:
+        """A digest of the table's parts and their recorded digests: the same key, the same rows."""
+        chosen = self.parts(name) if parts is None else parts
+        pairs = json.dumps([[p, self.part_digest(name, p)] for p in chosen]).encode()
+        return hashlib.blake2b(pairs, digest_size=8).hexdigest()
+
+    def disjoint(self, name: str, parts: list[str]) -> bool:
+        """Whether ``parts`` are a large compacted part and the part merged beside it whose marker records
+        that neither holds a key twice and no key is in both (:data:`DISJOINT_FROM`): then their metadata's
+        rows are the unique keys, and no key need be read (seconds for the ``embeddings`` of 10^6 sessions,
+        on every manifest update). Both are named by their bytes, so the record holds while both are there."""
+        if len(parts) != 2 or not all(p.startswith(COMPACT_PREFIX) for p in parts):
+            return False
+        a, b = parts
+        return any((self._part_marker(name, x) or {}).get(DISJOINT_FROM) == y
+                   for x, y in ((a, b), (b, a)))
 
     def _tier(self, name: str, own: list[str], dim: int | None) -> _Tier | None:
         """The compacted part that :meth:`compact` leaves alone and what to leave out of the merge of the

@@ -186,7 +186,7 @@ def summed_digest(bank: Bank, name: str, columns: list[str], select: Selector) -
     if not picked:
         return _digest(0, np.zeros(4, np.uint64))
     t = pa.concat_tables(picked)
-    if len(picked) > 1:
+    if len(picked) > 1 and not bank.disjoint(name, parts):
         t = dedupe_last(t, rh.keys)  # rows later in part order win, as Bank.read keeps them
     h = t["hash"].combine_chunks()
     lanes = np.frombuffer(h.buffers()[1], "<u4", count=4 * len(h), offset=h.offset * 16).reshape(-1, 4) \

@@ -367,3 +367,39 @@ def test_a_kill_while_repeated_rows_are_left_out_loses_nothing(tmp_path: Path, f
     assert _sorted(bank, "texts").equals(before)
     assert not [f for f in (bank.path / "texts").iterdir() if f.name.startswith(".")]
     assert all(p.startswith(COMPACT_PREFIX) for p in bank.parts("texts"))
+
+
+def test_the_manifest_count_of_the_same_parts_is_taken_and_another_part_is_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """update_manifest records which parts each count is of; a later count of the same parts (names and
+    recorded digests) takes it without reading a key, and a part added, replaced or dropped is counted again."""
+    bank = Bank.create(tmp_path / "b")
+    bank.write_part("embeddings", "unit-0", _base_rows("embeddings"))
+    bank.compact("embeddings")
+    bank.write_part("embeddings", "unit-1", _cat([_repeats(bank, "embeddings", ["00001"]), _new_rows("embeddings", 1000, 5)]))
+    expected = _key_count(bank, "embeddings")
+    bank.update_manifest()
+    calls = _counting_reads(monkeypatch)
+    assert bank.count("embeddings") == expected == 905 and calls == []
+    bank.write_part("embeddings", "unit-2", _new_rows("embeddings", 2000, 3))  # not in the recorded parts
+    assert bank.count("embeddings") == 908 and calls == ["embeddings"]
+    calls.clear()
+    bank.write_part("embeddings", "unit-2", _new_rows("embeddings", 3000, 4))  # the same name, other bytes
+    assert bank.count("embeddings") == 909 and calls == ["embeddings"]
+    bank.update_manifest()
+    calls.clear()
+    assert bank.count("embeddings") == 909 and calls == []
+    bank.drop_part("embeddings", "unit-2")
+    assert bank.count("embeddings") == 905 and calls == ["embeddings"]
+
+
+def test_update_manifest_counts_what_changed_since_the_last_update(tmp_path: Path) -> None:
+    """The counts update_manifest writes are those of the parts now, not the ones it recorded before."""
+    bank = Bank.create(tmp_path / "b")
+    bank.write_part("embeddings", "unit-0", _base_rows("embeddings"))
+    assert bank.update_manifest()["row_counts"]["embeddings"] == 900
+    bank.write_part("embeddings", "unit-1", _new_rows("embeddings", 1000, 7))
+    assert bank.update_manifest()["row_counts"]["embeddings"] == 907
+    bank.compact("embeddings")
+    assert bank.update_manifest()["row_counts"]["embeddings"] == 907 == _key_count(bank, "embeddings")
+    assert json.loads((bank.path / "manifest.json").read_text())["row_counts"]["embeddings"] == 907

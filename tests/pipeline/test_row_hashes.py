@@ -163,3 +163,17 @@ def test_the_generations_key_columns_select(bank: Bank) -> None:
     hashes = R.row_hashes(full, schema_for("generations"))
     lanes = hashes.view("<u4").astype(np.uint64).sum(axis=0)
     assert got == R._digest(3, lanes)
+
+
+def test_two_parts_recorded_disjoint_are_summed_without_de_duplication(bank: Bank, monkeypatch) -> None:
+    """Tiered compaction's two parts (the second recorded disjoint from the first): the digest of the rows
+    Bank.read gives, with no de-duplication pass."""
+    bank.write_part("embeddings", "a", _rows([(f"h{i:03d}", "k1") for i in range(80)], 7))
+    bank.compact("embeddings")
+    bank.write_part("embeddings", "b", _rows([(f"n{i}", "k1") for i in range(5)], 8))
+    bank.compact("embeddings")
+    parts = bank.parts("embeddings")
+    assert len(parts) == 2 and bank.disjoint("embeddings", parts)
+    calls = []
+    monkeypatch.setattr(R, "dedupe_last", lambda t, k: calls.append(1) or t)
+    assert R.summed_digest(bank, "embeddings", COLUMNS, _k1) == _oracle_digest(bank.read("embeddings")) and not calls
