@@ -72,10 +72,10 @@ def build_nodes(
     gen = bank.read(
         "generations",
         ["text_hash", "kind", "output", "error"],
-        filter=(pc.field("model") == generator_model)
-        & (pc.field("prompt_version") == prompt_version)
-        & pc.field("text_hash").isin(uniq),
+        filter=(pc.field("model") == generator_model) & (pc.field("prompt_version") == prompt_version),
     )
+    # one is_in over the column (in the read's filter, the set of a million hashes was built per batch)
+    gen = gen.filter(pc.is_in(gen["text_hash"], value_set=uniq))
     n_err = gen.num_rows - gen.column("error").null_count
     if n_err:
         log.warning("nodes: %d generations carry an error (empty output) for %s / %s", n_err, generator_model, prompt_version)
