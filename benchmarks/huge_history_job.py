@@ -161,7 +161,7 @@ def fill(cfg: Any, n_topics: int, seed: int) -> dict[str, Any]:
         raise SystemExit(f"huge_history_job writes one encoder key ({enc}); this config asks for {list(by_key)}")
     have = set(bank.read("embeddings", ["text_hash"], filter=pc.field("encoder") == enc)["text_hash"].to_pylist()
                ) if bank.exists("embeddings") else set()
-    need = [h for h in by_key[enc] if h not in have]
+    need = [h for h in sorted(by_key[enc].to_pylist()) if h not in have]  # needed() gives Arrow arrays, unordered
     pairs = bank.read("pairs", ["session_hash", "text_hash"], filter=pc.field("session_hash").isin(new))
     for sh, ph in zip(pairs["session_hash"].to_pylist(), pairs["text_hash"].to_pylist()):
         row_of[ph] = (pos_of[sh], 1)

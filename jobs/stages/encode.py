@@ -16,9 +16,10 @@ from memgas.pipeline.errors import BankError
 from memgas.pipeline.models.synthetic import manifest_entry
 
 
-def vector_rows(ctx: StageContext, need: dict[str, list[str]]) -> pa.Table:
+def vector_rows(ctx: StageContext, need: dict[str, Any]) -> pa.Table:
     """The rows of ``embeddings`` a config reads (``need``: text hashes per encoder key), sorted: not every
     row under the key, which holds other configs' texts too, so that which texts are read is in the digest."""
+    need = _as_lists(need)
     keyset = sorted(need)
     mine = ctx.bank.read("embeddings", filter=pc.field("encoder").isin(keyset))
     wanted = pa.array([f"{k}\0{h}" for k, hs in need.items() for h in hs], pa.string())
@@ -54,7 +55,7 @@ def _le(values: Any, arrow_type: pa.DataType) -> bytes:
     return np.asarray(values).astype(np.dtype(arrow_type.to_pandas_dtype()).newbyteorder("<")).tobytes()
 
 
-def vector_rows_digest(ctx: StageContext, need: dict[str, list[str]]) -> str:
+def vector_rows_digest(ctx: StageContext, need: dict[str, Any]) -> str:
     """The digest of :func:`vector_rows` (the same rows, in the same order) without holding them: one pass
     over ``embeddings`` gathers the rows into a spill file (:class:`~memgas.pipeline.spilled_vectors.
     SpilledVectors`), then blake2b over :func:`rows_bytes` of each chunk of :data:`DIGEST_CHUNK_ROWS` rows
@@ -64,7 +65,7 @@ def vector_rows_digest(ctx: StageContext, need: dict[str, list[str]]) -> str:
     from memgas.pipeline.spilled_vectors import SpilledVectors
 
     h = hashlib.blake2b(digest_size=8)
-    sv = SpilledVectors(ctx.bank, need, extra=("truncated", "tokens", "tokens_dropped"))
+    sv = SpilledVectors(ctx.bank, _as_lists(need), extra=("truncated", "tokens", "tokens_dropped"))
     try:
         for t in sv.sorted_tables(DIGEST_CHUNK_ROWS):
             for b in rows_bytes(t.select(VECTOR_COLUMNS)):
