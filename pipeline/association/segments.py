@@ -55,33 +55,38 @@ def prefix_digests(nodes: pa.Table, seed: str) -> dict[str, list[str]]:
     """Per history (sessions in position order): ``[D_0, D_1, ..., D_S]``, ``D_p`` the identity of the node
     vectors of sessions ``[0, p)`` under ``seed`` (the encoder keys). ``nodes``: the ``nodes`` table."""
     t = nodes.filter(pc.is_in(nodes["granularity"], pa.array(GRANULARITIES)))
-    t = t.sort_by([("history_id", "ascending"), ("position", "ascending")])
-    order = {g: i for i, g in enumerate(GRANULARITIES)}
+    t = t.sort_by([("history_id", "ascending"), ("position", "ascending")])  # stable: a session's rows in order
+    n = t.num_rows
+    if n == 0:
+        return {}
+    # per session (a run of equal history and position) its text per granularity, the last row of each
+    # winning: Arrow and numpy per row, Python once per session (a loop per node row was ~4 s at 10^6 sessions)
+    hid, pos = t["history_id"].combine_chunks(), t["position"].combine_chunks()
+    new = np.ones(n, bool)
+    if n > 1:
+        new[1:] = (pc.not_equal(hid.slice(1), hid.slice(0, n - 1)).to_numpy(zero_copy_only=False)
+                   | pc.not_equal(pos.slice(1), pos.slice(0, n - 1)).to_numpy(zero_copy_only=False))
+    session = np.cumsum(new) - 1
+    starts = np.flatnonzero(new)
+    gran = pc.index_in(t["granularity"], value_set=pa.array(GRANULARITIES)).to_numpy(zero_copy_only=False)
+    last = np.full(len(starts) * N_GRAN, -1, np.int64)
+    np.maximum.at(last, session * N_GRAN + gran, np.arange(n, dtype=np.int64))
+    text = t["text_hash"].combine_chunks()
+    cols = []
+    for g in range(N_GRAN):
+        at = last[g::N_GRAN]
+        cols.append(pc.fill_null(pc.take(text, pa.array(at, pa.int64(), mask=at < 0)), ""))
+    lines = pc.binary_join_element_wise(*cols, "|").to_pylist()
+    names = hid.take(pa.array(starts, pa.int64())).to_pylist()
     out: dict[str, list[str]] = {}
     hasher = None
     chain: list[str] = []
-    cur: tuple[str, int] | None = None
-    session: list[str] = [""] * len(GRANULARITIES)
-
-    def close() -> None:
-        assert hasher is not None
-        hasher.update(("|".join(session) + ";").encode())
-        chain.append(hasher.copy().hexdigest())
-
-    names = ("history_id", "position", "granularity", "text_hash")
-    # batch by batch: Python objects for 8,192 rows at a time, not for every node of the bank (~0.8 KB a session)
-    rows = (r for b in t.to_batches(max_chunksize=1 << 13) for r in zip(*(b.column(c).to_pylist() for c in names)))
-    for h, pos, g, th in rows:
-        if cur is not None and (h, pos) != cur:
-            close()
-            session = [""] * len(GRANULARITIES)
-        if cur is None or h != cur[0]:
+    for i, (h, line) in enumerate(zip(names, lines)):
+        if i == 0 or h != names[i - 1]:
             hasher = hashlib.blake2b(seed.encode(), digest_size=12)
             chain = out.setdefault(h, [hasher.hexdigest()])
-        cur = (h, pos)
-        session[order[g]] = th
-    if cur is not None:
-        close()
+        hasher.update((line + ";").encode())
+        chain.append(hasher.copy().hexdigest())
     return out
 
 

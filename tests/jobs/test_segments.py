@@ -120,3 +120,46 @@ def test_split_every_cuts_at_fixed_multiples() -> None:
     assert split_every(96, 192, 96) == [(96, 192)]
     assert split_every(0, 50, 96) == [(0, 50)]
     assert split_every(7, 7, 96) == []
+
+
+def _prefix_digests_oracle(nodes: pa.Table, seed: str) -> dict[str, list[str]]:
+    """prefix_digests as first written: a Python loop per node row."""
+    import hashlib
+
+    import pyarrow.compute as pc
+
+    from memgas.pipeline.schema import GRANULARITIES
+
+    t = nodes.filter(pc.is_in(nodes["granularity"], pa.array(GRANULARITIES)))
+    t = t.sort_by([("history_id", "ascending"), ("position", "ascending")])
+    order = {g: i for i, g in enumerate(GRANULARITIES)}
+    out: dict[str, list[str]] = {}
+    hasher, chain, cur, session = None, [], None, [""] * len(GRANULARITIES)
+
+    def close() -> None:
+        hasher.update(("|".join(session) + ";").encode())
+        chain.append(hasher.copy().hexdigest())
+
+    for h, pos, g, th in zip(*(t[c].to_pylist() for c in ("history_id", "position", "granularity", "text_hash"))):
+        if cur is not None and (h, pos) != cur:
+            close()
+            session = [""] * len(GRANULARITIES)
+        if cur is None or h != cur[0]:
+            hasher = hashlib.blake2b(seed.encode(), digest_size=12)
+            chain = out.setdefault(h, [hasher.hexdigest()])
+        cur = (h, pos)
+        session[order[g]] = th
+    if cur is not None:
+        close()
+    return out
+
+
+def test_prefix_digests_equal_a_loop_per_node_row() -> None:
+    """Histories of one session and of several, a session missing a granularity, a granularity written twice
+    (the last row wins), rows in no order, non-ASCII text ids, and no rows."""
+    base = _nodes({"a": ["x", "y", "z"], "b": ["x"], "c": [f"s{i}" for i in range(40)], "é": ["ü", "v"]}).to_pylist()
+    rows = [r for r in base if not (r["history_id"] == "c" and r["position"] == 7 and r["granularity"] == "summary")]
+    rows.append({**rows[3], "text_hash": "written-again"})
+    t = pa.Table.from_pylist(rows[::3] + rows[1::3] + rows[2::3], schema=NODES)
+    assert prefix_digests(t, "enc") == _prefix_digests_oracle(t, "enc")
+    assert prefix_digests(t.slice(0, 0), "enc") == _prefix_digests_oracle(t.slice(0, 0), "enc") == {}
