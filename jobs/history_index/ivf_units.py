@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -126,27 +127,60 @@ def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
                                                                                     a.min_prior_nodes))
     if not rows.size:
         return None
+
+    def walk(E: NodeBlocks, index: Any) -> dict[int, np.ndarray]:
+        return I.ivf_found(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a.mem_threshold,
+                           min_prior_nodes=a.min_prior_nodes, params=params)
+
+    return searched(ctx, seg, meta, FoundGraph(lambda: HistoryBlocks(ctx, h, blocks.BLOCK_ROWS), walk), sample)
+
+
+@dataclass(frozen=True)
+class FoundGraph:
+    """What :func:`searched` needs of a graph: MemGAS's (four nodes a session, :func:`found`) or
+    memgas-cards' (sessions of any size, :mod:`~memgas.jobs.history_index.card_ivf`). ``history_blocks``
+    makes the history's blocks (the stored ones read, the tail from the index's end built);
+    ``walk(nodes, index)``: what the segment's rows find, per grid block, walking ``index`` over ``nodes``
+    (the blocks from the index's end); ``nodes(s)``: the nodes of the first ``s`` sessions (None: four a
+    session); ``before``: the recall sample's prefixes for the exact search (None: four nodes a session);
+    ``mapped``: the saved index searched as a mapped copy, else read whole (:func:`driver_index`);
+    ``stage``: the stage, in messages."""
+
+    history_blocks: Callable[[], HistoryBlocks]
+    walk: Callable[[NodeBlocks, Any], dict[int, np.ndarray]]
+    nodes: Callable[[int], int] | None = None
+    before: np.ndarray | None = None
+    mapped: bool = True
+    stage: str = "associate"
+
+
+def searched(ctx: StageContext, seg: list[Any], meta: dict[str, Any], graph: FoundGraph, sample: np.ndarray
+             ) -> tuple[NodeBlocks, dict, np.ndarray | None, tuple | None] | None:
+    """:func:`found` for a segment whose rows (``sample``: its recall sample's) are past the exact prefix,
+    over the saved index in ``meta``, for ``graph``'s layout and walk: the same tuple, or None where the
+    task needs every row."""
+    a, (h, _, s1, _) = ctx.cfg.association, seg
+    saved, nodes = meta["saved"], graph.nodes or (lambda s: N_GRAN * s)
+    params = I.stage_params(a.ivf_nlist, a.ivf_nprobe, a.ivf_exact_nodes, meta["grid"])
     end = I.index_sessions(s1, meta["grid"])
     if meta["save"] and end > saved["sessions"] and not meta["delta"]:
         return None
-    B, n = blocks.BLOCK_ROWS, N_GRAN * s1
-    first = N_GRAN * saved["sessions"] // B  # the block holding the index's end
+    B, n = blocks.BLOCK_ROWS, nodes(s1)
+    first = nodes(saved["sessions"]) // B  # the block holding the index's end
     if -(-n // B) - first > FOUND_TAIL_BLOCKS:
         return None
-    hb = HistoryBlocks(ctx, h, B)
+    hb = graph.history_blocks()
     if not hb.all_stored(first):
         return None
     tail = hb.read_blocks(first, n)
     dim = tail[first].shape[1]
-    index = driver_index(ctx, saved, params, dim)
+    index = driver_index(ctx, saved, params, dim, graph.nodes, graph.mapped)
     if meta["delta"]:
         index.start_delta()
-    walk = I.ivf_found(NodeBlocks([None] * first + [tail[i] for i in sorted(tail)], B, n, dim),
-                       N_GRAN * s0, n, index, mem_threshold=a.mem_threshold, min_prior_nodes=a.min_prior_nodes,
-                       params=params)
-    if index.ntotal != N_GRAN * end:
-        raise RuntimeError(f"associate: the IVF index of history {h} holds {index.ntotal // N_GRAN} sessions "
-                           f"after the walk, expected {end}")
+    walk = graph.walk(NodeBlocks([None] * first + [tail[i] for i in sorted(tail)], B, n, dim), index)
+    if index.ntotal != nodes(end):
+        raise RuntimeError(f"{graph.stage}: the IVF index of history {h} holds {index.ntotal} nodes after the "
+                           f"walk, expected {nodes(end)} (its first {end} sessions)")
     delta = I.delta_bytes(index) if meta["delta"] else None
     del index
     need = I.found_before(walk, first * B)
@@ -154,30 +188,34 @@ def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
     if sample.size:
         E, taken = hb.streamed(n, tail, need)
         with one_blas_thread():  # the bits of a task's exact search (kernels/backend.py)
-            exact = (sample, *I.sample_exact(E, sample, a.mem_threshold))
+            exact = (sample, *I.sample_exact(E, sample, a.mem_threshold, graph.before))
         del E
-    nodes = hb.sparse_nodes(n, tail, need, taken)
-    if nodes is None:
+    shipped_nodes = hb.sparse_nodes(n, tail, need, taken)
+    if shipped_nodes is None:
         return None
-    log.info("associate: history %s: %d of the %d node rows before row %d shipped (those found), %d blocks "
-             "whole, %d rows of the recall sample searched exactly here", h, need.size, first * B, first * B,
-             len(tail), sample.size)
+    log.info("%s: history %s: %d of the %d node rows before row %d shipped (those found), %d blocks "
+             "whole, %d rows of the recall sample searched exactly here", graph.stage, h, need.size, first * B,
+             first * B, len(tail), sample.size)
     ivf_run(ctx).found_units += 1
-    return nodes, walk, delta, exact
+    return shipped_nodes, walk, delta, exact
 
 
-def driver_index(ctx: StageContext, saved: dict[str, Any], params: Any, dim: int) -> Any:
+def driver_index(ctx: StageContext, saved: dict[str, Any], params: Any, dim: int,
+                 nodes: Callable[[int], int] | None = None, mapped: bool = True) -> Any:
     """The saved index for :func:`found`'s walk: its full index mapped from a copy of its part
     (:mod:`memgas.jobs.history_index.ivf_mapped`) with the deltas after it in memory
-    (:meth:`~memgas.pipeline.association.ivf_search.CausalIVF.stacked`), or, where no copy can be had,
-    read from the part and loaded (:func:`loaded_index`): the same walk either way."""
+    (:meth:`~memgas.pipeline.association.ivf_search.CausalIVF.stacked`), or, where no copy can be had or
+    ``mapped`` is False, read from the part and loaded (:func:`loaded_index`): the same walk either way.
+    ``nodes`` as :func:`loaded_index`'s."""
     run, key = ivf_run(ctx), (saved["part"], saved["history"])
+    if not mapped:
+        return loaded_index({**saved, "bytes": full_bytes(ctx, saved)}, params, dim, nodes)
     if key not in run.mapped:
         run.mapped[key] = ivf_mapped.mapped_copy(ctx.bank, *key, lambda: full_bytes(ctx, saved))
     if run.mapped[key] is None:
-        return loaded_index({**saved, "bytes": full_bytes(ctx, saved)}, params, dim)
-    base = raw_from_file(run.mapped[key], d=dim, ntotal=N_GRAN * saved["full_sessions"])
-    return with_deltas(I.CausalIVF.stacked(base, params), saved, dim)
+        return loaded_index({**saved, "bytes": full_bytes(ctx, saved)}, params, dim, nodes)
+    base = raw_from_file(run.mapped[key], d=dim, ntotal=(nodes or (lambda s: N_GRAN * s))(saved["full_sessions"]))
+    return with_deltas(I.CausalIVF.stacked(base, params), saved, dim, nodes)
 
 
 # -- the task ------------------------------------------------------------------------------------------
@@ -210,17 +248,14 @@ def segment_candidates(E: Any, seg: list[Any], meta: dict[str, Any], a: dict[str
     segment's first row is the saved one (or trained afresh on the exact prefix: the same bits), plus the
     grid blocks between its end and the segment's rows, which :func:`ivf_rows` adds on its way (coarse
     lists and add, no search)."""
-    h, s0, s1, _ = seg
+    _, s0, s1, _ = seg
     saved, grid = meta["saved"], meta.get("grid") or I.STAGE_BLOCK_SESSIONS
     params = I.stage_params(a["ivf_nlist"], a["ivf_nprobe"], a["ivf_exact_nodes"], grid)
     if found is not None:  # the driver searched (found): rescore, save its delta if any
         c, _ = I.ivf_rows(E, N_GRAN * s0, N_GRAN * s1, None, mem_threshold=a["mem_threshold"],
                           min_prior_nodes=a["min_prior_nodes"], params=params, found=found)
         recall_table(E, c, seg, a, out, recall_rows, meta.get("found_exact"))
-        if meta.get("found_delta") is not None:
-            out["delta"].append({"history_id": h, "end_session": s1, "sessions": I.index_sessions(s1, grid),
-                                 "prefix_digest": meta["digest"], "dim": E.shape[1],
-                                 "base_sessions": meta["base_sessions"], "index": meta["found_delta"]})
+        keep_found_delta(out, meta, seg, E.shape[1])
         return c
     index = None
     if saved is not None:
@@ -232,6 +267,18 @@ def segment_candidates(E: Any, seg: list[Any], meta: dict[str, Any], a: dict[str
     recall_table(E, c, seg, a, out, recall_rows)
     keep_index(out, index, meta, seg, E.shape[1])
     return c  # the faiss index is freed here: only its bytes stay, until the table is written
+
+
+def keep_found_delta(out: dict[str, list], meta: dict[str, Any], seg: list[Any], dim: int) -> None:
+    """The delta the driver's walk made (:func:`found`, shipped by :func:`shipped`) into ``out``, when the
+    segment saves one: the task that rescores what its rows found has no index of its own to save."""
+    if meta.get("found_delta") is None:
+        return
+    h, _, s1, _ = seg
+    out["delta"].append({"history_id": h, "end_session": s1,
+                         "sessions": I.index_sessions(s1, meta.get("grid") or I.STAGE_BLOCK_SESSIONS),
+                         "prefix_digest": meta["digest"], "dim": dim, "base_sessions": meta["base_sessions"],
+                         "index": meta["found_delta"]})
 
 
 def keep_index(out: dict[str, list], index: Any, meta: dict[str, Any], seg: list[Any], dim: int,

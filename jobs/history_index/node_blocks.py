@@ -50,14 +50,20 @@ class HistoryBlocks:
         are read from the bank's stored blocks where they are there, and stored when they were gathered
         (:mod:`memgas.jobs.history_index.stored_blocks`)."""
         self.bank, self.keys, self.history = ctx.bank, encoder_keys(ctx), history
-        chain = prefixes.chains(ctx).get(history)
-        self.stored = StoredBlocks(ctx.bank, self.keys, history, block_rows, chain) if chain else None
+        self.stored = self._stored_blocks(ctx, history, block_rows)
         self.reader: HistoryBlockReader | None = None  # made at the first block that is not stored
         self.block_rows = block_rows
         self.use_ray = ctx.use_ray if use_ray is None else use_ray
         self.handles: list[Any] = []
         self.dim = 0
         self._spill = None if self.use_ray else spill_directory()
+
+    def _stored_blocks(self, ctx: StageContext, history: str, block_rows: int) -> StoredBlocks | None:
+        """The history's stored blocks (None: it has no nodes). Another graph's blocks (memgas-cards',
+        :class:`~memgas.jobs.history_index.card_blocks.CardGraphBlocks`) are stored under its own prefix
+        digests and layout: it gives its own."""
+        chain = prefixes.chains(ctx).get(history)
+        return StoredBlocks(ctx.bank, self.keys, history, block_rows, chain) if chain else None
 
     def nodes(self, n_rows: int) -> NodeBlocks:
         """The first ``n_rows`` node vectors, reading the blocks not read yet."""

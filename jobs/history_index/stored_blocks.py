@@ -36,6 +36,13 @@ write leaves an unmarked file that is ignored and swept. When a block is written
 other parts of the same block of the same history (an older prefix, or the partial block it completes or
 extends) are dropped. Not dropped: the blocks of histories no longer in
 the bank, and of an older block size or assembly (disk only; they are never read).
+
+*Another graph's blocks*: memgas-cards' graph (each session's four nodes and its cards,
+:mod:`memgas.jobs.history_index.card_blocks`) is stored here by the same rules, under a stem of its own and
+its own prefix digests (the card graph's, which chain each session's cards). Its sessions have any number
+of nodes, so block ``i`` ends inside a session: it is complete, and named by the digest of the fewest
+sessions whose nodes fill it, once the history holds them; a partial block holds its rows before session
+``c``.
 """
 
 from __future__ import annotations
@@ -65,10 +72,22 @@ class StoredBlocks:
     :func:`~memgas.jobs.history_index.prefixes.chains`), block ``i`` = node rows ``[i*block_rows, (i+1)*block_rows)``:
     the complete ones, and the last one as far as the history goes (:meth:`partial`)."""
 
-    def __init__(self, bank: Bank, keys: dict[str, str], history: str, block_rows: int, chain: list[str]) -> None:
+    def __init__(self, bank: Bank, keys: dict[str, str], history: str, block_rows: int, chain: list[str],
+                 ends: np.ndarray | None = None, graph: str | None = None) -> None:
+        """Another graph than MemGAS's (memgas-cards', :mod:`~memgas.jobs.history_index.card_blocks`) gives
+        ``ends`` (its first ``s`` sessions hold ``ends[s]`` nodes: sessions of any size, so a block may end
+        inside a session) and ``graph``, its name, which enters the parts' stem: its blocks are never taken
+        for MemGAS's of the same history, nor MemGAS's for its. None, None: four nodes a session, MemGAS's
+        names."""
         self.bank, self.history, self.block_rows, self.chain = bank, history, block_rows, chain
         self.block_sessions = block_rows // N_GRAN
-        self.stem = f"{short_hash([ASSEMBLY_VERSION, sorted(keys.items()), block_rows])}-{short_hash(history)}-"
+        self.ends = None if ends is None else np.asarray(ends, np.int64)
+        if self.ends is not None and self.ends.size != len(chain):
+            raise ValueError(f"history {history}: {self.ends.size - 1} sessions of nodes for {len(chain) - 1} "
+                             "prefix digests")
+        assembly = [ASSEMBLY_VERSION, sorted(keys.items()), block_rows] if graph is None else \
+            [graph, ASSEMBLY_VERSION, sorted(keys.items()), block_rows]
+        self.stem = f"{short_hash(assembly)}-{short_hash(history)}-"
         self.read_blocks = self.written = self.damaged = self.read_partial = self.written_partial = 0
 
     @property
@@ -76,11 +95,23 @@ class StoredBlocks:
         """The history's sessions, as its chain of prefix digests counts them."""
         return len(self.chain) - 1
 
+    def nodes(self, sessions: int) -> int:
+        """The node rows of the history's first ``sessions`` sessions."""
+        return N_GRAN * sessions if self.ends is None else int(self.ends[sessions])
+
+    def block_end(self, i: int) -> int:
+        """The sessions that fill block ``i``: the fewest whose nodes reach its last row (more than the
+        history holds when they do not). Its rows are those sessions' nodes, so its identity is their prefix
+        digest."""
+        if self.ends is None:
+            return (i + 1) * self.block_sessions
+        return int(np.searchsorted(self.ends, (i + 1) * self.block_rows, side="left"))
+
     def complete(self, i: int) -> bool:
-        return (i + 1) * self.block_sessions <= self.sessions
+        return self.block_end(i) <= self.sessions
 
     def part(self, i: int) -> str:
-        return f"{self.stem}{i:07d}-{self.chain[(i + 1) * self.block_sessions][:16]}"
+        return f"{self.stem}{i:07d}-{self.chain[self.block_end(i)][:16]}"
 
     def partial_part(self, i: int, end: int) -> str:
         """The name of block ``i`` stored as far as session ``end`` (inside the block): the count and the
@@ -98,18 +129,20 @@ class StoredBlocks:
 
     def partial(self, i: int) -> tuple[int, np.ndarray] | None:
         """The longest stored partial block ``i`` that this history still begins with: ``(end, rows)``, the
-        node rows of sessions ``[i*bs, end)``, which are block ``i``'s first rows (``end`` may be the
-        history's end: then they are the whole block). None where there is none intact."""
-        lo, bs = i * self.block_sessions, self.block_sessions
+        block's node rows before session ``end`` (of sessions ``[i*bs, end)`` in MemGAS's graph), which are
+        block ``i``'s first rows (``end`` may be the history's end: then they are the whole block). None where
+        there is none intact."""
+        lo, hi = i * self.block_rows, (i + 1) * self.block_rows
         head = f"{self.stem}{i:07d}-p"
         ends = []
         for name in self.bank.parts(TABLE):
             end = _partial_end(name, head)
             # the count must be inside the block and the history, and the digest that of this history's prefix
-            if end is not None and lo < end < lo + bs and end <= self.sessions and name == self.partial_part(i, end):
+            if end is not None and end <= self.sessions and lo < self.nodes(end) < hi and \
+                    name == self.partial_part(i, end):
                 ends.append(end)
         for end in sorted(ends, reverse=True):
-            m = self._load(self.partial_part(i, end), N_GRAN * (end - lo))
+            m = self._load(self.partial_part(i, end), self.nodes(end) - lo)
             if m is not None:
                 self.read_partial += 1
                 return end, m
@@ -147,10 +180,10 @@ class StoredBlocks:
         """Store block ``i``: complete, or the history's last block as far as the history goes (``m`` must
         then hold exactly its sessions' rows); then drop the block's other parts (an older prefix, or the
         partial block this one completes or extends)."""
-        lo = i * self.block_sessions
+        lo, n = i * self.block_rows, self.nodes(self.sessions)
         if self.complete(i):
             part = self.part(i)
-        elif lo < self.sessions and m.shape[0] == N_GRAN * (self.sessions - lo):
+        elif lo < n and m.shape[0] == n - lo:
             part = self.partial_part(i, self.sessions)
         else:
             return

@@ -23,6 +23,7 @@ and card ranker do not.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +38,7 @@ from memgas.jobs.stages.justmem import current_cards
 from memgas.jobs.stages.rank import query_vectors
 from memgas.jobs.stages.shards import matrix_loader, node_matrix, shard_units
 from memgas.pipeline.config import MemgasConfig
+from memgas.pipeline.errors import BankError
 
 FAMILY = "memgas-cards"
 
@@ -95,17 +97,61 @@ class CardGraphEncodeStage(Stage):
 def card_chains(ctx: StageContext) -> dict[str, list[str]]:
     """Per history, the prefix digests of its card graph (:func:`memgas.pipeline.association.segments.card_prefix_digests`:
     MemGAS's chain with each session's cards folded in): what a segment of ``card_graph_edges`` is valid under."""
-    return _card_state(ctx)[0]
+    return _card_state(ctx).chains
 
 
 def card_sizes(ctx: StageContext) -> dict[str, np.ndarray]:
     """Per history, the nodes of each session of its card graph (four, plus the cards it adds), in position order."""
-    return _card_state(ctx)[1]
+    return _card_state(ctx).sizes
 
 
-def _card_state(ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, np.ndarray]]:
-    """(:func:`card_chains`, :func:`card_sizes`): computed once per run and state of the nodes and the cards
-    (their committed digests)."""
+def session_card_hashes(ctx: StageContext, history: str, s0: int, s1: int) -> list[str]:
+    """The text hashes of the cards of ``history``'s sessions ``[s0, s1)`` in the card graph's node order
+    (session, then card index; a session hash repeated in the history adds none, :func:`card_sizes`): what
+    a long history's card-graph blocks read the vectors of, for the sessions they build (an append's only)."""
+    from memgas.pipeline.schema import N_GRAN
+
+    state = _card_state(ctx)
+    sizes = state.sizes[history][s0:s1].tolist()
+    hashes = state.sessions[history].slice(s0, s1 - s0).to_pylist()
+    by_session = _cards_by_session(ctx, sorted({t for t, n in zip(hashes, sizes) if n > N_GRAN}))
+    out: list[str] = []
+    for t, n in zip(hashes, sizes):
+        if n > N_GRAN:
+            cards = by_session.get(t, [])
+            if len(cards) != n - N_GRAN:  # the cards changed since the layout was read: never a shifted graph
+                raise BankError(f"{ctx.bank.path}: session {t} of history {history} has {len(cards)} cards, "
+                                f"its card graph {n - N_GRAN}")
+            out += cards
+    return out
+
+
+@dataclass(frozen=True)
+class CardState:
+    """What the card graph's layout and identity are computed from, once per run and state of the nodes and
+    the cards: per history its prefix digests (:func:`card_chains`), its sessions' node counts
+    (:func:`card_sizes`) and its session hashes in position order (an Arrow slice: a few bytes a session)."""
+
+    chains: dict[str, list[str]]
+    sizes: dict[str, np.ndarray]
+    sessions: dict[str, pa.Array]
+
+
+def _cards_by_session(ctx: StageContext, session_hashes: list[str]) -> dict[str, list[str]]:
+    """{session hash: its cards' text hashes in card order} of this config's cards of ``session_hashes``
+    (only the columns that say which card is where: not their texts)."""
+    f = (pc.field("extractor") == keys.cards_key(ctx)) & pc.field("session_hash").isin(session_hashes)
+    cards = ctx.bank.read("cards", ["session_hash", "card_index", "text_hash"], filter=f).sort_by(
+        [("session_hash", "ascending"), ("card_index", "ascending")])
+    out: dict[str, list[str]] = {}
+    for sh, th in zip(cards["session_hash"].to_pylist(), cards["text_hash"].to_pylist()):
+        out.setdefault(sh, []).append(th)
+    return out
+
+
+def _card_state(ctx: StageContext) -> CardState:
+    """:class:`CardState`: computed once per run and state of the nodes and the cards (their committed
+    digests)."""
     from memgas.jobs.history_index.prefixes import chains
     from memgas.pipeline.association.segments import card_prefix_digests
     from memgas.pipeline.schema import N_GRAN
@@ -115,21 +161,18 @@ def _card_state(ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, np.n
     except KeyError:  # a context without the job's pipeline (a library caller): computed, not cached
         digests = (None, None)
     seed = f"cards={keys.cards_key(ctx)}|encoder={keys.encoder_key(ctx)}"
-    key = ("card-graph:chains", digests, seed)
+    key = ("card-graph:state", digests, seed)
     if None not in digests and key in ctx.cache:
         return ctx.cache[key]
     sess = ctx.bank.read("nodes", ["history_id", "position", "text_hash"],
                          filter=pc.field("granularity") == "session")
     sess = sess.sort_by([("history_id", "ascending"), ("position", "ascending")])
     sessions: dict[str, list[str]] = {}
-    for h, t in zip(sess["history_id"].to_pylist(), sess["text_hash"].to_pylist()):
+    first: dict[str, int] = {}  # the table is sorted by history: each one's sessions are a run of rows
+    for i, (h, t) in enumerate(zip(sess["history_id"].to_pylist(), sess["text_hash"].to_pylist())):
         sessions.setdefault(h, []).append(t)
-    cards = current_cards(ctx, sorted({t for ts in sessions.values() for t in ts}))
-    cards = cards.select(["session_hash", "card_index", "text_hash"]).sort_by(
-        [("session_hash", "ascending"), ("card_index", "ascending")])
-    by_session: dict[str, list[str]] = {}
-    for sh, th in zip(cards["session_hash"].to_pylist(), cards["text_hash"].to_pylist()):
-        by_session.setdefault(sh, []).append(th)
+        first.setdefault(h, i)
+    by_session = _cards_by_session(ctx, sorted({t for ts in sessions.values() for t in ts}))
     sizes = {}
     for h, hashes in sessions.items():
         seen: set[str] = set()
@@ -138,7 +181,9 @@ def _card_state(ctx: StageContext) -> tuple[dict[str, list[str]], dict[str, np.n
             n.append(N_GRAN + (0 if t in seen else len(by_session.get(t, ()))))
             seen.add(t)
         sizes[h] = np.array(n, np.int64)
-    out = card_prefix_digests(chains(ctx), sessions, {sh: ",".join(v) for sh, v in by_session.items()}, seed), sizes
+    column = sess["text_hash"].combine_chunks()
+    out = CardState(card_prefix_digests(chains(ctx), sessions, {sh: ",".join(v) for sh, v in by_session.items()},
+                                        seed), sizes, {h: column.slice(first[h], len(ts)) for h, ts in sessions.items()})
     if None not in digests:
         ctx.cache[key] = out
     return out

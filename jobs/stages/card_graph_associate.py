@@ -13,6 +13,11 @@ Under ``association.search: ivf`` each history's IVF index is saved as MemGAS's 
 own (``card_graph_ivf_index``, ``card_graph_ivf_delta``: :data:`CARD_IVF`) named by the card graph's prefix
 digests: the unit that ends a history saves the index its walk left (whole, or as a delta over the saved one
 it started from), and an append's units start from it and walk only the grid blocks from its end.
+
+What an append costs follows what it adds, as MemGAS's: a long history's card-graph blocks are stored
+(:mod:`memgas.jobs.history_index.card_blocks`: only the appended sessions' rows are built), and over a saved
+index the driver searches the appended rows once and ships the task what they found
+(:mod:`memgas.jobs.history_index.card_ivf`, MemGAS's found path).
 """
 
 from __future__ import annotations
@@ -24,12 +29,13 @@ import numpy as np
 import pyarrow as pa
 from memgas.jobs import tables
 from memgas.jobs.history_index import ivf_store, ivf_units
-from memgas.jobs.history_index.card_blocks import card_graph_blocks, matrix_blocks
+from memgas.jobs.history_index.card_blocks import CardGraphBlocks, card_graph_blocks, layout, matrix_blocks
+from memgas.jobs.history_index.card_ivf import card_found, found_rows
 from memgas.jobs.history_index.prefixes import stored_segments
 from memgas.jobs.stage import Active, Stage, StageContext
 from memgas.jobs.stages.associate import IVF_FIELDS
-from memgas.jobs.stages.card_graph import card_chains, card_graph_enabled, card_graphs, card_sizes
-from memgas.jobs.stages.justmem import current_cards
+from memgas.jobs.stages.card_graph import (card_chains, card_graph_enabled, card_graphs, card_sizes,
+                                           session_card_hashes)
 from memgas.jobs.stages.shards import edge_tables, kernel_active, segment_units
 from memgas.kernels.backend import one_blas_thread
 from memgas.pipeline.association import blocks, ivf_search, row_keys, segments
@@ -101,6 +107,13 @@ def uses_ivf(ctx: StageContext, sizes: np.ndarray, end_session: int) -> bool:
     return ivf_units.past_exact_prefix(ctx.cfg, int(sizes[:end_session].sum()))
 
 
+def history_blocks(ctx: StageContext, history: str) -> CardGraphBlocks:
+    """The card graph blocks of a long history (:func:`~memgas.jobs.history_index.card_blocks.card_graph_blocks`,
+    kept for its next unit), under its card-graph prefix digests and sizes."""
+    return card_graph_blocks(ctx, history, blocks.BLOCK_ROWS, card_sizes(ctx)[history], card_chains(ctx)[history],
+                             partial(session_card_hashes, ctx, history))
+
+
 def graph_prefix(g: Any, end: int) -> dict[str, np.ndarray]:
     """The arrays of the card graph ``g`` of sessions ``[0, end)``: all a segment ending at ``end`` reads."""
     n = int(g.starts[end]) if end < g.n_sessions else g.nodes.shape[0]
@@ -153,33 +166,44 @@ class CardGraphAssociateStage(Stage):
     def inputs(self, ctx: StageContext, unit: dict[str, Any]) -> dict[str, Any]:
         """Each segment's graph of sessions ``[0, end)``: only the prefix its rows see. A prefix longer than one
         block (``blocks.BLOCK_ROWS`` rows) goes as :class:`~memgas.pipeline.association.blocks.NodeBlocks`:
-        built a block at a time where its MemGAS nodes pass one block
-        (:class:`~memgas.jobs.history_index.card_blocks.CardGraphBlocks`), else cut from the graph built
-        whole; a shorter one as one matrix. Under IVF, each segment past the exact prefix also gets its index
-        entry (:func:`~memgas.jobs.history_index.ivf_units.segment_indexes`: the history's saved index to
-        start from, shared with the tasks once per run under Ray, and whether to save the one it leaves)."""
+        the stored blocks of the card graph, those not stored yet built and stored, where its MemGAS nodes
+        pass one block (:class:`~memgas.jobs.history_index.card_blocks.CardGraphBlocks`), else cut from the
+        graph built whole; a shorter one as one matrix. Under IVF, each segment past the exact prefix also
+        gets its index entry (:func:`~memgas.jobs.history_index.ivf_units.segment_indexes`: the history's
+        saved index to start from, shared with the tasks once per run under Ray, and whether to save the one
+        it leaves); an append over a saved index, the rows it found there instead, searched here once
+        (:func:`~memgas.jobs.history_index.card_ivf.card_found`), and of the graph's nodes only those rows
+        and the blocks from the index's end."""
         segs = unit["segments"]
         B = blocks.BLOCK_ROWS
         long = {s[0] for s in segs if N_GRAN * s[2] > B}
         whole = sorted({s[0] for s in segs} - long)
         graphs = card_graphs(ctx, whole) if whole else {}
-        out = []
-        for h, _, b, _ in segs:
+        metas: list[dict[str, Any] | None] = [None] * len(segs)
+        if ctx.cfg.association.search == "ivf":
+            prefix, sizes = tables.prefix(CardGraphAssociateStage, ctx), card_sizes(ctx)
+            metas = ivf_units.segment_indexes(
+                ctx, segs, lambda: (current_indexes(ctx, prefix), current_deltas(ctx, prefix)),
+                chain=card_chains(ctx), names=CARD_IVF,
+                uses=lambda h, b: uses_ivf(ctx, sizes[h], b))
+        out, found = [], []
+        for seg, meta in zip(segs, metas):
+            h, b = seg[0], seg[2]
             if h in long:
-                out.append(card_graph_blocks(ctx, h, B, lambda hashes: current_cards(ctx, hashes)).graph(b))
+                hb = history_blocks(ctx, h)
+                f = card_found(ctx, seg, meta, hb)
+                out.append(hb.graph(b) if f is None else layout(hb, b, f[0]))
+                found.append(f)
                 continue
             g = graph_prefix(graphs[h][0], b)
             if g["nodes"].shape[0] > B:
                 g["nodes"] = matrix_blocks(ctx, g["nodes"], B)
             out.append(g)
-        payload: dict[str, Any] = {"segments": segs, "graphs": out}
+            found.append(None)
+        payload: dict[str, Any] = {"segments": segs, "graphs": out,
+                                   "found": [None if f is None else f[1] for f in found]}
         if ctx.cfg.association.search == "ivf":
-            prefix, sizes = tables.prefix(CardGraphAssociateStage, ctx), card_sizes(ctx)
-            indexes = ivf_units.segment_indexes(
-                ctx, segs, lambda: (current_indexes(ctx, prefix), current_deltas(ctx, prefix)),
-                chain=card_chains(ctx), names=CARD_IVF,
-                uses=lambda h, b: uses_ivf(ctx, sizes[h], b))
-            payload["indexes"] = [ivf_units.shipped(ctx, m, None) for m in indexes]
+            payload["indexes"] = [ivf_units.shipped(ctx, m, f) for m, f in zip(metas, found)]
         return payload
 
     @staticmethod
@@ -190,9 +214,10 @@ class CardGraphAssociateStage(Stage):
         segs = payload["segments"]
         ivf: dict[str, list] = {"index": [], "delta": [], "recall": []}
         indexes = payload.get("indexes") or [None] * len(segs)
+        founds = payload.get("found") or [None] * len(segs)
         with one_blas_thread():
-            cands = [_candidates(CardGraph.from_arrays(g), seg, params, ivf, meta)
-                     for g, seg, meta in zip(payload["graphs"], segs, indexes)]
+            cands = [_candidates(CardGraph.from_arrays(g), seg, params, ivf, meta, found)
+                     for g, seg, meta, found in zip(payload["graphs"], segs, indexes, founds)]
             edges = edges_from(cands, "gmm", None, params["device"])
         edges_table, segs_table = edge_tables(segs, {"gmm": edges})
         out = {"card_graph_edges": edges_table, "card_graph_edge_segments": segs_table}
@@ -217,16 +242,18 @@ class CardGraphAssociateStage(Stage):
 
 
 def _candidates(g: Any, seg: list[Any], params: dict[str, Any], ivf: dict[str, list],
-                meta: dict[str, Any] | None) -> Any:
+                meta: dict[str, Any] | None, found: dict[int, np.ndarray] | None = None) -> Any:
     """One segment's candidates: exact, or under the IVF search past the exact prefix the walk of
     :mod:`memgas.pipeline.card_graph_ivf` and the segment's recall rows (into ``ivf["recall"]``: its IVF rows of
     the ``recall_rows`` smallest row keys, checked against the exact search, as the associate stage's). The
     walk starts from the saved index in ``meta`` (its end: the grid blocks before it are not walked again) or
     trains its own, and the index it leaves goes to ``ivf`` when the segment saves it
-    (:func:`~memgas.jobs.history_index.ivf_units.keep_index`)."""
+    (:func:`~memgas.jobs.history_index.ivf_units.keep_index`). ``found``: what the rows found in the saved
+    index, searched on the driver (:func:`~memgas.jobs.history_index.card_ivf.card_found`): rescored, no
+    walk; the delta to save and the sample's exact candidates come with ``meta``."""
     from memgas.pipeline.card_graph import card_graph_candidates
     from memgas.pipeline.association.ivf_search import CausalIVF
-    from memgas.pipeline.card_graph_ivf import card_graph_ivf_candidates, card_graph_recall, ivf_rows
+    from memgas.pipeline.card_graph_ivf import card_graph_ivf_candidates, ivf_rows
 
     h, a, b, _ = seg
     kw = dict(mem_threshold=params["mem_threshold"], min_prior_nodes=params["min_prior_nodes"])
@@ -237,18 +264,29 @@ def _candidates(g: Any, seg: list[Any], params: dict[str, Any], ivf: dict[str, l
     if meta is None:  # the driver's card sizes said the prefix is exact: not this graph's
         raise RuntimeError(f"card-graph-associate: history {h}'s graph of sessions [0, {b}) holds "
                            f"{g.nodes.shape[0]} nodes, past the exact prefix, but was given no IVF index entry")
-    nodes = partial(_nodes, np.append(g.starts, g.nodes.shape[0]))
-    index = CausalIVF(g.nodes.shape[1], p)
-    if meta["saved"] is not None:
-        index = ivf_units.loaded_index(meta["saved"], p, g.nodes.shape[1], nodes)
-        if meta.get("delta"):
-            index.start_delta()
-    c = card_graph_ivf_candidates(g, **kw, params=p, sessions=(a, b), index=index)
-    ivf_units.keep_index(ivf, index, meta, seg, g.nodes.shape[1], nodes)
+    if found is not None:
+        c = found_rows(g, ivf_rows(g, params["min_prior_nodes"], p, (a, b)), params["mem_threshold"], found,
+                       p.block_sessions)
+        ivf_units.keep_found_delta(ivf, meta, seg, g.nodes.shape[1])
+    else:
+        nodes = partial(_nodes, np.append(g.starts, g.nodes.shape[0]))
+        index = CausalIVF(g.nodes.shape[1], p)
+        if meta["saved"] is not None:
+            index = ivf_units.loaded_index(meta["saved"], p, g.nodes.shape[1], nodes)
+            if meta.get("delta"):
+                index.start_delta()
+        c = card_graph_ivf_candidates(g, **kw, params=p, sessions=(a, b), index=index)
+        ivf_units.keep_index(ivf, index, meta, seg, g.nodes.shape[1], nodes)
     first = ivf_rows(g, params["min_prior_nodes"], p)  # the history's first IVF row: earlier units' keys prune
     sample, keys = ivf_search.recall_sample(h, ivf_rows(g, params["min_prior_nodes"], p, (a, b)),
                                             params["recall_rows"], first_row=int(first[0]) if first.size else None)
-    hits, total = card_graph_recall(g, c, sample, params["mem_threshold"])
+    exact = meta.get("found_exact")
+    if exact is not None and not np.array_equal(exact[0], sample):
+        raise RuntimeError(f"card-graph-associate: the recall sample searched on the driver ({exact[0].size} rows) "
+                           f"is not the segment's ({sample.size} rows) for history {h}")
+    hits, total = ivf_search.candidate_hits(g.nodes, c, sample, params["mem_threshold"],
+                                            before=g.starts[g.session[sample]],
+                                            exact=None if exact is None else exact[1:])
     n = sample.size
     ivf["recall"].append(pa.table([[h] * n, [a] * n, [b] * n, sample, keys, hits, total], schema=IVF_RECALL))
     return c

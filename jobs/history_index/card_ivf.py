@@ -1,0 +1,135 @@
+"""memgas-cards' IVF append over a saved index: MemGAS's found path
+(:func:`~memgas.jobs.history_index.ivf_units.found`) with the card graph's layout and walk.
+
+For a segment of a long history whose rows are past the exact prefix, over the history's saved index, the
+driver walks the grid blocks from the index's end once (:func:`walk_found`: the walk of
+:mod:`memgas.pipeline.card_graph_ivf`, up to the ids each row found, before their exact rescoring), on the
+card graph's stored blocks from that end (:class:`~memgas.jobs.history_index.card_blocks.CardGraphBlocks`),
+with the saved index read whole (:func:`~memgas.jobs.history_index.ivf_units.driver_index`; not mapped:
+:func:`card_found` says why). The task is then shipped the ids found, the rows among them before the index's
+end and the blocks after it (not the history's matrix, nor the index), the delta to save, and the recall
+sample's exact candidates, searched here on the stored blocks; it rescores the ids found (:func:`found_rows`)
+as the walk would have: the same candidates, byte for byte. Where the driver cannot (no saved index, a block
+before it not stored, a full index to save), the task walks as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+from memgas.jobs.history_index.card_blocks import CardGraphBlocks, layout
+from memgas.jobs.history_index.ivf_units import FoundGraph, searched
+from memgas.jobs.stage import StageContext
+from memgas.pipeline.association import ivf_search as I
+from memgas.pipeline.association.ivf_search import (
+    CausalIVF,
+    IVFParams,
+    _concat,
+    _select,
+)
+from memgas.pipeline.association.nodes import Candidates, _read_cols
+from memgas.pipeline.card_graph import CardGraph
+from memgas.pipeline.card_graph_ivf import index_end, ivf_rows
+from memgas.pipeline.errors import BankError
+
+log = logging.getLogger(__name__)
+
+STAGE = "card-graph-associate"
+
+
+def card_found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None, blocks: CardGraphBlocks
+               ) -> tuple[Any, dict[int, np.ndarray], np.ndarray | None, tuple | None] | None:
+    """:func:`~memgas.jobs.history_index.ivf_units.found` for a segment of the card graph whose blocks are
+    ``blocks``: (the nodes to ship, the ids found per grid block, the delta to save, the recall sample's
+    exact search), or None where the task needs every row."""
+    a, (h, s0, s1, _) = ctx.cfg.association, seg
+    saved = meta["saved"] if meta is not None else None
+    if saved is None or blocks.nodes_of(s0) < a.ivf_exact_nodes:
+        return None
+    p = I.stage_params(a.ivf_nlist, a.ivf_nprobe, a.ivf_exact_nodes, meta["grid"])
+    g = CardGraph(**layout(blocks, s1, None))  # the layout alone: what the rows and the sample are cut from
+    rows = ivf_rows(g, a.min_prior_nodes, p, (s0, s1))
+    first = ivf_rows(g, a.min_prior_nodes, p)  # the history's first IVF row, as the task's sample takes it
+    sample, _ = I.recall_sample(h, rows, I.RECALL_ROWS, first_row=int(first[0]) if first.size else None)
+    if not rows.size:
+        return None
+
+    def walk(E: Any, index: CausalIVF) -> dict[int, np.ndarray]:
+        return walk_found(CardGraph(E, g.gran, g.session, g.starts), rows, a.mem_threshold, p, index)
+
+    # the saved index read whole, not mapped: a mapped index is searched through faiss's HStackInvertedLists,
+    # which copies each probed list for each row, and the card graph's lists can be skewed (on the synthetic
+    # encoder's vectors at 10^5 sessions the largest of 1,680 lists held 90,683 of 794,624 nodes: the walk's
+    # search took 26 s mapped, 4.5 s read whole, as the task read it before)
+    graph = FoundGraph(lambda: blocks, walk, nodes=blocks.nodes_of, before=g.starts[g.session[sample]],
+                       mapped=False, stage=STAGE)
+    try:
+        return searched(ctx, seg, meta, graph, sample)
+    except BankError as e:
+        # a stored block found damaged while the recall sample's exact search read it (its name said it was
+        # there): the task gets every block instead, the damaged one built again (a bank that cannot give
+        # the rows fails there, with the same error)
+        log.warning("%s: history %s: %s; its unit gets every block", STAGE, h, e)
+        return None
+
+
+def walk_found(g: CardGraph, rows: np.ndarray, k: int, p: IVFParams, ivf: CausalIVF) -> dict[int, np.ndarray]:
+    """What the walk of :mod:`memgas.pipeline.card_graph_ivf` finds for ``rows`` (all past the exact prefix)
+    from the end of the saved index ``ivf`` (which it fills as that walk does), per grid block (its first
+    session): each row's ids (-1: none) before the exact rescoring. ``g.nodes`` needs only the nodes from
+    the index's end."""
+    if ivf.index is None:
+        raise ValueError("the driver's IVF walk continues a saved index; it trains none")
+    E, n = g.nodes, g.nodes.shape[0]
+    before = g.starts[g.session]
+    ends = np.append(g.starts, n)  # session s holds the nodes [ends[s], ends[s + 1])
+    fetch = p.fetch or int(k) + int(k) // 2
+    start = index_end(g, ivf, p.block_sessions)
+    if int(g.session[rows[0]]) < start:
+        raise ValueError(f"row {int(rows[0])} is in session {int(g.session[rows[0]])}, before the end of the "
+                         f"IVF index it would search (session {start})")
+    out: dict[int, np.ndarray] = {}
+    with ivf._threads():
+        ivf.index.nprobe = min(p.nprobe, ivf.nlist)
+        for s0 in range(start, g.n_sessions, p.block_sessions):
+            s1 = min(g.n_sessions, s0 + p.block_sessions)
+            c0, c1 = int(ends[s0]), int(ends[s1])
+            blk = _read_cols(E, c0, c1)
+            lists, dis = ivf.coarse(E, c0, c1, blk)
+            lo, hi = np.searchsorted(rows, [c0, c1])
+            if hi > lo:
+                r = rows[lo:hi]
+                pos = r - c0
+                found = []
+                if ivf.ntotal:
+                    _, i = ivf.index.search_preassigned(blk[pos], min(fetch, ivf.ntotal), lists[pos], dis[pos])
+                    found.append(i.astype(np.int64))  # -1 where the probed lists hold fewer
+                inb = ivf._in_block(blk[pos], pos, blk, lists, fetch, lim=before[r] - c0)
+                found.append(np.where(inb >= 0, inb + c0, -1))
+                out[s0] = np.concatenate(found, 1)
+            if s1 - s0 == p.block_sessions:  # complete blocks only, as the walk adds them
+                ivf._add(blk, lists[:, 0])
+    return out
+
+
+def found_rows(g: CardGraph, rows: np.ndarray, k: int, found: dict[int, np.ndarray], block_sessions: int
+               ) -> Candidates:
+    """The candidates of ``rows`` given what :func:`walk_found` found for them: the walk's exact rescoring
+    (``_select`` per grid block), no index. ``found`` must hold every grid block of ``rows``, each with its
+    rows; ``g.nodes`` the rows found before the blocks and the blocks themselves."""
+    E, n = g.nodes, g.nodes.shape[0]
+    ends = np.append(g.starts, n)
+    out, seen = [], 0
+    for s0 in sorted(found):
+        s1 = min(g.n_sessions, s0 + block_sessions)
+        c0, c1 = int(ends[s0]), int(ends[s1])
+        lo, hi = (int(x) for x in np.searchsorted(rows, [c0, c1]))
+        if s0 % block_sessions or found[s0].shape[0] != hi - lo or hi == lo:
+            raise ValueError(f"the IVF ids found for the block at session {s0} are not those of its rows")
+        out.append(_select(E, rows[lo:hi], found[s0], _read_cols(E, c0, c1), c0, int(k)))
+        seen += hi - lo
+    if seen != rows.size:
+        raise ValueError(f"the IVF ids found hold {seen} of the {rows.size} rows asked for")
+    return _concat(out, int(k))
