@@ -37,6 +37,7 @@ from memgas.pipeline.association import blocks
 from memgas.pipeline.association import ivf_search as I
 from memgas.pipeline.association.blocks import NodeBlocks
 from memgas.pipeline.association.faiss_index import raw_from_file
+from memgas.pipeline.errors import BankError
 from memgas.pipeline.schema import IVF_RECALL, N_GRAN
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,14 @@ def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
         return I.ivf_found(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a.mem_threshold,
                            min_prior_nodes=a.min_prior_nodes, params=params)
 
-    return searched(ctx, seg, meta, FoundGraph(lambda: HistoryBlocks(ctx, h, blocks.BLOCK_ROWS), walk), sample)
+    try:
+        return searched(ctx, seg, meta, FoundGraph(lambda: HistoryBlocks(ctx, h, blocks.BLOCK_ROWS), walk), sample)
+    except BankError as e:
+        # a stored block found damaged while the recall sample's exact search read it (its name said it was
+        # there): the unit gets every block instead, the damaged one gathered again (a bank that cannot give
+        # the rows fails there, with the same error)
+        log.warning("associate: history %s: %s; its unit gets every block", h, e)
+        return None
 
 
 @dataclass(frozen=True)

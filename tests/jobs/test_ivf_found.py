@@ -277,3 +277,31 @@ def test_a_damaged_stored_block_sends_the_unit_down_the_old_path(tmp_path: Path,
     assert "damaged" in caplog.text and stats["ivf_found_units"] == 0
     assert associate_rows(grown)["edges"] == associate_rows(fresh)["edges"]
     assert grown.verify_part(TABLE, part), "the damaged block was written again"
+
+
+def test_a_damaged_stored_block_met_by_the_recall_samples_exact_search_is_gathered_again(
+        tmp_path: Path, small: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The driver's exact search of the recall sample reads every stored block before the tail: one found
+    damaged there stopped `memgas index` ("not stored intact"). The unit ships every block instead, the
+    damaged one gathered again and rewritten, and the edges and recall rows are a fresh build's."""
+    import logging
+
+    monkeypatch.setattr(ivf_search, "RECALL_ROWS", 256)  # every row sampled: the driver's exact search runs
+    fresh, _ = seeded_bank(tmp_path / "fresh", {"h": 300})
+    run_associate(associate_ctx(fresh, IVF_SMALL))
+    _, grown = _grown(tmp_path / "b", 250, 300)
+    part = sorted(grown.parts(TABLE))[3]
+    damage_part(grown, TABLE, part)
+    with caplog.at_level(logging.WARNING):
+        _, stats = run_associate(associate_ctx(grown, IVF_SMALL))
+    assert "damaged" in caplog.text and "its unit gets every block" in caplog.text, caplog.text
+    assert stats["ivf_found_units"] == 0
+    want, got = associate_rows(fresh), associate_rows(grown)
+    assert got["edges"] == want["edges"]
+    # the new segment's sampled rows (history, row, ...: the segment's bounds differ by design) as a fresh build's
+    new = {(r[0], *r[3:]) for r in got["ivf_recall"] if r[1] == 250}
+    fresh_rows = {(r[0], *r[3:]) for r in want["ivf_recall"]}
+    common = {x[1] for x in new} & {x[1] for x in fresh_rows}
+    assert len(new) > 50 and len(common) > 10
+    assert {x for x in new if x[1] in common} == {x for x in fresh_rows if x[1] in common}
+    assert grown.verify_part(TABLE, part), "the damaged block was written again"
