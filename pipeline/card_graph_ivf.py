@@ -21,6 +21,7 @@ complete blocks of the whole graph: what the card-graph-associate stage saves.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -91,16 +92,26 @@ def index_end(g: CardGraph, ivf: CausalIVF, block_sessions: int) -> int:
 def _walk(g: CardGraph, rows: np.ndarray, k: int, p: IVFParams, ivf: CausalIVF | None = None) -> Candidates:
     """IVF candidates of ``rows`` (all past the exact prefix): the grid walk from the end of ``ivf`` (session 0
     when it is None or untrained) to the graph's last session."""
+    ivf = CausalIVF(g.nodes.shape[1], p) if ivf is None else ivf
+    out = [_select(g.nodes, r, found, blk, c0, k) for _, r, found, blk, c0 in grid_found(g, rows, k, p, ivf)]
+    return _concat(out, k)
+
+
+def grid_found(g: CardGraph, rows: np.ndarray, k: int, p: IVFParams, ivf: CausalIVF
+               ) -> Iterator[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]]:
+    """The grid walk from the end of ``ivf`` (trained on the prefix first when untrained) to the graph's last
+    session, per grid block holding rows of ``rows``: (its first session, those rows, the node ids each found
+    (-1: none) before the exact rescoring, the block's nodes, its first node). The index takes each complete
+    block as the walk passes it: the task's walk (:func:`_walk`) and the driver's search of an append's rows
+    (:func:`memgas.jobs.history_index.card_ivf.walk_found`) are this one walk."""
     E, n = g.nodes, g.nodes.shape[0]
     before = g.starts[g.session]
     ends = np.append(g.starts, n)  # session s holds the nodes [ends[s], ends[s + 1])
-    fetch = p.fetch or k + k // 2
-    ivf = CausalIVF(E.shape[1], p) if ivf is None else ivf
+    fetch = p.fetch or int(k) + int(k) // 2
     start = index_end(g, ivf, p.block_sessions)
     if int(g.session[rows[0]]) < start:
         raise ValueError(f"row {int(rows[0])} is in session {int(g.session[rows[0]])}, before the end of the "
                          f"IVF index it would search (session {start})")
-    out = []
     with ivf._threads():
         if ivf.index is None:
             ivf.train(_Prefix(E, min(n, p.train_nodes)))
@@ -120,10 +131,9 @@ def _walk(g: CardGraph, rows: np.ndarray, k: int, p: IVFParams, ivf: CausalIVF |
                     found.append(i.astype(np.int64))  # -1 where the probed lists hold fewer
                 inb = ivf._in_block(blk[pos], pos, blk, lists, fetch, lim=before[r] - c0)
                 found.append(np.where(inb >= 0, inb + c0, -1))
-                out.append(_select(E, r, np.concatenate(found, 1), blk, c0, k))
+                yield s0, r, np.concatenate(found, 1), blk, c0
             if s1 - s0 == p.block_sessions:  # complete blocks only: a partial one stays out, as in a longer history
                 ivf._add(blk, lists[:, 0])
-    return _concat(out, k)
 
 
 def card_graph_recall(g: CardGraph, got: Candidates, sample: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -31,7 +31,7 @@ from memgas.pipeline.association.ivf_search import (
 )
 from memgas.pipeline.association.nodes import Candidates, _read_cols
 from memgas.pipeline.card_graph import CardGraph
-from memgas.pipeline.card_graph_ivf import index_end, ivf_rows
+from memgas.pipeline.card_graph_ivf import grid_found, ivf_rows
 from memgas.pipeline.errors import BankError
 
 log = logging.getLogger(__name__)
@@ -82,36 +82,7 @@ def walk_found(g: CardGraph, rows: np.ndarray, k: int, p: IVFParams, ivf: Causal
     the index's end."""
     if ivf.index is None:
         raise ValueError("the driver's IVF walk continues a saved index; it trains none")
-    E, n = g.nodes, g.nodes.shape[0]
-    before = g.starts[g.session]
-    ends = np.append(g.starts, n)  # session s holds the nodes [ends[s], ends[s + 1])
-    fetch = p.fetch or int(k) + int(k) // 2
-    start = index_end(g, ivf, p.block_sessions)
-    if int(g.session[rows[0]]) < start:
-        raise ValueError(f"row {int(rows[0])} is in session {int(g.session[rows[0]])}, before the end of the "
-                         f"IVF index it would search (session {start})")
-    out: dict[int, np.ndarray] = {}
-    with ivf._threads():
-        ivf.index.nprobe = min(p.nprobe, ivf.nlist)
-        for s0 in range(start, g.n_sessions, p.block_sessions):
-            s1 = min(g.n_sessions, s0 + p.block_sessions)
-            c0, c1 = int(ends[s0]), int(ends[s1])
-            blk = _read_cols(E, c0, c1)
-            lists, dis = ivf.coarse(E, c0, c1, blk)
-            lo, hi = np.searchsorted(rows, [c0, c1])
-            if hi > lo:
-                r = rows[lo:hi]
-                pos = r - c0
-                found = []
-                if ivf.ntotal:
-                    _, i = ivf.index.search_preassigned(blk[pos], min(fetch, ivf.ntotal), lists[pos], dis[pos])
-                    found.append(i.astype(np.int64))  # -1 where the probed lists hold fewer
-                inb = ivf._in_block(blk[pos], pos, blk, lists, fetch, lim=before[r] - c0)
-                found.append(np.where(inb >= 0, inb + c0, -1))
-                out[s0] = np.concatenate(found, 1)
-            if s1 - s0 == p.block_sessions:  # complete blocks only, as the walk adds them
-                ivf._add(blk, lists[:, 0])
-    return out
+    return {s0: found for s0, _, found, _, _ in grid_found(g, rows, k, p, ivf)}
 
 
 def found_rows(g: CardGraph, rows: np.ndarray, k: int, found: dict[int, np.ndarray], block_sessions: int
