@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,10 +89,9 @@ def vector_rows_summed(ctx: StageContext, need: dict[str, Any]) -> str:
     wanted = {k: _as_array(v) for k, v in need.items()}
 
     def select(keys: pa.Table) -> pa.Array:
-        mask = pa.array([False] * keys.num_rows, pa.bool_())
-        for k, hashes in wanted.items():
-            mask = pc.or_(mask, pc.and_(pc.equal(keys["encoder"], k), pc.is_in(keys["text_hash"], value_set=hashes)))
-        return mask
+        masks = [pc.and_(pc.equal(keys["encoder"], k), pc.is_in(keys["text_hash"], value_set=hashes))
+                 for k, hashes in wanted.items()]
+        return functools.reduce(pc.or_, masks) if masks else pa.nulls(keys.num_rows, pa.bool_()).fill_null(False)
 
     return summed_digest(ctx.bank, "embeddings", VECTOR_COLUMNS, select)
 
@@ -108,11 +108,11 @@ def _as_lists(need: dict[str, Any]) -> dict[str, list[str]]:
 
 
 def _node_vector_rows(ctx: StageContext) -> pa.Table:
-    return vector_rows(ctx, _as_lists(EncodeStage.needed(ctx)[0]))
+    return vector_rows(ctx, EncodeStage.needed(ctx)[0])
 
 
 def _node_vector_digest(ctx: StageContext) -> str:
-    return vector_rows_digest(ctx, _as_lists(EncodeStage.needed(ctx)[0]))
+    return vector_rows_digest(ctx, EncodeStage.needed(ctx)[0])
 
 
 def _node_vector_summed(ctx: StageContext) -> str:
@@ -120,10 +120,11 @@ def _node_vector_summed(ctx: StageContext) -> str:
 
 
 # -- what the encoders share (MemGAS's, JustMem's, the card graph's): each says which texts it needs --------
-Needed = Callable[[StageContext], tuple[dict[str, list[str]], dict[str, str]]]
+#: text hashes per encoder key (lists, or Arrow arrays: EncodeStage's), and the questions' texts by hash
+Needed = Callable[[StageContext], tuple[dict[str, Any], dict[str, str]]]
 
 
-def encode_units(ctx: StageContext, needed: tuple[dict[str, list[str]], dict[str, str]],
+def encode_units(ctx: StageContext, needed: tuple[dict[str, Any], dict[str, str]],
                  grouped: Callable[[list[str], Any], list[str]]) -> list[dict[str, Any]]:
     """Units of the ``needed`` texts (hashes per encoder key, the questions' texts by hash) not yet embedded
     under their key, in ``grouped`` order, balanced by their estimated tokens (``ray.encode_unit``)."""
