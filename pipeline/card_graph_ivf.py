@@ -103,7 +103,7 @@ def grid_found(g: CardGraph, rows: np.ndarray, k: int, p: IVFParams, ivf: Causal
     session, per grid block holding rows of ``rows``: (its first session, those rows, the node ids each found
     (-1: none) before the exact rescoring, the block's nodes, its first node). The index takes each complete
     block as the walk passes it: the task's walk (:func:`_walk`) and the driver's search of an append's rows
-    (:func:`memgas.jobs.history_index.card_ivf.walk_found`) are this one walk."""
+    (``walk_found`` in the job's ``history_index/card_ivf.py``) are this one walk."""
     E, n = g.nodes, g.nodes.shape[0]
     before = g.starts[g.session]
     ends = np.append(g.starts, n)  # session s holds the nodes [ends[s], ends[s + 1])
