@@ -380,11 +380,15 @@ def run_size(S: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         save()
 
     cmd("append_ingest", ["ingest", str(work / "b.jsonl"), "--format", "jsonl", "--out", bank, "--append"])
-    out["append_fill"] = fill(cfg, args.topics, args.seed)
+    # --append-encoder: the append as a user's, its generate, nodes and encode run by `memgas index` (the
+    # config's encoder, MiniLM on the CPU, embeds its new texts beside the bench's vectors under its key)
+    out["append_fill"] = None if args.append_encoder else fill(cfg, args.topics, args.seed)
     save()
     cmd("append_index", ["index", bank, *common, *ivf])
     man = Bank(bank).manifest["index"]
     out["append_index"]["status"] = {e["stage"]: e["status"] for e in man["record"]}
+    out["append_index"]["stages_s"] = {e["stage"]: round(man["stages"][e["stage"]]["wall_s"], 2)
+                                       for e in man["record"] if e["status"] == "executed"}
     st = man["stages"]["associate"]
     out["append_associate"] = {"wall_s": st["wall_s"], "tree_peak_rss_gb": st["peak_rss_mb"] / 1024,
                                **{k: st["extra"].get(k)
@@ -472,6 +476,10 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--agreement-queries", type=int, default=0,
                    help="--through-job: without both answers, compare push with the exact PPR on this many "
                         "questions, one at a time on the prepared graph (0: not measured)")
+    g.add_argument("--append-encoder", action="store_true",
+                   help="--through-job: the append's generate, nodes and encode run in `memgas index` (the "
+                        "config's encoder embeds the new texts), not the bench's fill: a whole append as a "
+                        "user's, whose time includes the encoder's")
     g.add_argument("--seed", type=int, default=0, help="--through-job: questions' sessions and vectors")
     g.add_argument("--in-process", action="store_true",
                    help="--through-job: run the commands in this process (quick; no per-command RSS)")

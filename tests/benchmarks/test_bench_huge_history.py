@@ -91,3 +91,38 @@ def test_a_commands_peak_rss_is_its_own_not_the_benchs(tmp_path: Path) -> None:
     assert held.sum() == held.size  # still held while the command ran
     assert 0 < got["maxrss_gb"] < 0.5, got
     assert "usage: memgas" in (tmp_path / "log").read_text()
+
+
+def test_an_append_with_the_encoder_runs_every_index_stage(tmp_path: Path) -> None:
+    """``--append-encoder``: the append is indexed as a user's would be, generate, nodes and encode run by
+    `memgas index` (MiniLM embeds exactly the appended sessions' new texts), then associate; the base the bench
+    filled is taken as done."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import bench_huge_history
+        import huge_history_job
+    finally:
+        sys.path.remove(str(BENCH))
+    from memgas.pipeline.bank import Bank
+
+    args = bench_huge_history.parser().parse_args([
+        "--through-job", "--sizes", "64", "--append", "8", "--queries", "8", "--tmp", str(tmp_path), "--no-ray",
+        "--in-process", "--answers", "", "--append-encoder", "--set", "association.ivf_exact_nodes=128",
+        "--set", "association.ivf_nlist=2", "--set", "association.ivf_nprobe=1", "--keep"])
+    (r,) = huge_history_job.main(args)
+    assert r["append_fill"] is None
+    ran = {k: v for k, v in r["append_index"]["status"].items() if v != "disabled"}
+    assert ran == {"generate": "executed", "nodes": "executed", "encode": "executed", "associate": "executed"}
+    assert set(r["append_index"]["stages_s"]) == set(ran)
+    from memgas.pipeline.encode import query_hash
+
+    bank = Bank(tmp_path / "n64" / "bank")
+    # every text a node, a turn pair or a question holds has its vector once: the base's 64 x 6 + 8 the bench
+    # wrote, and the appended sessions' new ones (texts the generator repeats embedded once)
+    nodes = bank.read("nodes", ["granularity", "text_hash"]).to_pylist()
+    texts = {r["text_hash"] for r in nodes if r["granularity"] != "turn"}
+    texts |= set(bank.read("pairs", ["text_hash"])["text_hash"].to_pylist())
+    texts |= {query_hash(q) for q in bank.read("queries", ["question"])["question"].to_pylist()}
+    vectors = bank.read("embeddings", ["text_hash"])["text_hash"].to_pylist()
+    assert len(vectors) == len(set(vectors)) and set(vectors) == texts and len(texts) > 64 * 6 + 8
+    assert r["append_associate"]["ivf_index_reused"] == 1
