@@ -33,7 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from memgas.pipeline.bank import Bank
-from memgas.pipeline.bank_files import dedupe_last, mkstemp_beside
+from memgas.pipeline.bank_files import _sweep_temps, dedupe_last, mkstemp_beside
 from memgas.pipeline.errors import BankError
 from memgas.pipeline.schema import KEYS, schema_for
 
@@ -165,11 +165,14 @@ class RowHashes:
             return
 
     def sweep(self) -> None:
-        """Remove the cached files of parts the table no longer holds (or holds with other bytes)."""
+        """Remove the cached files of parts the table no longer holds (or holds with other bytes), and the
+        temporary files of writes that were killed (another process's write in flight loses its file and
+        stores nothing: a cache)."""
         live = {f"{p}.{self.bank.part_digest(self.name, p)}.parquet" for p in self.bank.parts(self.name)}
         for f in self.dir.glob("*.parquet"):
             if f.name not in live:
                 f.unlink(missing_ok=True)
+        _sweep_temps(self.dir, ".")
 
 
 def summed_digest(bank: Bank, name: str, columns: list[str], select: Selector) -> str:

@@ -177,3 +177,15 @@ def test_two_parts_recorded_disjoint_are_summed_without_de_duplication(bank: Ban
     calls = []
     monkeypatch.setattr(R, "dedupe_last", lambda t, k: calls.append(1) or t)
     assert R.summed_digest(bank, "embeddings", COLUMNS, _k1) == _oracle_digest(bank.read("embeddings")) and not calls
+
+
+def test_a_killed_write_leaves_no_file_behind_the_next_store(bank: Bank) -> None:
+    """A write killed before its rename leaves ``.<name>.<random>.tmp``: never read, and removed by the next
+    store."""
+    bank.write_part("embeddings", "a", _rows([(f"h{i}", "k1") for i in range(10)], 9))
+    cache = bank.path / R.ROW_HASH_DIR / "embeddings"
+    cache.mkdir(parents=True)
+    (cache / ".a.x.parquet.123.tmp").write_bytes(b"half a file")
+    want = R.summed_digest(bank, "embeddings", COLUMNS, _k1)
+    assert sorted(p.name.split(".")[0] for p in cache.iterdir()) == ["a"]
+    assert R.summed_digest(bank, "embeddings", COLUMNS, _k1) == want
