@@ -183,6 +183,7 @@ def test_earlier_rows_give_the_same_nodes_and_are_checked(tmp_path, make_bank, m
     the earlier rows do not cover or whose summary or keywords changed since; a hybrid hash in the earlier
     rows is never taken for a session whose inputs differ (a changed generation), nor where two earlier
     sessions of one text disagree."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     from memgas.pipeline import granularity
@@ -211,3 +212,8 @@ def test_earlier_rows_give_the_same_nodes_and_are_checked(tmp_path, make_bank, m
     read.clear()
     assert build_nodes(bank, generator_model="m", prompt_version="v", earlier=bad).equals(again)
     assert read == [sorted([h["b"], h["c"]])]
+    # earlier rows in another order than build_nodes writes them: nothing taken, every text read
+    read.clear()
+    shuffled = first.take(pa.array(list(range(first.num_rows))[::-1]))
+    assert build_nodes(bank, generator_model="m", prompt_version="v", earlier=shuffled).equals(again)
+    assert read == [sorted(h.values())]
