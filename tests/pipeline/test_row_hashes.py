@@ -189,3 +189,23 @@ def test_a_killed_write_leaves_no_file_behind_the_next_store(bank: Bank) -> None
     want = R.summed_digest(bank, "embeddings", COLUMNS, _k1)
     assert sorted(p.name.split(".")[0] for p in cache.iterdir()) == ["a"]
     assert R.summed_digest(bank, "embeddings", COLUMNS, _k1) == want
+
+
+def test_a_full_disk_while_storing_the_hashes_changes_no_digest(bank: Bank, monkeypatch) -> None:
+    """No space for the cached hashes: the digest is the same, nothing half-written stays, and the next call
+    (space back) stores them."""
+    import errno
+
+    bank.write_part("embeddings", "a", _rows([(f"h{i}", "k1") for i in range(10)], 10))
+    want = _oracle_digest(bank.read("embeddings"))
+    real = R.pq.write_table
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(R.pq, "write_table", full)
+    assert R.summed_digest(bank, "embeddings", COLUMNS, _k1) == want
+    cache = bank.path / R.ROW_HASH_DIR / "embeddings"
+    assert not cache.exists() or not any(cache.iterdir())
+    monkeypatch.setattr(R.pq, "write_table", real)
+    assert R.summed_digest(bank, "embeddings", COLUMNS, _k1) == want and len(list(cache.glob("*.parquet"))) == 1

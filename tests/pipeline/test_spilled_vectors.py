@@ -138,6 +138,19 @@ def test_a_hash_twice_in_one_batch_keeps_its_later_row(tmp_path: Path) -> None:
     assert all(np.array_equal(got[i], last[h]) for i, h in enumerate(sorted(hashes)))
 
 
+def _group_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[str, ...], object]]:
+    """Every ``Bank.iter_groups`` from now on: (part, columns, row groups or None for all)."""
+    reads: list[tuple[str, tuple[str, ...], object]] = []
+    real = Bank.iter_groups
+
+    def spy(self, name, part, columns, *, batch_rows, groups=None):
+        reads.append((part, tuple(columns), None if groups is None else tuple(groups)))
+        return real(self, name, part, columns, batch_rows=batch_rows, groups=groups)
+
+    monkeypatch.setattr(Bank, "iter_groups", spy)
+    return reads
+
+
 def test_newest_parts_first_and_only_the_row_groups_that_hold_a_needed_row(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Parts of 16-row groups: the vectors are read only from the row groups that hold a slot still open,
@@ -152,14 +165,7 @@ def test_newest_parts_first_and_only_the_row_groups_that_hold_a_needed_row(tmp_p
     new = [text_hash(f"new {i}") for i in range(40)]
     b.write_part("embeddings", "a-large", _part([(h, "k1") for h in old], rng))
     b.write_part("embeddings", "b-append", _part([(h, "k1") for h in new] + [(old[3], "k1")], rng))
-    reads: list[tuple[str, tuple[str, ...], object]] = []
-    real = Bank.iter_groups
-
-    def spy(self, name, part, columns, *, batch_rows, groups=None):
-        reads.append((part, tuple(columns), None if groups is None else tuple(groups)))
-        return real(self, name, part, columns, batch_rows=batch_rows, groups=groups)
-
-    monkeypatch.setattr(Bank, "iter_groups", spy)
+    reads = _group_reads(monkeypatch)
     sv = SpilledVectors(b, {"k1": new[::2] + [old[3]]})
     assert [r[0] for r in reads] == ["b-append", "b-append"]  # every slot filled there: a-large never read
     want = new[::2] + [old[3]]
@@ -191,14 +197,7 @@ def test_a_sorted_part_is_read_only_in_the_row_groups_whose_key_range_holds_a_ne
     new = [text_hash(f"new {i}") for i in range(40)]
     b.write_part("embeddings", "a-large", _sorted_part([(h, "k1") for h in old], rng))
     b.write_part("embeddings", "b-append", _sorted_part([(h, "k1") for h in new], rng))
-    reads: list[tuple[str, tuple[str, ...], object]] = []
-    real = Bank.iter_groups
-
-    def spy(self, name, part, columns, *, batch_rows, groups=None):
-        reads.append((part, tuple(columns), None if groups is None else tuple(groups)))
-        return real(self, name, part, columns, batch_rows=batch_rows, groups=groups)
-
-    monkeypatch.setattr(Bank, "iter_groups", spy)
+    reads = _group_reads(monkeypatch)
     want = new[:3] + [old[5], old[150], old[151]]
     sv = SpilledVectors(b, {"k1": want})
     assert [(p, g) for p, cols, g in reads if p == "a-large"] == [("a-large", (0, 9)), ("a-large", (0, 9))]
