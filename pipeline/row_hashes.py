@@ -181,15 +181,15 @@ def summed_digest(bank: Bank, name: str, columns: list[str], select: Selector) -
     Reads the cached hashes of every part (computing those missing), never the rows themselves again."""
     rh = RowHashes(bank, name, columns)
     parts = bank.parts(name) if bank.exists(name) else []
-    picked = []
-    for i, p in enumerate(parts):
-        t = rh.part(p)
-        t = t.filter(select(t.select(rh.keys)))
-        picked.append(t.append_column("__part", pa.array(np.full(t.num_rows, i, np.int64))))
-    if not picked:
+    hashed = [rh.part(p) for p in parts]
+    if not hashed:
         return _digest(0, np.zeros(4, np.uint64))
-    t = pa.concat_tables(picked)
-    if len(picked) > 1 and not bank.disjoint(name, parts):
+    t = pa.concat_tables([h.append_column("__part", pa.array(np.full(h.num_rows, i, np.int64)))
+                          for i, h in enumerate(hashed)])
+    # one call for every part: a selector's membership test builds its value set once (~5M hashes at 10^6
+    # sessions: ~1.5 s a build)
+    t = t.filter(select(t.select(rh.keys)))
+    if len(hashed) > 1 and not bank.disjoint(name, parts):
         t = dedupe_last(t, rh.keys)  # rows later in part order win, as Bank.read keeps them
     h = t["hash"].combine_chunks()
     lanes = np.frombuffer(h.buffers()[1], "<u4", count=4 * len(h), offset=h.offset * 16).reshape(-1, 4) \

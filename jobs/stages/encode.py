@@ -103,8 +103,8 @@ def _as_array(hashes: Any) -> pa.Array:
 
 
 def _as_lists(need: dict[str, Any]) -> dict[str, list[str]]:
-    """``need`` as sorted lists (what the digests of the methods before ``summed-1`` take)."""
-    return {k: sorted(_as_array(v).to_pylist()) for k, v in need.items()}
+    """``need`` as sorted lists without repeats (what the digests of the methods before ``summed-1`` take)."""
+    return {k: sorted(set(_as_array(v).to_pylist())) for k, v in need.items()}
 
 
 def _node_vector_rows(ctx: StageContext) -> pa.Table:
@@ -261,7 +261,8 @@ class EncodeStage(Stage):
     @staticmethod
     def needed(ctx: StageContext) -> tuple[dict[str, pa.Array], dict[str, str]]:
         """Text hashes to embed per cache key (every node text, turn pair and query; sessions and pairs under
-        their windows' keys, :func:`memgas.jobs.keys.encoder_keys`), unique, in no particular order, and the
+        their windows' keys, :func:`memgas.jobs.keys.encoder_keys`), in no particular order and maybe named
+        twice (a set in every use), and the
         texts that are not in ``texts`` (the questions) by hash. Arrow arrays (5M hashes at 10^6 sessions:
         no Python value per hash), computed once per stage run and fingerprint (plan, finish and the digest
         all ask)."""
@@ -294,7 +295,10 @@ class EncodeStage(Stage):
                              ("session", sessions), ("pair", pairs)):
             need.setdefault(by_role[role], []).extend(
                 hashes.chunks if isinstance(hashes, pa.ChunkedArray) else [hashes])
-        return {k: pc.unique(pa.chunked_array(c, pa.string()).combine_chunks()) for k, c in need.items()}, questions
+        # not de-duplicated (a text may be named twice: a session's summary equal to another's keywords):
+        # every use takes them as a set (a membership test's value set; the plan's missing texts), and a
+        # unique over ~5M hashes at 10^6 sessions took ~3 s an append
+        return {k: pa.chunked_array(c, pa.string()).combine_chunks() for k, c in need.items()}, questions
 
     @staticmethod
     def _grouped(todo: list[str], bank: Any) -> list[str]:
