@@ -47,7 +47,7 @@ import pyarrow.parquet as pq
 
 from memgas import __version__
 from memgas.pipeline import faults
-from memgas.pipeline.bank_compact import COMPACT_SCRATCH_PREFIX, TIER_RATIO, Compacting
+from memgas.pipeline.bank_compact import COMPACT_SCRATCH_PREFIX, COUNT_OF, TIER_RATIO, Compacting, parts_key
 from memgas.pipeline.bank_files import (  # re-exported: the bank's public names, one import for its users
     COMPACT_PREFIX,
     INGEST_PREFIX,
@@ -256,8 +256,10 @@ class Bank(Compacting, IngestCommits):
             else:
                 m[k] = v
         # each count with the parts it is of (taken before it): a later count of the same parts takes it
-        keys = {name: self.parts_key(name) for name in self.tables()}
+        of = {name: self.parts_digests(name) for name in self.tables()}
+        keys = {name: parts_key(pairs) for name, pairs in of.items()}
         m["row_counts"], m["row_count_parts"] = {name: self.count(name) for name in keys}, keys
+        m[COUNT_OF] = of
         atomic_write_json(self.path / MANIFEST, m, point="bank:manifest")
         return m
 

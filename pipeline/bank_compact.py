@@ -44,6 +44,9 @@ COMPACT_SCRATCH_PREFIX = ".compact-runs-"
 #: part's name, recorded when neither part holds a key twice and no key is in both, so that
 #: ``Bank.count`` of a table of just those two parts adds their rows instead of reading every key
 DISJOINT_FROM = "disjoint_from"
+#: manifest field: per table, the parts and recorded digests its ``row_counts`` entry is of, so that a count
+#: after parts were only added starts from it (:meth:`Compacting.count`)
+COUNT_OF = "row_count_of"
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,11 @@ class _Tier:
     repeated: pa.Array  # keys whose rows in the other parts are all ``base``'s: left out of the merge
     base_unique: bool
     covered: bool  # every key of the other parts is one of those
+
+
+def parts_key(pairs: list[list[str | None]]) -> str:
+    """A digest of a table's ``[part, recorded digest]`` pairs (:meth:`Compacting.parts_key`)."""
+    return hashlib.blake2b(json.dumps(pairs).encode(), digest_size=8).hexdigest()
 
 
 def _joined(t: pa.Table, keys: list[str]) -> pa.Array:
@@ -171,18 +179,57 @@ class Compacting:
             known = (m.get("row_counts") or {}).get(name)
             if isinstance(known, int) and not isinstance(known, bool):
                 return known
+        if self._counted_by_key(name, parts) and not self.disjoint(name, parts):
+            grown = self._grown_count(name, parts)
+            return grown if grown is not None else self.read(name, list(KEYS[name]), parts=parts).num_rows
+        return sum(self._rows(name, p) for p in parts)
+
+    @staticmethod
+    def _counted_by_key(name: str, parts: list[str]) -> bool:
+        """Whether :meth:`count` of ``parts`` is their unique keys (parts that may share keys), not the sum of
+        their rows."""
         # an append rewrites the history rows it extends (and the session rows a reorder moves) in its parts
         rewritten = name in ("histories", "sessions") and sum(p.startswith(INGEST_PREFIX) for p in parts) > 1
-        if len(parts) > 1 and name in KEYS and (rewritten or any(p.startswith(COMPACT_PREFIX) for p in parts)):
-            if not self.disjoint(name, parts):
-                return self.read(name, list(KEYS[name]), parts=parts).num_rows
-        return sum(self._rows(name, p) for p in parts)
+        return len(parts) > 1 and name in KEYS and (rewritten or any(p.startswith(COMPACT_PREFIX) for p in parts))
+
+    def _grown_count(self, name: str, parts: list[str]) -> int | None:
+        """:meth:`count` from the manifest's count of fewer of these parts (:data:`COUNT_OF`), when the table
+        only gained parts since and that count was of unique keys too: it plus the added parts' keys that
+        the others do not hold. One pass over the others' key columns, no de-duplication of them (an ingest
+        adds a part of ``texts``: ~6M keys at 10^6 sessions, ~3.5 s to count again). None otherwise."""
+        m = self.manifest
+        known, of = (m.get("row_counts") or {}).get(name), (m.get(COUNT_OF) or {}).get(name)
+        if not isinstance(known, int) or isinstance(known, bool) or not isinstance(of, list):
+            return None
+        now = dict(self.parts_digests(name, parts))
+        if not all(isinstance(x, list) and len(x) == 2 and x[1] is not None and now.get(x[0]) == x[1] for x in of):
+            return None  # a part gone or rewritten since
+        counted = {x[0] for x in of}
+        old, added = [p for p in parts if p in counted], [p for p in parts if p not in counted]
+        if not added or not self._counted_by_key(name, old):
+            return None
+        keys = list(KEYS[name])
+        new = pa.chunked_array([_joined(self._read_part(name, p, keys), keys) for p in added], pa.string())
+        if new.null_count:
+            return None
+        new = pc.unique(new.combine_chunks())
+        held: list[pa.Array] = []
+        for p in old:
+            for _, batch in self.iter_groups(name, p, keys, batch_rows=1 << 16):
+                mine = _joined(batch, keys)
+                if mine.null_count:
+                    return None
+                held.append(mine.filter(pc.is_in(mine, value_set=new)))
+        return known + len(new) - len(pc.unique(pa.chunked_array(held, pa.string()).combine_chunks()))
 
     def parts_key(self, name: str, parts: list[str] | None = None) -> str:
         """A digest of the table's parts and their recorded digests: the same key, the same rows."""
+        return parts_key(self.parts_digests(name, parts))
+
+    def parts_digests(self, name: str, parts: list[str] | None = None) -> list[list[str | None]]:
+        """``[part, recorded digest]`` of each of ``parts`` (default: the table's), in their order."""
         chosen = self.parts(name) if parts is None else parts
-        pairs = json.dumps([[p, self.part_digest(name, p)] for p in chosen]).encode()
-        return hashlib.blake2b(pairs, digest_size=8).hexdigest()
+        return [[p, self.part_digest(name, p)] for p in chosen]
 
     def disjoint(self, name: str, parts: list[str]) -> bool:
         """Whether ``parts`` are a large compacted part and the part merged beside it whose marker records
