@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from memgas.pipeline.config import MemgasConfig
@@ -217,3 +218,35 @@ def test_earlier_rows_give_the_same_nodes_and_are_checked(tmp_path, make_bank, m
     shuffled = first.take(pa.array(list(range(first.num_rows))[::-1]))
     assert build_nodes(bank, generator_model="m", prompt_version="v", earlier=shuffled).equals(again)
     assert read == [sorted(h.values())]
+
+
+def _outputs_oracle(gen: pa.Table, kind: str, uniq: pa.Array) -> list[str | None]:
+    """The dict the nodes were built from before: filled in row order (the last row of a text wins), an
+    empty or null output as ""."""
+    last: dict[str, str] = {}
+    for r in gen.to_pylist():
+        if r["kind"] == kind:
+            last[r["text_hash"]] = r["output"] or ""
+    return [last.get(h) for h in uniq.to_pylist()]
+
+
+def test_each_texts_output_is_its_last_rows_as_a_dict_in_row_order_kept_it() -> None:
+    """Texts with one row, several (another output last, an empty one last, a null one last), none; both
+    kinds interleaved: the outputs per text equal the row-order dict's, nulls where a text has no row."""
+    from memgas.pipeline.granularity import _outputs_of
+
+    rng = np.random.default_rng(7)
+    n = 400
+    hashes = [f"{i:032x}" for i in rng.integers(0, 150, n)]
+    kinds = rng.choice(["summary", "keywords"], n).tolist()
+    outs = [None if x == 0 else "" if x == 1 else f"out {i}" for i, x in enumerate(rng.integers(0, 6, n))]
+    gen = pa.table({"text_hash": hashes, "kind": kinds, "output": pa.array(outs, pa.string()),
+                    "error": pa.nulls(n, pa.string())})
+    uniq = pa.array(sorted({f"{i:032x}" for i in range(170)}), pa.string())
+    for kind in ("summary", "keywords"):
+        got = _outputs_of(gen, kind, uniq).to_pylist()
+        want = _outputs_oracle(gen, kind, uniq)
+        assert got == want
+        assert None in got and "" in got and any(g and g.startswith("out") for g in got)
+    empty = gen.slice(0, 0)
+    assert _outputs_of(empty, "summary", uniq).to_pylist() == [None] * len(uniq)
