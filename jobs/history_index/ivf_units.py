@@ -20,9 +20,8 @@ delta to save, and of each stored block only the rows among them; the task resco
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -170,9 +169,7 @@ def searched(ctx: StageContext, seg: list[Any], meta: dict[str, Any], graph: Fou
     task needs every row."""
     a, (h, _, s1, _) = ctx.cfg.association, seg
     saved, nodes = meta["saved"], graph.nodes or (lambda s: N_GRAN * s)
-    # the driver searches the new rows with every core it has (a row's result is the same on any count)
-    params = replace(I.stage_params(a.ivf_nlist, a.ivf_nprobe, a.ivf_exact_nodes, meta["grid"]),
-                     search_threads=len(os.sched_getaffinity(0)))
+    params = I.stage_params(a.ivf_nlist, a.ivf_nprobe, a.ivf_exact_nodes, meta["grid"])
     end = I.index_sessions(s1, meta["grid"])
     if meta["save"] and end > saved["sessions"] and not meta["delta"]:
         return None

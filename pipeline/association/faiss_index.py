@@ -36,12 +36,11 @@ class FaissCausalIndex:
         index = faiss.read_index(str(path))
         return cls(index.d, params, index=index)
 
-    def _threads(self, n: int | None = None) -> Any:
-        """A context limiting faiss's OpenMP threads to ``n`` (default ``params.threads``; None: faiss's
-        default)."""
+    def _threads(self) -> Any:
+        """A context limiting faiss's OpenMP threads to ``params.threads`` (None: faiss's default)."""
         import faiss  # noqa: PLC0415
 
-        n = self.params.threads if n is None else n
+        n = self.params.threads
         if n is None:
             return contextlib.nullcontext()
 

@@ -60,9 +60,7 @@ class IVFParams:
     (seeded k-means, ``seed``), and saved with the index. ``exact_nodes``: rows among the history's first
     ``exact_nodes`` nodes are searched exactly (their prefixes are short, and an early row may have few
     similar predecessors: its best candidates are then scattered over many lists). ``threads``: faiss
-    threads while training, searching and adding (None: faiss's default). ``search_threads``: faiss
-    threads of the index searches alone (None: ``threads``); a row's result does not depend on it (faiss
-    searches the rows in parallel, each row's lists in order by one thread), unlike k-means's.
+    threads while training, searching and adding (None: faiss's default).
     """
 
     # the job's defaults (pipeline/config.py, their one home): association.ivf_nlist, ivf_nprobe, ivf_exact_nodes
@@ -75,7 +73,6 @@ class IVFParams:
     exact_nodes: int = _DEFAULTS.ivf_exact_nodes
     threads: int | None = None
     seed: int = 1234
-    search_threads: int | None = None
 
 
 class CausalIVF(FaissCausalIndex):
@@ -260,8 +257,7 @@ class CausalIVF(FaissCausalIndex):
         q = blk[pos]
         parts = []
         if self.ntotal:
-            with self._threads(self.params.search_threads or self.params.threads):
-                _, i = self.index.search_preassigned(q, min(fetch, self.ntotal), lists[pos], dis[pos])
+            _, i = self.index.search_preassigned(q, min(fetch, self.ntotal), lists[pos], dis[pos])
             parts.append(i.astype(np.int64))  # -1 where the probed lists hold fewer
         inb = self._in_block(q, pos, blk, lists, fetch)
         parts.append(np.where(inb >= 0, inb + c0, -1))

@@ -196,28 +196,3 @@ def test_the_in_block_pairs_scored_in_chunks_give_the_same_candidates(monkeypatc
     cut, _ = I.ivf_rows(E, 0, 4 * 130, None, params=p)
     for f in ("rows", "cand", "valid", "scores"):
         assert np.array_equal(getattr(whole, f), getattr(cut, f)), f
-
-
-def test_the_found_rows_do_not_depend_on_the_search_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The driver searches an append's rows with every core (``search_threads``): faiss searches the rows in
-    parallel, each row by one thread, so what each row finds is the same on one thread as on four, and so
-    are the candidates of a walk with them; and the index's bytes after the walk."""
-    monkeypatch.setattr(I, "STAGE_BLOCK_SESSIONS", 16)
-    S, cut = 400, 96
-    E = clustered_nodes(0, S, dim=32, n_topics=30, seed=5)
-    p = I.stage_params(16, 4, 160)
-    _, ix = I.ivf_rows(E[: 4 * cut], 0, 4 * cut, None, params=p)
-    saved = I.index_bytes(ix).tobytes()
-    got = {}
-    for n in (1, 4):
-        q = dataclasses.replace(p, search_threads=n)
-        index = I.index_from_bytes(saved, q, d=32, ntotal=ix.ntotal)
-        found = I.ivf_found(E, 4 * cut, 4 * S, index, params=q)
-        rows, after = I.ivf_rows(E, 4 * cut, 4 * S, I.index_from_bytes(saved, q, d=32, ntotal=ix.ntotal), params=q)
-        got[n] = (found, rows, I.index_bytes(after), I.index_bytes(index))
-    (f1, r1, b1, i1), (f4, r4, b4, i4) = got[1], got[4]
-    assert f1.keys() == f4.keys() and sum(v.size for v in f1.values()) > 0
-    assert all(np.array_equal(f1[k], f4[k]) for k in f1)
-    for f in ("rows", "cand", "valid", "scores"):
-        assert np.array_equal(getattr(r1, f), getattr(r4, f)), f
-    assert np.array_equal(b1, b4) and np.array_equal(i1, i4)
