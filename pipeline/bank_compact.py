@@ -199,11 +199,12 @@ class Compacting:
         adds a part of ``texts``: ~6M keys at 10^6 sessions, ~3.5 s to count again). None otherwise."""
         m = self.manifest
         known, of = (m.get("row_counts") or {}).get(name), (m.get(COUNT_OF) or {}).get(name)
-        if not isinstance(known, int) or isinstance(known, bool) or not isinstance(of, list):
+        if not isinstance(known, int) or isinstance(known, bool) or known < 0 or not isinstance(of, list):
             return None
         now = dict(self.parts_digests(name, parts))
-        if not all(isinstance(x, list) and len(x) == 2 and x[1] is not None and now.get(x[0]) == x[1] for x in of):
-            return None  # a part gone or rewritten since
+        if not all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and x[1] is not None
+                   and now.get(x[0]) == x[1] for x in of):
+            return None  # a part gone or rewritten since, or a record that is not one
         counted = {x[0] for x in of}
         old, added = [p for p in parts if p in counted], [p for p in parts if p not in counted]
         if not added or not self._counted_by_key(name, old):

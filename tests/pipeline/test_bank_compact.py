@@ -455,3 +455,24 @@ def test_a_count_after_parts_were_only_added_starts_from_the_recorded_one(
     calls.clear()
     got = other.count(name)
     assert calls == [name] and got == _oracle_count(other, name) == 901
+
+
+@pytest.mark.parametrize("record", [[[["unit-0"], "x"]], [["unit-0"]], "unit-0", [[None, None]], {"a": 1}, [[1, 2]]])
+def test_a_malformed_count_record_counts_every_key(tmp_path: Path, record: object,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest whose ``row_count_of`` is not a list of [part, digest] pairs (hand-edited, another writer):
+    the count reads every key, as without a record; so does a negative recorded count."""
+    bank = Bank.create(tmp_path / "b")
+    bank.write_part("texts", "unit-0", _base_rows("texts"))
+    bank.compact("texts")
+    bank.write_part("texts", "unit-1", _new_rows("texts", 1000, 5))
+    bank.update_manifest()
+    bank.write_part("texts", "unit-2", _new_rows("texts", 2000, 3))
+    original = json.loads((bank.path / "manifest.json").read_text())
+    for field, value in (("row_count_of", {"texts": record}), ("row_counts", {"texts": -5})):
+        m = {**original, field: value}
+        (bank.path / "manifest.json").write_text(json.dumps(m))
+        calls = _counting_reads(monkeypatch)
+        got = Bank(bank.path).count("texts")
+        assert calls == ["texts"] and got == 908
+        monkeypatch.undo()
