@@ -23,6 +23,7 @@ from memgas.pipeline.bank_files import (
     COMPACT_PREFIX,
     INGEST_PREFIX,
     INGEST_TABLES,
+    MANIFEST,
     _file_digest,
     mkstemp_beside,
     _sweep_temps,
@@ -131,8 +132,50 @@ class Compacting:
     path: Path
 
     def compact(self, name: str, *, dim: int | None = None) -> int:
-        """Merge the table's parts (ingest's own parts excepted) into one part sorted by key; returns the
-        table's rows.
+        """Merge the table's parts (ingest's own parts excepted) into one part sorted by key (:meth:`_compact`);
+        returns the table's rows. A compaction leaves the rows read as they are, so the table's count of
+        unique keys taken cheaply before it (:meth:`_count_kept`) is recorded for the parts after it: the
+        next manifest update does not read every key of ``texts`` (~6M at 10^6 sessions, ~3.5 s) because a
+        stage compacted its new rows."""
+        kept = self._count_kept(name)
+        rows = self._compact(name, dim)
+        if kept is not None:
+            self._record_count(name, kept)
+        return rows
+
+    def _count_kept(self, name: str) -> int | None:
+        """The table's count of unique keys from the manifest (its count of these parts, or of fewer:
+        :meth:`_grown_count`), or from two disjoint parts' metadata; None where only reading every key gives
+        it, or where the count is a sum of rows that may repeat a key (a compaction would change it)."""
+        parts = self.parts(name)
+        if self.disjoint(name, parts):
+            return sum(self._rows(name, p) for p in parts)
+        if not self._counted_by_key(name, parts):
+            return None
+        m = self.manifest
+        if (m.get("row_count_parts") or {}).get(name) == self.parts_key(name, parts):
+            known = (m.get("row_counts") or {}).get(name)
+            return known if isinstance(known, int) and not isinstance(known, bool) and known >= 0 else None
+        return self._grown_count(name, parts)
+
+    def _record_count(self, name: str, count: int) -> None:
+        """Record ``count`` in the manifest as the count of the table's parts now (as update_manifest does).
+        A manifest that never held counts is left alone; a write that fails (a full disk) records nothing,
+        and the next count reads the keys."""
+        m = self.manifest
+        if not all(isinstance(m.get(k), dict) for k in ("row_counts", "row_count_parts", COUNT_OF)):
+            return
+        pairs = self.parts_digests(name)
+        if m["row_count_parts"].get(name) == parts_key(pairs) and m["row_counts"].get(name) == count:
+            return  # recorded already (nothing was merged)
+        m["row_counts"][name], m["row_count_parts"][name], m[COUNT_OF][name] = count, parts_key(pairs), pairs
+        try:
+            atomic_write_json(self.path / MANIFEST, m, point="bank:count-record")
+        except OSError:
+            return
+
+    def _compact(self, name: str, dim: int | None) -> int:
+        """:meth:`compact`'s merge.
 
         Tiered: a compacted part that holds at least :data:`TIER_RATIO` times the rows of all the other parts
         together is left as it is, and only the others are merged (into a second compacted part), when each

@@ -476,3 +476,59 @@ def test_a_malformed_count_record_counts_every_key(tmp_path: Path, record: objec
         got = Bank(bank.path).count("texts")
         assert calls == ["texts"] and got == 908
         monkeypatch.undo()
+
+
+def _ingested_texts(tmp_path: Path) -> Bank:
+    """``texts`` as an ingest leaves it beside a stage's compacted rows: a large compacted part, a second one,
+    and two parts of ingest's own (never compacted), counted by update_manifest."""
+    bank = Bank.create(tmp_path / "b")
+    bank.write_part("texts", "unit-0", _base_rows("texts"))
+    bank.compact("texts")
+    bank.write_part("texts", "unit-1", _new_rows("texts", 1000, 5))
+    bank.compact("texts")
+    from memgas.pipeline.bank_files import INGEST_TABLES
+    from memgas.pipeline.schema import schema_for
+
+    ingested = {"ingest-a-00000": _cat([_new_rows("texts", 2000, 6), _repeats(bank, "texts", _hashes("texts", [7]))]),
+                "ingest-a-x0001-00000": _new_rows("texts", 3000, 2)}
+    for part, rows in ingested.items():
+        for name in INGEST_TABLES:
+            bank.write_part(name, part, rows if name == "texts" else schema_for(name).empty_table())
+    bank.commit_ingest(list(ingested))  # counts every table (update_manifest)
+    return bank
+
+
+def test_a_compaction_records_the_count_it_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage's new rows compacted beside ingest's parts: the count before the compaction (from the record
+    of fewer parts) is recorded for the parts after it, so the next count reads no key; the same count as
+    keys counted by hand, and as update_manifest writes."""
+    bank = _ingested_texts(tmp_path)
+    assert bank.manifest["row_counts"]["texts"] == _oracle_count(bank, "texts") == 913
+    unit1 = bank.read("texts", parts=["ingest-a-00000"])
+    bank.write_part("texts", "unit-2", _cat([_new_rows("texts", 4000, 4), unit1.slice(0, 2),
+                                             _repeats(bank, "texts", _hashes("texts", [9]))]))
+    before = bank.parts("texts")
+    bank.compact("texts")
+    assert bank.parts("texts") != before  # merged: the record is of the parts after it
+    calls = _counting_reads(monkeypatch)
+    got = bank.count("texts")
+    assert calls == [] and got == _oracle_count(bank, "texts") == 917
+    assert bank.update_manifest()["row_counts"]["texts"] == 917
+
+
+@pytest.mark.parametrize("fault", ["enospc@bank:count-record:before-rename", None])
+def test_a_compaction_without_a_usable_record_or_with_a_full_disk_records_nothing(
+        tmp_path: Path, fault: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No record of these parts or of fewer (a part of the record rewritten), or a full disk while writing
+    the record: the compaction ends as it would, and the next count reads every key, right."""
+    bank = _ingested_texts(tmp_path)
+    bank.write_part("texts", "ingest-a-x0001-00000", _new_rows("texts", 5000, 3))  # rewritten since the record
+    bank.write_part("texts", "unit-2", _new_rows("texts", 4000, 4))
+    if fault:
+        bank.write_part("texts", "ingest-a-x0001-00000", _new_rows("texts", 3000, 2))  # the record holds again
+        monkeypatch.setenv("MEMGAS_FAULT", fault)
+    bank.compact("texts")
+    monkeypatch.delenv("MEMGAS_FAULT", raising=False)
+    calls = _counting_reads(monkeypatch)
+    got = bank.count("texts")
+    assert calls == ["texts"] and got == _oracle_count(bank, "texts")
