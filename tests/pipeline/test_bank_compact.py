@@ -532,3 +532,26 @@ def test_a_compaction_without_a_usable_record_or_with_a_full_disk_records_nothin
     calls = _counting_reads(monkeypatch)
     got = bank.count("texts")
     assert calls == ["texts"] and got == _oracle_count(bank, "texts")
+
+
+def test_a_compaction_of_a_table_not_of_ingest_takes_no_count_before_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``embeddings`` ends as one part or two disjoint ones, counted from their metadata: its compaction
+    reads no key for a count (a pass over ~6M keys at 10^6 sessions), and the count after it is right."""
+    bank = Bank.create(tmp_path / "b")
+    bank.write_part("embeddings", "unit-0", _base_rows("embeddings"))
+    bank.compact("embeddings")
+    bank.write_part("embeddings", "unit-1", _new_rows("embeddings", 1000, 5))
+    bank.compact("embeddings")
+    bank.update_manifest()
+    bank.write_part("embeddings", "unit-2", _new_rows("embeddings", 2000, 3))
+
+    def refused(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a count before the compaction")
+
+    monkeypatch.setattr(bank_compact.Compacting, "_grown_count", refused)
+    bank.compact("embeddings")
+    monkeypatch.undo()
+    calls = _counting_reads(monkeypatch)
+    got = bank.count("embeddings")
+    assert calls == [] and got == _oracle_count(bank, "embeddings") == 908
