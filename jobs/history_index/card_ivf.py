@@ -15,7 +15,6 @@ before it not stored, a full index to save), the task walks as before.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import numpy as np
@@ -32,9 +31,6 @@ from memgas.pipeline.association.ivf_search import (
 from memgas.pipeline.association.nodes import Candidates, _read_cols
 from memgas.pipeline.card_graph import CardGraph
 from memgas.pipeline.card_graph_ivf import grid_found, ivf_rows
-from memgas.pipeline.errors import BankError
-
-log = logging.getLogger(__name__)
 
 STAGE = "card-graph-associate"
 
@@ -65,14 +61,7 @@ def card_found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None, b
     # search took 26 s mapped, 4.5 s read whole, as the task read it before)
     graph = FoundGraph(lambda: blocks, walk, nodes=blocks.nodes_of, before=g.starts[g.session[sample]],
                        mapped=False, stage=STAGE)
-    try:
-        return searched(ctx, seg, meta, graph, sample)
-    except BankError as e:
-        # a stored block found damaged while the recall sample's exact search read it (its name said it was
-        # there): the task gets every block instead, the damaged one built again (a bank that cannot give
-        # the rows fails there, with the same error)
-        log.warning("%s: history %s: %s; its unit gets every block", STAGE, h, e)
-        return None
+    return searched(ctx, seg, meta, graph, sample)  # a damaged stored block: None, the task gets every block
 
 
 def walk_found(g: CardGraph, rows: np.ndarray, k: int, p: IVFParams, ivf: CausalIVF) -> dict[int, np.ndarray]:

@@ -133,14 +133,7 @@ def found(ctx: StageContext, seg: list[Any], meta: dict[str, Any] | None
         return I.ivf_found(E, N_GRAN * s0, N_GRAN * s1, index, mem_threshold=a.mem_threshold,
                            min_prior_nodes=a.min_prior_nodes, params=params)
 
-    try:
-        return searched(ctx, seg, meta, FoundGraph(lambda: HistoryBlocks(ctx, h, blocks.BLOCK_ROWS), walk), sample)
-    except BankError as e:
-        # a stored block found damaged while the recall sample's exact search read it (its name said it was
-        # there): the unit gets every block instead, the damaged one gathered again (a bank that cannot give
-        # the rows fails there, with the same error)
-        log.warning("associate: history %s: %s; its unit gets every block", h, e)
-        return None
+    return searched(ctx, seg, meta, FoundGraph(lambda: HistoryBlocks(ctx, h, blocks.BLOCK_ROWS), walk), sample)
 
 
 @dataclass(frozen=True)
@@ -167,6 +160,18 @@ def searched(ctx: StageContext, seg: list[Any], meta: dict[str, Any], graph: Fou
     """:func:`found` for a segment whose rows (``sample``: its recall sample's) are past the exact prefix,
     over the saved index in ``meta``, for ``graph``'s layout and walk: the same tuple, or None where the
     task needs every row."""
+    try:
+        return _searched(ctx, seg, meta, graph, sample)
+    except BankError as e:
+        # a stored block found damaged while the recall sample's exact search read it (its name said it was
+        # there): the unit gets every block instead, the damaged one gathered again (a bank that cannot give
+        # the rows fails there, with the same error)
+        log.warning("%s: history %s: %s; its unit gets every block", graph.stage, seg[0], e)
+        return None
+
+
+def _searched(ctx: StageContext, seg: list[Any], meta: dict[str, Any], graph: FoundGraph, sample: np.ndarray
+              ) -> tuple[NodeBlocks, dict, np.ndarray | None, tuple | None] | None:
     a, (h, _, s1, _) = ctx.cfg.association, seg
     saved, nodes = meta["saved"], graph.nodes or (lambda s: N_GRAN * s)
     params = I.stage_params(a.ivf_nlist, a.ivf_nprobe, a.ivf_exact_nodes, meta["grid"])
